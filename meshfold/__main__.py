@@ -1,0 +1,5 @@
+import sys
+
+from meshfold.cli import main
+
+sys.exit(main())

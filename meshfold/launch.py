@@ -1,0 +1,61 @@
+"""Starting processes: ``--nproc N`` runs N local workers through torchrun's elastic
+launcher; under ``torchrun`` (or Slurm + torchrun) the usual environment is read instead."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import uuid
+
+import torch
+import torch.distributed as dist
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    if dist.is_initialized() or env_world_size() == 1:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown_distributed() -> None:
+    """Barrier first: a rank tearing down gloo while a peer still talks to it aborts."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # One thread per worker unless the user says otherwise: N processes share the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"meshfold-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "meshfold", *argv)
+    except ChildFailedError as err:
+        ranks = sorted(err.failures)
+        first = err.failures[ranks[0]]
+        print(f"meshfold: {len(ranks)} of {nproc} processes failed (ranks {ranks}); first exit code "
+              f"{first.exitcode}", file=sys.stderr)
+        return 1
+    return 0

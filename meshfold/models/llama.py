@@ -1,0 +1,225 @@
+"""A Llama-style decoder that knows nothing of parallelism.
+
+Parallel dimensions are applied from outside (``meshfold.parallel``): they swap submodules
+(the core attention, the feed-forward), shard parameters, or drop the embedding/output from
+pipeline stages. The model supports that by keeping those parts as named, optional
+submodules and by taking token positions as an input (context parallel feeds non-contiguous
+slices of the sequence).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in at least fp32 so bf16 activations keep their accuracy.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+    return RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; cos/sin: [batch or 1, seq, head_dim/2]."""
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
+    cos = cos.unsqueeze(2).to(x1.dtype)
+    sin = sin.unsqueeze(2).to(x1.dtype)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def document_causal_mask(doc_ids_q: torch.Tensor, doc_ids_k: torch.Tensor, pos_q: torch.Tensor,
+                         pos_k: torch.Tensor) -> torch.Tensor:
+    """Boolean [batch, 1, q, k] mask: key visible if earlier-or-equal and in the same document."""
+    same_doc = doc_ids_q.unsqueeze(-1) == doc_ids_k.unsqueeze(-2)
+    causal = pos_q.unsqueeze(-1) >= pos_k.unsqueeze(-2)
+    return (same_doc & causal).unsqueeze(1)
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T/sqrt(d)) V with a causal (and optional per-document) mask.
+
+    A separate module so context parallel can swap in ring or Ulysses attention and
+    selective recomputation can checkpoint exactly this part.
+    Inputs are [batch, seq, heads, head_dim]; ``doc_ids`` and ``positions`` are [batch, seq].
+    """
+
+    def forward(self, q, k, v, positions=None, doc_ids=None):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        if doc_ids is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            pos = positions if positions is not None else torch.arange(q.shape[2], device=q.device).expand(
+                q.shape[0], -1
+            )
+            mask = document_causal_mask(doc_ids, doc_ids, pos, pos)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.use_rope = cfg.pos == "rope"
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.core = CoreAttention()
+
+    def forward(self, x, rope, positions=None, doc_ids=None):
+        bsz, seq, _ = x.shape
+        # -1 for the head count: tensor parallel leaves each rank a slice of the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.use_rope:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
+        return self.wo(out.reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int, kind: str = "swiglu", bias: bool = False):
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias) if kind == "swiglu" else None
+
+    def forward(self, x):
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        if cfg.is_moe_layer(layer_id):
+            from meshfold.models.moe import MoE
+
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim, cfg.mlp, cfg.bias)
+
+    def forward(self, x, rope, positions=None, doc_ids=None):
+        h = x + self.attention(self.attention_norm(x), rope, positions, doc_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. ``tok_embeddings``/``norm``/``output`` may be ``None`` on pipeline
+    stages that do not own them; ``layers`` is a ModuleDict keyed by the global layer index
+    so parameter names (and hence initial values) are the same under any split."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.dim) if cfg.pos == "learned" else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope(self, positions, seq, device):
+        if positions is None:
+            return self.rope_cos[:seq].unsqueeze(0), self.rope_sin[:seq].unsqueeze(0)
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [batch, seq] ids (or [batch, seq, dim] hidden states on a later pipeline
+        stage). Returns logits [batch, seq, vocab] (or hidden states if there is no output)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        if self.pos_embeddings is not None:
+            pos = positions if positions is not None else torch.arange(seq, device=h.device)
+            h = h + self.pos_embeddings(pos)
+        rope = self._rope(positions, seq, h.device)
+        for layer in self.layers.values():
+            h = layer(h, rope, positions, doc_ids)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.project(h)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        if self.output is not None:
+            return self.output(h)
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return h
+
+
+# --------------------------------------------------------------------------- initialisation
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The initial value of parameter ``name`` as a full (unsharded) float32 tensor.
+
+    Seeded by the parameter's name, so every layout (and every pipeline stage, which
+    holds only some names) produces the same numbers."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(_param_seed(seed, name))
+    std = 0.02
+    # GPT-2/Megatron: scale the residual-stream output projections by depth.
+    if name.endswith(("wo.weight", "w2.weight", "w2")):
+        std = 0.02 / math.sqrt(2 * cfg.n_layers)
+    return torch.randn(shape, generator=gen) * std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Initialise every parameter of an unsharded model (or pipeline stage) in place."""
+    for name, param in model.named_parameters():
+        param.copy_(init_value(name, param.shape, cfg, seed).to(param.dtype))
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.zero_()

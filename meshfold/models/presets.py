@@ -1,0 +1,123 @@
+"""Shipped model shapes, exact parameter counts and FLOPs per token.
+
+The counts are computed from the shape (not looked up), and tests check them against the
+published totals (e.g. Llama 3 8B = 8,030,261,248) and against ``sum(p.numel())`` of a
+built model. The planner and the MFU metric both use ``flops_per_token``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshfold.config import ConfigError, ModelConfig
+
+_LLAMA3 = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)
+
+PRESETS: dict[str, dict] = {
+    # Tiny shapes for tests, the demo and CPU benchmarks.
+    "debug": dict(dim=64, n_layers=2, n_heads=4, vocab_size=512, seq_len=64),
+    "llama-20m": dict(dim=384, n_layers=8, n_heads=6, n_kv_heads=2, vocab_size=8192, seq_len=256),
+    "llama-125m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, seq_len=1024),
+    # Published shapes.
+    "llama2-7b": dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, vocab_size=32000, seq_len=4096),
+    "llama3-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, seq_len=8192,
+                      tie_embeddings=True, **_LLAMA3),
+    "llama3-3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, seq_len=8192,
+                      tie_embeddings=True, **_LLAMA3),
+    "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, seq_len=8192, **_LLAMA3),
+    "llama3-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, seq_len=8192, **_LLAMA3),
+    "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, seq_len=8192,
+                        **_LLAMA3),
+    # GPT-3 (Brown et al. 2020): learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
+    "gpt3-175b": dict(dim=12288, n_layers=96, n_heads=96, vocab_size=50257, seq_len=2048, norm="layernorm",
+                      mlp="gelu", bias=True, pos="learned", tie_embeddings=True),
+    # Mixture of experts.
+    "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
+                         seq_len=4096, rope_theta=1e6, moe_experts=8, moe_topk=2),
+    # DeepSeek-MoE-16B-like fine-grained experts: 64 routed (top-6) + 2 shared, small expert width.
+    "deepseek-moe-16b": dict(dim=2048, n_layers=28, n_heads=16, ffn_dim=10944, vocab_size=102400,
+                             seq_len=4096, moe_experts=64, moe_topk=6, moe_ffn_dim=1408,
+                             moe_shared_experts=2),
+    "moe-debug": dict(dim=64, n_layers=2, n_heads=4, vocab_size=512, seq_len=64, moe_experts=4, moe_topk=2),
+}
+
+
+def preset_values(name: str) -> dict:
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset = {name!r} is not a shipped shape; choose one of {', '.join(PRESETS)}")
+    return dict(PRESETS[name], preset=name)
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    return dataclasses.replace(ModelConfig(**preset_values(name)), **overrides)
+
+
+# --------------------------------------------------------------------------- counting
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    return cfg.dim * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    hd = cfg.head_dim
+    return (
+        _linear(cfg.dim, cfg.n_heads * hd, cfg.bias)
+        + 2 * _linear(cfg.dim, cfg.kv_heads * hd, cfg.bias)
+        + _linear(cfg.n_heads * hd, cfg.dim, cfg.bias)
+    )
+
+
+def mlp_params(cfg: ModelConfig, hidden: int) -> int:
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    return mats * cfg.dim * hidden + ((2 * hidden if cfg.mlp == "swiglu" else hidden) + cfg.dim if cfg.bias else 0)
+
+
+def ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Feed-forward parameters of one layer; ``active`` counts only what one token uses."""
+    if not cfg.is_moe_layer(layer):
+        return mlp_params(cfg, cfg.hidden_dim)
+    routed = cfg.moe_topk if active else cfg.moe_experts
+    expert = mlp_params(cfg, cfg.expert_dim)
+    router = cfg.dim * cfg.moe_experts
+    return router + (routed + cfg.moe_shared_experts) * expert
+
+
+def param_count(cfg: ModelConfig, active: bool = False) -> int:
+    """Exact number of parameters of ``Transformer(cfg)`` (``active``: per-token for MoE)."""
+    total = cfg.vocab_size * cfg.dim  # token embedding
+    if cfg.pos == "learned":
+        total += cfg.seq_len * cfg.dim
+    for layer in range(cfg.n_layers):
+        total += attention_params(cfg) + ffn_params(cfg, layer, active) + 2 * _norm_params(cfg)
+    total += _norm_params(cfg)
+    if not cfg.tie_embeddings:
+        total += cfg.vocab_size * cfg.dim
+    return total
+
+
+def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Parameters that take part in a matrix multiply per token (no embedding lookup, no
+    norms), counting the output projection once even when tied."""
+    total = cfg.vocab_size * cfg.dim  # output projection
+    for layer in range(cfg.n_layers):
+        total += attention_params(cfg) + ffn_params(cfg, layer, active)
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool = True,
+                    causal: bool = False) -> float:
+    """Model FLOPs per token: 2 per multiply-add in every matmul, plus attention scores and
+    the weighted sum (4·s·d per layer forward). Training is 3× forward (no recompute: model
+    FLOPs, as MFU is defined). ``causal=True`` counts only the unmasked half of attention;
+    the default counts it whole, the convention of PaLM/Megatron MFU figures."""
+    s = seq_len or cfg.seq_len
+    attn = 4 * s * cfg.n_heads * cfg.head_dim * cfg.n_layers
+    if causal:
+        attn /= 2
+    forward = 2 * matmul_params(cfg, active=True) + attn
+    return float(3 * forward if training else forward)

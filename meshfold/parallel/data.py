@@ -1,0 +1,131 @@
+"""Data parallel: replicated (DDP), ZeRO-1/2/3 and hybrid replicate x shard.
+
+What ``parallel.zero`` means here, with n = dp_shard (x cp) ranks sharing a shard group:
+
+=====  ==============================  ===================================  ========================================
+zero   memory per rank (model states)  communication per step               mechanism
+=====  ==============================  ===================================  ========================================
+0      params + grads + optimizer      all-reduce grads (2(n-1)/n * G)      torch DDP (bucketed, overlapped)
+1      params + grads + optimizer/n    all-reduce grads, then each rank      DDP + ZeroRedundancyOptimizer: each
+                                       broadcasts the params it updated     rank owns whole parameters' Adam state
+2      params + grads/n + optimizer/n  per micro-batch: all-gather params   FSDP2 ``fully_shard`` with
+       (params stay gathered from      once, reduce-scatter grads            ``reshard_after_forward=False``
+       forward to backward)
+3      (params + grads + optimizer)/n  all-gather params in forward and     FSDP2 ``fully_shard`` with
+                                       again in backward, reduce-scatter    ``reshard_after_forward=True``
+=====  ==============================  ===================================  ========================================
+
+With ``dp_replicate`` > 1 and zero >= 2 FSDP2 runs as HSDP on the 2-D mesh
+(dp_replicate, dp_shard_cp): shards within a group, all-reduce of shard gradients across
+replicas. With zero <= 1 the gradient all-reduce spans all data-parallel ranks and (zero 1)
+the optimizer state is sharded over the ``dp_shard`` group only.
+Context-parallel ranks hold different tokens of the same sequences, so they take part in
+the gradient reduction exactly like data-parallel ranks (torchtitan folds cp into FSDP the
+same way).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from meshfold.comm import ledger
+from meshfold.mesh import ParallelDims
+
+
+def uses_fsdp(dims: ParallelDims) -> bool:
+    return dims.parallel.zero >= 2 and dims.size("dp_shard_cp") > 1
+
+
+def uses_ddp(dims: ParallelDims) -> bool:
+    return not uses_fsdp(dims) and dims.size("dp_cp") > 1
+
+
+def _local_bytes(params) -> int:
+    total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def shard_blocks(model: nn.Module):
+    """The submodules FSDP wraps one by one: every transformer block (or expert group)."""
+    layers = getattr(model, "layers", None)
+    return list(layers.values()) if layers is not None else []
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool,
+               mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None) -> nn.Module:
+    kwargs = {"mesh": dims.fsdp_mesh(), "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for block in shard_blocks(model):
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    _count_fsdp_bytes(model, dims, reshard_after_forward)
+    return model
+
+
+def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward: bool) -> None:
+    """Record FSDP2's collectives in the ledger: an all-gather when a sharded module runs
+    forward, another for its backward if it was resharded (ZeRO-3, non-root), and a
+    reduce-scatter (plus the HSDP all-reduce) of its gradients in backward."""
+    n_shard, n_rep = dims.size("dp_shard_cp"), dims.size("dp_replicate")
+    fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    owned: dict[nn.Module, int] = {}
+    for m in fsdp_modules:
+        inner = {id(p) for c in m.modules() if c is not m and isinstance(c, FSDPModule) for p in c.parameters()}
+        owned[m] = _local_bytes(p for p in m.parameters() if id(p) not in inner)
+
+    for m in fsdp_modules:
+        shard_bytes = owned[m]
+        regather = reshard_after_forward and m is not root
+
+        def forward_hook(_mod, _args, shard_bytes=shard_bytes, regather=regather):
+            if not torch.is_grad_enabled():
+                ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
+                return
+            for _ in range(2 if regather else 1):
+                ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
+            # Gradient reduction of this module happens in the backward this forward implies.
+            ledger().record("dp", "reduce_scatter", shard_bytes * n_shard, n_shard)
+            ledger().record("dp", "all_reduce", shard_bytes, n_rep)
+
+        m.register_forward_pre_hook(forward_hook)
+
+
+def _counting_allreduce_hook(group: dist.ProcessGroup):
+    n = dist.get_world_size(group)
+
+    def hook(_state, bucket):
+        tensor = bucket.buffer()
+        ledger().record("dp", "all_reduce", tensor.numel() * tensor.element_size(), n)
+        tensor.div_(n)
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    return hook
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    group = dims.group("dp_cp")
+    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=25)
+    ddp.register_comm_hook(None, _counting_allreduce_hook(group))
+    return ddp
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, offload_policy=None) -> nn.Module:
+    if uses_fsdp(dims):
+        return apply_fsdp(model, dims, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp_policy,
+                          offload_policy=offload_policy)
+    if uses_ddp(dims):
+        return apply_ddp(model, dims)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model

@@ -1,0 +1,180 @@
+"""Run a function on N real gloo processes, reusing the processes across tests.
+
+Starting N Python processes that import torch costs seconds; a test suite with dozens of
+multi-process tests would spend minutes on it. ``world(n).run(fn, *args)`` keeps one pool
+of n spawned workers per size (one process group each) and runs ``fn(*args)`` on every
+rank, returning the per-rank results. ``fn`` must be importable (module level).
+
+A failure on any rank raises ``WorkerError`` with that rank's traceback; the pool is then
+discarded (its peers may be stuck in a collective) and the next call starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue, timeout_s: float) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            from meshfold.comm import reset_ledger
+
+            reset_ledger()
+            torch.manual_seed(0)
+            out = fn(*args, **kwargs)
+            results.put((rank, True, out))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class WorldPool:
+    def __init__(self, world: int, timeout_s: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.timeout_s = timeout_s
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, timeout_s),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out: list[Any] = [None] * self.world
+        errors = []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout or self.timeout_s)
+            except queue.Empty:
+                self.close(force=True)
+                raise WorkerError(f"{fn.__name__} on {self.world} ranks did not finish within "
+                                  f"{timeout or self.timeout_s:.0f} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+                # Peers may now wait forever in a collective: stop collecting.
+                break
+        if errors:
+            self.close(force=True)
+            rank, tb = errors[0]
+            raise WorkerError(f"rank {rank} of {self.world} failed in {fn.__name__}:\n{tb}")
+        return out
+
+    def close(self, force: bool = False) -> None:
+        self.broken = True
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_POOLS: dict[int, WorldPool] = {}
+
+
+def world(n: int) -> WorldPool:
+    pool = _POOLS.get(n)
+    if pool is None or pool.broken or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(force=True)
+        pool = _POOLS[n] = WorldPool(n)
+    return pool
+
+
+def run_on(n: int, fn: Callable, *args, **kwargs) -> list[Any]:
+    return world(n).run(fn, *args, **kwargs)
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in _POOLS.values():
+        if not pool.broken:
+            pool.close()
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+def tiny_config(run_dir: str, **sections) -> dict:
+    """A float64 config small enough for many multi-process tests on 2 CPU cores.
+    ``sections`` update the defaults, e.g. ``parallel={"tp": 2}``."""
+    base = {
+        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 320, "seq_len": 16},
+        "parallel": {"dp_shard": -1},
+        "train": {"steps": 5, "global_batch": 8, "lr": 1e-2, "dtype": "float64", "run_dir": run_dir,
+                  "progress": False, "tensorboard": False, "warmup_steps": 1},
+        "data": {"max_docs": 40, "val_docs": 0},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return base
+
+
+def train_collect(cfg_dict: dict) -> dict | None:
+    """Train on this process (group) and return, on global rank 0, the losses and the
+    unsharded parameters and last-step gradients."""
+    import torch.distributed as dist
+
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(cfg_dict))
+    trainer.capture_grads = True
+    losses = trainer.fit()
+    params, grads = trainer.full_state(), trainer.last_grads
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return {"losses": losses, "params": params, "grads": grads}
+
+
+def assert_runs_match(ref: dict, got: dict, rtol: float = 1e-9, atol: float = 1e-11) -> None:
+    """Losses step by step, then every parameter and gradient, within the tolerances."""
+    import torch
+
+    ref_losses, got_losses = torch.tensor(ref["losses"]), torch.tensor(got["losses"])
+    torch.testing.assert_close(got_losses, ref_losses, rtol=rtol, atol=atol, msg=lambda m: f"losses: {m}")
+    for kind in ("grads", "params"):
+        assert set(got[kind]) == set(ref[kind]), f"{kind}: names differ: {set(got[kind]) ^ set(ref[kind])}"
+        for name, value in ref[kind].items():
+            torch.testing.assert_close(got[kind][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m, n=name, k=kind: f"{k} of {n}: {m}")

@@ -1,0 +1,131 @@
+"""AdamW (plain or ZeRO-1 sharded), warmup + cosine schedule, and a gradient-norm clip that
+is correct for any mix of sharded (DTensor) and replicated gradients."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Shard
+
+from meshfold.comm import ledger
+from meshfold.config import TrainConfig
+from meshfold.mesh import ParallelDims
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not norms, biases or router biases)."""
+    decay, no_decay = [], []
+    for _name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _adamw_kwargs(cfg: TrainConfig, device_type: str) -> dict:
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    choice = cfg.fused_optimizer
+    if choice == "auto":
+        choice = "fused" if device_type == "cuda" else "foreach"
+    if choice == "fused":
+        kwargs["fused"] = True
+    elif choice == "foreach":
+        kwargs["foreach"] = True
+    else:
+        kwargs["foreach"] = False
+    return kwargs
+
+
+class ZeroOneOptimizer(ZeroRedundancyOptimizer):
+    """ZeRO-1: gradients are all-reduced by DDP; each rank keeps Adam state only for the
+    parameters it owns and broadcasts them after its update. Records that traffic."""
+
+    def __init__(self, groups, group: dist.ProcessGroup, **adam_kwargs):
+        super().__init__(groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=group,
+                         weight_decay=groups[0]["weight_decay"], **adam_kwargs)
+        for extra in groups[1:]:
+            self.add_param_group(extra)
+        self._n = dist.get_world_size(group)
+        self._bytes = sum(p.numel() * p.element_size() for g in groups for p in g["params"])
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        ledger().record("dp", "all_gather", self._bytes, self._n)
+        return out
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
+                    zero_one: bool = False) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    kwargs = _adamw_kwargs(cfg, device_type)
+    if zero_one:
+        kwargs.pop("fused", None)
+        return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_lambda(cfg: TrainConfig):
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, cfg.steps // 10)
+    total = max(cfg.steps, warmup + 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+@torch.no_grad()
+def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global L2 norm of all gradients. Sharded DTensor gradients are summed over the mesh
+    dimensions they are sharded on (replicated ones count once); ``extra_group`` adds the
+    squares over ranks holding disjoint parameters (pipeline stages)."""
+    by_mesh: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    device = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            sharded = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+            key = (g.device_mesh, sharded) if sharded else (None, ())
+            by_mesh[key].append(g.to_local())
+        else:
+            by_mesh[(None, ())].append(g)
+        device = device or g.device
+    if device is None:
+        return torch.zeros(())
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (mesh, sharded), grads in by_mesh.items():
+        sq = torch.stack([torch.linalg.vector_norm(g.double()) ** 2 for g in grads]).sum()
+        for dim in sharded:
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+        total += sq
+    if extra_group is not None and dist.get_world_size(extra_group) > 1:
+        dist.all_reduce(total, group=extra_group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm(params, extra_group)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(scale.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else scale.item())
+    return norm

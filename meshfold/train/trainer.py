@@ -1,0 +1,243 @@
+"""The training loop: data -> (parallelised) model -> loss -> optimizer, with metrics.
+
+One ``Trainer`` per process. It works without ``torch.distributed`` (one process, the
+reference every parallel layout is tested against) and inside any process group whose
+size matches ``[parallel]``.
+
+Loss normalisation is exact for any layout: every rank divides its token-loss *sum* by the
+number of valid tokens in the *global* batch and multiplies by the number of ranks that
+average gradients, so the averaged gradient equals the one-process gradient of the mean
+loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshfold.comm import ledger
+from meshfold.config import Config, dump_toml, validate
+from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, rank_slice
+from meshfold.mesh import ParallelDims, build_mesh
+from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.presets import flops_per_token
+from meshfold.parallel import parallelize
+from meshfold.parallel.data import uses_ddp, uses_fsdp
+from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
+from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def resolve_dtypes(choice: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None). bf16 keeps fp32 master weights."""
+    if choice == "auto":
+        choice = "bfloat16" if device.type == "cuda" else "float32"
+    if choice == "bfloat16":
+        return torch.float32, torch.bfloat16
+    return DTYPES[choice], None
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses, computed in at least fp32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.cfg = cfg = validate(cfg, self.world)
+        t = cfg.train
+        self.device = resolve_device(t.device)
+        self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
+        workers = cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1
+        self.dims: ParallelDims = build_mesh(cfg.parallel, workers, self.device.type)
+        self.run_dir = Path(t.run_dir)
+        self.ledger = ledger()
+
+        # Data: rank 0 tokenises (and caches) first so the others only read the cache.
+        if self.rank == 0:
+            self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+        self.barrier()
+        if self.rank != 0:
+            self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+        self.sampler = GlobalBatchSampler(len(self.data.train), t.global_batch, t.seed)
+        self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
+
+        self.model = self.build_model()
+        self.optimizer = build_optimizer(
+            self.model, t, self.dims, self.device.type,
+            zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
+        )
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.loss_fn = cross_entropy_sum
+        self.step = 0
+        self.grad_reducers = self.dims.size("dp_cp")
+        self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
+        self.peak_flops = device_peak_flops(self.device)
+        self.losses: list[float] = []
+        self.capture_grads = False  # tests: keep the last step's unsharded gradients
+        self.last_grads: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(self.cfg.train.seed)
+        model = Transformer(self.cfg.model)
+        init_weights(model, self.cfg.model, self.cfg.train.seed)
+        model.to(device=self.device, dtype=self.param_dtype)
+        return parallelize(model, self.cfg, self.dims)
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.world > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ one step
+
+    def local_batch(self) -> dict[str, torch.Tensor]:
+        global_indices = self.sampler.next()
+        local = rank_slice(global_indices, self.dims.rank("dp"), self.dims.size("dp"))
+        batch = self.data.train.batch(local)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        local = batch["inputs"].shape[0]
+        size = self.cfg.train.micro_batch or local
+        return [{k: v[i: i + size] for k, v in batch.items()} for i in range(0, local, size)]
+
+    def all_reduce_sum(self, value: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
+        if self.dims.distributed and self.dims.size(dim) > 1:
+            dist.all_reduce(value, group=self.dims.group(dim))
+        return value
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        doc_ids = mb["doc_ids"] if self.use_doc_mask else None
+        with self.autocast():
+            logits = self.model(mb["inputs"], doc_ids=doc_ids)
+            return self.loss_fn(logits, mb["labels"])
+
+    def forward_backward(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; returns this rank's loss sum."""
+        scale = self.grad_reducers / global_tokens.clamp(min=1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not uses_ddp(self.dims) else self.model.no_sync()
+            with sync:
+                loss = self.forward_loss(mb)
+                (loss * scale.to(loss.dtype)).backward()
+            loss_sum += loss.detach().double()
+        return loss_sum
+
+    def train_step(self) -> float:
+        batch = self.local_batch()
+        global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())
+        loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.last_grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip)
+        if self.capture_grads:
+            self.last_grads = self.full_state(grads=True)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.all_reduce_sum(loss_sum) / global_tokens.double()
+        self.step += 1
+        return float(loss)
+
+    # ------------------------------------------------------------------ loop
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.data.val is None:
+            return None
+        t = self.cfg.train
+        self.model.eval()
+        sampler = GlobalBatchSampler(len(self.data.val), min(t.global_batch, len(self.data.val)), seed=12345)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        for _ in range(t.eval_batches):
+            idx = rank_slice(sampler.next(), self.dims.rank("dp"), self.dims.size("dp"))
+            batch = {k: v.to(self.device) for k, v in self.data.val.batch(idx).items()}
+            total += self.forward_loss(batch).double()
+            tokens += (batch["labels"] != IGNORE_INDEX).sum()
+        self.model.train()
+        return float(self.all_reduce_sum(total) / self.all_reduce_sum(tokens))
+
+    def write_run_dir(self) -> None:
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+
+    def fit(self) -> list[float]:
+        t = self.cfg.train
+        self.write_run_dir()
+        logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
+                               progress=t.progress, start_step=self.step)
+        tokens_per_step = t.global_batch * self.cfg.model.seq_len
+        try:
+            while self.step < t.steps:
+                start = time.perf_counter()
+                loss = self.train_step()
+                elapsed = time.perf_counter() - start
+                self.losses.append(loss)
+                if not math.isfinite(loss) and self.rank == 0:
+                    print(f"meshfold: warning: non-finite loss at step {self.step}", flush=True)
+                record = self.step_record(loss, elapsed, tokens_per_step)
+                if t.eval_every and self.step % t.eval_every == 0:
+                    record["val_loss"] = self.evaluate()
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    logger.log(record)
+        finally:
+            logger.close()
+        return self.losses
+
+    def step_record(self, loss: float, elapsed: float, tokens_per_step: int) -> dict:
+        tokens_per_s = tokens_per_step / elapsed
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(self.last_grad_norm),
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "comm_bytes": self.ledger.pop_step(),
+        }
+
+    # ------------------------------------------------------------------ inspection
+
+    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded parameters (or their gradients) by model name, for tests and export."""
+        from meshfold.parallel.data import unwrap
+
+        out = {}
+        for name, p in unwrap(self.model).named_parameters():
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            out[name] = full.detach().clone().cpu()
+        return out
