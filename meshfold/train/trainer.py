@@ -93,6 +93,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
         self.peak_flops = device_peak_flops(self.device)
         self.losses: list[float] = []
+        # Features add per-step fields for metrics.jsonl here (bubble_frac, imbalance, ...).
+        self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
 
@@ -135,7 +137,7 @@ class Trainer:
     def forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         doc_ids = mb["doc_ids"] if self.use_doc_mask else None
         with self.autocast():
-            logits = self.model(mb["inputs"], doc_ids=doc_ids)
+            logits = self.model(mb["inputs"], positions=mb.get("positions"), doc_ids=doc_ids)
             return self.loss_fn(logits, mb["labels"])
 
     def forward_backward(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
@@ -225,7 +227,12 @@ class Trainer:
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes": self.ledger.pop_step(),
+            **self.pop_step_metrics(),
         }
+
+    def pop_step_metrics(self) -> dict:
+        out, self.step_metrics = self.step_metrics, {}
+        return out
 
     # ------------------------------------------------------------------ inspection
 
