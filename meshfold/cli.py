@@ -53,6 +53,7 @@ def run_train(args) -> int:
     validate(cfg, world)
     init_distributed(cfg.train.collective_timeout_s)
     rank = int(os.environ.get("RANK", "0"))
+    clean = False
     try:
         from meshfold.train.trainer import Trainer
 
@@ -61,9 +62,12 @@ def run_train(args) -> int:
         if rank == 0:
             print(f"meshfold: done: {trainer.step} steps, final loss {trainer.losses[-1]:.4f}; "
                   f"run directory {cfg.train.run_dir}" if trainer.losses else "meshfold: nothing to do")
+        clean = True
         return 0
-    except ConfigError:
-        raise
+    except ConfigError as err:
+        if rank == 0:  # every rank hits the same configuration error: say it once
+            print(f"meshfold: error: {err}", file=sys.stderr)
+        return 2
     except Exception as err:  # one line per failing rank; the traceback goes to a file
         log = Path(cfg.train.run_dir) / f"error-rank{rank}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +75,7 @@ def run_train(args) -> int:
         print(f"meshfold: rank {rank}: {type(err).__name__}: {err} (traceback in {log})", file=sys.stderr)
         return 1
     finally:
-        shutdown_distributed()
+        shutdown_distributed(clean)
 
 
 # --------------------------------------------------------------------------- plot

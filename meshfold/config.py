@@ -429,6 +429,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
 
+    for key, value in (("data.source", cfg.data.source if cfg.data.source != "default" else ""),
+                       ("data.tokenizer", cfg.data.tokenizer), ("train.init_from", t.init_from)):
+        if value and not Path(value).expanduser().exists():
+            raise ConfigError(f"{key} = {value!r} does not exist; give an existing path"
+                              + (" or 'default'" if key == "data.source" else ""))
     if t.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
     if t.global_batch < 1:

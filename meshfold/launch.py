@@ -28,11 +28,13 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def shutdown_distributed() -> None:
-    """Barrier first: a rank tearing down gloo while a peer still talks to it aborts."""
+def shutdown_distributed(clean: bool = True) -> None:
+    """After a clean run, barrier first: a rank tearing down gloo while a peer still talks
+    to it aborts. After a failure peers may never arrive, so just tear down."""
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if clean:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 
@@ -42,7 +44,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # One thread per worker unless the user says otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
@@ -55,6 +57,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     except ChildFailedError as err:
         ranks = sorted(err.failures)
         first = err.failures[ranks[0]]
+        if all(f.exitcode == 2 for f in err.failures.values()):
+            return 2  # a configuration error: rank 0 has already said it in one line
         print(f"meshfold: {len(ranks)} of {nproc} processes failed (ranks {ranks}); first exit code "
               f"{first.exitcode}", file=sys.stderr)
         return 1

@@ -1,0 +1,57 @@
+"""The command line end to end: a 2-process run writes the contract's run directory."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def meshfold(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshfold", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("cli") / "run"
+    proc = meshfold("train", "configs/debug.toml", "--nproc", "2", "--set", "train.steps=6",
+                    "--set", f"train.run_dir={run}", "--set", "train.eval_every=3",
+                    "--set", "data.max_docs=60")
+    assert proc.returncode == 0, proc.stderr
+    assert "final loss" in proc.stdout
+    return run
+
+
+def test_run_directory_contract(run_dir):
+    assert (run_dir / "config.toml").exists()
+    resolved = (run_dir / "config.toml").read_text()
+    assert "dp_shard = 2" in resolved  # -1 resolved to the world size
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        for key in ("step", "loss", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_bytes"):
+            assert key in r
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_bytes"] > 0
+        assert r["comm_bytes"]["dp"] > 0
+    assert "val_loss" in records[2]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_plot_writes_pngs(run_dir):
+    proc = meshfold("plot", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    pngs = sorted(Path(p).name for p in proc.stdout.split())
+    assert {"loss.png", "tokens_per_s.png"} <= set(pngs)
+    assert (run_dir / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runtime_config_error_is_one_line(tmp_path):
+    proc = meshfold("train", "configs/debug.toml", "--nproc", "2", "--set", "data.source=/no/such/corpus",
+                    "--set", f"train.run_dir={tmp_path / 'r'}")
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["meshfold: error: data.source = '/no/such/corpus' does not exist; give an existing path "
+                     "or 'default'"], proc.stderr

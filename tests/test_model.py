@@ -1,0 +1,109 @@
+"""Model shapes: exact parameter counts against published totals and live modules, FLOPs,
+and layout-independent initialisation."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from meshfold.config import ModelConfig
+from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.presets import PRESETS, flops_per_token, matmul_params, param_count, preset
+
+# Published totals (model cards / papers), exact where the publisher gives exact numbers.
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616,  # Touvron et al. 2023, HF model card
+    "llama3-1b": 1_235_814_400,  # Llama 3.2 1B
+    "llama3-3b": 3_212_749_824,  # Llama 3.2 3B
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3-405b": 405_853_388_800,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_param_count_matches_published(name):
+    assert param_count(preset(name)) == PUBLISHED[name]
+
+
+def test_gpt3_175b_is_175b():
+    # Brown et al. 2020 report "175.0B"; the shape gives 174.6B (12·L·h² + embeddings + biases/norms).
+    n = param_count(preset("gpt3-175b"))
+    assert 174.5e9 < n < 175.1e9
+
+
+SMALL_SHAPES = [
+    ModelConfig(),
+    ModelConfig(n_kv_heads=2, tie_embeddings=True),
+    ModelConfig(norm="layernorm", mlp="gelu", bias=True, pos="learned", tie_embeddings=True),
+    ModelConfig(dim=96, n_heads=6, n_kv_heads=3, ffn_dim=200, n_layers=3),
+]
+
+
+@pytest.mark.parametrize("cfg", SMALL_SHAPES, ids=lambda c: f"{c.norm}-{c.mlp}-kv{c.kv_heads}-tie{c.tie_embeddings}")
+def test_param_count_matches_live_model(cfg):
+    model = Transformer(cfg)
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_flops_per_token_formula():
+    cfg = preset("llama3-8b")
+    s = cfg.seq_len
+    # 6 x matmul params + 12 x layers x seq x dim (attention scores and weighted sum, fwd+bwd)
+    assert flops_per_token(cfg) == 6 * matmul_params(cfg) + 12 * cfg.n_layers * s * cfg.dim
+    assert flops_per_token(cfg, causal=True) < flops_per_token(cfg)
+    # Llama 3 8B at 8k context: ~6 * 7.5e9 + attention ~ 5.8e10 FLOPs per token.
+    assert 5.0e10 < flops_per_token(cfg) < 6.5e10
+
+
+def test_every_preset_builds_a_valid_config():
+    from meshfold.config import Config, validate
+
+    for name in PRESETS:
+        cfg = Config(model=preset(name))
+        validate(cfg)
+
+
+def test_initialisation_is_name_seeded():
+    cfg = ModelConfig(n_layers=3)
+    full = Transformer(cfg)
+    init_weights(full, cfg, seed=7)
+    # A pipeline-like stage holding only layer 2 gets the same values for it.
+    stage = Transformer(cfg)
+    del stage.layers["0"], stage.layers["1"]
+    init_weights(stage, cfg, seed=7)
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p, dict(full.named_parameters())[name], rtol=0, atol=0)
+    other = Transformer(cfg)
+    init_weights(other, cfg, seed=8)
+    assert not torch.equal(other.layers["0"].attention.wq.weight, full.layers["0"].attention.wq.weight)
+
+
+def test_document_mask_blocks_cross_document_attention():
+    cfg = ModelConfig(n_layers=1, vocab_size=64, seq_len=8)
+    model = Transformer(cfg).double()
+    init_weights(model, cfg, seed=0)
+    tokens = torch.randint(0, 64, (1, 8))
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    full = model(tokens, doc_ids=doc_ids)
+    # The second document alone (positions kept) gives the same logits as inside the pack.
+    alone = model(tokens[:, 3:], positions=torch.arange(3, 8).unsqueeze(0), doc_ids=doc_ids[:, 3:])
+    torch.testing.assert_close(full[:, 3:], alone)
+    # Without the mask, the second document sees the first.
+    assert not torch.allclose(model(tokens)[:, 3:], alone)
+
+
+def test_gqa_matches_repeated_kv_heads():
+    cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=8)
+    gqa = Transformer(cfg).double()
+    init_weights(gqa, cfg, seed=1)
+    mha_cfg = dataclasses.replace(cfg, n_kv_heads=4)
+    mha = Transformer(mha_cfg).double()
+    state = gqa.state_dict()
+    hd = cfg.head_dim
+    for w in ("wk", "wv"):
+        key = f"layers.0.attention.{w}.weight"
+        state[key] = state[key].view(2, hd, -1).repeat_interleave(2, dim=0).reshape(4 * hd, -1)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(gqa(tokens), mha(tokens))
