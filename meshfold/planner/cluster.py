@@ -1,0 +1,322 @@
+"""Cluster descriptions: device presets, link levels, heterogeneous node groups, TOML files.
+
+A cluster is ``nodes x devices_per_node`` devices. Links form levels: inside a node
+(NVLink/NVSwitch, Infinity Fabric, or loopback for gloo processes) and between nodes
+(each device's share of the NICs). Nodes can come in *groups* with different NIC
+bandwidths (Holmes/Pipette's heterogeneous clusters); traffic between two groups uses
+``inter_group_GBps``. Every link level has an alpha (latency per message hop, seconds)
+and a beta (bandwidth, bytes/s per device, one direction): a collective step costs
+``alpha + bytes / beta`` (see ``cost.py``).
+
+Bad files or fields raise ``ConfigError`` with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from meshfold.config import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_tflops: float  # dense bf16 (or the training dtype's) peak per device
+    memory_gib: float
+    hbm_GBps: float
+    # Fraction of peak that large matrix multiplies reach (cuBLAS/rocBLAS measurements);
+    # smaller GEMMs reach less (see cost.matmul_efficiency).
+    matmul_eff: float = 0.80
+    # GEMM width (columns per device) at which efficiency drops to half of matmul_eff.
+    matmul_half_width: float = 96.0
+    # Memory the runtime keeps for itself (CUDA context, NCCL buffers, fragmentation).
+    reserved_gib: float = 4.0
+    # Fixed time per transformer layer per micro-batch (forward + backward): kernel
+    # launches on GPUs, Python/ATen dispatch on CPU, where it dominates tiny models.
+    layer_overhead_us: float = 30.0
+
+
+# Data-sheet numbers (dense, no sparsity). matmul_eff from vendor GEMM benchmarks.
+DEVICES: dict[str, Device] = {
+    "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, matmul_eff=0.75),
+    "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, matmul_eff=0.75),
+    "h100-sxm": Device("h100-sxm", 989.0, 80.0, 3350.0, matmul_eff=0.75),
+    "h200": Device("h200", 989.0, 141.0, 4800.0, matmul_eff=0.75),
+    # One Graphics Compute Die of an MI250X: 383 TF bf16 per package / 2 GCDs, 64 GiB HBM2e.
+    "mi250x-gcd": Device("mi250x-gcd", 191.5, 64.0, 1638.0, matmul_eff=0.65),
+    # This machine: one gloo process on a shared CPU core; `meshfold calibrate` measures it.
+    "cpu": Device("cpu", 0.02, 8.0, 10.0, matmul_eff=1.0, matmul_half_width=0.0, reserved_gib=0.3),
+}
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    nodes: int
+    inter_node_GBps: float
+    inter_node_alpha_us: float = 5.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int
+    devices_per_node: int
+    device: Device
+    intra_node_GBps: float  # per device, one direction
+    inter_node_GBps: float  # per device, one direction (its share of the node's NICs)
+    intra_node_alpha_us: float = 2.0
+    inter_node_alpha_us: float = 5.0
+    node_groups: tuple[NodeGroup, ...] = ()  # heterogeneous: consecutive nodes per group
+    inter_group_GBps: float = 0.0  # links between node groups (0 = the slower group's)
+    inter_group_alpha_us: float = 10.0
+    # Fraction of data-parallel communication that can hide behind backward compute
+    # (1 on GPUs with separate copy/NCCL engines; CPU gloo shares the cores: measured).
+    overlap: float = 1.0
+    # Bytes of memory-bound traffic per activation byte (elementwise ops, norms, softmax).
+    elementwise_traffic: float = 6.0
+    # Fixed per-step overhead (optimizer launch, data loading, logging), seconds.
+    step_overhead_s: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> "Cluster":
+        return replace(self, nodes=nodes, node_groups=())
+
+    # ------------------------------------------------------------------ link levels
+
+    def _node_group_of_node(self) -> np.ndarray:
+        if not self.node_groups:
+            return np.zeros(self.nodes, dtype=np.int64)
+        return np.repeat(np.arange(len(self.node_groups)), [g.nodes for g in self.node_groups])
+
+    def link(self, stride: int, size: int) -> tuple[float, float]:
+        """(alpha seconds, beta bytes/s) of the slowest link used by any group of ``size``
+        ranks spaced ``stride`` apart (a mesh dimension, rank-major), over the whole
+        cluster. Groups that stay inside a node use NVLink; others the NIC share of the
+        slowest node group they touch, or the inter-group link when they cross groups."""
+        return _link_cached(self, stride, size)
+
+
+@lru_cache(maxsize=4096)
+def _link_cached(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
+    intra = (cluster.intra_node_alpha_us * 1e-6, cluster.intra_node_GBps * GB)
+    if size <= 1:
+        return intra
+    dpn = cluster.devices_per_node
+    if stride * (size - 1) < dpn and _always_intra(stride, size, dpn):
+        return intra
+    n = cluster.world_size
+    block = stride * size
+    if n % block:
+        raise ConfigError(f"layout group of {size} ranks with stride {stride} does not tile {n} devices")
+    ranks = np.arange(n).reshape(n // block, size, stride).transpose(0, 2, 1).reshape(-1, size)
+    nodes = ranks // dpn
+    spans = nodes.max(axis=1) != nodes.min(axis=1)
+    if not spans.any():
+        return intra
+    if not cluster.node_groups:
+        return (cluster.inter_node_alpha_us * 1e-6, cluster.inter_node_GBps * GB)
+    group_of = cluster._node_group_of_node()[nodes[spans]]
+    crossing = (group_of.max(axis=1) != group_of.min(axis=1)).any()
+    touched = np.unique(group_of)
+    alpha = max(cluster.node_groups[g].inter_node_alpha_us for g in touched) * 1e-6
+    beta = min(cluster.node_groups[g].inter_node_GBps for g in touched) * GB
+    if crossing:
+        between = cluster.inter_group_GBps * GB if cluster.inter_group_GBps else beta
+        beta = min(beta, between)
+        alpha = max(alpha, cluster.inter_group_alpha_us * 1e-6)
+    return (alpha, beta)
+
+
+def _always_intra(stride: int, size: int, dpn: int) -> bool:
+    # A group spanning stride*(size-1)+1 consecutive-ish ranks stays in one node when the
+    # block it tiles (stride*size) divides the node, or fits in a node that it divides.
+    block = stride * size
+    return dpn % block == 0
+
+
+# --------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, dict] = {
+    # DGX A100: NVSwitch (600 GB/s bidirectional = 300 one way), 8x HDR 200 Gb/s = 25 GB/s/GPU.
+    "a100-dgx": dict(devices_per_node=8, device="a100-80gb", intra_node_GBps=300.0, inter_node_GBps=25.0),
+    # DGX H100: NVLink 4 (900 GB/s bidirectional), 8x NDR 400 Gb/s = 50 GB/s/GPU.
+    "h100-dgx": dict(devices_per_node=8, device="h100-sxm", intra_node_GBps=450.0, inter_node_GBps=50.0),
+    "h200-dgx": dict(devices_per_node=8, device="h200", intra_node_GBps=450.0, inter_node_GBps=50.0),
+    # Frontier node: 4 MI250X = 8 GCDs, Infinity Fabric 50-100 GB/s between GCDs, 4x 25 GB/s
+    # Slingshot NICs per node = 12.5 GB/s per GCD.
+    "frontier": dict(devices_per_node=8, device="mi250x-gcd", intra_node_GBps=50.0, inter_node_GBps=12.5,
+                     inter_node_alpha_us=8.0),
+    # This machine: N gloo processes on loopback. Numbers are placeholders until
+    # `meshfold calibrate` writes measured ones.
+    "cpu-gloo": dict(nodes=1, devices_per_node=8, device="cpu", intra_node_GBps=0.5, inter_node_GBps=0.5,
+                     intra_node_alpha_us=100.0, overlap=0.0),
+}
+PRESET_ALIASES = {"a100": "a100-dgx", "h100": "h100-dgx", "h200": "h200-dgx", "mi250x": "frontier", "cpu": "cpu-gloo"}
+
+_FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": float, "memory_gib": float,
+           "hbm_GBps": float, "matmul_eff": float, "matmul_half_width": float, "reserved_gib": float,
+           "layer_overhead_us": float,
+           "intra_node_GBps": float, "inter_node_GBps": float, "intra_node_alpha_us": float,
+           "inter_node_alpha_us": float, "inter_group_GBps": float, "inter_group_alpha_us": float,
+           "overlap": float, "elementwise_traffic": float, "step_overhead_s": float, "preset": str,
+           "name": str, "node_groups": list}
+_DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
+                "layer_overhead_us")
+_POSITIVE = ("nodes", "devices_per_node", "peak_tflops", "memory_gib", "hbm_GBps", "intra_node_GBps",
+             "inter_node_GBps")
+
+
+def _check_type(where: str, key: str, value, want: type):
+    if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if want is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if want in (str, list) and isinstance(value, want):
+        return value
+    raise ConfigError(f"{where}.{key} = {value!r} has the wrong type; expected {want.__name__}")
+
+
+def cluster_from_dict(values: dict, name: str = "cluster", where: str = "cluster") -> Cluster:
+    """Build a cluster from a ``[cluster]`` table (a ``preset`` key starts from a preset)."""
+    import difflib
+
+    values = dict(values)
+    base: dict = {}
+    if "preset" in values:
+        preset = _check_type(where, "preset", values.pop("preset"), str)
+        base = dict(PRESETS[_preset_name(preset, f"{where}.preset")])
+    for key, value in values.items():
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(key, list(_FIELDS), n=1, cutoff=0.6)
+            hint = f" (did you mean {where}.{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown field {where}.{key}{hint}")
+        base[key] = _check_type(where, key, value, _FIELDS[key])
+    merged = {"nodes": 1, **base}
+    for key in ("devices_per_node", "intra_node_GBps"):
+        if key not in merged:
+            raise ConfigError(f"{where}.{key} is missing")
+    if "inter_node_GBps" not in merged:
+        if merged["nodes"] > 1 and "node_groups" not in merged:
+            raise ConfigError(f"{where}.inter_node_GBps is missing (needed with {merged['nodes']} nodes)")
+        merged["inter_node_GBps"] = merged["intra_node_GBps"]
+
+    device_name = merged.pop("device", "")
+    dev_over = {k: merged.pop(k) for k in _DEVICE_KEYS if k in merged}
+    if device_name:
+        if device_name not in DEVICES:
+            raise ConfigError(f"{where}.device = {device_name!r} is not a known device; choose one of "
+                              f"{', '.join(DEVICES)} or give peak_tflops, memory_gib and hbm_GBps")
+        device = replace(DEVICES[device_name], **dev_over)
+    else:
+        missing = [k for k in ("peak_tflops", "memory_gib", "hbm_GBps") if k not in dev_over]
+        if missing:
+            raise ConfigError(f"{where}.{missing[0]} is missing (or name a preset in {where}.device)")
+        device = Device("custom", **dev_over)
+    for key in _POSITIVE:
+        value = merged.get(key, getattr(device, key, None))
+        if value is not None and value <= 0:
+            raise ConfigError(f"{where}.{key} must be positive, got {value}")
+    if not 0 < device.matmul_eff <= 1:
+        raise ConfigError(f"{where}.matmul_eff must be in (0, 1], got {device.matmul_eff}")
+    if not 0 <= merged.get("overlap", 1.0) <= 1:
+        raise ConfigError(f"{where}.overlap must be in [0, 1], got {merged['overlap']}")
+
+    groups = []
+    for i, g in enumerate(merged.pop("node_groups", []) or []):
+        gw = f"{where}.node_groups[{i}]"
+        if not isinstance(g, dict):
+            raise ConfigError(f"{gw} must be a table with nodes and inter_node_GBps")
+        for key in g:
+            if key not in ("nodes", "inter_node_GBps", "inter_node_alpha_us"):
+                raise ConfigError(f"unknown field {gw}.{key}")
+        for key in ("nodes", "inter_node_GBps"):
+            if key not in g:
+                raise ConfigError(f"{gw}.{key} is missing")
+        group = NodeGroup(_check_type(gw, "nodes", g["nodes"], int),
+                          _check_type(gw, "inter_node_GBps", g["inter_node_GBps"], float),
+                          _check_type(gw, "inter_node_alpha_us", g.get("inter_node_alpha_us", 5.0), float))
+        if group.nodes <= 0 or group.inter_node_GBps <= 0:
+            raise ConfigError(f"{gw}.nodes and .inter_node_GBps must be positive")
+        groups.append(group)
+    if groups:
+        total = sum(g.nodes for g in groups)
+        if "nodes" in values and values["nodes"] != total:
+            raise ConfigError(f"{where}.nodes = {values['nodes']} but node_groups hold {total} nodes")
+        merged["nodes"] = total
+        merged["inter_node_GBps"] = min(g.inter_node_GBps for g in groups)
+    merged.setdefault("name", name)
+    return Cluster(device=device, node_groups=tuple(groups), **merged)
+
+
+def _preset_name(text: str, where: str) -> str:
+    key = PRESET_ALIASES.get(text, text)
+    if key not in PRESETS:
+        raise ConfigError(f"{where} = {text!r} is not a cluster preset; choose one of {', '.join(PRESETS)} "
+                          f"or give a TOML file")
+    return key
+
+
+def load_cluster(spec: str | Path, nodes: int | None = None, devices: int | None = None) -> Cluster:
+    """A preset name (optionally ``NAME:DEVICES``) or a TOML file with a ``[cluster]``
+    table. ``devices`` sets the node count to fit that many devices."""
+    text = str(spec)
+    if ":" in text and not Path(text).exists():
+        text, count = text.rsplit(":", 1)
+        if not count.isdigit():
+            raise ConfigError(f"--cluster {spec!r}: expected NAME or NAME:DEVICES, e.g. h100:16384")
+        devices = int(count)
+    path = Path(text)
+    if path.suffix == ".toml" or path.exists():
+        if not path.exists():
+            raise ConfigError(f"cluster file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        if "cluster" not in data or not isinstance(data["cluster"], dict):
+            raise ConfigError(f"{path}: no [cluster] table")
+        cluster = cluster_from_dict(data["cluster"], name=path.stem)
+    else:
+        name = _preset_name(text, "--cluster")
+        cluster = cluster_from_dict({"preset": name}, name=name)
+    if nodes is not None:
+        cluster = cluster.with_nodes(nodes)
+    if devices is not None:
+        dpn = cluster.devices_per_node
+        if devices < dpn:
+            cluster = replace(cluster, nodes=1, devices_per_node=devices, node_groups=())
+        elif devices % dpn:
+            raise ConfigError(f"{devices} devices is not a multiple of {dpn} devices per node")
+        else:
+            cluster = cluster.with_nodes(devices // dpn)
+    return cluster
+
+
+def cluster_to_toml(c: Cluster) -> str:
+    """The ``[cluster]`` table a file would need to describe ``c`` exactly."""
+    d = c.device
+    lines = ["[cluster]", f'name = "{c.name}"', f"nodes = {c.nodes}", f"devices_per_node = {c.devices_per_node}",
+             f"peak_tflops = {d.peak_tflops!r}", f"memory_gib = {d.memory_gib!r}", f"hbm_GBps = {d.hbm_GBps!r}",
+             f"matmul_eff = {d.matmul_eff!r}", f"matmul_half_width = {d.matmul_half_width!r}",
+             f"reserved_gib = {d.reserved_gib!r}", f"layer_overhead_us = {d.layer_overhead_us!r}",
+             f"intra_node_GBps = {c.intra_node_GBps!r}", f"inter_node_GBps = {c.inter_node_GBps!r}",
+             f"intra_node_alpha_us = {c.intra_node_alpha_us!r}", f"inter_node_alpha_us = {c.inter_node_alpha_us!r}",
+             f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",
+             f"step_overhead_s = {c.step_overhead_s!r}"]
+    return "\n".join(lines) + "\n"
