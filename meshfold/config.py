@@ -168,6 +168,12 @@ class DataConfig:
     cache_dir: str = ""  # "" = ~/.cache/meshfold
     max_docs: int = 0  # 0 = all documents
     val_docs: int = 16  # held-out documents for validation loss
+    # Variable-length balancing (data.balance != none; docs/balancing.md).
+    max_tokens: int = 0  # tokens one rank holds in one micro-batch (memory limit); 0 = 2*micro_batch*seq_len
+    cost_a: float = 0.0  # W(l) = cost_a*l^2 + cost_b*l per document; both 0 = measure at start (cached)
+    cost_b: float = 0.0
+    balance_tolerance: float = 1.02  # exact: run the MILP when the greedy imbalance is above this
+    balance_time_limit_s: float = 1.0  # exact: MILP time limit per step
 
 
 @dataclass
@@ -438,6 +444,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
     if t.global_batch < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {t.global_batch}")
+    if cfg.data.balance != "none":
+        from meshfold.data.balanced_loader import validate_balance
+
+        validate_balance(cfg)
 
     if world_size is not None:
         lc = cfg.lowcomm

@@ -80,6 +80,13 @@ class Trainer:
             self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
         self.sampler = GlobalBatchSampler(len(self.data.train), t.global_batch, t.seed)
         self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
+        # data.balance: whole documents assigned to dp ranks / micro-batches by cost (data/balanced_loader.py).
+        self.balancer = None
+        if cfg.data.balance != "none":
+            from meshfold.data.balanced_loader import from_trainer
+
+            self.balancer = from_trainer(self)
+            self.sampler = self.balancer.sampler
 
         self.model = self.build_model()
         self.optimizer = build_optimizer(
@@ -105,6 +112,10 @@ class Trainer:
         model = Transformer(self.cfg.model)
         init_weights(model, self.cfg.model, self.cfg.train.seed)
         model.to(device=self.device, dtype=self.param_dtype)
+        if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
+            from meshfold.models.varlen_attention import use_varlen_attention
+
+            use_varlen_attention(model)
         return parallelize(model, self.cfg, self.dims)
 
     def barrier(self) -> None:
@@ -114,12 +125,18 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def local_batch(self) -> dict[str, torch.Tensor]:
+        if self.balancer is not None:
+            batch = self.balancer.local_batch(self.device)
+            self.step_metrics.update(self.balancer.step_metrics())
+            return batch
         global_indices = self.sampler.next()
         local = rank_slice(global_indices, self.dims.rank("dp"), self.dims.size("dp"))
         batch = self.data.train.batch(local)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        if "micro_sizes" in batch:  # data.balance: micro-batches of planned lengths
+            return self.balancer.split(batch)
         local = batch["inputs"].shape[0]
         size = self.cfg.train.micro_batch or local
         return [{k: v[i: i + size] for k, v in batch.items()} for i in range(0, local, size)]

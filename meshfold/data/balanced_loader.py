@@ -1,0 +1,185 @@
+"""The data path of ``data.balance = greedy|exact``: whole documents per step, assigned to
+data-parallel ranks and micro-batches by cost, fed as flat packed rows.
+
+Per step (every rank computes the same thing from the seed, no communication except in
+``exact`` mode, where global rank 0's MILP answer is broadcast because a solver's time
+limit could make ranks disagree):
+
+1. ``PieceBatchSampler`` takes the next document pieces of the seeded epoch order until
+   the step's token budget (``train.global_batch * model.seq_len``) is reached. Every
+   piece of an epoch is used exactly once (the last step of an epoch may be shorter);
+   ``state_dict`` = (epoch, cursor) resumes exactly.
+2. ``balance.plan_step`` assigns the pieces to the dp ranks (LPT, MILP refinement) and
+   to the fixed number of micro-batches per rank (under ``data.max_tokens`` per
+   micro-batch), and reports lambda before (naive token-equal split) and after.
+3. This rank's micro-batches become ``[1, T_m]`` rows (``packing.packed_row``) with
+   per-piece ``doc_ids`` and ``positions``; T_m differs between ranks and micro-batches.
+
+Fixed for a run: the pieces (documents cut at ``model.seq_len``), the number of
+micro-batches per rank, the token limit, the cost model (a, b). Dynamic per step: which
+pieces a step holds and which rank/micro-batch each goes to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshfold.config import ConfigError
+from meshfold.data.balance import CostModel, StepPlan, plan_step
+from meshfold.data.packing import DocumentPieces, packed_row
+
+
+class PieceBatchSampler:
+    """Seeded epochs of documents (expanded to their pieces, in order), cut into steps of
+    at most ``tokens_per_step`` tokens (at least one piece each)."""
+
+    def __init__(self, lengths: np.ndarray, doc_pieces: list[list[int]], tokens_per_step: int, seed: int):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.doc_pieces = doc_pieces
+        self.tokens_per_step, self.seed = tokens_per_step, seed
+        self.epoch, self.cursor = 0, 0
+        self._order: np.ndarray | None = None
+        self._cum: np.ndarray | None = None
+        if len(self.lengths) == 0:
+            raise ConfigError("the corpus has no document with two or more tokens; use a larger data.source")
+
+    def order(self) -> np.ndarray:
+        """The epoch's piece order: documents shuffled by (seed, epoch), pieces in order."""
+        if self._order is None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 7_777)
+            docs = torch.randperm(len(self.doc_pieces), generator=gen).tolist()
+            self._order = np.asarray([p for d in docs for p in self.doc_pieces[d]], dtype=np.int64)
+            self._cum = np.cumsum(self.lengths[self._order])
+        return self._order
+
+    def next(self) -> np.ndarray:
+        order = self.order()
+        if self.cursor >= len(order):
+            self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
+            order = self.order()
+        before = self._cum[self.cursor - 1] if self.cursor else 0
+        stop = int(np.searchsorted(self._cum, before + self.tokens_per_step, side="right"))
+        stop = max(stop, self.cursor + 1)
+        out = order[self.cursor: stop]
+        self.cursor = stop
+        return out
+
+    def state_dict(self) -> dict:
+        return {"kind": "pieces", "epoch": self.epoch, "cursor": self.cursor, "n": len(self.lengths),
+                "tokens_per_step": self.tokens_per_step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "pieces" or state.get("n") != len(self.lengths):
+            raise ConfigError(
+                "the checkpoint's data loader does not match this run (data.balance, data.source, model.seq_len "
+                "or the tokenizer changed); resume with the same data settings"
+            )
+        if state.get("tokens_per_step") != self.tokens_per_step:
+            raise ConfigError(
+                f"the checkpoint took {state.get('tokens_per_step')} tokens per step, this run "
+                f"{self.tokens_per_step}; resume with the same train.global_batch and model.seq_len"
+            )
+        self.epoch, self.cursor, self._order = int(state["epoch"]), int(state["cursor"]), None
+
+
+class BalancedBatches:
+    """Cost-balanced micro-batches for one data-parallel rank."""
+
+    def __init__(self, pieces: DocumentPieces, cost: CostModel, n_ranks: int, rank: int, n_micro: int,
+                 micro_cap: int, tokens_per_step: int, seed: int, method: str = "greedy",
+                 tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False):
+        self.pieces, self.cost = pieces, cost
+        self.n_ranks, self.rank, self.n_micro, self.micro_cap = n_ranks, rank, n_micro, micro_cap
+        self.method, self.tolerance, self.time_limit = method, tolerance, time_limit
+        self.broadcast = broadcast and dist.is_initialized() and dist.get_world_size() > 1
+        self.sampler = PieceBatchSampler(pieces.lengths, pieces.doc_pieces, tokens_per_step, seed)
+        self.last_plan: StepPlan | None = None
+
+    def plan(self, ids: np.ndarray) -> StepPlan:
+        plan = plan_step(self.pieces.lengths[ids], self.cost, self.n_ranks, self.n_micro, self.micro_cap,
+                         self.method, self.tolerance, self.time_limit)
+        if self.broadcast:
+            from meshfold.comm import ledger
+
+            both = torch.from_numpy(np.stack([plan.rank, plan.micro])).contiguous()
+            dist.broadcast(both, src=0)
+            ledger().record("data", "broadcast", both.numel() * both.element_size(), dist.get_world_size())
+            plan.rank, plan.micro = both[0].numpy().copy(), both[1].numpy().copy()
+        return plan
+
+    def next_ids(self) -> list[list[int]]:
+        """Piece ids of this rank's micro-batches for the next step."""
+        ids = self.sampler.next()
+        plan = self.last_plan = self.plan(ids)
+        self.last_tokens = int(self.pieces.lengths[ids].sum())
+        return [ids[plan.items(self.rank, m)].tolist() for m in range(self.n_micro)]
+
+    def local_batch(self, device: torch.device | str = "cpu") -> dict:
+        """Flat ``[1, sum T_m]`` tensors plus ``micro_sizes`` (T_m per micro-batch)."""
+        rows = [packed_row(self.pieces, ids) for ids in self.next_ids()]
+        batch = {k: torch.cat([r[k] for r in rows], dim=1).to(device) for k in rows[0]}
+        batch["micro_sizes"] = [r["inputs"].shape[1] for r in rows]
+        return batch
+
+    @staticmethod
+    def split(batch: dict) -> list[dict]:
+        out, start = [], 0
+        for size in batch["micro_sizes"]:
+            out.append({k: v[:, start: start + size] for k, v in batch.items() if k != "micro_sizes"})
+            start += size
+        return out
+
+    def step_metrics(self) -> dict:
+        """lambda of W and of tokens, before (naive split) and after balancing, and the
+        step's token count (it varies: whole documents up to the budget)."""
+        if self.last_plan is None:
+            return {}
+        return {**self.last_plan.stats, "step_tokens": self.last_tokens}
+
+
+def from_trainer(trainer) -> BalancedBatches:
+    """Build the balanced loader for a ``Trainer`` (its config, mesh and training data)."""
+    from meshfold.data.cost_calibration import cost_model_for
+
+    cfg = trainer.cfg
+    d, t, m = cfg.data, cfg.train, cfg.model
+    dp = trainer.dims.size("dp")
+    local = t.global_batch // dp
+    micro = t.micro_batch or local
+    pieces = DocumentPieces(trainer.data.train.corpus, m.seq_len)
+    cost = cost_model_for(cfg, trainer.device, trainer.param_dtype)
+    return BalancedBatches(
+        pieces, cost, n_ranks=dp, rank=trainer.dims.rank("dp"), n_micro=local // micro,
+        micro_cap=d.max_tokens or 2 * micro * m.seq_len, tokens_per_step=t.global_batch * m.seq_len,
+        seed=t.seed, method=d.balance, tolerance=d.balance_tolerance, time_limit=d.balance_time_limit_s,
+        broadcast=d.balance == "exact",
+    )
+
+
+def validate_balance(cfg) -> None:
+    """One-line ``ConfigError`` for settings the balanced data path cannot serve."""
+    d, p, m = cfg.data, cfg.parallel, cfg.model
+    if not (d.pack and d.doc_mask):
+        raise ConfigError(f"data.balance = {d.balance} feeds whole documents packed with per-document attention; "
+                          f"set data.pack = true and data.doc_mask = true")
+    if p.pp > 1:
+        raise ConfigError(f"data.balance = {d.balance} gives micro-batches of varying length, which pipeline "
+                          f"stages cannot take; use parallel.pp = 1 or data.balance = none")
+    if p.tp > 1 and p.sp:
+        raise ConfigError(f"data.balance = {d.balance} gives micro-batches of varying length that sequence "
+                          f"parallel cannot split evenly; set parallel.sp = false or data.balance = none")
+    if p.cp > 1:
+        raise ConfigError(f"data.balance = {d.balance} with parallel.cp = {p.cp} is not supported yet "
+                          f"(per-sequence context parallel is planned only); use parallel.cp = 1")
+    if d.max_tokens and d.max_tokens < m.seq_len:
+        raise ConfigError(f"data.max_tokens = {d.max_tokens} is below model.seq_len = {m.seq_len} (the longest "
+                          f"document piece); use 0 (= 2*micro_batch*seq_len) or at least {m.seq_len}")
+    if d.cost_a < 0 or d.cost_b < 0:
+        raise ConfigError(f"data.cost_a = {d.cost_a} and data.cost_b = {d.cost_b} must be >= 0 "
+                          f"(both 0 = measure; see meshfold calibrate-cost)")
+    if d.balance_tolerance < 1:
+        raise ConfigError(f"data.balance_tolerance = {d.balance_tolerance} must be >= 1 (max/mean load)")
+    if d.balance_time_limit_s <= 0:
+        raise ConfigError(f"data.balance_time_limit_s must be > 0, got {d.balance_time_limit_s}")

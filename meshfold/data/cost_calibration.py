@@ -1,0 +1,160 @@
+"""Measure the per-document cost model W(l) = a l^2 + b l on this machine.
+
+Forward + backward of the configured model (per-document attention, as the balanced
+loader runs it) on single documents of several lengths; the median time of a few repeats
+per length is fitted by non-negative least squares to a l^2 + b l + c. The constant c is
+the per-micro-batch overhead, paid once per micro-batch whatever it holds, so it is not
+part of a document's W. The planner can call ``measure_cost`` for the same numbers.
+
+``meshfold calibrate-cost CONFIG.toml`` prints a and b (and the ``--set`` lines that pin
+them); a run with ``data.cost_a = data.cost_b = 0`` measures at start on global rank 0,
+caches the result per model shape / dtype / device, and broadcasts it so every rank
+plans with the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshfold.config import Config, ModelConfig
+from meshfold.data.balance import CostModel
+
+
+@dataclass
+class CostFit:
+    a: float
+    b: float
+    c: float
+    lengths: list[int]
+    seconds: list[float]
+
+    @property
+    def model(self) -> CostModel:
+        return CostModel(self.a, self.b)
+
+    def rel_error(self) -> float:
+        """Largest relative error of the fit (a l^2 + b l + c) over the measured points."""
+        l = np.asarray(self.lengths, dtype=np.float64)
+        pred = self.a * l * l + self.b * l + self.c
+        t = np.asarray(self.seconds)
+        return float(np.max(np.abs(pred - t) / t))
+
+
+def default_lengths(seq_len: int, n: int = 6) -> list[int]:
+    lo = max(8, seq_len // 16)
+    return sorted({int(x) for x in np.linspace(lo, seq_len, n)})
+
+
+def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 lengths: list[int] | None = None, repeats: int = 3, seed: int = 0) -> CostFit:
+    from scipy.optimize import nnls
+
+    from meshfold.models.llama import Transformer, init_weights
+    from meshfold.models.varlen_attention import use_varlen_attention
+
+    device = torch.device(device)
+    lengths = lengths or default_lengths(model_cfg.seq_len)
+    model = Transformer(model_cfg)
+    init_weights(model, model_cfg, seed)
+    use_varlen_attention(model)
+    model.to(device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+
+    def once(l: int) -> float:
+        tokens = torch.randint(0, model_cfg.vocab_size, (1, l), generator=gen).to(device)
+        doc_ids = torch.zeros(1, l, dtype=torch.long, device=device)
+        positions = torch.arange(l, device=device).unsqueeze(0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = model(tokens, positions=positions, doc_ids=doc_ids)
+        logits.float().logsumexp(-1).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    once(lengths[0])  # warm-up
+    seconds = [float(np.median([once(l) for _ in range(repeats)])) for l in lengths]
+    l = np.asarray(lengths, dtype=np.float64)
+    # Scale the columns so nnls is well conditioned, then undo.
+    cols = np.stack([l * l, l, np.ones_like(l)], axis=1)
+    norm = cols.max(axis=0)
+    coef, _ = nnls(cols / norm, np.asarray(seconds))
+    a, b, c = (coef / norm).tolist()
+    return CostFit(a, b, c, list(map(int, lengths)), seconds)
+
+
+def _cache_file(cfg: Config, device: torch.device, dtype: torch.dtype):
+    from meshfold.data.tokenizer import cache_root
+
+    m = cfg.model
+    key = json.dumps([m.dim, m.n_layers, m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size, m.seq_len,
+                      m.moe_experts, m.moe_topk, str(dtype), device.type, torch.__version__, torch.get_num_threads()])
+    return cache_root(cfg.data.cache_dir) / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def cost_model_for(cfg: Config, device: torch.device, dtype: torch.dtype) -> CostModel:
+    """``data.cost_a/cost_b`` when set; otherwise measured (cached) on global rank 0 and
+    broadcast, so every rank plans identically."""
+    d = cfg.data
+    if d.cost_a or d.cost_b:
+        return CostModel(d.cost_a, d.cost_b)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    ab = torch.zeros(2, dtype=torch.float64)
+    if not distributed or dist.get_rank() == 0:
+        path = _cache_file(cfg, device, dtype)
+        if path.exists():
+            got = json.loads(path.read_text())
+            ab = torch.tensor([got["a"], got["b"]], dtype=torch.float64)
+        else:
+            fit = measure_cost(cfg.model, device, dtype)
+            ab = torch.tensor([fit.a, fit.b], dtype=torch.float64)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths,
+                                        "seconds": fit.seconds}))
+    if distributed:
+        dist.broadcast(ab, src=0)
+    return CostModel(float(ab[0]), float(ab[1]))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate-cost", help="measure the document cost model W(l) = a l^2 + b l")
+    p.add_argument("config", help="TOML config (its [model] and train.dtype/device are measured)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--lengths", default="", help="comma-separated document lengths (default: up to seq_len)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    from meshfold.config import load_config, validate
+    from meshfold.train.trainer import resolve_device, resolve_dtypes
+
+    cfg = validate(load_config(args.config, args.set))
+    device = resolve_device(cfg.train.device)
+    dtype, _ = resolve_dtypes(cfg.train.dtype, device)
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()] or None
+    fit = measure_cost(cfg.model, device, dtype, lengths, args.repeats)
+    if args.json:
+        print(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths, "seconds": fit.seconds,
+                          "max_rel_error": fit.rel_error()}))
+        return 0
+    print(f"{'tokens':>8} {'measured s':>12} {'fit s':>12}")
+    for l, s in zip(fit.lengths, fit.seconds):
+        print(f"{l:>8} {s:>12.6f} {fit.a * l * l + fit.b * l + fit.c:>12.6f}")
+    half = (fit.b / fit.a) if fit.a > 0 else float("inf")
+    print(f"W(l) = {fit.a:.4e} * l^2 + {fit.b:.4e} * l   (per-micro-batch overhead {fit.c:.4e} s; "
+          f"attention dominates beyond l = {half:.0f} tokens)")
+    print(f"--set data.cost_a={fit.a:.6e} --set data.cost_b={fit.b:.6e}")
+    return 0
