@@ -104,6 +104,13 @@ class Trainer:
         self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
+        # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
+        # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py).
+        from meshfold.train.checkpoint import Checkpointer
+        from meshfold.train.fault import FaultMonitor
+
+        self.checkpointer = Checkpointer(self)
+        self.fault = FaultMonitor(self)
 
     # ------------------------------------------------------------------ setup
 
@@ -178,7 +185,8 @@ class Trainer:
         self.last_grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip)
         if self.capture_grads:
             self.last_grads = self.full_state(grads=True)
-        self.optimizer.step()
+        if self.fault.update_allowed(self.last_grad_norm):  # non-finite grad norm: skip the update
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.all_reduce_sum(loss_sum) / global_tokens.double()
@@ -211,6 +219,7 @@ class Trainer:
 
     def fit(self) -> list[float]:
         t = self.cfg.train
+        self.checkpointer.resume()  # train.resume / train.init_from; sets self.step
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
@@ -218,7 +227,8 @@ class Trainer:
         try:
             while self.step < t.steps:
                 start = time.perf_counter()
-                loss = self.train_step()
+                with self.fault.step():  # straggler stamps; timeouts named
+                    loss = self.train_step()
                 elapsed = time.perf_counter() - start
                 self.losses.append(loss)
                 if not math.isfinite(loss) and self.rank == 0:
@@ -228,8 +238,12 @@ class Trainer:
                     record["val_loss"] = self.evaluate()
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(record)
+                self.fault.after_step()  # NaN-guard rollback
+                self.checkpointer.maybe_save()
         finally:
             logger.close()
+            self.checkpointer.close()
+            self.fault.close()
         return self.losses
 
     def step_record(self, loss: float, elapsed: float, tokens_per_step: int) -> dict:

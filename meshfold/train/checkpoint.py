@@ -1,0 +1,549 @@
+"""Distributed checkpoints: save, validate, publish atomically, resume into any layout.
+
+What a checkpoint holds (``RUN_DIR/checkpoints/step-N/``, written with
+``torch.distributed.checkpoint`` (DCP), one ``.distcp`` file per rank plus ``.metadata``):
+
+- ``model.<fqn>``: parameters by their *model* names (``layers.3.attention.wq.weight``),
+  never by wrapper names, taken with ``get_state_dict`` so FSDP2/HSDP DTensors, DDP-wrapped
+  and plain tensors all map to the same keys. DCP stores each shard with its global offsets,
+  so a checkpoint saved under one ``[parallel]`` loads under another (resharding).
+- ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<fqn>.<key>``:
+  the optimizer, flattened by parameter name (layout-independent). ZeRO-1 ranks each
+  contribute the state of the parameters they own.
+- ``scheduler``, ``sampler`` (data-loader position), ``step``, ``rng.rank<R>`` (this
+  rank's RNG states) and ``extra.<name>``: state of components registered with
+  ``Checkpointer.register(name, obj)`` (anything with ``state_dict``/``load_state_dict``,
+  e.g. the low-communication outer optimizer).
+- ``meshfold.json`` (the manifest): step, layout, model shape, and size + SHA-256 of every
+  file. A checkpoint is *published* only once complete: DCP writes into
+  ``checkpoints/.tmp-step-N``; rank 0 hashes the files, writes the manifest, fsyncs and
+  renames the folder to ``step-N`` (one atomic ``rename``). Older checkpoints are removed
+  only after a newer one is published, so a failed save (full disk) never costs the last
+  good one.
+
+On resume (``train.resume = auto``) rank 0 walks the published checkpoints newest first
+and takes the first that passes validation (manifest present, every file with the
+recorded size and hash, every model tensor with this model's shape); each one skipped is
+reported with what is wrong. All ranks then load the chosen step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+MANIFEST = "meshfold.json"
+FORMAT_VERSION = 1
+# Optimizer flags that describe the implementation, not the state: keep this run's.
+_IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the folder and what is wrong."""
+
+
+def _log(message: str) -> None:
+    print(f"meshfold: checkpoint: {message}", file=sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith("step-"):
+        return None
+    try:
+        return int(name[5:])
+    except ValueError:
+        return None
+
+
+def published(ckpt_root: Path) -> list[Path]:
+    """Published checkpoint folders, newest first (no validation)."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in ckpt_root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = None) -> dict:
+    """The manifest of ``path`` if it is complete, intact and (given ``expected_shapes``,
+    key -> global shape) fits this model; else ``CheckpointError`` saying what is wrong."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"{path}: no {MANIFEST} (partial or foreign checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"{path}: {MANIFEST} is unreadable ({err})") from None
+    for name, info in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{path}: file {name} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path}: file {name} has {size} bytes, the manifest says {info['bytes']} "
+                                  f"(truncated or overwritten)")
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"{path}: file {name} does not match its SHA-256 (corrupted bytes)")
+    if expected_shapes:
+        try:
+            meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as err:  # noqa: BLE001 - any unreadable metadata is a bad checkpoint
+            raise CheckpointError(f"{path}: DCP metadata unreadable ({type(err).__name__}: {err})") from None
+        for key, shape in expected_shapes.items():
+            got = meta.get(key)
+            if got is None:
+                raise CheckpointError(f"{path}: has no tensor {key} (saved from a different model)")
+            if isinstance(got, TensorStorageMetadata) and tuple(got.size) != tuple(shape):
+                raise CheckpointError(
+                    f"{path}: {key} has shape {tuple(got.size)} in the checkpoint but {tuple(shape)} in this "
+                    f"model; check the [model] section against {path / MANIFEST}"
+                )
+    return manifest
+
+
+def _model_parts(trainer) -> list[torch.nn.Module]:
+    """The model chunks this rank holds (pipeline stages may hold several)."""
+    return list(getattr(trainer, "model_parts", None) or [trainer.model])
+
+
+class Checkpointer:
+    """Saves and restores a ``Trainer``'s whole state; see the module docstring."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        t = trainer.cfg.train
+        self.every = t.checkpoint_every
+        self.keep = t.keep_checkpoints
+        self.use_async = t.async_checkpoint
+        self.root = Path(t.run_dir) / "checkpoints"
+        self.extras: dict[str, Any] = {}
+        self.rank = _rank()
+        self.last_saved_step: int | None = None
+        self._pending: tuple[Future, Path, int] | None = None
+        # Async saves talk over their own group so their collectives never interleave
+        # with training collectives on the main group (gloo runs them in order).
+        self._group = None
+        if self.use_async and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------ extension point
+
+    def register(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj`` (``state_dict()``/``load_state_dict()``) with every
+        checkpoint under ``extra.<name>``. Tensors in it: DTensors are resharded; plain
+        tensors are taken as identical on every rank (key them by rank if they are not)."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"checkpoint extra {name!r} needs state_dict() and load_state_dict()")
+        self.extras[name] = obj
+
+    # ------------------------------------------------------------------ state dicts
+
+    def _model_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in _model_parts(self.trainer):
+            out.update(get_model_state_dict(part))
+        return out
+
+    def _zero_one(self) -> ZeroRedundancyOptimizer | None:
+        opt = self.trainer.optimizer
+        return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
+
+    def _fqn_of_params(self) -> dict[int, str]:
+        from meshfold.parallel.data import unwrap
+
+        names = {}
+        for part in _model_parts(self.trainer):
+            for name, p in unwrap(part).named_parameters():
+                names[id(p)] = name
+        return names
+
+    def _optim_state(self) -> dict[str, Any]:
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        zero = self._zero_one()
+        if zero is None:
+            state: dict[str, Any] = {}
+            for part in _model_parts(self.trainer):
+                _, optim = get_state_dict(part, self.trainer.optimizer, options=opts)
+                state.update(optim)
+            return state
+        # ZeRO-1: each rank writes the Adam state of the parameters it owns, in the same
+        # flattened naming as every other layout; param groups are the same everywhere.
+        names = self._fqn_of_params()
+        state = {}
+        for p, s in zero.optim.state.items():
+            for k, v in s.items():
+                state[f"state.{names[id(p)]}.{k}"] = v
+        for group in zero.param_groups:
+            for p in group["params"]:
+                for k, v in group.items():
+                    if k != "params":
+                        state[f"param_groups.{names[id(p)]}.{k}"] = v
+        return state
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        out = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        tr = self.trainer
+        sd = {
+            "model": self._model_state(),
+            "optim": self._optim_state(),
+            "scheduler": tr.scheduler.state_dict(),
+            "sampler": tr.sampler.state_dict(),
+            "step": tr.step,
+            f"rng.rank{self.rank}": self._rng_state(),
+        }
+        for name, obj in self.extras.items():
+            sd[f"extra.{name}"] = obj.state_dict()
+        return sd
+
+    def expected_shapes(self) -> dict[str, tuple]:
+        return {f"model.{k}": tuple(v.shape) for k, v in self._model_state().items() if torch.is_tensor(v)}
+
+    # ------------------------------------------------------------------ saving
+
+    def maybe_save(self) -> None:
+        """Called after every step: publish a finished async save; save if it is time."""
+        self._poll()
+        step = self.trainer.step
+        if self.every > 0 and step % self.every == 0 and step != self.last_saved_step:
+            self.save()
+
+    def save(self) -> bool:
+        """Checkpoint the current step. Returns False (after logging why) if writing failed;
+        the previous good checkpoints are untouched in that case."""
+        self.wait()
+        step = self.trainer.step
+        tmp = self.root / f".tmp-step-{step}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        sd = self.state_dict()
+        self.last_saved_step = step
+        try:
+            if self.use_async:
+                future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self._group)
+                self._pending = (future, tmp, step)
+                return True
+            dcp.save(sd, checkpoint_id=str(tmp))
+        except Exception as err:  # noqa: BLE001 - a failed save must not end training
+            self._failed(tmp, step, err)
+            return False
+        return self._publish(tmp, step)
+
+    def _failed(self, tmp: Path, step: int, err: BaseException) -> None:
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            good = [p.name for p in published(self.root)]
+            _log(f"saving step {step} failed ({type(err).__name__}: {str(err).splitlines()[0][:300]}); "
+                 f"kept {', '.join(good) or 'no earlier checkpoint'}")
+
+    def _publish(self, tmp: Path, step: int) -> bool:
+        """Rank 0: hash, write the manifest, rename into place, prune. All files are
+        written when this runs (DCP's save returns after every rank finished)."""
+        ok = True
+        if self.rank == 0:
+            try:
+                self._write_manifest(tmp, step)
+                final = self.root / f"step-{step}"
+                if final.exists():  # re-saving a step (after a rollback or resume)
+                    trash = self.root / f".trash-step-{step}-{time.time_ns()}"
+                    os.rename(final, trash)
+                    shutil.rmtree(trash, ignore_errors=True)
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+                self._prune()
+            except OSError as err:
+                self._failed(tmp, step, err)
+                ok = False
+        return bool(_broadcast(ok)) if self._pending is None else ok
+
+    def _write_manifest(self, tmp: Path, step: int) -> None:
+        tr = self.trainer
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            if f.is_file() and f.name != MANIFEST:
+                files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "parallel": tr.cfg.to_dict()["parallel"],
+            "model": tr.cfg.to_dict()["model"],
+            "extras": sorted(self.extras),
+            "time": time.time(),
+            "files": files,
+        }
+        part = tmp / (MANIFEST + ".part")
+        with part.open("w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(part, tmp / MANIFEST)
+        _fsync_dir(tmp)
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        for old in published(self.root)[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        future, tmp, step = self._pending
+        try:
+            result = future.result()
+            if hasattr(result, "upload_completion"):  # AsyncSaveResponse (newer API)
+                result.upload_completion.result()
+        except Exception as err:  # noqa: BLE001
+            self._pending = None
+            self._failed(tmp, step, err)
+            return
+        self._publish(tmp, step)
+        self._pending = None
+
+    def wait(self) -> None:
+        """Block until an async save in flight is written and published."""
+        if self._pending is not None:
+            self._finish_pending()
+
+    def close(self) -> None:
+        self.wait()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    # ------------------------------------------------------------------ loading
+
+    def find_latest(self) -> Path | None:
+        """Rank 0 picks the newest checkpoint that validates (reporting every one it
+        skips); every rank gets the same answer."""
+        choice = None
+        if self.rank == 0:
+            shapes = self.expected_shapes()
+            for path in published(self.root):
+                try:
+                    validate_checkpoint(path, shapes)
+                except CheckpointError as err:
+                    _log(f"skipping {path.name}: {err}")
+                    continue
+                choice = str(path)
+                break
+        else:
+            self.expected_shapes()  # same collectives as rank 0, if any
+        choice = _broadcast(choice)
+        return Path(choice) if choice else None
+
+    def load(self, path: Path, restore_sampler: bool = True, strict_extras: bool = False) -> int:
+        """Load every piece of state from ``path`` into the trainer; returns its step."""
+        tr = self.trainer
+        meta_keys = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        sd = self.state_dict()
+        # Keys this rank may ask for: its own RNG if the checkpoint has it, extras present.
+        sd.pop(f"rng.rank{self.rank}")
+        if any(k.startswith(f"rng.rank{self.rank}.") for k in meta_keys):
+            sd[f"rng.rank{self.rank}"] = self._rng_state()
+        for name in list(self.extras):
+            if not any(k.startswith(f"extra.{name}") for k in meta_keys):
+                if strict_extras:
+                    raise CheckpointError(f"{path}: has no state for {name!r}")
+                _log(f"{path.name} has no state for {name!r}; it starts fresh")
+                sd.pop(f"extra.{name}")
+        zero = self._zero_one()
+        if zero is not None:
+            sd["optim"] = {k: v for k, v in self._zero_one_template(meta_keys).items()}
+        dcp.load(sd, checkpoint_id=str(path))
+
+        flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in tr.optimizer.param_groups]
+        if zero is None:
+            for part in _model_parts(tr):
+                set_state_dict(part, tr.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                               options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+        else:
+            for part in _model_parts(tr):
+                set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+            self._load_zero_one(sd["optim"])
+        for group, kept in zip(tr.optimizer.param_groups, flags):
+            group.update(kept)
+        tr.scheduler.load_state_dict(sd["scheduler"])
+        if restore_sampler:
+            tr.sampler.load_state_dict(sd["sampler"])
+        rng = sd.get(f"rng.rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        for name, obj in self.extras.items():
+            if f"extra.{name}" in sd:
+                obj.load_state_dict(sd[f"extra.{name}"])
+        tr.step = int(sd["step"])
+        self.last_saved_step = tr.step
+        return tr.step
+
+    def _zero_one_template(self, meta_keys: set[str]) -> dict[str, Any]:
+        """Placeholders for the optimizer keys a ZeRO-1 rank loads: the state of the
+        parameters it owns (if the checkpoint has any) and every param-group entry."""
+        zero = self._zero_one()
+        names = self._fqn_of_params()
+        out: dict[str, Any] = {}
+        owned = [p for g in zero.optim.param_groups for p in g["params"]]
+        for p in owned:
+            fqn = names[id(p)]
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                key = f"state.{fqn}.{k}"
+                if f"optim.{key}" in meta_keys:
+                    out[key] = torch.zeros((), dtype=torch.float32) if k == "step" else torch.empty_like(p)
+        for group in zero.param_groups:
+            for p in group["params"]:
+                for k, v in group.items():
+                    if k != "params" and f"optim.param_groups.{names[id(p)]}.{k}" in meta_keys:
+                        out[f"param_groups.{names[id(p)]}.{k}"] = v
+        return out
+
+    def _load_zero_one(self, flat: dict[str, Any]) -> None:
+        zero = self._zero_one()
+        names = self._fqn_of_params()
+        for g in zero.optim.param_groups:
+            for p in g["params"]:
+                fqn = names[id(p)]
+                state = {k: flat[f"state.{fqn}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")
+                         if f"state.{fqn}.{k}" in flat}
+                if state:
+                    zero.optim.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in state.items()}
+        for group in zero.param_groups:
+            fqn = names[id(group["params"][0])]
+            for k in list(group):
+                if k != "params" and f"param_groups.{fqn}.{k}" in flat:
+                    group[k] = flat[f"param_groups.{fqn}.{k}"]
+
+    def load_model_only(self, path: Path) -> None:
+        """``train.init_from``: parameters only (e.g. a converted Hugging Face model)."""
+        shapes = self.expected_shapes() if self.rank == 0 else None
+        error = None
+        if self.rank == 0:
+            try:
+                validate_checkpoint(path, shapes)
+            except CheckpointError as err:
+                error = str(err)
+        error = _broadcast(error)
+        if error:
+            raise CheckpointError(f"train.init_from: {error}")
+        sd = {"model": self._model_state()}
+        dcp.load(sd, checkpoint_id=str(path))
+        for part in _model_parts(self.trainer):
+            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+
+    def resume(self) -> int | None:
+        """At the start of ``fit``: resume from the newest good checkpoint
+        (``train.resume = auto``), else start from ``train.init_from`` if set."""
+        t = self.trainer.cfg.train
+        if t.resume == "auto":
+            path = self.find_latest()
+            if path is not None:
+                step = self.load(path)
+                if self.rank == 0:
+                    _log(f"resumed from {path} (step {step})")
+                    self._trim_metrics(step)
+                    self._clear_temporaries()
+                return step
+        if t.init_from:
+            self.load_model_only(Path(t.init_from))
+            if self.rank == 0:
+                _log(f"initialised the model from {t.init_from}")
+        return None
+
+    def rollback(self) -> int | None:
+        """Back to the newest good checkpoint, keeping the data position (the batches
+        that produced non-finite values are not replayed). None if there is none."""
+        self.wait()
+        path = self.find_latest()
+        if path is None:
+            return None
+        return self.load(path, restore_sampler=False)
+
+    def _trim_metrics(self, step: int) -> None:
+        """Drop metrics lines of steps after the resumed one (they will be redone)."""
+        path = Path(self.trainer.cfg.train.run_dir) / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue  # a line cut by the crash
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+
+    def _clear_temporaries(self) -> None:
+        for p in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(p, ignore_errors=True)

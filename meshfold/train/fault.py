@@ -1,0 +1,397 @@
+"""Fault handling around the training step: NaN/Inf guard with rollback, straggler
+detection, and collective timeouts that end the job with a named rank and operation.
+
+NaN/Inf guard
+    The global gradient norm (already reduced over every rank by the clip) decides: if it
+    is not finite, no rank applies the update (all see the same norm, so they agree without
+    another collective); the step is logged with ``nonfinite: true``. After
+    ``train.nan_guard_rollback`` such steps in a row the trainer goes back to the newest
+    good checkpoint (model, optimizer, scheduler, step) but keeps its data position, so the
+    batches that blew up are not replayed.
+
+Straggler detection (C4 / MegaScale style)
+    Every collective issued through ``torch.distributed`` from Python (the trainer's own,
+    FSDP2's all-gathers and reduce-scatters, the DDP comm hook's all-reduces, pipeline
+    sends) is stamped with the wall-clock time this rank *entered* it. Every
+    ``train.straggler_every`` steps the stamps of that step are gathered; for every
+    collective (matched by group and sequence number) a rank's lateness is how much later
+    it entered than the earliest rank. The lag a rank adds is the sum of the increases of
+    its lateness along each group's sequence (so a late rank issuing several back-to-back
+    asynchronous collectives counts once). A rank whose lag exceeds
+    ``train.straggler_margin`` x the median step time is named in the log and in
+    ``metrics.jsonl`` (``straggler``). Time spent blocked inside synchronous collectives is
+    reported per rank too (``wait``). Needs a common clock (one host, or NTP-synchronised
+    hosts: offsets well below the margin).
+
+Collective timeout
+    Every process group gets ``train.collective_timeout_s`` as its timeout. When a
+    collective times out, this rank names itself, the operation in flight (name, ranks,
+    caller) and, from a ``monitored_barrier`` on a spare group, which ranks do not respond,
+    and raises ``CollectiveTimeoutError``: the CLI prints it and exits non-zero, the
+    launcher stops the job. A watchdog thread ends the process with the same kind of message
+    if a step outlives the timeout by a wide grace without any timeout firing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import math
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch.distributed as dist
+
+from meshfold.comm import ledger
+
+# torch.distributed functions stamped by the tracker (all the ones parallel code calls).
+TRACKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+           "broadcast", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
+           "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
+
+_BROKEN = False  # set when a collective timed out: the group cannot be trusted at shutdown
+
+
+def group_broken() -> bool:
+    return _BROKEN
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not finish within ``train.collective_timeout_s``."""
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite steps kept coming and there was no checkpoint to roll back to."""
+
+
+def _log(message: str) -> None:
+    print(f"meshfold: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- tracker
+
+
+class CollectiveTracker:
+    """Per-process record of collectives: the one in flight (for timeout messages) and,
+    while ``recording``, each call's (group, sequence number, entry time, blocking time)."""
+
+    def __init__(self):
+        self.inflight: tuple[str, tuple, str, float] | None = None
+        self.last_issued: tuple[str, tuple, str, float] | None = None
+        self.recording = False
+        self.stamps: list[tuple[tuple, int, float]] = []
+        self.seq: dict[tuple, int] = defaultdict(int)
+        self.wait_s = 0.0
+        self._ranks: dict[int, tuple] = {}
+
+    def reset(self, recording: bool) -> None:
+        self.recording = recording
+        self.stamps, self.seq, self.wait_s = [], defaultdict(int), 0.0
+
+    def ranks_of(self, group) -> tuple:
+        if group is None:
+            return ("world",)
+        key = id(group)
+        if key not in self._ranks:
+            try:
+                self._ranks[key] = (group, tuple(dist.get_process_group_ranks(group)))
+            except Exception:  # noqa: BLE001 - e.g. a rank outside the group
+                self._ranks[key] = (group, ("?",))
+        return self._ranks[key][1]
+
+    def call(self, name, fn, sig, args, kwargs):
+        try:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        ranks = self.ranks_of(bound.get("group"))
+        async_op = bool(bound.get("async_op", False)) or name in ("isend", "irecv")
+        start = time.time()
+        op = (name, ranks, _caller(), start)
+        self.last_issued = op
+        if self.recording:
+            self.seq[ranks] += 1
+            self.stamps.append((ranks, self.seq[ranks], start))
+        if async_op:
+            return fn(*args, **kwargs)
+        self.inflight = op
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.inflight = None
+            self.wait_s += time.time() - start
+
+
+def _caller() -> str:
+    """file:line of the nearest caller outside torch (cheap: walks a few frames)."""
+    frame = sys._getframe(3)
+    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    short = path.split(f"{os.sep}meshfold{os.sep}", 1)[-1] if "meshfold" in path else os.path.basename(path)
+    return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+_TRACKER: CollectiveTracker | None = None
+
+
+def tracker() -> CollectiveTracker:
+    """Install the stamping wrappers on ``torch.distributed`` once per process."""
+    global _TRACKER
+    if _TRACKER is None:
+        _TRACKER = CollectiveTracker()
+        for name in TRACKED:
+            fn = getattr(dist, name, None)
+            if fn is None or getattr(fn, "_meshfold_tracked", False):
+                continue
+            setattr(dist, name, _wrap(name, fn))
+    return _TRACKER
+
+
+def _wrap(name, fn):
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def tracked(*args, **kwargs):
+        t = _TRACKER
+        if t is None:
+            return fn(*args, **kwargs)
+        return t.call(name, fn, sig, args, kwargs)
+
+    tracked._meshfold_tracked = True
+    return tracked
+
+
+def straggler_lag(stamps_by_rank: list[list[tuple[tuple, int, float]]]) -> list[float]:
+    """Seconds each rank made the others wait: for every group's sequence of collectives,
+    the positive increases of the rank's lateness (entry time minus the earliest entry)."""
+    entries: dict[tuple, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for rank, stamps in enumerate(stamps_by_rank):
+        for group, seq, t in stamps:
+            entries[group][seq][rank] = t
+    lag = [0.0] * len(stamps_by_rank)
+    for by_seq in entries.values():
+        previous: dict[int, float] = {}
+        for seq in sorted(by_seq):
+            times = by_seq[seq]
+            if len(times) < 2:
+                continue
+            first = min(times.values())
+            for rank, t in times.items():
+                late = t - first
+                lag[rank] += max(0.0, late - previous.get(rank, 0.0))
+                previous[rank] = late
+    return lag
+
+
+# --------------------------------------------------------------------------- monitor
+
+
+class FaultMonitor:
+    """One per ``Trainer``: wraps each step (``with monitor.step():``), decides whether an
+    update may be applied, and runs the straggler check and rollback after the step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        t = trainer.cfg.train
+        self.rank = trainer.rank
+        self.world = trainer.world
+        self.rollback_after = t.nan_guard_rollback
+        self.every = t.straggler_every
+        self.margin = t.straggler_margin
+        self.timeout_s = t.collective_timeout_s
+        self.nonfinite_in_a_row = 0
+        self.skipped_steps = 0
+        self.rollbacks: dict[int, int] = defaultdict(int)
+        self.step_times: list[float] = []
+        self.tracker = None
+        self._probe_group = None
+        self._step_started: float | None = None
+        if self.world > 1 and dist.is_initialized():
+            self.tracker = tracker()
+            self._set_timeouts()
+            # A spare group for naming unresponsive ranks after a timeout.
+            self._probe_group = dist.new_group(backend="gloo",
+                                               timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._watchdog = threading.Thread(target=self._watch, daemon=True, name="meshfold-watchdog")
+            self._stop = threading.Event()
+            self._watchdog.start()
+
+    def _set_timeouts(self) -> None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        for group in list(_world.pg_map):
+            try:
+                _set_pg_timeout(timeout, group)
+            except (ValueError, AssertionError, RuntimeError):
+                continue  # a group this rank is not in
+
+    # ------------------------------------------------------------------ NaN guard
+
+    def update_allowed(self, grad_norm) -> bool:
+        """False (and logged) when the global gradient norm is not finite."""
+        if math.isfinite(float(grad_norm)):
+            self.nonfinite_in_a_row = 0
+            return True
+        self.nonfinite_in_a_row += 1
+        self.skipped_steps += 1
+        step = self.trainer.step + 1
+        self.trainer.step_metrics.update(nonfinite=True, skipped_steps=self.skipped_steps)
+        if self.rank == 0:
+            _log(f"non-finite gradient norm at step {step}: update skipped "
+                 f"({self.nonfinite_in_a_row} in a row; rollback after train.nan_guard_rollback = "
+                 f"{self.rollback_after})")
+        return False
+
+    def _maybe_rollback(self) -> None:
+        if self.rollback_after <= 0 or self.nonfinite_in_a_row < self.rollback_after:
+            return
+        step = self.trainer.step
+        self.nonfinite_in_a_row = 0
+        ckpt = getattr(self.trainer, "checkpointer", None)
+        target = ckpt.rollback() if ckpt is not None else None
+        if target is None:
+            raise NonFiniteError(
+                f"{self.rollback_after} non-finite steps in a row at step {step} and no checkpoint to roll back "
+                f"to; set train.checkpoint_every, lower train.lr or raise train.grad_clip"
+            )
+        self.rollbacks[target] += 1
+        if self.rollbacks[target] > MAX_ROLLBACKS:
+            raise NonFiniteError(
+                f"rolled back to step {target} {MAX_ROLLBACKS} times and the steps after it keep going "
+                f"non-finite; lower train.lr or check the data"
+            )
+        self.trainer.step_metrics["rolled_back_to"] = target
+        if self.rank == 0:
+            _log(f"{self.rollback_after} non-finite steps in a row: rolled back from step {step} to the "
+                 f"checkpoint of step {target} (data continues from where it was)")
+
+    # ------------------------------------------------------------------ step wrapper
+
+    def step(self):
+        return _StepScope(self)
+
+    def _begin(self) -> None:
+        if self.tracker is not None:
+            check = self.every > 0 and (self.trainer.step + 1) % self.every == 0
+            self.tracker.reset(recording=check)
+        self._step_started = time.time()
+
+    def _end(self, elapsed: float) -> None:
+        self._step_started = None
+        self.step_times.append(elapsed)
+        if self.tracker is not None and self.tracker.recording:
+            self.tracker.recording = False
+            self._straggler_check(elapsed)
+
+    def after_step(self) -> None:
+        """After the step is logged: roll back if too many non-finite steps in a row."""
+        self._maybe_rollback()
+
+    def _straggler_check(self, elapsed: float) -> None:
+        mine = (self.tracker.stamps, elapsed, self.tracker.wait_s)
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        ledger().record("fault", "all_gather", sum(len(g[0]) for g in gathered) * 48, self.world)
+        stamps = [g[0] for g in gathered]
+        step_s = [g[1] for g in gathered]
+        wait_s = [g[2] for g in gathered]
+        lag = straggler_lag(stamps)
+        median = statistics.median(step_s)
+        slow = [r for r, x in enumerate(lag) if x > self.margin * median]
+        self.trainer.step_metrics["straggler"] = {"ranks": slow, "lag_s": [round(x, 4) for x in lag],
+                                                  "wait_s": [round(x, 4) for x in wait_s]}
+        if slow and self.rank == 0:
+            named = ", ".join(f"rank {r} (peers waited {lag[r]:.3f} s for it)" for r in slow)
+            _log(f"straggler at step {self.trainer.step}: {named}; more than train.straggler_margin = "
+                 f"{self.margin} of the {median:.3f} s step. Lag by rank: "
+                 f"{[round(x, 3) for x in lag]}; time blocked in collectives by rank: "
+                 f"{[round(x, 3) for x in wait_s]}")
+
+    # ------------------------------------------------------------------ timeouts
+
+    def _describe(self) -> str:
+        op = (self.tracker.inflight or self.tracker.last_issued) if self.tracker else None
+        if op is None:
+            return "a collective"
+        name, ranks, caller, _ = op
+        where = "in flight" if op is self.tracker.inflight else "last issued (asynchronous)"
+        return f"collective {name} on ranks {list(ranks)} ({where}, from {caller})"
+
+    def _unresponsive(self) -> str:
+        """Ask the spare group who is there: rank 0 hears from everyone that is alive."""
+        if self._probe_group is None:
+            return "unknown"
+        probe = datetime.timedelta(seconds=max(1.0, min(10.0, self.timeout_s / 2)))
+        try:
+            dist.monitored_barrier(group=self._probe_group, timeout=probe, wait_all_ranks=True)
+        except RuntimeError as err:
+            found = re.search(r"[Rr]anks? ([\d, ]+) failed", str(err))
+            if found:
+                return f"rank(s) {found.group(1).strip()} (they did not reach a monitored barrier)"
+            return "rank 0 (the monitor did not answer)" if self.rank != 0 else "unknown"
+        return "none now (every rank answered the probe: a rank arrived late, or called a different collective)"
+
+    def timed_out(self, err: BaseException) -> CollectiveTimeoutError:
+        global _BROKEN
+        _BROKEN = True
+        what = self._describe()
+        missing = self._unresponsive()
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: {what} did not finish within train.collective_timeout_s = {self.timeout_s:g} s "
+            f"at step {self.trainer.step + 1}; not responding: {missing}. Ending the job "
+            f"(backend said: {str(err).splitlines()[0][:200]})"
+        )
+
+    def _watch(self) -> None:
+        """Backstop for hangs no timeout catches: end the process with a message."""
+        grace = self.timeout_s + max(30.0, self.timeout_s)
+        while not self._stop.wait(1.0):
+            started = self._step_started
+            if started is not None and time.time() - started > grace:
+                _log(f"rank {self.rank}: step {self.trainer.step + 1} has run {time.time() - started:.0f} s, "
+                     f"past train.collective_timeout_s = {self.timeout_s:g} s with no timeout firing; "
+                     f"{self._describe()}. Ending the job.")
+                os._exit(124)
+
+    def close(self) -> None:
+        if self._probe_group is not None:
+            self._stop.set()
+            if not _BROKEN:
+                dist.destroy_process_group(self._probe_group)
+            self._probe_group = None
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, getattr(dist, "DistBackendError", ())) or "timed out" in text or "timeout" in text
+
+
+class _StepScope:
+    def __init__(self, monitor: FaultMonitor):
+        self.monitor = monitor
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.monitor._begin()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        m = self.monitor
+        if exc is not None:
+            m._step_started = None
+            if m.tracker is not None and isinstance(exc, RuntimeError) and _is_timeout(exc):
+                raise m.timed_out(exc) from exc
+            return False
+        m._end(time.perf_counter() - self.start)
+        return False
