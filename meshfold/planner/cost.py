@@ -221,205 +221,261 @@ def _split(total: int, parts: int) -> list[int]:
 # --------------------------------------------------------------------------- the model
 
 
-def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
-    """Predict one layout. Raises ValueError for layouts that do not tile the batch."""
-    m, s = w.model, w.s
-    pb, gb, ob, act = DTYPE_BYTES[w.dtype]
-    tp, pp, cp, v = L.tp, L.pp, L.cp, (L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1)
-    dp, b = L.dp, L.micro_batch
-    if w.global_batch % dp or (w.global_batch // dp) % b:
-        raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
-    n_micro = w.global_batch // dp // b
-    s_loc = s // cp
-    tokens = b * s_loc  # per micro-batch per device (before tp, which splits work not tokens)
-    peak = cluster.device.peak_tflops * 1e12
-    hbm = cluster.device.hbm_GBps * 1e9
-    h, V = m.dim, m.vocab_size
+class CostModel:
+    """The cost model for one workload on one cluster. Pieces that many layouts share
+    (per-layer times, stage splits) are cached, so a search evaluates a layout in tens of
+    microseconds; ``estimate`` is the one entry point and gives the same numbers cached
+    or not."""
 
-    # ---- strides of each mesh dimension's groups (tp innermost)
-    st_tp, st_cp = 1, tp
-    st_dps = tp * cp
-    st_dpr = tp * cp * L.dp_shard
-    st_pp = tp * cp * dp
+    def __init__(self, w: Workload, cluster: Cluster):
+        self.w, self.c = w, cluster
+        m = w.model
+        self.kinds = [m.is_moe_layer(i) for i in range(m.n_layers)]
+        self._layer_cache: dict = {}
+        self._stage_cache: dict = {}
+        self.peak = cluster.device.peak_tflops * 1e12
+        self.hbm = cluster.device.hbm_GBps * 1e9
+        self.causal = 0.5 if w.flash else 1.0
+        self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * m.n_layers * self.causal)
 
-    # ---- per-layer quantities (dense layer; MoE experts split over ep)
-    attn_p = attention_params(m)
-    layers = range(m.n_layers)
-    ffn_active = [ffn_params(m, i, active=True) for i in layers]
-    ffn_total = [ffn_params(m, i) for i in layers]
-    norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
-    ep = max(1, L.ep)
-    layer_params = [attn_p / tp + (ffn_total[i] / (tp * (ep if m.is_moe_layer(i) else 1))) + norm_p for i in layers]
+    # ---- per layer (one micro-batch on one device), by kind (dense / MoE)
+    def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str) -> dict:
+        key = (tp, sp, cp, cp_mode, ep, b, recompute)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return hit
+        w, c, m = self.w, self.c, self.w.model
+        pb, gb, ob, act = DTYPE_BYTES[w.dtype]
+        s, h, V = w.s, m.dim, m.vocab_size
+        s_loc = s // cp
+        tokens = b * s_loc
+        peak, hbm = self.peak, self.hbm
+        eff = matmul_efficiency(c, h / tp)
+        attn_p = attention_params(m)
+        norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
+        attn_core = 4 * tokens * s * h / tp * self.causal  # QK^T and AV for this device's queries
+        act_full = layer_activation_bytes(m, s_loc, b, tp, sp, "none", act, w.flash, w.dropout)
+        act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout)
+        elementwise_fwd = c.elementwise_traffic * act_full / hbm / 3  # forward a third, backward two
+        overhead = c.device.layer_overhead_us * 1e-6
+        # Tensor parallel: 2 all-reduces (with sp: all-gather + reduce-scatter, the same
+        # bytes) of the b*s*h activations per layer forward, 2 in backward.
+        tp_bytes = act * tokens * h
+        tp_ar = collective_time(c, "all_reduce", tp_bytes, tp, 1)
+        # Context parallel. Ring: K,V go around (cp-1 hops) forward, K,V and dK,dV
+        # backward, each hop hidden behind the attention block it feeds. Ulysses: 4
+        # all-to-alls (q, k, v, out) forward, 4 backward.
+        hkv = m.kv_heads * m.head_dim
+        cp_fwd = cp_sent = 0.0
+        if cp > 1 and cp_mode == "ulysses":
+            size = act * tokens * h / tp
+            cp_fwd = 4 * collective_time(c, "all_to_all", size, cp, tp)
+            cp_sent = 4 * RING["all_to_all"](cp) * size
+        elif cp > 1:
+            kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
+            alpha, beta = c.link(tp, cp)
+            hop = alpha + kv / beta
+            cp_fwd = max((cp - 1) * hop - attn_core / (peak * eff), hop)
+            cp_sent = (cp - 1) * kv
+        out = {}
+        for moe in set(self.kinds):
+            ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
+            ffn_total = ffn_params(m, 0 if not moe else self.kinds.index(True))
+            fwd_c = (2 * (attn_p + ffn_active) / tp * tokens + attn_core) / (peak * eff)
+            fwd = fwd_c + elementwise_fwd + 2 * tp_ar + cp_fwd + overhead / 3
+            if recompute == "full":
+                rec = fwd
+            elif recompute == "selective":
+                rec = attn_core / (peak * eff) + elementwise_fwd / 2
+            else:
+                rec = 0.0
+            bwd = 2 * fwd_c + 2 * elementwise_fwd + 2 * tp_ar + 2 * cp_fwd + rec + 2 * overhead / 3
+            params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
+            out[moe] = (fwd, bwd, params, fwd_c)
+        out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
+        hit = dict(kinds=out, out_fwd=out_fwd, out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
+                   tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
+                   p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp)
+        self._layer_cache[key] = hit
+        return hit
 
-    eff = matmul_efficiency(cluster, h / tp)
-    causal = 0.5 if w.flash else 1.0
-    attn_core = 4 * tokens * s * h / tp * causal  # QK^T and AV, forward, this device's queries
-    layer_fwd_flops = [2 * (attn_p + ffn_active[i]) / tp * tokens + attn_core for i in layers]
-    act_full = layer_activation_bytes(m, s_loc, b, tp, L.sp, "none", act, w.flash, w.dropout)
-    act_kept = layer_activation_bytes(m, s_loc, b, tp, L.sp, L.recompute, act, w.flash, w.dropout)
-    elementwise_fwd = cluster.elementwise_traffic * act_full / hbm / 3  # fwd third, bwd two thirds
-    overhead = cluster.device.layer_overhead_us * 1e-6
+    # ---- pipeline stages: contiguous chunks, the first chunks take the remainder
+    def stage_kinds(self, pp: int, v: int) -> list[dict]:
+        key = (pp, v)
+        hit = self._stage_cache.get(key)
+        if hit is None:
+            counts = _split(len(self.kinds), pp * v)
+            hit = [dict() for _ in range(pp)]
+            start = 0
+            for chunk, n in enumerate(counts):
+                for i in range(start, start + n):
+                    hit[chunk % pp][self.kinds[i]] = hit[chunk % pp].get(self.kinds[i], 0) + 1
+                start += n
+            self._stage_cache[key] = hit
+        return hit
 
-    # Tensor parallel: 2 all-reduces (or all-gather + reduce-scatter with sp: same bytes)
-    # of the b*s*h activations per layer forward, 2 in backward, 2 more when recomputing.
-    tp_bytes_op = act * tokens * h
-    tp_ar = collective_time(cluster, "all_reduce", tp_bytes_op, tp, st_tp)
-    # Context parallel: ring passes K and V around (cp-1 hops) forward, K,V and dK,dV
-    # backward; Ulysses: 4 all-to-alls of q,k,v,out forward and 4 backward.
-    hkv = m.kv_heads * m.head_dim
-    if cp > 1 and L.cp_mode == "ulysses":
-        cp_fwd_bytes = 4 * act * tokens * h / tp
-        cp_fwd = 4 * collective_time(cluster, "all_to_all", act * tokens * h / tp, cp, st_cp)
-        cp_fwd_sent = 4 * RING["all_to_all"](cp) * act * tokens * h / tp
-    elif cp > 1:
-        kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
-        alpha, beta = cluster.link(st_cp, cp)
-        cp_fwd = (cp - 1) * (alpha + kv / beta)
-        cp_fwd_sent = (cp - 1) * kv
-        # ring hops overlap with the attention block they feed: only what exceeds it shows
-        cp_fwd = max(cp_fwd - attn_core / (peak * eff), cp_fwd / max(1, cp - 1) if cp > 1 else 0.0)
-    else:
-        cp_fwd = cp_fwd_sent = 0.0
+    def estimate(self, L: Layout) -> Estimate:
+        """Predict one layout. Raises ValueError for layouts that do not tile the batch."""
+        w, c, m = self.w, self.c, self.w.model
+        pb, gb, ob, act = DTYPE_BYTES[w.dtype]
+        tp, pp, cp = L.tp, L.pp, L.cp
+        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        dp, b = L.dp, L.micro_batch
+        if w.global_batch % dp or (w.global_batch // dp) % b:
+            raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
+        n_micro = w.global_batch // dp // b
+        T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute)
+        kinds = T["kinds"]
+        V, h = m.vocab_size, m.dim
+        # strides of each mesh dimension's groups, tp innermost (meshfold/mesh.py)
+        # FSDP shards over (dp_shard, cp) flattened: stride tp; replicas stride tp*cp*dp_shard
+        st_dps, st_dpr, st_pp = tp, tp * cp * L.dp_shard, tp * cp * dp
 
-    recompute_fwd = {"none": 0.0, "selective": 1.0, "full": 1.0}[L.recompute]
-
-    def layer_times(i: int) -> tuple[float, float]:
-        fwd_c = layer_fwd_flops[i] / (peak * eff)
-        fwd = fwd_c + elementwise_fwd + 2 * tp_ar + cp_fwd + overhead / 3
-        if L.recompute == "full":
-            rec = fwd
-        elif L.recompute == "selective":
-            rec = attn_core / (peak * eff) + (elementwise_fwd / 2)
+        if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans
+            alpha, beta = c.link(st_pp, pp)
+            p2p = alpha + T["p2p_bytes"] / beta
         else:
-            rec = 0.0
-        bwd = 2 * fwd_c + 2 * elementwise_fwd + 2 * tp_ar + 2 * cp_fwd + rec * recompute_fwd + 2 * overhead / 3
-        return fwd, bwd
+            p2p = 0.0
+        stages = self.stage_kinds(pp, v)
+        t_f = t_b = 0.0
+        stage_params, stage_layers = [], []
+        for st, counts in enumerate(stages):
+            f = sum(kinds[k][0] * n for k, n in counts.items())
+            bw = sum(kinds[k][1] * n for k, n in counts.items())
+            params = sum(kinds[k][2] * n for k, n in counts.items()) + m.dim
+            if st == 0:
+                params += T["emb"]
+            if st == pp - 1:
+                f, bw = f + T["out_fwd"], bw + T["out_bwd"]
+                params += 0 if (m.tie_embeddings and pp == 1) else T["emb"]
+            if pp > 1:
+                f, bw = f + v * p2p, bw + v * p2p
+            t_f, t_b = max(t_f, f), max(t_b, bw)
+            stage_params.append(params)
+            stage_layers.append(sum(counts.values()))
+        makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
 
-    per_layer = [layer_times(i) for i in layers]
-    out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
-    out_bwd = 2 * out_fwd
-
-    # ---- pipeline stages: contiguous layers, first stages take the remainder
-    counts = _split(m.n_layers, pp * v)
-    stage_layers: list[list[int]] = [[] for _ in range(pp)]
-    start = 0
-    for chunk, c in enumerate(counts):
-        stage_layers[chunk % pp].extend(range(start, start + c))
-        start += c
-    p2p_bytes = act * tokens * h / (tp if L.sp else 1)
-    if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans
-        alpha, beta = cluster.link(st_pp, pp)
-        p2p = alpha + p2p_bytes / beta
-    else:
-        p2p = 0.0
-    t_f = t_b = 0.0
-    stage_params = []
-    for st in range(pp):
-        f = sum(per_layer[i][0] for i in stage_layers[st])
-        bw = sum(per_layer[i][1] for i in stage_layers[st])
-        emb = V * h / tp if st == 0 else 0
-        if st == pp - 1:
-            f, bw = f + out_fwd, bw + out_bwd
-            emb += 0 if (m.tie_embeddings and pp == 1) else V * h / tp
-        if pp > 1:
-            f, bw = f + v * p2p, bw + v * p2p
-        t_f, t_b = max(t_f, f), max(t_b, bw)
-        stage_params.append(sum(layer_params[i] for i in stage_layers[st]) + emb + m.dim)
-    makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
-
-    # ---- data parallel: gradient reduction (and ZeRO gathers), over dp x cp ranks
-    P0 = stage_params[0]  # rank 0's stage, for comm_bytes
-    Pmax = max(stage_params)
-    n_shard, n_rep = L.dp_shard * cp, L.dp_replicate
-    n_all = dp * cp
-    comm: dict[str, float] = {}
-    dp_exposed = 0.0
-    if L.zero >= 2 and n_shard > 1:
-        # FSDP2 per micro-batch: all-gather each block (twice with ZeRO-3: forward and
-        # backward, the root module once), reduce-scatter its gradients, HSDP all-reduce.
-        def fsdp(P: float, root_frac: float) -> tuple[float, float]:
-            gathers = (2 - root_frac) if L.zero == 3 else 1.0
-            t = (gathers * collective_time(cluster, "all_gather", P * pb, n_shard, st_dps)
-                 + collective_time(cluster, "reduce_scatter", P * gb, n_shard, st_dps)
-                 + collective_time(cluster, "all_reduce", P * gb / n_shard, n_rep, st_dpr))
-            sent = (gathers * RING["all_gather"](n_shard) * P * pb + RING["reduce_scatter"](n_shard) * P * gb
-                    + (RING["all_reduce"](n_rep) * P * gb / n_shard if n_rep > 1 else 0))
-            return t, sent
-        root0 = (stage_params[0] - sum(layer_params[i] for i in stage_layers[0])) / max(stage_params[0], 1)
-        t_mb, _ = fsdp(Pmax, 0.0)
-        _, sent_mb = fsdp(P0, root0)
-        comm["dp"] = sent_mb * n_micro
-        hide = cluster.overlap * (t_f + t_b)
-        n_blocks = max(1, len(stage_layers[0]))
-        dp_exposed = n_micro * max(t_mb - hide, t_mb / (n_blocks + 1))
-    elif n_all > 1:
-        # DDP: one all-reduce of the gradients after the last micro-batch's backward,
-        # bucketed, overlapping that backward; ZeRO-1 then gathers the updated shards.
-        t_ar = collective_time(cluster, "all_reduce", Pmax * gb, n_all, st_dps if L.dp_replicate == 1 else tp)
-        comm["dp"] = RING["all_reduce"](n_all) * P0 * gb
-        t_z1 = 0.0
-        if L.zero == 1 and n_shard > 1:
-            t_z1 = collective_time(cluster, "all_gather", Pmax * pb, n_shard, st_dps)
-            comm["dp"] += RING["all_gather"](n_shard) * P0 * pb
-        last_bucket = t_ar * min(1.0, 25e6 / max(Pmax * gb, 1))
-        dp_exposed = max(t_ar - cluster.overlap * t_b / max(1, v), last_bucket) + t_z1
-    if tp > 1:
+        # ---- data parallel: gradient reduction (and ZeRO gathers) over dp x cp ranks
+        P0, Pmax = stage_params[0], max(stage_params)
+        max_block = max(k[2] for k in kinds.values())
+        n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, dp * cp
+        comm: dict[str, float] = {}
+        dp_exposed = 0.0
+        fsdp = L.zero >= 2 and n_shard > 1
+        if fsdp:
+            # FSDP2 per micro-batch: all-gather each block (ZeRO-3: again in backward,
+            # the root module once), reduce-scatter its gradients, HSDP all-reduce.
+            root_max = Pmax - (Pmax - m.dim if pp > 1 else 0)
+            gathers = 2.0 if L.zero == 3 else 1.0
+            t_mb = (gathers * collective_time(c, "all_gather", Pmax * pb, n_shard, st_dps)
+                    + collective_time(c, "reduce_scatter", Pmax * gb, n_shard, st_dps)
+                    + collective_time(c, "all_reduce", Pmax * gb / n_shard, n_rep, st_dpr))
+            root0 = P0 - sum(kinds[k][2] * n for k, n in stages[0].items())
+            g0 = (2 * P0 - root0) if L.zero == 3 else P0
+            sent = (RING["all_gather"](n_shard) * g0 * pb + RING["reduce_scatter"](n_shard) * P0 * gb
+                    + (RING["all_reduce"](n_rep) * P0 * gb / n_shard if n_rep > 1 else 0.0))
+            comm["dp"] = sent * n_micro
+            hide = c.overlap * (t_f + t_b)
+            dp_exposed = n_micro * max(t_mb - hide, t_mb / (stage_layers[0] + 1))
+            del root_max
+        elif n_all > 1:
+            # DDP: all-reduce of the gradients in 25 MB buckets during the last
+            # micro-batch's backward; ZeRO-1 then all-gathers the updated shards.
+            t_ar = collective_time(c, "all_reduce", Pmax * gb, n_all, tp)
+            comm["dp"] = RING["all_reduce"](n_all) * P0 * gb
+            t_z1 = 0.0
+            if L.zero == 1 and n_shard > 1:
+                t_z1 = collective_time(c, "all_gather", Pmax * pb, n_shard, st_dps)
+                comm["dp"] += RING["all_gather"](n_shard) * P0 * pb
+            last_bucket = t_ar * min(1.0, 25e6 / max(Pmax * gb, 1.0))
+            dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1
         per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
-        comm["tp"] = len(stage_layers[0]) * per_layer_ops * RING["all_reduce"](tp) * tp_bytes_op * n_micro
-    if pp > 1:
-        comm["pp"] = 2 * v * p2p_bytes * n_micro if pp > 1 else 0  # rank 0 sends activations, receives grads
-        comm["pp"] = v * p2p_bytes * n_micro  # stage 0 sends forward activations only
-    if cp > 1:
-        comm["cp"] = 3 * cp_fwd_sent * len(stage_layers[0]) * n_micro
+        if tp > 1:
+            comm["tp"] = stage_layers[0] * per_layer_ops * RING["all_reduce"](tp) * T["tp_bytes"] * n_micro
+        if pp > 1:
+            comm["pp"] = v * T["p2p_bytes"] * n_micro  # stage 0 sends activations forward
+        if cp > 1:
+            comm["cp"] = 3 * T["cp_sent"] * stage_layers[0] * n_micro
 
-    # ---- optimizer step: memory-bound pass over the local shard of states
-    shards = n_shard if L.zero >= 1 else 1
-    opt_time = Pmax * (pb + gb + ob) * 2 / max(1, shards if L.zero >= 1 else 1) / hbm
-    # loss / token-count / grad-norm all-reduces over the world: latency-bound
-    small = 3 * collective_time(cluster, "all_reduce", 8, L.world, 1) if L.world > 1 else 0.0
-    step = makespan + dp_exposed + opt_time + small + cluster.step_overhead_s
+        # ---- optimizer step: one memory-bound pass over the local states
+        shards = n_shard if L.zero >= 1 else 1
+        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
+        # loss, token count and grad-norm all-reduces over everyone: latency-bound
+        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1) if L.world > 1 else 0.0
+        step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
 
-    compute = sum(layer_fwd_flops[i] for i in stage_layers[0])  # informative only
-    time = {
-        "compute_fwd_bwd": n_micro * (t_f + t_b),
-        "of_which_tp_comm": n_micro * sum(4 * tp_ar for _ in stage_layers[0]),
-        "of_which_cp_comm": n_micro * 3 * cp_fwd * len(stage_layers[0]),
-        "of_which_pp_p2p": n_micro * 2 * v * p2p,
-        "pipeline_bubble": bubble,
-        "dp_exposed": dp_exposed,
-        "optimizer": opt_time,
-        "latency_small": small + cluster.step_overhead_s,
-    }
-    del compute
+        time = {
+            "compute_fwd_bwd": n_micro * (t_f + t_b),
+            "of_which_tp_comm": n_micro * stage_layers[0] * (4 + (2 if L.recompute == "full" else 0)) * T["tp_ar"],
+            "of_which_cp_comm": n_micro * stage_layers[0] * 3 * T["cp_fwd"],
+            "of_which_pp_p2p": n_micro * 2 * v * p2p,
+            "pipeline_bubble": bubble,
+            "dp_exposed": dp_exposed,
+            "optimizer": opt_time,
+            "latency_small": small + c.step_overhead_s,
+        }
 
-    # ---- memory on the fullest device (stage 0 holds most in-flight activations)
-    states = model_state_bytes(Pmax, L.zero if n_shard > 1 or L.zero <= 1 else 0, n_shard, w.dtype)
-    if L.zero == 3 and n_shard > 1:
-        states["gathered_blocks"] = 2 * max(layer_params) * pb  # current + prefetched block
-    if L.zero == 2 and n_shard > 1:
-        states["params"] = Pmax * pb  # reshard_after_forward=False keeps them gathered
-    inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
-    n_l0 = len(stage_layers[0])
-    acts = inflight * n_l0 * act_kept
-    if L.recompute == "full":
-        acts += act_full  # one layer's activations while it is recomputed
-    acts += inflight * act * tokens * h  # embedding output
-    logits = (act + 8) * tokens * V / tp if pp == 1 else 0.0
-    last_acts = min(1.0, inflight) * len(stage_layers[-1]) * act_kept + (act + 8) * tokens * V / tp
-    memory = {**states, "activations": acts, "logits": logits,
-              "buffers": 2 * min(25e6, Pmax * gb) if (n_all > 1 and L.zero < 2) else 0.0,
-              "reserved": cluster.device.reserved_gib * GiB}
-    peak_mem = sum(memory.values())
-    if pp > 1:  # the last stage holds logits but fewer in-flight micro-batches
-        last = model_state_bytes(stage_params[-1], L.zero, n_shard, w.dtype)
-        peak_mem = max(peak_mem, sum(last.values()) + last_acts + memory["reserved"])
-    fits = peak_mem <= cluster.device.memory_gib * GiB
+        # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
+        zero = L.zero if n_shard > 1 else min(L.zero, 1) if n_shard > 1 else 0
+        states = model_state_bytes(Pmax, zero, n_shard, w.dtype)
+        if fsdp and L.zero == 3:
+            states["gathered_blocks"] = 2 * max_block * pb  # the running block and the prefetched one
+        inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
+        acts = inflight * stage_layers[0] * T["act_kept"] + inflight * act * T["tokens"] * h
+        if L.recompute == "full":
+            acts += T["act_full"]  # one layer's activations while it is recomputed
+        logits = (act + 8) * T["tokens"] * V / tp
+        memory = {**states, "activations": acts, "logits": logits if pp == 1 else 0.0,
+                  "buffers": 2 * min(25e6, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
+                  "reserved": c.device.reserved_gib * GiB}
+        peak_mem = sum(memory.values())
+        if pp > 1:  # the last stage holds the logits but fewer in-flight micro-batches
+            last = model_state_bytes(stage_params[-1], zero, n_shard, w.dtype)
+            last_acts = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro)) \
+                * stage_layers[-1] * T["act_kept"]
+            peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
+        fits = peak_mem <= c.device.memory_gib * GiB
+        tflops = self.flops_model / step / L.world
+        return Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
+                        tflops / 1e12, comm)
 
-    flops_model = 3 * w.global_batch * s * (2 * _matmul_active(m) + 4 * s * h * m.n_layers * causal)
-    devices = L.world
-    tflops = flops_model / step / devices
-    return Estimate(L, step, time, memory, peak_mem, fits, flops_model, tflops / peak, tflops / 1e12,
-                    {k: float(v) for k, v in comm.items()})
+    def lower_bound(self, L: Layout, schedules: tuple = ()) -> float:
+        """A time no variant of ``L``'s (dp_replicate, dp_shard, tp, sp, pp, cp, cp_mode,
+        micro-batch) can beat, whatever its zero stage, recompute and schedule (one of
+        ``schedules``, (name, v) pairs): the average stage's forward and backward without
+        recompute, the smallest bubble, the optimizer pass with the most sharding, and the
+        unhideable part of data-parallel communication (ZeRO-0/1: the last bucket of the
+        all-reduce; ZeRO-2/3: one block's gathers per micro-batch), whichever is smaller."""
+        w, c, m = self.w, self.c, self.w.model
+        pb, gb, ob, act = DTYPE_BYTES[w.dtype]
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, "none")
+        n_micro = w.global_batch // L.dp // L.micro_batch
+        kinds = T["kinds"]
+        # the slowest stage is at least the average one, whatever the split or schedule
+        t_f = (sum(kinds[k][0] for k in self.kinds) + T["out_fwd"]) / L.pp
+        t_b = (sum(kinds[k][1] for k in self.kinds) + T["out_bwd"]) / L.pp
+        bubble = 0.0
+        if L.pp > 1:
+            bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
+        P = (sum(kinds[k][2] for k in self.kinds) + T["emb"]) / L.pp  # average stage's parameters
+        n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
+        opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.hbm
+        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1) if L.world > 1 else 0.0
+        dp = 0.0
+        if n_all > 1:
+            t_ar = collective_time(c, "all_reduce", P * gb, n_all, L.tp)
+            dp = t_ar * min(1.0, 25e6 / max(P * gb, 1.0))
+            if n_shard > 1:
+                t_mb = (collective_time(c, "all_gather", P * pb, n_shard, L.tp)
+                        + collective_time(c, "reduce_scatter", P * gb, n_shard, L.tp))
+                blocks = m.n_layers / L.pp
+                dp = min(dp, n_micro * t_mb / (blocks + 2))
+        return n_micro * (t_f + t_b) + bubble + opt + small + dp + c.step_overhead_s
+
+
+def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
+    """Predict one layout (see ``CostModel``)."""
+    return CostModel(w, cluster).estimate(L)
 
 
 def _matmul_active(m: ModelConfig) -> float:

@@ -1,0 +1,187 @@
+"""``meshfold plan``: every valid layout for a model and batch, pruned by memory, ranked by
+predicted step time, exact within the cost model.
+
+Exactness with speed comes from branch and bound, not from heuristics:
+
+1. enumerate the *structures* (pp, dp_replicate, dp_shard, cp, tp, sp, cp_mode, ep,
+   micro-batch) that tile the devices and the batch;
+2. give each a lower bound (``CostModel.lower_bound``: its compute and tensor/context
+   communication, no bubble, no data-parallel or optimizer time) and visit them in
+   increasing bound order;
+3. expand a structure into its variants (zero stage, pipeline schedule and virtual
+   stages, recompute) only while its bound is below the K-th best fitting step time
+   found so far; once a bound reaches it, every later structure is worse and the search stops.
+
+Recompute is a dominance choice: for otherwise equal layouts, none <= selective <= full in
+time and the reverse in memory, so only the least recompute that fits can rank (the
+table lists each layout once, with that recompute). ``brute_force`` evaluates everything
+and is what the tests compare against.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time as _time
+from dataclasses import dataclass, field
+
+from meshfold.planner.cluster import Cluster
+from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def structures(w: Workload, world: int, max_tp: int = 0):
+    """(pp, dp_replicate, dp_shard, cp, tp, sp, cp_mode, ep, micro_batch) tuples that are
+    valid for the model (config.validate's rules) and tile ``world`` devices and the batch."""
+    m, s, G = w.model, w.s, w.global_batch
+    kv = m.kv_heads
+    for tp in _divisors(world):
+        if m.n_heads % tp or (kv % tp and tp % kv) or (max_tp and tp > max_tp):
+            continue
+        rest_tp = world // tp
+        for cp in _divisors(rest_tp):
+            modes = []
+            if cp == 1:
+                modes = ["ring"]
+            else:
+                if s % (2 * cp) == 0:
+                    modes.append("ring")
+                if s % cp == 0 and m.n_heads % (cp * tp) == 0:
+                    modes.append("ulysses")
+            if not modes:
+                continue
+            rest_cp = rest_tp // cp
+            for pp in _divisors(rest_cp):
+                if pp > m.n_layers:
+                    continue
+                dp = rest_cp // pp
+                if G % dp:
+                    continue
+                local = G // dp
+                eps = [1]
+                if m.moe_experts:
+                    eps = [e for e in _divisors(m.moe_experts) if (dp * cp) % e == 0]
+                sps = [False] + ([True] if tp > 1 and s % tp == 0 else [])
+                for dpr in _divisors(dp):
+                    dps = dp // dpr
+                    for b in _divisors(local):
+                        for sp in sps:
+                            for mode in modes:
+                                for ep in eps:
+                                    yield (pp, dpr, dps, cp, tp, sp, mode, ep, b)
+
+
+def schedules(w: Workload, pp: int, n_micro: int, gpipe: bool = True) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) choices. GPipe takes 1F1B's time with more memory, so
+    the search (``gpipe=False``) never needs it; brute force keeps it."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)] + ([("gpipe", 1)] if gpipe else [])
+    L = w.model.n_layers
+    for v in (2, 4):
+        if pp * v <= L and n_micro % pp == 0:
+            out.append(("interleaved", v))
+    if 2 * pp <= L:
+        out.append(("zbv", 1))
+    return out
+
+
+def variants(w: Workload, st: tuple, gpipe: bool = True):
+    """Every (zero, schedule, virtual stages) for one structure, as Layouts with
+    recompute left to the caller."""
+    pp, dpr, dps, cp, tp, sp, mode, ep, b = st
+    n_micro = w.global_batch // (dpr * dps) // b
+    zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
+    scheds = schedules(w, pp, n_micro, gpipe)
+    for zero in zeros:
+        for sched, v in scheds:
+            yield Layout(dp_replicate=dpr, dp_shard=dps, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
+                         pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
+
+
+def _with_recompute(L: Layout, r: str) -> Layout:
+    return Layout(**{**L.__dict__, "recompute": r})
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Estimate]  # best first; fitting layouts (or, if none fits, the fastest)
+    evaluated: int
+    structures: int
+    visited: int
+    seconds: float
+    any_fits: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> PlanResult:
+    start = _time.perf_counter()
+    cm = CostModel(w, cluster)
+    world = cluster.world_size
+    keyed = []
+    for st in structures(w, world, max_tp):
+        pp, dpr, dps, cp, tp, sp, mode, ep, b = st
+        probe = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, sp=sp, pp=pp, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
+        n_micro = w.global_batch // (dpr * dps) // b
+        keyed.append((cm.lower_bound(probe, tuple(schedules(w, pp, n_micro, False))), st))
+    keyed.sort(key=lambda x: x[0])
+    best: list[tuple[float, int, Estimate]] = []  # max-heap by -time of the K best fitting
+    fallback: list[tuple[float, int, Estimate]] = []  # fastest overall, when nothing fits
+    evaluated = visited = 0
+    counter = 0
+    for bound, st in keyed:
+        if len(best) >= top and bound >= -best[0][0]:
+            break
+        visited += 1
+        for L in variants(w, st, gpipe=False):
+            for r in RECOMPUTE:
+                e = cm.estimate(_with_recompute(L, r))
+                evaluated += 1
+                counter += 1
+                if e.fits:
+                    item = (-e.step_time_s, counter, e)
+                    if len(best) < top:
+                        heapq.heappush(best, item)
+                    elif e.step_time_s < -best[0][0]:
+                        heapq.heapreplace(best, item)
+                    break  # more recompute: slower and never needed (dominated)
+                if not best:
+                    item = (-e.step_time_s, counter, e)
+                    if len(fallback) < top:
+                        heapq.heappush(fallback, item)
+                    elif e.step_time_s < -fallback[0][0]:
+                        heapq.heapreplace(fallback, item)
+    chosen = best or fallback
+    ranked = [e for _, _, e in sorted(chosen, key=lambda x: (-x[0], x[1]))]
+    notes = [] if best else ["no layout fits in device memory; showing the fastest that do not"]
+    return PlanResult(ranked, evaluated, len(keyed), visited, _time.perf_counter() - start, bool(best), notes)
+
+
+def brute_force(w: Workload, cluster: Cluster) -> list[Estimate]:
+    """Every layout with every recompute choice, unpruned (for tests on small cases)."""
+    cm = CostModel(w, cluster)
+    out = []
+    for st in structures(w, cluster.world_size):
+        for L in variants(w, st):
+            for r in RECOMPUTE:
+                out.append(cm.estimate(_with_recompute(L, r)))
+    return out
+
+
+def explain(winner: Estimate, runner: Estimate | None) -> list[str]:
+    """Why the winner wins: the components where it differs most from the runner-up."""
+    if runner is None:
+        return [f"only one layout fits: {winner.layout.short()}"]
+    lines = [f"winner {winner.layout.short()} {winner.step_time_s:.4g}s vs runner-up "
+             f"{runner.layout.short()} {runner.step_time_s:.4g}s "
+             f"({100 * (runner.step_time_s / winner.step_time_s - 1):.1f}% slower)"]
+    diffs = sorted(((runner.time[k] - winner.time.get(k, 0.0), k) for k in runner.time), reverse=True)
+    for d, k in diffs:
+        if abs(d) > 1e-9 * max(1.0, winner.step_time_s):
+            lines.append(f"  {k:18s} winner {winner.time.get(k, 0):.4g}s  runner-up {runner.time[k]:.4g}s  "
+                         f"({'+' if d > 0 else ''}{d:.3g}s)")
+    return lines
