@@ -53,6 +53,8 @@ class ModelConfig:
     moe_z_loss_coef: float = 0.0
     moe_bias_balance: bool = False  # aux-loss-free balancing via router bias
     moe_bias_update_rate: float = 1e-3
+    moe_norm_topk: bool = True  # softmax router: renormalise the k gates to sum 1 (Mixtral); sigmoid always does
+    moe_first_dense: int = 0  # leading dense layers before the first MoE layer (DeepSeek-MoE: 1)
 
     @property
     def kv_heads(self) -> int:
@@ -78,7 +80,7 @@ class ModelConfig:
         return self.moe_ffn_dim or self.hidden_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+        return self.moe_experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
 
 
 @dataclass
@@ -140,7 +142,8 @@ class TrainConfig:
     recompute_every: int = 1  # full recompute on every k-th block
     compile: bool = False
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
-    offload: str = "none"  # none | optimizer | params
+    offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
+    reduce_dtype: str = "float32"  # gradient reduction dtype under bf16 FSDP: float32 | bfloat16
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
@@ -197,6 +200,9 @@ class LowCommConfig:
     dgc_warmup_steps: int = 0
     onebit_warmup_steps: int = 10
     lgreco_error_budget: float = 0.1
+    lgreco_every: int = 50  # steps between L-GreCo's re-selection of per-layer ranks
+    dgc_momentum: float = 0.0  # top-k: DGC momentum correction factor (0 = plain error feedback)
+    onebit_adam: bool = False  # with compression = onebit: 1-bit Adam (warm-up, then frozen variance)
 
 
 SECTIONS: dict[str, type] = {
@@ -220,6 +226,7 @@ CHOICES: dict[tuple[str, str], tuple] = {
     ("train", "resume"): ("auto", "never"),
     ("train", "fused_optimizer"): ("auto", "fused", "foreach", "none"),
     ("train", "offload"): ("none", "optimizer", "params"),
+    ("train", "reduce_dtype"): ("float32", "bfloat16"),
     ("data", "balance"): ("none", "greedy", "exact"),
     ("lowcomm", "method"): ("none", "diloco", "streaming", "noloco", "co2"),
     ("lowcomm", "compression"): ("none", "powersgd", "topk", "onebit", "lgreco"),
@@ -375,6 +382,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             )
         if m.moe_every < 1:
             raise ConfigError(f"model.moe_every must be >= 1, got {m.moe_every}")
+        if m.moe_capacity_factor < 0:
+            raise ConfigError(f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")
+        if m.moe_capacity_factor > 0 and p.cp > 1:
+            raise ConfigError("model.moe_capacity_factor > 0 (per-sequence capacity) needs whole sequences on a "
+                              "rank; use parallel.cp = 1 or moe_capacity_factor = 0 (dropless)")
 
     for key in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
         if getattr(p, key) < 1:
@@ -416,15 +428,27 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             raise ConfigError(
                 f"parallel.cp_mode = ulysses needs model.n_heads = {m.n_heads} divisible by cp*tp = {p.cp * p.tp}"
             )
-    if p.pp > 1 and p.pp * p.pp_virtual_stages > m.n_layers:
+    from meshfold.parallel.context import check_config  # Ulysses/hybrid head split, cp_ulysses
+
+    check_config(cfg)
+    # Pipeline stages: pp x chunks per rank (interleaved: pp_virtual_stages; zbv: 2, a V).
+    pp_stages = p.pp * {"interleaved": p.pp_virtual_stages, "zbv": 2}.get(p.pp_schedule, 1)
+    if p.pp > 1 and p.pp_schedule == "interleaved" and p.pp_virtual_stages < 2:
+        raise ConfigError("parallel.pp_schedule = interleaved needs parallel.pp_virtual_stages >= 2 "
+                          "(with 1 it is 1f1b)")
+    if p.pp > 1 and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
+                          "set it to false or parallel.pp = 1")
+    if p.pp > 1 and pp_stages > m.n_layers:
         raise ConfigError(
-            f"parallel.pp*pp_virtual_stages = {p.pp * p.pp_virtual_stages} is more than model.n_layers = "
-            f"{m.n_layers}; use at most {m.n_layers} stages"
+            f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "
+            f"model.n_layers = {m.n_layers}; use fewer stages or more layers"
         )
     if p.pp_split:
-        if len(p.pp_split) != p.pp * p.pp_virtual_stages or sum(p.pp_split) != m.n_layers:
+        if (len(p.pp_split) != pp_stages or sum(p.pp_split) != m.n_layers
+                or any(not isinstance(n, int) or n < 1 for n in p.pp_split)):
             raise ConfigError(
-                f"parallel.pp_split = {p.pp_split} must list {p.pp * p.pp_virtual_stages} layer counts "
+                f"parallel.pp_split = {p.pp_split} must list {pp_stages} layer counts (each >= 1) "
                 f"summing to model.n_layers = {m.n_layers}"
             )
     if m.moe_experts and p.ep > 1 and m.moe_experts % p.ep:
@@ -434,6 +458,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         )
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
+    if p.ep > 1 and p.zero < 2:
+        raise ConfigError(f"parallel.ep = {p.ep} shards experts with FSDP over the remaining data-parallel ranks; "
+                          f"set parallel.zero to 2 or 3 (got {p.zero})")
 
     for key, value in (("data.source", cfg.data.source if cfg.data.source != "default" else ""),
                        ("data.tokenizer", cfg.data.tokenizer), ("train.init_from", t.init_from)):
@@ -466,14 +493,27 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                 f"= {p.world_size()} but {what} is {per_worker}; change parallel.dp_shard to "
                 f"{_fit_dp_shard(p, per_worker)} or the process count to {p.world_size() * workers}"
             )
+        from meshfold.lowcomm import check_lowcomm  # [lowcomm] keys (docs/lowcomm.md)
+
+        check_lowcomm(cfg)
         if p.ep > 1 and (p.dp * p.cp) % p.ep:
             raise ConfigError(
                 f"parallel.ep = {p.ep} must divide dp_replicate*dp_shard*cp = {p.dp * p.cp} (ep folds onto them)"
+            )
+        if p.ep > 1 and (p.dp_shard * p.cp) % p.ep:
+            raise ConfigError(
+                f"parallel.ep = {p.ep} must divide dp_shard*cp = {p.dp_shard * p.cp} (ep folds onto the sharded "
+                f"data x context ranks); change parallel.ep or parallel.dp_shard"
             )
         if p.dp_shard > 1 and p.zero == 0:
             raise ConfigError(
                 f"parallel.zero = 0 replicates everything but parallel.dp_shard = {p.dp_shard}; "
                 f"set parallel.zero to 1, 2 or 3, or use parallel.dp_replicate = {p.dp} with dp_shard = 1"
+            )
+        if t.offload == "params" and (p.zero < 2 or p.dp_shard * p.cp == 1):
+            raise ConfigError(
+                "train.offload = params uses FSDP2's CPU offload: it needs parallel.zero >= 2 and "
+                "parallel.dp_shard > 1; use train.offload = optimizer otherwise"
             )
         dp = p.dp
         if t.global_batch % dp:
@@ -495,6 +535,16 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                 raise ConfigError(
                     f"parallel.pp_microbatches = {n_micro} does not divide the {local} sequences per "
                     f"data-parallel rank; choose one of {_divisors(local)}"
+                )
+            if p.pp_schedule in ("1f1b", "zbv") and n_micro < p.pp:
+                raise ConfigError(
+                    f"parallel.pp_microbatches = {n_micro}: pp_schedule = {p.pp_schedule} needs at least "
+                    f"parallel.pp = {p.pp} micro-batches; raise it or use pp_schedule = gpipe"
+                )
+            if p.pp_schedule == "interleaved" and n_micro % p.pp:
+                raise ConfigError(
+                    f"parallel.pp_microbatches = {n_micro}: pp_schedule = interleaved needs a multiple of "
+                    f"parallel.pp = {p.pp} micro-batches"
                 )
     return cfg
 

@@ -14,9 +14,25 @@ from torch import nn
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.parallel.data import apply_data_parallel
+from meshfold.parallel.recompute import apply_compile, apply_recompute
 
 
 def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims) -> nn.Module:
+    if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
+        from meshfold.parallel.tensor import parallelize_tensor
+
+        parallelize_tensor(model, dims, cfg)
+    if dims.distributed and dims.enabled("cp"):  # swaps Attention.core, so before recompute wraps it
+        from meshfold.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, cfg, dims)
+    if dims.distributed and cfg.model.moe_experts:  # global balance statistics; ep shards experts
+        from meshfold.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, cfg, dims)
+    apply_recompute(model, cfg.train)
+    if cfg.train.compile:
+        apply_compile(model)
     if not dims.distributed:
         return model
-    return apply_data_parallel(model, dims)
+    return apply_data_parallel(model, dims, lowcomm=cfg.lowcomm, train=cfg.train)

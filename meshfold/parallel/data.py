@@ -111,19 +111,42 @@ def _counting_allreduce_hook(group: dist.ProcessGroup):
     return hook
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+def apply_ddp(model: nn.Module, dims: ParallelDims, lowcomm=None) -> nn.Module:
     group = dims.group("dp_cp")
     ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=25)
-    ddp.register_comm_hook(None, _counting_allreduce_hook(group))
+    from meshfold.lowcomm.compress import install_compression  # lowcomm.compression: a compressing hook
+
+    if lowcomm is None or not install_compression(ddp, group, lowcomm):
+        ddp.register_comm_hook(None, _counting_allreduce_hook(group))
     return ddp
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, offload_policy=None) -> nn.Module:
+def fsdp_policies(train) -> tuple[MixedPrecisionPolicy, object | None]:
+    """FSDP2 mixed precision and offload from ``[train]``: with ``dtype = bfloat16`` the
+    all-gathered compute copies are bf16 while the sharded fp32 master weights stay in
+    fp32 and gradients are reduced in ``train.reduce_dtype``; ``offload = params`` moves
+    parameters, gradients and optimizer state to host memory (the step runs there)."""
+    mp = MixedPrecisionPolicy()
+    if train is not None and train.dtype == "bfloat16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                  reduce_dtype=torch.float32 if train.reduce_dtype == "float32" else torch.bfloat16)
+    offload = None
+    if train is not None and train.offload == "params":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return mp, offload
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, offload_policy=None,
+                        lowcomm=None, train=None) -> nn.Module:
+    if train is not None and mp_policy is None and offload_policy is None:
+        mp_policy, offload_policy = fsdp_policies(train)
     if uses_fsdp(dims):
         return apply_fsdp(model, dims, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp_policy,
                           offload_policy=offload_policy)
     if uses_ddp(dims):
-        return apply_ddp(model, dims)
+        return apply_ddp(model, dims, lowcomm)
     return model
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.comm import ledger
 from meshfold.config import TrainConfig
@@ -62,6 +63,47 @@ class ZeroOneOptimizer(ZeroRedundancyOptimizer):
         return out
 
 
+class HostOffloadAdamW(torch.optim.AdamW):
+    """Optimizer-state offload (ZeRO-Offload style): fp32 master copies of this rank's
+    parameters (or their local shards) and all Adam state live in host memory; each step
+    copies gradients to the host, updates there, and copies the new values back. Device
+    memory then holds only the (possibly low-precision) parameters and gradients."""
+
+    def __init__(self, groups: list[dict], **adam_kwargs):
+        adam_kwargs.pop("fused", None)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        host_groups = []
+        for group in groups:
+            masters = []
+            for p in group["params"]:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                master = local.detach().to("cpu", torch.promote_types(local.dtype, torch.float32), copy=True)
+                master.requires_grad_(True)
+                self._pairs.append((p, master))
+                masters.append(master)
+            host_groups.append({**group, "params": masters})
+        super().__init__(host_groups, **adam_kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            master.grad = grad.to("cpu", master.dtype, copy=True)
+        out = super().step(closure)
+        for p, master in self._pairs:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(master.to(local.device, local.dtype))
+        return out
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        for p, _ in self._pairs:
+            p.grad = None
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
                     zero_one: bool = False) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
@@ -69,6 +111,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
     if zero_one:
         kwargs.pop("fused", None)
         return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)
+    if cfg.offload == "optimizer":
+        return HostOffloadAdamW(groups, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -101,7 +145,8 @@ def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Ten
         if g is None:
             continue
         if isinstance(g, DTensor):
-            sharded = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+            # _StridedShard (FSDP2 over a tp-sharded dim) is not a Shard subclass in torch 2.13.
+            sharded = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
             key = (g.device_mesh, sharded) if sharded else (None, ())
             by_mesh[key].append(g.to_local())
         else:

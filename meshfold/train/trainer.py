@@ -27,9 +27,12 @@ from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, rank_slice
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
+from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_fsdp
+from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
@@ -88,6 +91,7 @@ class Trainer:
             self.balancer = from_trainer(self)
             self.sampler = self.balancer.sampler
 
+        self.pipeline = None  # set by build_model when parallel.pp > 1
         self.model = self.build_model()
         self.optimizer = build_optimizer(
             self.model, t, self.dims, self.device.type,
@@ -95,6 +99,10 @@ class Trainer:
         )
         self.scheduler = build_scheduler(self.optimizer, t)
         self.loss_fn = cross_entropy_sum
+        if self.dims.distributed and self.dims.enabled("tp"):  # logits arrive split by vocabulary
+            from meshfold.parallel.loss import vocab_parallel_loss
+
+            self.loss_fn = vocab_parallel_loss(self.dims, cfg)
         self.step = 0
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
@@ -111,11 +119,20 @@ class Trainer:
 
         self.checkpointer = Checkpointer(self)
         self.fault = FaultMonitor(self)
+        # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
+        from meshfold.lowcomm import attach_lowcomm
+
+        self.lowcomm = attach_lowcomm(self)
 
     # ------------------------------------------------------------------ setup
 
     def build_model(self) -> torch.nn.Module:
         torch.manual_seed(self.cfg.train.seed)
+        if self.cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
+            from meshfold.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self)
+            return self.pipeline.model
         model = Transformer(self.cfg.model)
         init_weights(model, self.cfg.model, self.cfg.train.seed)
         model.to(device=self.device, dtype=self.param_dtype)
@@ -139,9 +156,12 @@ class Trainer:
         global_indices = self.sampler.next()
         local = rank_slice(global_indices, self.dims.rank("dp"), self.dims.size("dp"))
         batch = self.data.train.batch(local)
+        batch = shard_for_context_parallel(batch, self.cfg, self.dims)  # cp: this rank's slice + positions
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        if self.pipeline is not None:
+            return self.pipeline.micro_batches(batch)
         if "micro_sizes" in batch:  # data.balance: micro-batches of planned lengths
             return self.balancer.split(batch)
         local = batch["inputs"].shape[0]
@@ -166,31 +186,54 @@ class Trainer:
 
     def forward_backward(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; returns this rank's loss sum."""
+        if self.pipeline is not None:  # the schedule's execution (loss summed over stages)
+            return self.pipeline.forward_backward(micro, global_tokens)
         scale = self.grad_reducers / global_tokens.clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last or not uses_ddp(self.dims) else self.model.no_sync()
             with sync:
-                loss = self.forward_loss(mb)
-                (loss * scale.to(loss.dtype)).backward()
+                with self.activation_counter(first=i == 0) as counted:
+                    loss = self.forward_loss(mb)
+                if counted is not None:
+                    self.step_metrics["activation_bytes"] = counted.bytes
+                (loss * scale.to(loss.dtype) + self.moe_aux(len(micro))).backward()
             loss_sum += loss.detach().double()
         return loss_sum
+
+    def activation_counter(self, first: bool):
+        """Count the bytes autograd saves for backward on the first micro-batch of a step
+        (the honest activation-memory figure on CPU; see train/memory.py). Off under
+        torch.compile, whose graphs the counting hooks would break."""
+        if not first or self.cfg.train.compile:
+            return contextlib.nullcontext()
+        return count_saved_activations(self.model)
+
+    def moe_aux(self, n_micro: int):
+        """This rank's MoE balance and z-loss terms (models/moe.py): their sum over ranks is the
+        global-batch value, so they are scaled by the gradient-averaging ranks like the LM loss."""
+        aux = moe_aux_loss(self.model)
+        return 0.0 if aux is None else aux * (self.grad_reducers / n_micro)
 
     def train_step(self) -> float:
         batch = self.local_batch()
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())
         loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        self.last_grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip)
+        pp_group = self.dims.group("pp") if self.pipeline is not None else None  # stages hold disjoint params
+        self.last_grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip, extra_group=pp_group)
         if self.capture_grads:
             self.last_grads = self.full_state(grads=True)
         if self.fault.update_allowed(self.last_grad_norm):  # non-finite grad norm: skip the update
             self.optimizer.step()
+        self.step_metrics.update(moe_end_step(self.model))  # expert load, imbalance, dropped; bias update
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.all_reduce_sum(loss_sum) / global_tokens.double()
         self.step += 1
+        if self.lowcomm is not None:  # outer step across workers when due
+            self.step_metrics.update(self.lowcomm.after_step(self.step))
         return float(loss)
 
     # ------------------------------------------------------------------ loop
@@ -206,8 +249,10 @@ class Trainer:
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(t.eval_batches):
             idx = rank_slice(sampler.next(), self.dims.rank("dp"), self.dims.size("dp"))
-            batch = {k: v.to(self.device) for k, v in self.data.val.batch(idx).items()}
-            total += self.forward_loss(batch).double()
+            batch = shard_for_context_parallel(self.data.val.batch(idx), self.cfg, self.dims)
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            total += (self.pipeline.forward_loss_sum(batch) if self.pipeline is not None
+                      else self.forward_loss(batch).double())
             tokens += (batch["labels"] != IGNORE_INDEX).sum()
         self.model.train()
         return float(self.all_reduce_sum(total) / self.all_reduce_sum(tokens))
@@ -258,6 +303,7 @@ class Trainer:
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes": self.ledger.pop_step(),
+            "comm_bytes_total": {k: int(round(v)) for k, v in sorted(self.ledger.total.items())},
             **self.pop_step_metrics(),
         }
 
@@ -270,6 +316,9 @@ class Trainer:
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters (or their gradients) by model name, for tests and export."""
         from meshfold.parallel.data import unwrap
+
+        if self.pipeline is not None:  # gathered from every stage onto pp rank 0
+            return self.pipeline.full_state(grads)
 
         out = {}
         for name, p in unwrap(self.model).named_parameters():
