@@ -37,7 +37,7 @@ PRESETS: dict[str, dict] = {
     # DeepSeek-MoE-16B-like fine-grained experts: 64 routed (top-6) + 2 shared, small expert width.
     "deepseek-moe-16b": dict(dim=2048, n_layers=28, n_heads=16, ffn_dim=10944, vocab_size=102400,
                              seq_len=4096, moe_experts=64, moe_topk=6, moe_ffn_dim=1408,
-                             moe_shared_experts=2),
+                             moe_shared_experts=2, moe_first_dense=1, moe_norm_topk=False),
     "moe-debug": dict(dim=64, n_layers=2, n_heads=4, vocab_size=512, seq_len=64, moe_experts=4, moe_topk=2),
 }
 
@@ -82,9 +82,12 @@ def ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     if not cfg.is_moe_layer(layer):
         return mlp_params(cfg, cfg.hidden_dim)
     routed = cfg.moe_topk if active else cfg.moe_experts
-    expert = mlp_params(cfg, cfg.expert_dim)
+    # Routed experts carry no biases (models/moe.py); the shared experts are one MLP of
+    # width moe_shared_experts * expert_dim, with the model's bias setting.
+    expert = mlp_params(dataclasses.replace(cfg, bias=False), cfg.expert_dim)
+    shared = mlp_params(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else 0
     router = cfg.dim * cfg.moe_experts
-    return router + (routed + cfg.moe_shared_experts) * expert
+    return router + routed * expert + shared
 
 
 def param_count(cfg: ModelConfig, active: bool = False) -> int:

@@ -1,0 +1,247 @@
+"""Mixture-of-experts feed-forward block, free of parallelism.
+
+``MoE(cfg)`` replaces the dense MLP of a block (every ``moe_every``-th layer after the first
+``moe_first_dense``). Per token x (rows of the flattened [batch*seq, dim] input):
+
+    logits = x W_r^T                                   (router, E experts)
+    scores = softmax(logits)   or   sigmoid(logits)    (``moe_router``)
+    chosen = top-k of (scores + b)                     (b = ``expert_bias``, only with
+                                                        ``moe_bias_balance``; selection only)
+    g_j    = scores[chosen_j], divided by their sum when ``moe_norm_topk`` (always for sigmoid)
+    y      = sum_j g_j * Expert_{chosen_j}(x) + SharedExperts(x)
+
+Dropless by default. With ``moe_capacity_factor`` c > 0 each expert accepts at most
+C = ceil(c * s * k / E) assignments *per sequence* (s tokens); assignments are queued
+first-choice before second-choice, then by position, and the rest are dropped. Because the
+queue is per sequence, the same tokens are dropped whatever the data-parallel layout.
+
+Auxiliary losses (added to the training loss by the trainer through ``moe_aux_loss``):
+
+    L_bal = a * E * sum_i f_i * P_i        f_i = tokens choosing expert i / (N * k)
+                                           P_i = mean over tokens of p_i (softmax scores, or
+                                                 sigmoid scores divided by their row sum)
+    L_z   = z * mean over tokens of logsumexp(logits)^2
+
+f and N are *global*: ``reduce_stats`` (injected by ``parallel/expert.py``; the identity in a
+one-process run) sums the per-expert counts over every data-parallel (and context-parallel)
+rank, so each rank's term uses the global-batch f ("Demons in the Detail", Qiu et al. 2025)
+and the rank terms add up to exactly the one-process value. Under gradient accumulation f
+is the running total over the micro-batches seen so far in the step (the paper's buffer);
+with one micro-batch per rank this is the exact global-batch loss.
+
+The expert computation goes through ``self.dispatcher``: ``LocalDispatcher`` here; expert
+parallel swaps in an all-to-all dispatcher that holds only this rank's experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshfold.config import ModelConfig
+from meshfold.models.llama import FeedForward
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward, gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+    """A DTensor's local shard (expert parallel shards expert weights as DTensors)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t if grad_scale == 1.0 else _ScaleGrad.apply(t, grad_scale)
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs stored as stacked weights [E, out, in], run group by group on tokens
+    already sorted by expert. Under expert parallel each rank holds a slice of the experts."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu"):
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
+        # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
+        self.grad_scale = 1.0
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: [sum(counts), dim], rows grouped by (local) expert; counts: rows per expert."""
+        w1, w2 = _local(self.w1, self.grad_scale), _local(self.w2, self.grad_scale)
+        w3 = _local(self.w3, self.grad_scale) if self.w3 is not None else None
+        outs = []
+        # Every expert runs, even on zero rows, so each weight gets a (zero) gradient on every
+        # rank: sharded-gradient reductions then see the same tensors everywhere.
+        for e, chunk in enumerate(torch.split(x, counts)):
+            h = chunk @ w1[e].t()
+            h = F.silu(h) * (chunk @ w3[e].t()) if w3 is not None else F.gelu(h, approximate="tanh")
+            outs.append(h @ w2[e].t())
+        return torch.cat(outs)
+
+
+class LocalDispatcher(nn.Module):
+    """All experts on this rank: sort assignments by expert, run the groups, weight and add."""
+
+    def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
+                experts: GroupedExperts, n_experts: int) -> torch.Tensor:
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=n_experts).tolist()
+        y = experts(x[token[order]], counts)
+        return torch.zeros_like(x).index_add(0, token[order], y * weight[order, None].to(y.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.moe_experts
+        self.topk = cfg.moe_topk
+        self.router_kind = cfg.moe_router
+        self.norm_topk = cfg.moe_norm_topk or cfg.moe_router == "sigmoid"
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_coef = cfg.moe_aux_loss_coef
+        self.z_coef = cfg.moe_z_loss_coef
+        self.bias_rate = cfg.moe_bias_update_rate
+        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp)
+        self.shared_experts = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim, cfg.mlp, cfg.bias)
+                               if cfg.moe_shared_experts else None)
+        if cfg.moe_bias_balance:
+            self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+        else:
+            self.expert_bias = None
+        self.dispatcher: nn.Module = LocalDispatcher()
+        # Sums a tensor over the ranks holding different tokens (identity in one process).
+        self.reduce_stats = None
+        self._aux: torch.Tensor | None = None
+        self._step_stats: torch.Tensor | None = None  # global [counts(E), tokens, dropped]
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probabilities used for the balance loss [T, E], chosen experts [T, k], gates [T, k])."""
+        if self.router_kind == "softmax":
+            scores = logits.softmax(-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        choice = scores.detach()
+        if self.expert_bias is not None:
+            choice = choice + self.expert_bias.to(choice.dtype)
+        idx = choice.topk(self.topk, dim=-1).indices
+        gates = scores.gather(-1, idx)
+        if self.norm_topk:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return probs, idx, gates
+
+    def capacity_keep(self, idx: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """[T, k] bool: which assignments fit in their expert's per-sequence capacity."""
+        if self.capacity_factor <= 0:
+            return torch.ones_like(idx, dtype=torch.bool)
+        cap = math.ceil(self.capacity_factor * seq * self.topk / self.n_experts)
+        onehot = F.one_hot(idx.view(batch, seq, self.topk), self.n_experts)  # [b, s, k, E]
+        queue = onehot.transpose(1, 2).reshape(batch, self.topk * seq, self.n_experts)  # first choices first
+        slot = queue.cumsum(1) - 1  # place in the expert's queue
+        keep = ((slot < cap) & queue.bool()).any(-1)
+        return keep.view(batch, self.topk, seq).transpose(1, 2).reshape(-1, self.topk)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        logits = self.router(flat).to(torch.promote_types(x.dtype, torch.float32))
+        probs, idx, gates = self.route(logits)
+        keep = self.capacity_keep(idx, batch, seq)
+        # Not during activation recomputation (it runs inside backward): counted once per forward.
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._record_stats(logits, probs, idx, keep)
+
+        tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
+        keep_flat = keep.flatten()
+        out = self.dispatcher(flat, tokens[keep_flat], idx.flatten()[keep_flat], gates.flatten()[keep_flat],
+                              self.experts, self.n_experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(batch, seq, dim)
+
+    def _record_stats(self, logits, probs, idx, keep) -> None:
+        """Global routing statistics of this forward, and this rank's share of the aux losses."""
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(torch.float64)
+        extra = torch.tensor([float(idx.shape[0]), float((~keep).sum())], dtype=torch.float64, device=idx.device)
+        stats = torch.cat([counts, extra])
+        if self.reduce_stats is not None:
+            stats = self.reduce_stats(stats)
+        self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+        n_tokens = stats[self.n_experts]  # tokens of this forward over all ranks
+        aux = logits.new_zeros(())
+        if self.aux_coef:
+            step_counts, step_tokens = self._step_stats[: self.n_experts], self._step_stats[self.n_experts]
+            f = (step_counts / (step_tokens * self.topk)).to(probs.dtype)
+            aux = aux + self.aux_coef * self.n_experts * (f * probs.sum(0)).sum() / n_tokens
+        if self.z_coef:
+            aux = aux + self.z_coef * torch.logsumexp(logits, -1).pow(2).sum() / n_tokens
+        self._aux = aux if self._aux is None else self._aux + aux
+
+    # ------------------------------------------------------------------ step bookkeeping
+
+    def pop_aux(self) -> torch.Tensor | None:
+        aux, self._aux = self._aux, None
+        return aux
+
+    @torch.no_grad()
+    def end_step(self) -> dict | None:
+        """Step statistics (global, identical on every rank); updates the balancing bias."""
+        stats, self._step_stats = self._step_stats, None
+        if stats is None:
+            return None
+        load = stats[: self.n_experts]
+        if self.expert_bias is not None:
+            # DeepSeek-V3 aux-loss-free balancing: raise under-loaded experts, lower the rest.
+            self.expert_bias.add_(self.bias_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype))
+        return {"load": load, "dropped": stats[self.n_experts + 1]}
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of this rank's auxiliary-loss terms since the last call (None without MoE)."""
+    total = None
+    for _, m in moe_layers(model):
+        aux = m.pop_aux()
+        if aux is not None:
+            total = aux if total is None else total + aux
+    return total
+
+
+def moe_end_step(model: nn.Module) -> dict:
+    """metrics.jsonl fields for the step just taken: ``expert_load`` (tokens per expert, per MoE
+    layer, whole global batch), ``expert_imbalance`` (max over layers of max/mean load) and
+    ``dropped_tokens`` (token-expert assignments dropped by capacity, summed over layers)."""
+    loads, imbalance, dropped = {}, 0.0, 0
+    for name, m in moe_layers(model):
+        out = m.end_step()
+        if out is None:
+            continue
+        layer = name.split("layers.", 1)[-1].split(".", 1)[0]
+        load = out["load"]
+        loads[layer] = [int(v) for v in load.tolist()]
+        imbalance = max(imbalance, float(load.max() / load.mean().clamp(min=1e-12)))
+        dropped += int(out["dropped"])
+    if not loads:
+        return {}
+    return {"expert_imbalance": imbalance, "expert_load": loads, "dropped_tokens": dropped}

@@ -1,0 +1,148 @@
+"""Expert parallel, folded onto the data x context ranks (MoE Parallel Folding).
+
+Attention keeps its layout (dp_replicate x dp_shard x cp x tp). For the MoE layers the
+data x context ranks of one tp slice (the flattened ``dp_cp`` mesh, size R) are viewed as a
+2-D mesh (edp, ep) with ep innermost (``DeviceMesh._unflatten``), so an ep group is ep
+neighbouring dp_shard/cp ranks:
+
+* each ep rank holds E/ep experts: the stacked expert weights become DTensors sharded on
+  dim 0 over ``ep`` (``Shard(0)``);
+* FSDP2 shards those local experts again over the remaining ``edp = R/ep`` ranks (its own
+  ``fully_shard`` group inside the block), so expert weights are sharded R ways in all;
+* tokens go to their experts with an all-to-all of variable split sizes and come back with
+  the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped;
+* with tp > 1 every tp rank runs the same MoE computation on the same (replicated) tokens,
+  in its own ep group: expert weights are not tensor-split (expert tp = 1).
+
+Gradients: every rank scales its loss by R (see the trainer), and an expert's gradient
+collects, through the backward all-to-all, the contributions of all tokens of its ep group;
+FSDP then averages over the edp replicas: R/edp = ep times too much. The expert weights'
+gradients are therefore scaled by 1/ep where they enter the expert computation
+(``GroupedExperts.grad_scale``; exact for power-of-two ep). FSDP2's own
+``set_gradient_divide_factor`` is not used: with float64 on a one-rank edp group it divides
+twice (torch 2.13).
+
+The load-balancing statistics are made global here too: ``MoE.reduce_stats`` becomes an
+all-reduce over ``dp_cp`` (bytes recorded under "ep").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from meshfold.comm import ledger
+from meshfold.config import Config
+from meshfold.mesh import ParallelDims
+from meshfold.models.moe import MoE, moe_layers
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, rank: int) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    row = math.prod(x.shape[1:]) * x.element_size()
+    ledger().add_sent("ep", (sum(in_splits) - in_splits[rank]) * row)  # bytes leaving this rank
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, rank):
+        ctx.args = (out_splits, in_splits, group, rank)
+        return _a2a(x, out_splits, in_splits, group, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group, rank = ctx.args
+        return _a2a(grad, in_splits, out_splits, group, rank), None, None, None, None
+
+
+class AllToAllDispatcher(nn.Module):
+    """Dispatch (token, expert) assignments to the ranks owning the experts, run the local
+    experts grouped, send the results back, weight them and add them per token."""
+
+    def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int):
+        super().__init__()
+        self.group, self.ep_rank, self.ep = group, ep_rank, ep
+
+    def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
+        P, local_e = self.ep, n_experts // self.ep
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=n_experts)  # [E], experts of rank j contiguous
+        # Tell every rank how many rows it gets for each of its experts: recv[src, e_local].
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        ledger().add_sent("ep", (P - 1) * local_e * counts.element_size())
+        recv = recv.view(P, local_e)
+        send_splits = counts.view(P, local_e).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        rows = AllToAll.apply(x[token[order]], recv_splits, send_splits, self.group, self.ep_rank)
+
+        # Rows arrive grouped by source rank, then expert; the experts want expert, then source.
+        chunks = torch.split(torch.arange(rows.shape[0], device=x.device), recv.flatten().tolist())
+        by_expert = torch.cat([chunks[src * local_e + e] for e in range(local_e) for src in range(P)])
+        y = experts(rows[by_expert], recv.sum(0).tolist())
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
+        y = AllToAll.apply(y[back], send_splits, recv_splits, self.group, self.ep_rank)
+        return torch.zeros_like(x).index_add(0, token[order], y * weight[order, None].to(y.dtype))
+
+
+def _stats_reducer(group: dist.ProcessGroup, n: int):
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
+        stats = stats.clone()
+        dist.all_reduce(stats, group=group)
+        ledger().record("ep", "all_reduce", stats.numel() * stats.element_size(), n)
+        return stats
+
+    return reduce
+
+
+def expert_mesh(dims: ParallelDims):
+    """The (edp, ep) view of the dp_cp ranks, ep innermost."""
+    ep = dims.parallel.ep
+    edp = dims.size("dp_cp") // ep
+    return dims["dp_cp"]._unflatten(0, (edp, ep), ("edp", "ep"))
+
+
+def shard_experts(moe: MoE, ep_mesh) -> None:
+    """Replace the stacked expert weights by this rank's slice, as DTensors Shard(0) on ep."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for name, p in list(moe.experts.named_parameters(recurse=False)):
+        local = p.detach().chunk(ep, dim=0)[rank].clone()
+        dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        setattr(moe.experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> nn.Module:
+    """Make the balance statistics global and (ep > 1) shard the experts; call before data
+    parallel wraps the model."""
+    layers = moe_layers(model)
+    if not layers or not dims.distributed:
+        return model
+    reducers = dims.size("dp_cp")
+    if reducers > 1:
+        reduce = _stats_reducer(dims.group("dp_cp"), reducers)
+        for _, moe in layers:
+            moe.reduce_stats = reduce
+    if dims.parallel.ep == 1:
+        return model
+
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = expert_mesh(dims)
+    ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
+    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size())
+    for _, moe in layers:
+        shard_experts(moe, ep_mesh)
+        moe.dispatcher = dispatcher
+        # Validation guarantees zero >= 2: experts get their own FSDP group over edp.
+        moe.experts.grad_scale = 1.0 / ep_mesh.size()
+        fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3)
+    return model
