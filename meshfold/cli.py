@@ -16,6 +16,7 @@ from meshfold.config import ConfigError
 SUBCOMMANDS = {
     "train": "meshfold.cli",
     "plot": "meshfold.cli",
+    "timeline": "meshfold.parallel.timeline",
 }
 
 
