@@ -198,6 +198,10 @@ def plan_step(lengths, cost: CostModel, n_ranks: int, n_micro: int = 1, micro_ca
         if micro_cap is not None and len(lengths):
             cap = rank_token_cap(micro_cap, n_micro, int(lengths.max()))
         rank = greedy_lpt(w, lengths, n_ranks, cap)
+        # LPT is a heuristic: keep the naive split when it happens to be better and fits.
+        if (loads_of(naive, w, n_ranks).max() < loads_of(rank, w, n_ranks).max()
+                and (cap is None or loads_of(naive, lengths, n_ranks).max() <= cap)):
+            rank = naive
         if method == "exact" and imbalance(loads_of(rank, w, n_ranks)) > tolerance:
             rank = solve_exact(w, lengths, n_ranks, cap, time_limit=time_limit, start=rank)
     micro = np.zeros(len(lengths), dtype=np.int64)
