@@ -1,0 +1,68 @@
+"""``lowcomm.compression`` on the per-step data-parallel path: a DDP communication hook.
+
+DDP hands the hook one bucket of gradients (flat buffer plus per-parameter views); the
+hook runs the codec on the per-parameter views (PowerSGD and L-GreCo need the matrix
+shapes), writes the decoded group mean back into them and returns the buffer. The codec's
+step counter advances once per backward (on bucket 0, which DDP always reduces).
+
+With ``lowcomm.onebit_adam`` the hook all-reduces in full precision during the 1-bit Adam
+warm-up and afterwards leaves gradients local: the optimizer then exchanges the 1-bit
+compressed momentum itself (``onebit_adam.py``).
+
+FSDP (zero >= 2 with dp_shard > 1) reduce-scatters inside FSDP2 with no hook to replace the
+collective, so compression is refused there by ``validate`` (one line naming the keys).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshfold.config import LowCommConfig
+from meshfold.lowcomm.codecs import build_codec
+from meshfold.comm import ledger
+
+
+class CompressionState:
+    def __init__(self, lc: LowCommConfig, group, names: dict[int, str], seed: int):
+        self.lc = lc
+        self.group = group
+        self.n = dist.get_world_size(group)
+        self.names = names
+        self.codec = None if lc.onebit_adam else build_codec(lc.compression, group, lc, seed)
+        self.optimizer = None  # OneBitAdam, set once built (its ``frozen`` flag drives the hook)
+
+
+def _hook(state: CompressionState, bucket):
+    buf = bucket.buffer()
+    if state.lc.onebit_adam:
+        if state.optimizer is None or not state.optimizer.frozen:
+            ledger().record("dp", "all_reduce", buf.numel() * buf.element_size(), state.n)
+            dist.all_reduce(buf, group=state.group)
+            buf.div_(state.n)
+    else:
+        if bucket.index() == 0:
+            state.codec.step_begin()
+        named = [(state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+        state.codec.reduce(named)
+        # bucket.gradients() are views of the buffer, but copy back defensively.
+        offset = 0
+        for _, g in named:
+            view = buf[offset: offset + g.numel()]
+            if view.data_ptr() != g.data_ptr():
+                view.copy_(g.reshape(-1))
+            offset += g.numel()
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def install_compression(ddp, group, lc: LowCommConfig, seed: int = 0) -> bool:
+    """Register the compressing hook on ``ddp`` if ``lowcomm.compression`` asks for one."""
+    if lc.compression == "none":
+        return False
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    state = CompressionState(lc, group, names, seed)
+    ddp.register_comm_hook(state, _hook)
+    ddp.meshfold_compression = state
+    return True
