@@ -156,7 +156,9 @@ def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Ten
         return torch.zeros(())
     total = torch.zeros((), dtype=torch.float64, device=device)
     for (mesh, sharded), grads in by_mesh.items():
-        sq = torch.stack([torch.linalg.vector_norm(g.double()) ** 2 for g in grads]).sum()
+        # Per-tensor norms in the gradients' own dtype (no float64 copies of every gradient),
+        # squared and summed in float64.
+        sq = torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
         for dim in sharded:
             dist.all_reduce(sq, group=mesh.get_group(dim))
         total += sq
