@@ -443,9 +443,11 @@ class _MetaCache:
         plan = self.plan
         docs = doc_ids if doc_ids is not None else torch.zeros_like(positions)
         local = torch.stack([positions, docs]).to(torch.int64).contiguous()  # [2, b, s]
-        parts = [torch.empty_like(local) for _ in range(plan.cp)]
-        ledger().record("cp", "all_gather", local.numel() * local.element_size() * plan.cp, plan.cp)
-        dist.all_gather(parts, local, group=plan.cp_group)
+        parts = [local]
+        if plan.cp > 1:
+            parts = [torch.empty_like(local) for _ in range(plan.cp)]
+            ledger().record("cp", "all_gather", local.numel() * local.element_size() * plan.cp, plan.cp)
+            dist.all_gather(parts, local, group=plan.cp_group)
         u = plan.ulysses
         # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
         members = [torch.cat(parts[j * u:(j + 1) * u], dim=-1) for j in range(plan.ring)]
