@@ -73,6 +73,22 @@ def test_pp2_times_ddp2_zbv(reference, tmp_path):
     assert_runs_match(reference, got)
 
 
+def test_pp2_times_tp2(reference, tmp_path):
+    got = _pp(4, {"pp": 2, "tp": 2, "pp_microbatches": 4}, tmp_path)
+    assert_runs_match(reference, got)
+
+
+def test_pp2_times_tp2_sequence_parallel_zbv(reference, tmp_path):
+    # Stages hand over 1/tp slices of the sequence; the split backward runs through DTensor params.
+    got = _pp(4, {"pp": 2, "tp": 2, "sp": True, "pp_schedule": "zbv"}, tmp_path)
+    assert_runs_match(reference, got)
+
+
+def test_pp2_times_dp2_times_tp2(reference, tmp_path):
+    got = _pp(8, {"pp": 2, "dp_shard": 2, "tp": 2, "zero": 3, "pp_microbatches": 2}, tmp_path)
+    assert_runs_match(reference, got)
+
+
 # --------------------------------------------------------------------------- no processes
 
 

@@ -376,6 +376,13 @@ class Pipeline:
 
     # ---------------------------------------------------------------- one step
 
+    def _act_shape(self, mb: dict) -> tuple[int, int, int]:
+        """Hidden states between stages: [micro-batch, sequence, dim]; under sequence
+        parallel each tp rank holds (and sends to its tp peer) a 1/tp slice of the sequence."""
+        p = self.trainer.cfg.parallel
+        b, s = mb["inputs"].shape[:2]
+        return b, s // (p.tp if p.sp else 1), self.trainer.cfg.model.dim
+
     def orders_for(self, m: int) -> list[Action]:
         if m not in self.orders:
             self.orders[m] = schedule_actions(self.schedule, self.pp, self.virtual, m)
@@ -396,14 +403,13 @@ class Pipeline:
         saved: dict[tuple[int, int], tuple] = {}
         wgrad: dict[tuple[int, int], list] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
-        dim = tr.cfg.model.dim
         events = []
         self._barrier()
         t0 = time.perf_counter()
         for a in order:
             s = self.stages[a.chunk]
             mb = micro[a.mb]
-            shape = (*mb["inputs"].shape[:2], dim)
+            shape = self._act_shape(mb)
             if a.kind == "F":
                 x = mb["inputs"] if s == 0 else self._recv("act", s, a.mb, shape).requires_grad_(True)
                 start = time.perf_counter()
@@ -533,7 +539,7 @@ class Pipeline:
         rank. Sends are asynchronous, so visiting stages in global order cannot deadlock."""
         self.local, self.pending = {}, []
         loss = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
-        shape = (*batch["inputs"].shape[:2], self.trainer.cfg.model.dim)
+        shape = self._act_shape(batch)
         for c, s in sorted(enumerate(self.stages), key=lambda cs: cs[1]):
             x = batch["inputs"] if s == 0 else self._recv("act", s, 0, shape)
             out = self._forward(c, x, batch)
