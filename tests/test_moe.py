@@ -1,0 +1,231 @@
+"""MoE block (one process): routing, capacity dropping, auxiliary losses against naive
+formulas, parameter/FLOP counts of MoE shapes; and the global-batch balance loss across
+real gloo ranks against the one-process value."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshfold.config import ModelConfig
+from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.moe import MoE, moe_aux_loss, moe_end_step
+from meshfold.models.presets import flops_per_token, param_count, preset
+from meshfold.testing import run_on
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(dim=16, n_layers=2, n_heads=2, vocab_size=64, seq_len=8, moe_experts=4, moe_topk=2, ffn_dim=24)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def build_moe(cfg: ModelConfig, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(cfg).double()
+    for name, p in moe.named_parameters():
+        with torch.no_grad():
+            p.copy_(torch.randn_like(p) * (0.3 if "router" in name else 0.1))
+    return moe
+
+
+def naive_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Per token, per chosen expert, in plain Python: the definition the block must meet."""
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ moe.router.weight.t()
+    scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        choice = scores[t] + (moe.expert_bias if moe.expert_bias is not None else 0)
+        idx = torch.topk(choice, cfg.moe_topk).indices
+        gates = scores[t, idx]
+        if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
+            gates = gates / gates.sum()
+        for g, e in zip(gates, idx):
+            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            out[t] += g * (w2 @ (F.silu(w1 @ flat[t]) * (w3 @ flat[t])))
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(flat)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("router,norm,shared", [("softmax", True, 0), ("softmax", False, 1), ("sigmoid", True, 2)])
+def test_dropless_matches_naive(router, norm, shared):
+    cfg = tiny(moe_router=router, moe_norm_topk=norm, moe_shared_experts=shared)
+    moe = build_moe(cfg)
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), naive_moe(moe, x, cfg), rtol=1e-12, atol=1e-12)
+
+
+def test_bias_changes_choice_not_gates():
+    cfg = tiny(moe_bias_balance=True, moe_topk=1)
+    moe = build_moe(cfg)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    moe.expert_bias[:] = torch.tensor([10.0, 0, 0, 0])  # force expert 0 for every token
+    torch.testing.assert_close(moe(x), naive_moe(moe, x, cfg), rtol=1e-12, atol=1e-12)
+    _, idx, gates = moe.route(moe.router(x.reshape(-1, 16)))
+    assert (idx == 0).all() and torch.allclose(gates, torch.ones_like(gates))  # renormalised top-1
+
+
+def test_bias_balancing_update():
+    cfg = tiny(moe_bias_balance=True, moe_bias_update_rate=0.5)
+    moe = build_moe(cfg).train()
+    moe(torch.randn(2, 8, 16, dtype=torch.float64)).sum().backward()
+    load = moe._step_stats[:4].clone()
+    moe.end_step()
+    expected = 0.5 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(moe.expert_bias, expected.to(moe.expert_bias.dtype))
+    assert moe.end_step() is None  # statistics were consumed
+
+
+def test_capacity_drops_later_tokens_and_second_choices():
+    # 4 experts, top-2, 8 tokens per sequence, capacity factor 0.5 -> C = ceil(0.5*8*2/4) = 2.
+    cfg = tiny(moe_capacity_factor=0.5)
+    moe = build_moe(cfg)
+    with torch.no_grad():  # every token: first choice expert 0, second choice expert 1
+        moe.router.weight.zero_()
+        moe.router.weight[0, 0], moe.router.weight[1, 0] = 2.0, 1.0
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    x[..., 0] = x[..., 0].abs() + 0.1
+    _, idx, _ = moe.route(moe.router(x.reshape(-1, 16)))
+    assert (idx[:, 0] == 0).all() and (idx[:, 1] == 1).all()
+    keep = moe.capacity_keep(idx, 2, 8).view(2, 8, 2)
+    expected = torch.zeros(2, 8, 2, dtype=torch.bool)
+    expected[:, :2, :] = True  # in each sequence the first two tokens fit in both queues
+    assert torch.equal(keep, expected)
+
+    # Mixed: first choices fill expert 0's queue before any second choice is queued there.
+    idx = torch.tensor([[1, 0], [0, 2], [0, 3], [2, 0]])  # one sequence of 4 tokens
+    moe_c = build_moe(tiny(moe_capacity_factor=1.0))  # C = ceil(1*4*2/4) = 2
+    keep = moe_c.capacity_keep(idx, 1, 4)
+    assert keep.tolist() == [[True, False], [True, True], [True, True], [True, False]]
+
+    # Forward: dropped assignments contribute nothing; the count is logged.
+    moe.train()
+    out = moe(x)
+    out = out.view(2, 8, 16)
+    assert torch.equal(out[:, 2:], torch.zeros(2, 6, 16, dtype=torch.float64))  # both choices dropped
+    assert (out[:, :2].abs().sum(-1) > 0).all()
+    stats = moe.end_step()
+    assert int(stats["dropped"]) == 2 * 6 * 2
+
+
+def test_aux_and_z_loss_match_formula():
+    cfg = tiny(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01)
+    moe = build_moe(cfg).train()
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    moe(x)
+    aux = moe.pop_aux()
+    logits = x.reshape(-1, 16) @ moe.router.weight.t()
+    probs = logits.softmax(-1)
+    idx = probs.topk(2, -1).indices
+    f = torch.bincount(idx.flatten(), minlength=4).double() / (24 * 2)
+    expected = 0.1 * 4 * (f * probs.mean(0)).sum() + 0.01 * torch.logsumexp(logits, -1).pow(2).mean()
+    torch.testing.assert_close(aux, expected, rtol=1e-12, atol=1e-14)
+    # A perfectly uniform router gives the balance loss its minimum, coef * 1.
+    assert 0.1 * 4 * (torch.full((4,), 0.25) * torch.full((4,), 0.25)).sum() == pytest.approx(0.1)
+
+
+def test_trainer_hooks_collect_from_model():
+    cfg = tiny(moe_every=2)
+    model = Transformer(cfg).double().train()
+    init_weights(model, cfg, seed=0)
+    assert [i for i, b in model.layers.items() if isinstance(b.feed_forward, MoE)] == ["1"]
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    assert moe_aux_loss(model) is not None and moe_aux_loss(model) is None  # popped once
+    fields = moe_end_step(model)
+    assert set(fields) == {"expert_imbalance", "expert_load", "dropped_tokens"}
+    assert sum(fields["expert_load"]["1"]) == 2 * 8 * 2 and fields["dropped_tokens"] == 0
+    assert fields["expert_imbalance"] >= 1.0
+
+
+# --------------------------------------------------------------------------- counts
+
+
+def test_published_moe_counts():
+    mixtral = preset("mixtral-8x7b")
+    assert param_count(mixtral) == 46_702_792_704  # Hugging Face Mixtral-8x7B-v0.1: 46.7B
+    assert round(param_count(mixtral, active=True) / 1e9, 1) == 12.9  # published 12.9B active
+    ds = preset("deepseek-moe-16b")
+    assert round(param_count(ds) / 1e9, 1) == 16.4  # DeepSeekMoE 16B: 16.4B total
+    assert round(param_count(ds, active=True) / 1e9, 1) == 2.8  # 2.8B activated
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(moe_shared_experts=2, moe_ffn_dim=12, moe_first_dense=1, n_layers=3),
+    dict(moe_every=2, n_layers=4, bias=True, mlp="gelu", norm="layernorm", moe_shared_experts=1),
+    dict(moe_bias_balance=True, moe_router="sigmoid"),
+])
+def test_param_count_matches_built_model(kw):
+    cfg = tiny(**kw)
+    model = Transformer(cfg)
+    assert param_count(cfg) == sum(p.numel() for p in model.parameters())
+    per_token = param_count(cfg, active=True)
+    expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.dim * cfg.expert_dim
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    assert param_count(cfg) - per_token == moe_layers * (cfg.moe_experts - cfg.moe_topk) * expert
+
+
+def test_flops_use_active_parameters():
+    mixtral = preset("mixtral-8x7b")
+    dense_equal = preset("mixtral-8x7b", moe_experts=0, ffn_dim=2 * 14336)  # same active MLP width
+    # Router adds dim*E per layer; otherwise an MoE token costs what the active dense model does.
+    diff = flops_per_token(mixtral) - flops_per_token(dense_equal)
+    assert diff == 3 * 2 * mixtral.n_layers * mixtral.dim * mixtral.moe_experts
+
+
+# --------------------------------------------------------------------------- global batch
+
+
+def _balance_loss_on_ranks(cfg_kw: dict, x: torch.Tensor):
+    """Rank r takes its slice of the global batch; stats are summed over all ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = tiny(**cfg_kw)
+    moe = build_moe(cfg).train()
+
+    def reduce(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    moe.reduce_stats = reduce
+    local = x.chunk(world)[rank]
+    moe(local)
+    aux = moe.pop_aux()
+    aux.backward()
+    total = aux.detach().clone()
+    dist.all_reduce(total)
+    grad = moe.router.weight.grad.clone()
+    dist.all_reduce(grad)
+    return total, grad, moe.end_step()["load"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("cfg_kw", [dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01),
+                                    dict(moe_router="sigmoid", moe_aux_loss_coef=0.1)])
+def test_global_batch_balance_loss_across_ranks(world, cfg_kw):
+    x = torch.randn(8, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    moe = build_moe(tiny(**cfg_kw)).train()
+    moe(x)
+    ref = moe.pop_aux()
+    ref.backward()
+    ref_load = moe.end_step()["load"]
+    # The per-micro-batch loss (each rank on its own slice, then averaged) is different:
+    # the point of the global statistic.
+    local = build_moe(tiny(**cfg_kw)).train()
+    per_rank = []
+    for part in x.chunk(world):
+        local(part)
+        per_rank.append(local.pop_aux())
+        local.end_step()
+    assert abs(float(sum(per_rank).detach() / world) - float(ref.detach())) > 1e-6
+
+    outs = run_on(world, _balance_loss_on_ranks, cfg_kw, x)
+    for total, grad, load in outs:
+        torch.testing.assert_close(total, ref.detach(), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grad, moe.router.weight.grad, rtol=1e-10, atol=1e-14)
+        assert torch.equal(load, ref_load)
+    assert math.isfinite(float(ref))
