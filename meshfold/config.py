@@ -413,10 +413,14 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                 f"model.n_kv_heads = {m.kv_heads} and parallel.tp = {p.tp}: one must divide the other "
                 f"(kv heads are split when tp divides them, replicated when they divide tp)"
             )
-        if p.sp and m.seq_len % p.tp:
+        if p.sp and m.seq_len % (p.tp * p.cp):
             raise ConfigError(
-                f"parallel.sp needs model.seq_len = {m.seq_len} divisible by parallel.tp = {p.tp}"
+                f"parallel.sp needs model.seq_len = {m.seq_len} divisible by parallel.tp*cp = {p.tp * p.cp} "
+                f"(each rank keeps a 1/tp slice of its sequence); change model.seq_len or set parallel.sp = false"
             )
+        if p.sp and m.moe_experts:
+            raise ConfigError("parallel.sp with MoE blocks (model.moe_experts > 0) is not supported; "
+                              "set parallel.sp = false")
     if p.cp > 1:
         chunks = 2 * p.cp if (p.cp_mode != "ulysses" and p.cp_balance) else p.cp
         if m.seq_len % chunks:
@@ -509,6 +513,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             raise ConfigError(
                 f"parallel.zero = 0 replicates everything but parallel.dp_shard = {p.dp_shard}; "
                 f"set parallel.zero to 1, 2 or 3, or use parallel.dp_replicate = {p.dp} with dp_shard = 1"
+            )
+        # Tensor-parallel parameters are DTensors: only FSDP2 (zero 2/3 over dp_shard*cp) composes.
+        if p.tp > 1 and p.dp * p.cp > 1 and (p.zero < 2 or p.dp_shard * p.cp == 1):
+            raise ConfigError(
+                f"parallel.tp = {p.tp} composes with sharded data parallel only (parallel.zero = 2 or 3 and "
+                f"dp_shard*cp > 1), not with DDP/ZeRO-1 (zero = {p.zero}, dp_shard = {p.dp_shard}); "
+                f"set parallel.zero = 3 and move the data-parallel degree to parallel.dp_shard"
             )
         if t.offload == "params" and (p.zero < 2 or p.dp_shard * p.cp == 1):
             raise ConfigError(

@@ -19,7 +19,9 @@ class SavedActivationCounter:
     def __init__(self, model: nn.Module | None = None):
         self.param_storages = set()
         if model is not None:
-            self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            # DTensor parameters (FSDP2, tensor parallel): their local shard's storage.
+            self.param_storages = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                                   for p in model.parameters()}
         self.seen: set[int] = set()
         self.bytes = 0
 

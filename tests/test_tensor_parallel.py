@@ -1,0 +1,179 @@
+"""Tensor + sequence parallel against a one-process reference, float64.
+
+Every multi-process run below trains 5 steps of the tiny model (dim 32, 2 layers, 4 heads,
+2 kv heads, seq 16, global batch 8, grad clip on) and must match the one-process run
+computed in this module: losses at every step, then every parameter and every last-step
+gradient, to rtol 1e-9 / atol 1e-11 (float64; only the summation order differs).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshfold.config import ConfigError, from_dict, validate
+from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+
+RTOL, ATOL = 1e-9, 1e-11
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train_collect(tiny_config(str(tmp_path_factory.mktemp("ref"))))
+
+
+# n_kv_heads = 2: tp 2 splits the kv heads, tp 4 replicates them (one kv head per rank).
+LAYOUTS = [
+    pytest.param(2, {"tp": 2, "dp_shard": 1}, id="tp2"),
+    pytest.param(2, {"tp": 2, "sp": True, "dp_shard": 1}, id="tp2-sp"),
+    pytest.param(4, {"tp": 4, "dp_shard": 1}, id="tp4-kv-replicated"),
+    pytest.param(4, {"tp": 4, "sp": True, "dp_shard": 1}, id="tp4-sp-kv-replicated"),
+    pytest.param(4, {"tp": 2, "dp_shard": 2, "zero": 3}, id="tp2xfsdp2"),
+    pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 2}, id="tp2xfsdp2-sp-zero2"),
+    pytest.param(8, {"tp": 2, "sp": True, "dp_replicate": 2, "dp_shard": 2, "zero": 3}, id="hsdp2x2xtp2-sp"),
+]
+
+
+@pytest.mark.parametrize("world,parallel", LAYOUTS)
+def test_matches_one_process(world, parallel, reference, tmp_path):
+    got = run_on(world, train_collect, tiny_config(str(tmp_path), parallel=parallel))[0]
+    assert_runs_match(reference, got, rtol=RTOL, atol=ATOL)
+
+
+def test_uneven_vocabulary_and_tied_embeddings(tmp_path):
+    # 321 = 3 * 107: tp 2 holds 161 + 160 rows, tp 4 holds 81 + 81 + 81 + 78; the padded
+    # logit columns must not change the loss. Tied input/output embeddings share the shard.
+    model = {"vocab_size": 321, "tie_embeddings": True}
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model))
+    assert "output.weight" not in ref["params"]
+    for world, parallel in [(4, {"tp": 4, "sp": True, "dp_shard": 1}), (4, {"tp": 2, "dp_shard": 2})]:
+        got = run_on(world, train_collect, tiny_config(str(tmp_path / str(parallel)), model=model,
+                                                        parallel=parallel))[0]
+        assert got["params"]["tok_embeddings.weight"].shape == (321, 32)  # unpadded names and shapes
+        assert_runs_match(ref, got, rtol=RTOL, atol=ATOL)
+
+
+def test_gpt_style_block(tmp_path):
+    # LayerNorm with bias, GELU MLP, biases everywhere, learned positions, MHA (kv = heads):
+    # row-parallel biases and positional rows are replicated and summed over tp under sp.
+    model = {"norm": "layernorm", "mlp": "gelu", "bias": True, "pos": "learned", "n_kv_heads": 0}
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model))
+    got = run_on(2, train_collect, tiny_config(str(tmp_path / "tp"), model=model,
+                                                parallel={"tp": 2, "sp": True, "dp_shard": 1}))[0]
+    assert_runs_match(ref, got, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def measure_sizes(cfg_dict: dict) -> dict:
+    """Per-rank bytes of the live parameter shards and of the tensors autograd saves for
+    backward during one forward of the first micro-batch (counted by storage)."""
+    import torch
+
+    from meshfold.train.memory import count_saved_activations
+    from meshfold.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(cfg_dict))
+    params = 0
+    for p in trainer.model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        params += t.numel() * t.element_size()
+    mb = trainer.micro_batches(trainer.local_batch())[0]
+    with count_saved_activations(trainer.model) as counted:
+        loss = trainer.forward_loss(mb)
+    loss.backward()
+    hidden = {}
+    block = trainer.model.layers["0"]
+    def keep_shape(_module, _args, out):
+        hidden["residual"] = tuple(out.shape)
+
+    block.register_forward_hook(keep_shape)
+    with torch.no_grad():
+        trainer.forward_loss(mb)
+    return {"params": params, "activations": counted.bytes, "residual": hidden["residual"]}
+
+
+def test_per_rank_sizes_shrink(tmp_path):
+    cfg = lambda name, **par: tiny_config(str(tmp_path / name), model={"n_kv_heads": 4},  # noqa: E731
+                                          parallel={"dp_shard": 1, **par})
+    one = measure_sizes(cfg("one"))
+    tp = run_on(2, measure_sizes, cfg("tp", tp=2))[0]
+    sp = run_on(2, measure_sizes, cfg("sp", tp=2, sp=True))[0]
+    # Parameters: everything but the 5 norm weights (5 * 32 float64) is split in two.
+    replicated = 5 * 32 * 8
+    assert tp["params"] == sp["params"] == (one["params"] - replicated) // 2 + replicated
+    # The residual stream between blocks: full sequence without sp, half of it with sp.
+    assert one["residual"] == tp["residual"] == (8, 16, 32)
+    assert sp["residual"] == (8, 8, 32)
+    # Saved activations: tp alone keeps the replicated block inputs; with sp everything a block
+    # saves is split, leaving only token ids, masks and rotary tables (< 5% of the total) whole.
+    ratio_tp, ratio_sp = tp["activations"] / one["activations"], sp["activations"] / one["activations"]
+    print(f"saved activations per rank / one process: tp2 {ratio_tp:.3f}, tp2+sp {ratio_sp:.3f}")
+    assert ratio_sp < ratio_tp
+    assert 0.5 <= ratio_sp <= 0.5 * 1.05
+
+
+# --------------------------------------------------------------------------- comm bytes
+
+
+def expected_tp_bytes(b: int, s: int, d: int, n_layers: int, tp: int, sp: bool, elt: int = 8) -> int:
+    """Bytes rank 0 sends over tp in one training step (one micro-batch, MHA, RMSNorm,
+    untied output), ring convention: all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n
+    of the full tensor. A = one [b, s, d] activation."""
+    a, ring = b * s * d * elt, (tp - 1) / tp
+    loss = 2 * ring * (b * s * elt + 2 * b * s * elt)  # max, then (sum exp, target logit)
+    if not sp:
+        # Per block: g forward (attention, MLP) + f backward (attention, MLP): 4 all-reduces.
+        # Embedding: g forward; output layer: f backward.
+        return round(n_layers * 4 * 2 * ring * a + 2 * 2 * ring * a + loss)
+    # Per block and region: all-gather in, reduce-scatter out (forward); backward gathers the
+    # input again, reduce-scatters its gradient and all-gathers the output gradient: 5 per region.
+    # Plus the two norm-weight gradient all-reduces.
+    blocks = n_layers * (2 * 5 * ring * a + 2 * 2 * ring * d * elt)
+    # Embedding: reduce-scatter + its backward all-gather; output layer: all-gather, backward
+    # all-gather + reduce-scatter; final norm weight gradient all-reduce.
+    ends = 2 * ring * a + 3 * ring * a + 2 * ring * d * elt
+    return round(blocks + ends + loss)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_comm_bytes_in_metrics(sp, tmp_path):
+    cfg = tiny_config(str(tmp_path), model={"n_kv_heads": 4}, parallel={"tp": 2, "sp": sp, "dp_shard": 1},
+                      train={"steps": 2})
+    run_on(2, train_collect, cfg)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    want = expected_tp_bytes(b=8, s=16, d=32, n_layers=2, tp=2, sp=sp)
+    assert [r["comm_bytes"]["tp"] for r in records] == [want, want]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("model,parallel,world,needle", [
+    ({"n_heads": 4}, {"tp": 8}, 8, "parallel.tp = 8 is larger than model.n_heads = 4"),
+    ({"n_heads": 6, "dim": 48, "n_kv_heads": 0}, {"tp": 4}, 4, "model.n_heads = 6 is not divisible by parallel.tp"),
+    ({"n_heads": 12, "n_kv_heads": 4, "dim": 96}, {"tp": 6}, 6, "model.n_kv_heads = 4 and parallel.tp = 6"),
+    ({"seq_len": 18}, {"tp": 4, "sp": True}, 4, "parallel.sp needs model.seq_len = 18"),
+    ({}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}, 4, "parallel.tp = 2 composes with sharded data parallel"),
+    ({}, {"tp": 2, "dp_shard": 2, "zero": 1}, 4, "parallel.tp = 2 composes with sharded data parallel"),
+])
+def test_impossible_layouts_fail_in_one_line(model, parallel, world, needle, tmp_path):
+    cfg = from_dict(tiny_config(str(tmp_path), model=model, parallel=parallel))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_rejects_layout_before_starting_processes(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "meshfold", "train", str(root / "configs" / "debug.toml"), "--nproc", "3",
+         "--set", "parallel.tp=3", "--set", f"train.run_dir='{tmp_path}'"],
+        capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.n_heads = 4 is not divisible by parallel.tp = 3" in lines[0], out.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
