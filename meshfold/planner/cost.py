@@ -413,6 +413,9 @@ class CostModel:
             "dp_exposed": dp_exposed,
             "optimizer": opt_time,
             "latency_small": small + c.step_overhead_s,
+            # per-micro-batch forward/backward of the slowest stage (for the simulator)
+            "stage_fwd_s": t_f,
+            "stage_bwd_s": t_b,
         }
 
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)

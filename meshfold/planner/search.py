@@ -179,7 +179,8 @@ def explain(winner: Estimate, runner: Estimate | None) -> list[str]:
     lines = [f"winner {winner.layout.short()} {winner.step_time_s:.4g}s vs runner-up "
              f"{runner.layout.short()} {runner.step_time_s:.4g}s "
              f"({100 * (runner.step_time_s / winner.step_time_s - 1):.1f}% slower)"]
-    diffs = sorted(((runner.time[k] - winner.time.get(k, 0.0), k) for k in runner.time), reverse=True)
+    diffs = sorted(((runner.time[k] - winner.time.get(k, 0.0), k) for k in runner.time
+                    if not k.startswith("stage_")), reverse=True)
     for d, k in diffs:
         if abs(d) > 1e-9 * max(1.0, winner.step_time_s):
             lines.append(f"  {k:18s} winner {winner.time.get(k, 0):.4g}s  runner-up {runner.time[k]:.4g}s  "
