@@ -23,7 +23,7 @@ gradients are therefore scaled by 1/ep where they enter the expert computation
 twice (torch 2.13).
 
 The load-balancing statistics are made global here too: ``MoE.reduce_stats`` becomes an
-all-reduce over ``dp_cp`` (bytes recorded under "ep").
+all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded under "dp").
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def _stats_reducer(group: dist.ProcessGroup, n: int):
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
         dist.all_reduce(stats, group=group)
-        ledger().record("ep", "all_reduce", stats.numel() * stats.element_size(), n)
+        # Runs over the data x context ranks, so it is data-parallel traffic; "ep" is the all-to-all.
+        ledger().record("dp", "all_reduce", stats.numel() * stats.element_size(), n)
         return stats
 
     return reduce
