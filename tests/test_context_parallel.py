@@ -123,8 +123,37 @@ def test_uneven_sequence_and_heads_are_config_errors():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train_collect(tiny_config(str(tmp_path_factory.mktemp("ref"))))
+def short_docs(tmp_path_factory):
+    """A corpus of short documents (1-8 words), so every 16-token sequence packs several
+    and the document masks matter (the default corpus's documents are far longer)."""
+    import json
+    import random
+
+    rng = random.Random(5)
+    words = "ring attention splits the sequence across ranks while ulysses swaps heads for tokens".split()
+    path = tmp_path_factory.mktemp("corpus") / "short.jsonl"
+    with path.open("w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 8)))}) + "\n")
+    return {"source": str(path), "max_docs": 0, "cache_dir": str(path.parent / "cache")}
+
+
+def _config(run_dir, data, **sections):
+    return tiny_config(run_dir, data={**data}, **sections)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, short_docs):
+    return train_collect(_config(str(tmp_path_factory.mktemp("ref")), short_docs))
+
+
+def test_short_docs_pack_several_documents_per_sequence(short_docs, tmp_path):
+    from meshfold.data.dataset import build_data
+
+    cfg = validate(from_dict(_config(str(tmp_path), short_docs)))
+    data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+    per_row = [len(set(row.tolist())) for row in data.train.batch(range(8))["doc_ids"]]
+    assert min(per_row) >= 2 and sum(per_row) >= 3 * len(per_row), per_row
 
 
 LAYOUTS = [
@@ -139,6 +168,13 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("world,parallel", LAYOUTS)
-def test_training_matches_one_process(world, parallel, reference, tmp_path):
-    got = run_on(world, train_collect, tiny_config(str(tmp_path), parallel=parallel))[0]
+def test_training_matches_one_process(world, parallel, reference, short_docs, tmp_path):
+    got = run_on(world, train_collect, _config(str(tmp_path), short_docs, parallel=parallel))[0]
     assert_runs_match(reference, got)
+
+
+def test_training_without_document_masks(short_docs, tmp_path):
+    data = {**short_docs, "doc_mask": False}  # causal across the packed documents
+    ref = train_collect(_config(str(tmp_path / "ref"), data))
+    got = run_on(2, train_collect, _config(str(tmp_path / "cp"), data, parallel={"cp": 2}))[0]
+    assert_runs_match(ref, got)
