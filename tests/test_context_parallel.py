@@ -164,6 +164,9 @@ LAYOUTS = [
     pytest.param(4, {"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}, id="hybrid2x2"),
     pytest.param(4, {"cp": 2, "dp_shard": 2, "zero": 3}, id="ring2-fsdp2"),
     pytest.param(4, {"cp": 2, "dp_replicate": 2, "dp_shard": 1, "zero": 0}, id="ring2-ddp2"),
+    pytest.param(4, {"cp": 2, "tp": 2, "dp_shard": 1}, id="ring2-tp2"),
+    pytest.param(4, {"cp": 2, "cp_mode": "ulysses", "tp": 2, "sp": True, "dp_shard": 1}, id="ulysses2-tp2-sp"),
+    pytest.param(4, {"cp": 2, "pp": 2, "dp_shard": 1}, id="ring2-pp2"),
 ]
 
 
