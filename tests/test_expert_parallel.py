@@ -39,13 +39,16 @@ LAYOUTS = [
     pytest.param(4, {"dp_shard": 4, "ep": 2, "zero": 2}, id="ep2-folded-on-dp_shard4-zero2"),
     pytest.param(4, {"dp_shard": 2, "tp": 2, "ep": 2}, id="ep2xtp2"),
     pytest.param(2, {"dp_shard": 2}, id="dp2-ep1-global-balance-loss"),
+    # Recomputation re-runs the all-to-all in backward and must not count the tokens twice.
+    pytest.param(2, {"dp_shard": 2, "ep": 2}, {"recompute": "full"}, id="ep2-recompute-full"),
 ]
 
 
-@pytest.mark.parametrize("world,parallel", LAYOUTS)
-def test_dropless_matches_one_process(world, parallel, dropless_ref, tmp_path):
+@pytest.mark.parametrize("world,parallel,train", [p if len(p.values) == 3 else pytest.param(*p.values, {}, id=p.id)
+                                                  for p in LAYOUTS])
+def test_dropless_matches_one_process(world, parallel, train, dropless_ref, tmp_path):
     ref, ref_metrics = dropless_ref
-    got = run_on(world, train_collect, tiny_config(str(tmp_path), model=MOE, parallel=parallel))[0]
+    got = run_on(world, train_collect, tiny_config(str(tmp_path), model=MOE, parallel=parallel, train=train))[0]
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
     metrics = _metrics(tmp_path)
     for mine, theirs in zip(metrics, ref_metrics, strict=True):

@@ -126,6 +126,7 @@ class MoE(nn.Module):
         self.reduce_stats = None
         self._aux: torch.Tensor | None = None
         self._step_stats: torch.Tensor | None = None  # global [counts(E), tokens, dropped]
+        self._replay: list = []  # (f, tokens) of this step's forwards, for recomputation
 
     # ------------------------------------------------------------------ routing
 
@@ -165,9 +166,8 @@ class MoE(nn.Module):
         logits = self.router(flat).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
-        # Not during activation recomputation (it runs inside backward): counted once per forward.
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self._record_stats(logits, probs, idx, keep)
+        if self.training and torch.is_grad_enabled():
+            self._aux_terms(logits, probs, idx, keep)
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         keep_flat = keep.flatten()
@@ -177,23 +177,35 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         return out.view(batch, seq, dim)
 
-    def _record_stats(self, logits, probs, idx, keep) -> None:
-        """Global routing statistics of this forward, and this rank's share of the aux losses."""
-        counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(torch.float64)
-        extra = torch.tensor([float(idx.shape[0]), float((~keep).sum())], dtype=torch.float64, device=idx.device)
-        stats = torch.cat([counts, extra])
-        if self.reduce_stats is not None:
-            stats = self.reduce_stats(stats)
-        self._step_stats = stats if self._step_stats is None else self._step_stats + stats
-        n_tokens = stats[self.n_experts]  # tokens of this forward over all ranks
-        aux = logits.new_zeros(())
-        if self.aux_coef:
+    def _aux_terms(self, logits, probs, idx, keep) -> None:
+        """Global routing statistics of this forward, and this rank's share of the aux losses.
+
+        Activation recomputation re-runs this forward inside backward: it must build the same
+        autograd graph (the checkpoint matches saved tensors one by one) but neither count the
+        tokens again nor issue the collective, so it replays the statistics of the original
+        forward (first in, first out: a module's backwards run in the order of its forwards)."""
+        recomputing = torch._C._current_graph_task_id() != -1
+        if recomputing and self._replay:
+            f, n_tokens = self._replay.pop(0)
+        else:
+            counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(torch.float64)
+            extra = torch.tensor([float(idx.shape[0]), float((~keep).sum())], dtype=torch.float64,
+                                 device=idx.device)
+            stats = torch.cat([counts, extra])
+            if self.reduce_stats is not None:
+                stats = self.reduce_stats(stats)
+            self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+            n_tokens = stats[self.n_experts]  # tokens of this forward over all ranks
             step_counts, step_tokens = self._step_stats[: self.n_experts], self._step_stats[self.n_experts]
             f = (step_counts / (step_tokens * self.topk)).to(probs.dtype)
+            self._replay.append((f, n_tokens))
+        aux = logits.new_zeros(())
+        if self.aux_coef:
             aux = aux + self.aux_coef * self.n_experts * (f * probs.sum(0)).sum() / n_tokens
         if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(logits, -1).pow(2).sum() / n_tokens
-        self._aux = aux if self._aux is None else self._aux + aux
+        if not recomputing:
+            self._aux = aux if self._aux is None else self._aux + aux
 
     # ------------------------------------------------------------------ step bookkeeping
 
@@ -205,6 +217,7 @@ class MoE(nn.Module):
     def end_step(self) -> dict | None:
         """Step statistics (global, identical on every rank); updates the balancing bias."""
         stats, self._step_stats = self._step_stats, None
+        self._replay = []
         if stats is None:
             return None
         load = stats[: self.n_experts]
