@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "train": "meshfold.cli",
     "plot": "meshfold.cli",
     "timeline": "meshfold.parallel.timeline",
+    "calibrate-cost": "meshfold.data.cost_calibration",
 }
 
 

@@ -1,10 +1,10 @@
 """Measure the per-document cost model W(l) = a l^2 + b l on this machine.
 
 Forward + backward of the configured model (per-document attention, as the balanced
-loader runs it) on single documents of several lengths; the median time of a few repeats
-per length is fitted by non-negative least squares to a l^2 + b l + c. The constant c is
-the per-micro-batch overhead, paid once per micro-batch whatever it holds, so it is not
-part of a document's W. The planner can call ``measure_cost`` for the same numbers.
+loader runs it) on micro-batches of k documents of l tokens, for several l (k = 1, and k*l about
+four times the longest); the fastest of a few repeats per length is fitted by non-negative least squares
+to  time = k (a l^2 + b l) + c.  The constant c is the per-micro-batch overhead, paid
+once per micro-batch whatever it holds, so it is not part of a document's W. The planner can call ``measure_cost`` for the same numbers.
 
 ``meshfold calibrate-cost CONFIG.toml`` prints a and b (and the ``--set`` lines that pin
 them); a run with ``data.cost_a = data.cost_b = 0`` measures at start on global rank 0,
@@ -33,7 +33,8 @@ class CostFit:
     b: float
     c: float
     lengths: list[int]
-    seconds: list[float]
+    seconds: list[float]  # per micro-batch of counts[i] documents of lengths[i] tokens
+    counts: list[int]
 
     @property
     def model(self) -> CostModel:
@@ -42,7 +43,7 @@ class CostFit:
     def rel_error(self) -> float:
         """Largest relative error of the fit (a l^2 + b l + c) over the measured points."""
         l = np.asarray(self.lengths, dtype=np.float64)
-        pred = self.a * l * l + self.b * l + self.c
+        pred = np.asarray(self.counts) * (self.a * l * l + self.b * l) + self.c
         t = np.asarray(self.seconds)
         return float(np.max(np.abs(pred - t) / t))
 
@@ -53,7 +54,10 @@ def default_lengths(seq_len: int, n: int = 6) -> list[int]:
 
 
 def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 lengths: list[int] | None = None, repeats: int = 3, seed: int = 0) -> CostFit:
+                 lengths: list[int] | None = None, repeats: int = 3, seed: int = 0,
+                 row_tokens: int = 0) -> CostFit:
+    """Time micro-batches of ``k`` documents of ``l`` tokens (k = 1 and k*l about
+    ``row_tokens``, default 4 * the longest length) and fit time = k (a l^2 + b l) + c."""
     from scipy.optimize import nnls
 
     from meshfold.models.llama import Transformer, init_weights
@@ -66,11 +70,17 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
     use_varlen_attention(model)
     model.to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
+    # Each length alone and k to a row: varying the row's total tokens separates the
+    # per-document cost from the per-micro-batch overhead c.
+    row_tokens = row_tokens or 4 * max(lengths)
+    points = sorted({(l, k) for l in lengths for k in (1, max(2, row_tokens // l))})
+    lengths, counts = [l for l, _ in points], [k for _, k in points]
 
-    def once(l: int) -> float:
-        tokens = torch.randint(0, model_cfg.vocab_size, (1, l), generator=gen).to(device)
-        doc_ids = torch.zeros(1, l, dtype=torch.long, device=device)
-        positions = torch.arange(l, device=device).unsqueeze(0)
+    def once(l: int, k: int) -> float:
+        """One micro-batch of k documents of l tokens each, forward + backward."""
+        tokens = torch.randint(0, model_cfg.vocab_size, (1, k * l), generator=gen).to(device)
+        doc_ids = torch.arange(k, device=device).repeat_interleave(l).unsqueeze(0)
+        positions = torch.arange(l, device=device).repeat(k).unsqueeze(0)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -81,15 +91,18 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    once(lengths[0])  # warm-up
-    seconds = [float(np.median([once(l) for _ in range(repeats)])) for l in lengths]
+    for l, k in zip(lengths, counts):  # warm-up: every shape once
+        once(l, k)
+    # The fastest of a few repeats: the least disturbed by other work on the machine.
+    seconds = [min(once(l, k) for _ in range(repeats)) for l, k in zip(lengths, counts)]
     l = np.asarray(lengths, dtype=np.float64)
-    # Scale the columns so nnls is well conditioned, then undo.
-    cols = np.stack([l * l, l, np.ones_like(l)], axis=1)
+    k = np.asarray(counts, dtype=np.float64)
+    # time = k (a l^2 + b l) + c. Columns scaled so nnls is well conditioned, then undone.
+    cols = np.stack([k * l * l, k * l, np.ones_like(l)], axis=1)
     norm = cols.max(axis=0)
     coef, _ = nnls(cols / norm, np.asarray(seconds))
     a, b, c = (coef / norm).tolist()
-    return CostFit(a, b, c, list(map(int, lengths)), seconds)
+    return CostFit(a, b, c, list(map(int, lengths)), seconds, list(map(int, counts)))
 
 
 def _cache_file(cfg: Config, device: torch.device, dtype: torch.dtype):
@@ -147,12 +160,12 @@ def run(args) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()] or None
     fit = measure_cost(cfg.model, device, dtype, lengths, args.repeats)
     if args.json:
-        print(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths, "seconds": fit.seconds,
-                          "max_rel_error": fit.rel_error()}))
+        print(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths, "counts": fit.counts,
+                          "seconds": fit.seconds, "max_rel_error": fit.rel_error()}))
         return 0
-    print(f"{'tokens':>8} {'measured s':>12} {'fit s':>12}")
-    for l, s in zip(fit.lengths, fit.seconds):
-        print(f"{l:>8} {s:>12.6f} {fit.a * l * l + fit.b * l + fit.c:>12.6f}")
+    print(f"{'doc tokens':>10} {'docs':>5} {'measured s':>12} {'fit s':>12}")
+    for l, k, s in zip(fit.lengths, fit.counts, fit.seconds):
+        print(f"{l:>10} {k:>5} {s:>12.6f} {k * (fit.a * l * l + fit.b * l) + fit.c:>12.6f}")
     half = (fit.b / fit.a) if fit.a > 0 else float("inf")
     print(f"W(l) = {fit.a:.4e} * l^2 + {fit.b:.4e} * l   (per-micro-batch overhead {fit.c:.4e} s; "
           f"attention dominates beyond l = {half:.0f} tokens)")
