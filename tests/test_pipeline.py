@@ -89,6 +89,24 @@ def test_pp2_times_dp2_times_tp2(reference, tmp_path):
     assert_runs_match(reference, got)
 
 
+def _train_metrics(cfg: dict) -> list[dict]:
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    Trainer(from_dict(cfg)).fit()
+    path = f"{cfg['train']['run_dir']}/metrics.jsonl"
+    return [json.loads(line) for line in open(path).read().splitlines()]
+
+
+def test_pp2_validation_loss_matches_one_process(tmp_path):
+    # Evaluation runs a forward-only pass through the stages (loss on the last one).
+    extra = dict(model=L4, train={"steps": 2, "eval_every": 2, "eval_batches": 2},
+                 data={"max_docs": 40, "val_docs": 8})
+    ref = _train_metrics(tiny_config(str(tmp_path / "ref"), **extra))
+    got = run_on(2, _train_metrics, tiny_config(str(tmp_path / "pp"), parallel={"pp": 2, "dp_shard": 1}, **extra))
+    assert ref[-1]["val_loss"] == pytest.approx(got[0][-1]["val_loss"], rel=1e-9, abs=1e-11)
+
+
 # --------------------------------------------------------------------------- no processes
 
 

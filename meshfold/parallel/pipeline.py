@@ -338,6 +338,7 @@ class Pipeline:
             stage = build_stage(cfg, self.split, s).to(device=trainer.device, dtype=trainer.param_dtype)
             chunks.append(unwrap(parallelize(stage, cfg, dims)))
         self.model = PipelineModel(chunks)
+        trainer.model_parts = chunks  # checkpoints save each chunk under the full model's names
         # Without FSDP, data-parallel gradients are averaged here after the schedule
         # (DDP cannot follow micro-batches whose forwards and backwards interleave).
         self.manual_dp = uses_ddp(dims)

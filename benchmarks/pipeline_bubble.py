@@ -1,0 +1,78 @@
+"""Measured pipeline bubble of each schedule at pp 4 next to its theory.
+
+Runs every schedule on 4 real gloo processes (same model, data and micro-batch count),
+reads the per-step ``bubble_frac`` the executor measured (1 - busy / makespan per stage,
+from real timings) and prints it with the schedule's theoretical bubble and the step time
+relative to GPipe measured in the same run (the baseline).
+
+    .venv/bin/python benchmarks/pipeline_bubble.py [--steps 8] [--microbatches 8]
+
+On a shared 2-core CPU the four stages also compete for cores, so measured bubbles carry
+that noise; the ordering of the schedules is what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("MESHFOLD_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "meshfold"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbv", 1)]
+
+
+def train(cfg_dict: dict) -> None:
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    Trainer(from_dict(cfg_dict)).fit()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--pp", type=int, default=4)
+    args = ap.parse_args()
+
+    from meshfold.parallel.pipeline import theoretical_bubble
+    from meshfold.testing import run_on
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for schedule, virtual in SCHEDULES:
+            run_dir = Path(tmp) / schedule
+            cfg = {
+                "model": {"dim": 128, "n_layers": 2 * args.pp * 2, "n_heads": 4, "vocab_size": 512, "seq_len": 64},
+                "parallel": {"pp": args.pp, "dp_shard": 1, "pp_schedule": schedule, "pp_virtual_stages": virtual,
+                             "pp_microbatches": args.microbatches},
+                "train": {"steps": args.steps, "global_batch": 2 * args.microbatches, "dtype": "float32",
+                          "run_dir": str(run_dir), "progress": False, "tensorboard": False},
+                "data": {"max_docs": 400, "val_docs": 0},
+            }
+            run_on(args.pp, train, cfg, timeout=600)
+            records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]  # warm-up
+            stages = [statistics.median(r["bubble_frac_stages"][s] for r in records) for s in range(args.pp)]
+            rows.append((schedule, virtual, theoretical_bubble(schedule, args.pp, virtual, args.microbatches),
+                         statistics.median(r["bubble_frac"] for r in records), stages,
+                         statistics.median(r["step_time_s"] for r in records)))
+    base = rows[0][5]
+    print(f"pp {args.pp}, {args.microbatches} micro-batches, 16 blocks of dim 128, seq 64, float32; "
+          f"median over steps 3..{args.steps}")
+    print(f"{'schedule':<16}{'theory':>8}{'measured':>10}  {'per stage':<28}{'step s':>8}{'vs gpipe':>10}")
+    for schedule, virtual, theory, measured, stages, step in rows:
+        name = f"{schedule} (v={virtual})" if schedule == "interleaved" else schedule
+        per = " ".join(f"{b:.2f}" for b in stages)
+        print(f"{name:<16}{theory:>8.3f}{measured:>10.3f}  {per:<28}{step:>8.3f}{base / step:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
