@@ -167,8 +167,18 @@ class ContextParallelPlan:
                 dist.get_global_rank(self.ring_group, (r - 1) % n))
 
 
+_GROUPS: dict[tuple, dict] = {}  # hybrid sub-groups, made once per process (pipeline chunks share them)
+
+
 def _new_groups(rank_lists: list[list[int]]) -> dict[tuple, dist.ProcessGroup]:
     """Create every group in the same order on every rank; keep the ones this rank is in."""
+    key = tuple(map(tuple, rank_lists))
+    if key not in _GROUPS:
+        _GROUPS[key] = _make_groups(rank_lists)
+    return _GROUPS[key]
+
+
+def _make_groups(rank_lists: list[list[int]]) -> dict[tuple, dist.ProcessGroup]:
     me = dist.get_rank()
     mine = {}
     for ranks in rank_lists:
