@@ -322,35 +322,25 @@ def test_methods_train_and_sync(method, extra, tmp_path):
 
 
 def _resume_case(cfg_dict: dict, split: int) -> dict:
-    """Train ``steps`` in one go, and again as ``split`` steps + save + fresh Trainer + load
-    + the rest; return both trajectories' final params and losses (rank 0's)."""
-    import io
-
+    """Train ``steps`` in one go; and again: ``split`` steps with a real checkpoint
+    (train/checkpoint.py, DCP) at ``split``, then a fresh Trainer with resume = auto for
+    the rest. Returns both trajectories' losses and final params (this rank's)."""
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer
 
+    cfg_dict = copy.deepcopy(cfg_dict)
+    run_dir = cfg_dict["train"]["run_dir"]
+    cfg_dict["train"]["run_dir"] = run_dir + "/full"
     full = Trainer(from_dict(cfg_dict))
     full_losses = full.fit()
-    steps = cfg_dict["train"]["steps"]
 
+    cfg_dict["train"].update(run_dir=run_dir + "/split", checkpoint_every=split, resume="auto")
     first = Trainer(from_dict(cfg_dict))
-    first.cfg.train.steps = split
-    first.lowcomm.outer.total_steps = steps  # the run continues: no end-of-run drain at ``split``
+    first.cfg.train.steps = split  # stop here as if killed; schedule and outer plan stay those of the full run
     losses = first.fit()
-    buf = io.BytesIO()
-    torch.save({"model": first.model.state_dict(), "optim": first.optimizer.state_dict(),
-                "sched": first.scheduler.state_dict(), "sampler": first.sampler.state_dict(),
-                "lowcomm": first.lowcomm.state_dict(), "step": first.step}, buf)
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
     second = Trainer(from_dict(cfg_dict))
-    second.model.load_state_dict(state["model"])
-    second.optimizer.load_state_dict(state["optim"])
-    second.scheduler.load_state_dict(state["sched"])
-    second.sampler.load_state_dict(state["sampler"])
-    second.lowcomm.load_state_dict(state["lowcomm"])
-    second.step = state["step"]
     losses += second.fit()
+    assert second.step == cfg_dict["train"]["steps"]
     return {"full": (full_losses, full.full_state()), "resumed": (losses, second.full_state())}
 
 
@@ -361,6 +351,6 @@ def test_outer_state_restores_exactly(method, extra, tmp_path):
     res = run_on(2, _resume_case, cfg, 3)
     for r in res:
         (fl, fp), (rl, rp) = r["full"], r["resumed"]
-        assert fl == rl
+        assert fl == rl, (fl, rl)
         for n, v in fp.items():
             assert torch.equal(rp[n], v), n

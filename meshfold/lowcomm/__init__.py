@@ -14,6 +14,8 @@ global_batch = W B sees exactly the same sequences step by step.
 
 from __future__ import annotations
 
+import io
+
 import torch
 
 from meshfold.config import Config, ConfigError
@@ -57,11 +59,14 @@ class LowComm:
         if lc.method != "none":
             named = list(unwrap(trainer.model).named_parameters())
             norm_group = dims.group("dp_shard_cp") if uses_fsdp(dims) else None
-            self.outer = build_outer(lc.method, named, lc, dims.group("worker") if self.workers > 1 else None,
+            self.outer = build_outer(lc.method, named, lc, outer_group(dims) if self.workers > 1 else None,
                                      cfg.train.steps, cfg.train.seed, norm_group)
         self.compression = getattr(trainer.model, "meshfold_compression", None)
         if self.compression is not None and lc.onebit_adam:
             self._use_onebit_adam(trainer)
+        self.rank = trainer.rank
+        if getattr(trainer, "checkpointer", None) is not None:
+            trainer.checkpointer.register("lowcomm", self)
 
     def _use_onebit_adam(self, trainer) -> None:
         from meshfold.lowcomm.onebit_adam import OneBitAdam
@@ -83,19 +88,88 @@ class LowComm:
                 out["topk_ratio"] = codec.current_ratio()
         return out
 
-    def state_dict(self) -> dict:
+    # Checkpoints: outer state (global copy, outer momentum, in-flight results) and codec
+    # error-feedback buffers differ per rank (shards, workers), so each rank stores its own
+    # serialized blob under its global rank; restoring needs the same world size and layout.
+    def local_state(self) -> dict:
         sd = {}
+        if self.workers > 1:
+            sd["worker_replica"] = self._replica_state()
         if self.outer is not None:
             sd["outer"] = self.outer.state_dict()
         if self.compression is not None and self.compression.codec is not None:
             sd["codec"] = self.compression.codec.state_dict()
         return sd
 
-    def load_state_dict(self, sd: dict) -> None:
+    def _named(self):
+        from meshfold.parallel.data import unwrap
+
+        return list(unwrap(self.trainer.model).named_parameters())
+
+    def _replica_state(self) -> dict:
+        """This rank's parameters and optimizer state. The checkpointer stores plain tensors
+        once, as if every data-parallel copy were equal; across workers they are not (each
+        worker trains its own replica between outer steps), so each rank keeps its own."""
+        from meshfold.lowcomm.outer import local_tensor
+
+        opt = self.trainer.optimizer
+        out = {"params": {}, "optim": {}}
+        for name, p in self._named():
+            out["params"][name] = local_tensor(p).detach().clone()
+            st = opt.state.get(p, {})
+            out["optim"][name] = {k: (local_tensor(v).clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        return out
+
+    @torch.no_grad()
+    def _load_replica_state(self, sd: dict) -> None:
+        from meshfold.lowcomm.outer import local_tensor
+
+        opt = self.trainer.optimizer
+        for name, p in self._named():
+            local_tensor(p).copy_(sd["params"][name])
+            st = opt.state.get(p)
+            for k, v in sd["optim"].get(name, {}).items():
+                if st is not None and k in st and torch.is_tensor(st[k]):
+                    local_tensor(st[k]).copy_(v)
+                elif st is not None:
+                    st[k] = v
+
+    def load_local_state(self, sd: dict) -> None:
+        if "worker_replica" in sd:
+            self._load_replica_state(sd["worker_replica"])
         if self.outer is not None and "outer" in sd:
             self.outer.load_state_dict(sd["outer"])
         if self.compression is not None and self.compression.codec is not None and "codec" in sd:
             self.compression.codec.load_state_dict(sd["codec"])
+
+    def state_dict(self) -> dict:
+        buf = io.BytesIO()
+        torch.save(self.local_state(), buf)
+        return {f"rank{self.rank}": buf.getvalue()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        blob = sd.get(f"rank{self.rank}")
+        if not blob:
+            raise ValueError(f"checkpoint has no low-communication state for rank {self.rank} "
+                             f"(saved with a different world size?)")
+        self.load_local_state(torch.load(io.BytesIO(blob), weights_only=False))
+
+
+def outer_group(dims):
+    """A process group of its own linking rank i of every worker (the mesh's "worker"
+    dimension). Not the mesh's group: when workers span the whole world DeviceMesh reuses
+    the default group, and streaming/co2 exchanges run on a background thread, which must
+    never share a group with the main thread's collectives (checkpoints, stragglers)."""
+    import torch.distributed as dist
+
+    ranks = dims.mesh.mesh.reshape(dims.size("worker"), -1)
+    mine = None
+    for j in range(ranks.shape[1]):  # every rank creates every group, in the same order
+        members = ranks[:, j].tolist()
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = group
+    return mine
 
 
 def attach_lowcomm(trainer) -> LowComm | None:
