@@ -89,6 +89,16 @@ def test_pp2_times_dp2_times_tp2(reference, tmp_path):
     assert_runs_match(reference, got)
 
 
+def test_pp2_moe_with_aux_loss(tmp_path):
+    # Each stage's MoE balance loss joins its own backward (1f1b, and zbv's split backward).
+    moe = {"n_layers": 4, "moe_experts": 4, "moe_topk": 2, "moe_aux_loss_coef": 0.1}
+    # The balance loss is per micro-batch (nonlinear in its tokens): the reference uses the same 2.
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=moe, train={"micro_batch": 4}))
+    for schedule in ("1f1b", "zbv"):
+        got = _pp(2, {"pp": 2, "pp_schedule": schedule, "pp_microbatches": 2}, tmp_path / schedule, model=moe)
+        assert_runs_match(ref, got)
+
+
 def _train_metrics(cfg: dict) -> list[dict]:
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer

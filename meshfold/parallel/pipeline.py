@@ -415,6 +415,7 @@ class Pipeline:
                 x = mb["inputs"] if s == 0 else self._recv("act", s, a.mb, shape).requires_grad_(True)
                 start = time.perf_counter()
                 out = self._forward(a.chunk, x, mb)
+                aux = self._moe_aux(a.chunk, m)
                 if s == self.n_stages - 1:
                     loss = tr.loss_fn(out, mb["labels"])
                     loss_sum += loss.detach().double()
@@ -422,22 +423,25 @@ class Pipeline:
                 else:
                     out = out.to(tr.param_dtype)
                     self._send(out.detach(), "act", s + 1, a.mb)
-                saved[(a.chunk, a.mb)] = (x, out)
+                saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
-                x, out = saved.pop((a.chunk, a.mb))
+                x, out, aux = saved.pop((a.chunk, a.mb))
                 grad = None if s == self.n_stages - 1 else self._recv("grad", s, a.mb, shape)
                 start = time.perf_counter()
+                outs, grads = [out], [torch.ones_like(out) if grad is None else grad]
+                if aux is not None:  # MoE balance terms of this chunk's layers join its backward
+                    outs.append(aux)
+                    grads.append(torch.ones_like(aux))
                 if self.split_backward and s > 0:
                     from torch.distributed.pipelining._backward import stage_backward_input
 
-                    _, groups = stage_backward_input([out], None if grad is None else [grad], [x],
-                                                     self.model.chunks[a.chunk].parameters())
+                    _, groups = stage_backward_input(outs, grads, [x], self.model.chunks[a.chunk].parameters())
                     wgrad[(a.chunk, a.mb)] = groups
                 else:
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(outs, grads)
                 if s > 0:
                     self._send(x.grad, "grad", s - 1, a.mb)
-                del x, out
+                del x, out, aux
             else:
                 start = time.perf_counter()
                 from torch.distributed.pipelining._backward import stage_backward_weight
@@ -460,6 +464,14 @@ class Pipeline:
             dist.all_reduce(loss_sum, group=self.group)
             ledger().record("pp", "all_reduce", 8, self.pp)
         return loss_sum
+
+    def _moe_aux(self, chunk: int, m: int) -> torch.Tensor | None:
+        """This chunk's MoE auxiliary losses for the micro-batch just run, scaled like the
+        trainer's (``Trainer.moe_aux``): their sum over ranks is the global-batch value."""
+        from meshfold.models.moe import moe_aux_loss
+
+        aux = moe_aux_loss(self.model.chunks[chunk])
+        return None if aux is None else aux * (self.trainer.grad_reducers / m)
 
     def _barrier(self) -> None:
         if self.group is not None:
