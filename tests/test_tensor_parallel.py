@@ -190,3 +190,11 @@ def test_bf16_autocast_sequence_parallel(tmp_path):
                                                 parallel={"tp": 2, "sp": True, "dp_shard": 1}))[0]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=0)
     assert all(g.dtype == torch.float32 for g in got["grads"].values())
+
+
+def test_micro_batches_and_recompute(reference, tmp_path):
+    # Gradient accumulation over 2 micro-batches per rank, every block recomputed in backward
+    # (its all-gathers / reduce-scatters run again inside the checkpoint).
+    got = run_on(4, train_collect, tiny_config(str(tmp_path), parallel={"tp": 2, "sp": True, "dp_shard": 2},
+                                               train={"micro_batch": 2, "recompute": "full"}))[0]
+    assert_runs_match(reference, got, rtol=RTOL, atol=ATOL)
