@@ -160,6 +160,18 @@ def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = N
     return manifest
 
 
+def _root_cause(err: BaseException) -> str:
+    """The first rank's underlying error of a DCP ``CheckpointException`` (e.g. the
+    OSError of a full disk), else the error itself, as one line."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        rank, first = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        first = first[0] if isinstance(first, tuple) else first
+        return f"rank {rank}: {type(first).__name__}: {str(first).splitlines()[0][:300]}"
+    text = str(err).splitlines()[0][:300] if str(err) else ""
+    return f"{type(err).__name__}: {text}"
+
+
 def _model_parts(trainer) -> list[torch.nn.Module]:
     """The model chunks this rank holds (pipeline stages may hold several)."""
     return list(getattr(trainer, "model_parts", None) or [trainer.model])
@@ -290,7 +302,7 @@ class Checkpointer:
                 self._pending = (future, tmp, step)
                 return True
             dcp.save(sd, checkpoint_id=str(tmp))
-        except Exception as err:  # noqa: BLE001 - a failed save must not end training
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - a failed save must not end training
             self._failed(tmp, step, err)
             return False
         return self._publish(tmp, step)
@@ -299,8 +311,8 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             good = [p.name for p in published(self.root)]
-            _log(f"saving step {step} failed ({type(err).__name__}: {str(err).splitlines()[0][:300]}); "
-                 f"kept {', '.join(good) or 'no earlier checkpoint'}")
+            _log(f"saving step {step} failed ({_root_cause(err)}); the previous checkpoints are kept: "
+                 f"{', '.join(good) or 'none yet'}")
 
     def _publish(self, tmp: Path, step: int) -> bool:
         """Rank 0: hash, write the manifest, rename into place, prune. All files are
@@ -362,7 +374,7 @@ class Checkpointer:
             result = future.result()
             if hasattr(result, "upload_completion"):  # AsyncSaveResponse (newer API)
                 result.upload_completion.result()
-        except Exception as err:  # noqa: BLE001
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001
             self._pending = None
             self._failed(tmp, step, err)
             return

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from meshfold.comm import ledger
 
 # torch.distributed functions stamped by the tracker (all the ones parallel code calls).
-TRACKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+TRACKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+           "reduce_scatter_tensor", "reduce_scatter_single",
            "broadcast", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
            "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
 MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
@@ -93,6 +94,7 @@ class CollectiveTracker:
 
     def reset(self, recording: bool) -> None:
         self.recording = recording
+        self.inflight = None
         self.stamps, self.seq, self.wait_s = [], defaultdict(int), 0.0
 
     def ranks_of(self, group) -> tuple:
@@ -122,11 +124,10 @@ class CollectiveTracker:
         if async_op:
             return fn(*args, **kwargs)
         self.inflight = op
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.inflight = None
-            self.wait_s += time.time() - start
+        out = fn(*args, **kwargs)  # on an exception ``inflight`` keeps naming this call
+        self.inflight = None
+        self.wait_s += time.time() - start
+        return out
 
 
 def _caller() -> str:
@@ -213,6 +214,7 @@ class FaultMonitor:
         self.skipped_steps = 0
         self.rollbacks: dict[int, int] = defaultdict(int)
         self.step_times: list[float] = []
+        self.last_report = ""  # the last straggler line logged (rank 0)
         self.tracker = None
         self._probe_group = None
         self._step_started: float | None = None
@@ -313,20 +315,28 @@ class FaultMonitor:
                                                   "wait_s": [round(x, 4) for x in wait_s]}
         if slow and self.rank == 0:
             named = ", ".join(f"rank {r} (peers waited {lag[r]:.3f} s for it)" for r in slow)
-            _log(f"straggler at step {self.trainer.step}: {named}; more than train.straggler_margin = "
+            self.last_report = (f"straggler at step {self.trainer.step}: {named}; more than train.straggler_margin = "
                  f"{self.margin} of the {median:.3f} s step. Lag by rank: "
                  f"{[round(x, 3) for x in lag]}; time blocked in collectives by rank: "
                  f"{[round(x, 3) for x in wait_s]}")
+            _log(self.last_report)
 
     # ------------------------------------------------------------------ timeouts
 
-    def _describe(self) -> str:
-        op = (self.tracker.inflight or self.tracker.last_issued) if self.tracker else None
-        if op is None:
-            return "a collective"
-        name, ranks, caller, _ = op
-        where = "in flight" if op is self.tracker.inflight else "last issued (asynchronous)"
-        return f"collective {name} on ranks {list(ranks)} ({where}, from {caller})"
+    def _describe(self, err: BaseException | None = None) -> str:
+        """The operation that did not finish: the synchronous collective in flight if there
+        is one; else the code that was waiting (a collective issued from C++ or an
+        asynchronous one), with the last collective this rank issued from Python."""
+        t = self.tracker
+        if t is not None and t.inflight is not None:
+            name, ranks, caller, _ = t.inflight
+            return f"collective {name} on ranks {list(ranks)} (called from {caller})"
+        where = _innermost_outside_torch(err.__traceback__) if err is not None else "?"
+        last = ""
+        if t is not None and t.last_issued is not None:
+            name, ranks, caller, _ = t.last_issued
+            last = f"; the last collective issued from Python was {name} on ranks {list(ranks)} from {caller}"
+        return f"a collective waited on in {where} (issued by torch internals or asynchronously){last}"
 
     def _unresponsive(self) -> str:
         """Ask the spare group who is there: rank 0 hears from everyone that is alive."""
@@ -345,12 +355,12 @@ class FaultMonitor:
     def timed_out(self, err: BaseException) -> CollectiveTimeoutError:
         global _BROKEN
         _BROKEN = True
-        what = self._describe()
+        what = self._describe(err)
         missing = self._unresponsive()
         return CollectiveTimeoutError(
-            f"rank {self.rank}: {what} did not finish within train.collective_timeout_s = {self.timeout_s:g} s "
-            f"at step {self.trainer.step + 1}; not responding: {missing}. Ending the job "
-            f"(backend said: {str(err).splitlines()[0][:200]})"
+            f"rank {self.rank}: a collective did not finish within train.collective_timeout_s = "
+            f"{self.timeout_s:g} s at step {self.trainer.step + 1}: {what}. Not responding: {missing}. "
+            f"Ending the job (backend said: {str(err).splitlines()[0][:200]})"
         )
 
     def _watch(self) -> None:
@@ -370,6 +380,19 @@ class FaultMonitor:
             if not _BROKEN:
                 dist.destroy_process_group(self._probe_group)
             self._probe_group = None
+
+
+def _innermost_outside_torch(tb) -> str:
+    """file:line (function) of the deepest traceback frame outside torch."""
+    found = "?"
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if f"{os.sep}torch{os.sep}" not in code.co_filename and code.co_filename != __file__:
+            path = code.co_filename
+            short = path.split(f"{os.sep}meshfold{os.sep}", 1)[-1] if "meshfold" in path else os.path.basename(path)
+            found = f"{short}:{tb.tb_lineno} ({code.co_name})"
+        tb = tb.tb_next
+    return found
 
 
 def _is_timeout(err: BaseException) -> bool:

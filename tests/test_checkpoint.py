@@ -1,0 +1,236 @@
+"""Checkpoints: exact resume, resharding into other layouts, atomic publish, corrupted and
+mismatched checkpoints skipped, a failed save (file-size limit = full disk) keeps the last
+good one, keep-last-k. float64, one-process references computed here."""
+
+import json
+import os
+import resource
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshfold.config import from_dict
+from meshfold.testing import run_on, tiny_config
+from meshfold.train.checkpoint import CheckpointError, published, validate_checkpoint
+
+STEPS = 6
+
+
+def segment(cfg_dict: dict, stop: int, save: bool = True) -> dict | None:
+    """Resume (train.resume = auto) from the run directory, train up to step ``stop``,
+    checkpoint there. Rank 0 returns the losses of the steps it ran and the final params."""
+    import torch.distributed as dist
+
+    from meshfold.train.trainer import Trainer
+
+    tr = Trainer(from_dict(cfg_dict))
+    start = tr.checkpointer.resume() or 0
+    losses = []
+    while tr.step < stop:
+        with tr.fault.step():
+            losses.append(tr.train_step())
+    if save:
+        tr.checkpointer.save()
+    tr.checkpointer.close()
+    tr.fault.close()
+    params = tr.full_state()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return {"start": start, "losses": losses, "params": params}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, STEPS steps straight, no checkpoints."""
+    return segment(tiny_config(str(tmp_path_factory.mktemp("ref")), train={"steps": STEPS}), STEPS, save=False)
+
+
+def _cfg(run_dir, parallel=None, **train):
+    return tiny_config(str(run_dir), parallel=parallel or {"dp_shard": -1},
+                       train={"steps": STEPS, **train})
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_exact_resume_is_bitwise(reference, tmp_path, async_save):
+    # N/2 steps, stop, resume, N/2 steps == N steps straight, bit for bit (same layout, CPU).
+    cfg = _cfg(tmp_path, async_checkpoint=async_save)
+    first = segment(cfg, STEPS // 2)
+    second = segment(cfg, STEPS, save=False)
+    assert second["start"] == STEPS // 2
+    assert first["losses"] + second["losses"] == reference["losses"]
+    for name, value in reference["params"].items():
+        assert torch.equal(second["params"][name], value), name
+
+
+def test_reshard_fsdp4_hsdp2x2_ddp2(reference, tmp_path):
+    # Saved under dp_shard 4 (ZeRO-3), resumed under dp_replicate 2 x dp_shard 2 (HSDP), then
+    # under 2-rank DDP: every step's loss and the final parameters match the run that never
+    # stopped, to float64 rounding (different reduction orders): rtol 1e-9, atol 1e-11.
+    a = run_on(4, segment, _cfg(tmp_path, {"dp_shard": 4, "zero": 3}), 2)[0]
+    b = run_on(4, segment, _cfg(tmp_path, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}), 4)[0]
+    c = run_on(2, segment, _cfg(tmp_path, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}), STEPS, save=False)[0]
+    assert (a["start"], b["start"], c["start"]) == (0, 2, 4)
+    got = torch.tensor(a["losses"] + b["losses"] + c["losses"], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(c["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_reshard_zero1_to_one_process(reference, tmp_path):
+    # ZeRO-1 ranks each write the Adam state of the parameters they own; one process reads it all.
+    a = run_on(2, segment, _cfg(tmp_path, {"dp_shard": 2, "zero": 1}), 3)[0]
+    b = segment(_cfg(tmp_path), STEPS, save=False)
+    got = torch.tensor(a["losses"] + b["losses"], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
+
+
+# --------------------------------------------------------------------------- safety
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run directory with checkpoints at steps 2 and 4 (one process)."""
+    run = tmp_path_factory.mktemp("saved")
+    segment(_cfg(run), 2)
+    segment(_cfg(run), 4)
+    return run
+
+
+def _damage_truncate(ckpt: Path):
+    f = ckpt / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _damage_flip(ckpt: Path):
+    f = ckpt / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 8):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _damage_shape(ckpt: Path, tmp_path: Path):
+    # step-4 replaced by an intact checkpoint of a model with another shape (dim 48).
+    other = tmp_path / "other"
+    cfg = _cfg(other)
+    cfg["model"]["dim"] = 48
+    segment(cfg, 1)
+    shutil.rmtree(ckpt)
+    shutil.copytree(other / "checkpoints" / "step-1", ckpt)
+
+
+def _damage_partial(ckpt: Path):
+    (ckpt / "meshfold.json").unlink()
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("truncate", "bytes, the manifest says"),
+    ("flip", "does not match its SHA-256"),
+    ("shape", "has shape (320, 48) in the checkpoint but (320, 32)"),
+    ("partial", "no meshfold.json"),
+])
+def test_damaged_checkpoint_is_skipped(reference, saved_run, tmp_path, capfd, damage, expected):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    step4 = run / "checkpoints" / "step-4"
+    if damage == "shape":
+        _damage_shape(step4, tmp_path)
+    else:
+        {"truncate": _damage_truncate, "flip": _damage_flip, "partial": _damage_partial}[damage](step4)
+    capfd.readouterr()
+    resumed = segment(_cfg(run), STEPS, save=False)
+    err = capfd.readouterr().err
+    assert "skipping step-4" in err and expected in err, err
+    assert resumed["start"] == 2  # the previous good checkpoint
+    assert resumed["losses"] == reference["losses"][2:]
+
+
+def test_validate_names_missing_file(saved_run, tmp_path):
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(saved_run / "checkpoints" / "step-2", ckpt)
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"file \.metadata is missing"):
+        validate_checkpoint(ckpt)
+
+
+def test_failed_save_keeps_last_good_and_publishes_atomically(reference, tmp_path, capfd):
+    # A real write failure: RLIMIT_FSIZE makes the kernel refuse writes past 200 kB (EFBIG),
+    # as a full disk would refuse them (ENOSPC). The save fails, nothing half-written is
+    # visible, step-1 is untouched and still resumes exactly.
+    from meshfold.train.trainer import Trainer
+
+    cfg = _cfg(tmp_path, checkpoint_every=1)
+    tr = Trainer(from_dict(cfg))
+    tr.train_step()
+    assert tr.checkpointer.save()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints" / "step-1").iterdir()}
+    tr.train_step()
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, old_limit[1]))
+    try:
+        ok = tr.checkpointer.save()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert not ok
+    assert "saving step 2 failed" in capfd.readouterr().err
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in published(root)] == ["step-1"]
+    assert not list(root.glob(".tmp-*"))
+    assert {p.name: p.read_bytes() for p in (root / "step-1").iterdir()} == before
+    validate_checkpoint(root / "step-1")
+    resumed = segment(cfg, STEPS, save=False)
+    assert resumed["start"] == 1 and resumed["losses"] == reference["losses"][1:]
+
+
+def test_keep_last_k_and_manifest(tmp_path):
+    from meshfold.train.trainer import Trainer
+
+    cfg = _cfg(tmp_path, steps=4, checkpoint_every=1, keep_checkpoints=2)
+    Trainer(from_dict(cfg)).fit()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in published(root)] == ["step-4", "step-3"]
+    manifest = json.loads((root / "step-4" / "meshfold.json").read_text())
+    assert manifest["step"] == 4 and manifest["model"]["dim"] == 32
+    assert set(manifest["files"]) == {f for f in os.listdir(root / "step-4") if f != "meshfold.json"}
+    # train.resume = never starts fresh even with checkpoints present.
+    cfg["train"]["resume"] = "never"
+    tr = Trainer(from_dict(cfg))
+    assert tr.checkpointer.resume() is None and tr.step == 0
+
+
+class Counter:
+    """A component with its own state (as the low-comm outer optimizer registers)."""
+
+    def __init__(self):
+        self.value = torch.zeros(3, dtype=torch.float64)
+        self.calls = 0
+
+    def state_dict(self):
+        return {"value": self.value, "calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.value.copy_(state["value"])
+        self.calls = state["calls"]
+
+
+def test_registered_extra_state_round_trips(tmp_path):
+    from meshfold.train.trainer import Trainer
+
+    cfg = _cfg(tmp_path)
+    tr = Trainer(from_dict(cfg))
+    extra = Counter()
+    tr.checkpointer.register("outer", extra)
+    extra.value += torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    extra.calls = 7
+    tr.train_step()
+    tr.checkpointer.save()
+    again = Trainer(from_dict(cfg))
+    restored = Counter()
+    again.checkpointer.register("outer", restored)
+    assert again.checkpointer.resume() == 1
+    assert restored.calls == 7 and torch.equal(restored.value, extra.value)
