@@ -181,3 +181,9 @@ def test_training_without_document_masks(short_docs, tmp_path):
     ref = train_collect(_config(str(tmp_path / "ref"), data))
     got = run_on(2, train_collect, _config(str(tmp_path / "cp"), data, parallel={"cp": 2}))[0]
     assert_runs_match(ref, got)
+    # Causal only, balanced split: both ranks did exactly the same attention work each step.
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cp_imbalance"] for r in records] == [1.0] * 5
+    assert all(r["comm_bytes"]["cp"] > 0 for r in records)

@@ -151,6 +151,7 @@ class ContextParallelPlan:
     ring_group: dist.ProcessGroup | None
     tile: int = 0  # tokens per attention tile; 0 = seq_len / (2 cp) (the balanced chunk)
     work: AttentionWork = field(default_factory=AttentionWork)
+    count_work: bool = True  # off for forwards without grad (evaluation)
 
     @property
     def ring(self) -> int:
@@ -341,7 +342,8 @@ class _RingAttention(torch.autograd.Function):
             if t < R - 1:  # the next block travels while this one is computed
                 nxt = torch.empty_like(cur)
                 reqs = _exchange(cur, nxt, peers, _TAG_KV, plan.ring_group)
-            _block_forward(qg, cur[0], cur[1], metas[r], metas[(r - t) % R], out, lse, scale, tile, plan.work)
+            _block_forward(qg, cur[0], cur[1], metas[r], metas[(r - t) % R], out, lse, scale, tile,
+                           plan.work if plan.count_work else None)
             for req in reqs:
                 req.wait()
             if nxt is not None:
@@ -478,6 +480,7 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("context parallel attention needs the token positions of the local slice "
                              "(shard batches with meshfold.parallel.context.shard_batch)")
         plan = self.plan
+        plan.count_work = torch.is_grad_enabled()
         meta = self.cache.get(positions, doc_ids)
         if plan.tile == 0:
             plan.tile = max(1, meta.shape[-1] * plan.ring // (2 * plan.cp))
@@ -503,3 +506,24 @@ def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParall
         block.attention.core = ContextParallelAttention(plan, cache)
     model.cp_plan = plan
     return plan
+
+
+def context_step_metrics(model: nn.Module) -> dict:
+    """Trainer hook, once per step: ``cp_imbalance`` = max / mean over the cp ranks of the
+    visible (query, key) entries each computed this step (1.0 = perfectly balanced)."""
+    plans = {id(m.plan): m.plan for m in model.modules() if isinstance(m, ContextParallelAttention)}
+    if not plans:
+        return {}
+    plans = list(plans.values())
+    visible = torch.tensor([float(sum(p.work.visible for p in plans))], dtype=torch.float64)
+    for p in plans:
+        p.work.reset()
+    cp, group = plans[0].cp, plans[0].cp_group
+    if cp == 1:
+        return {}
+    parts = [torch.zeros_like(visible) for _ in range(cp)]
+    ledger().record("cp", "all_gather", 8 * cp, cp)
+    dist.all_gather(parts, visible, group=group)
+    work = torch.cat(parts)
+    mean = float(work.mean())
+    return {"cp_imbalance": float(work.max()) / mean if mean > 0 else 1.0}

@@ -30,7 +30,7 @@ from meshfold.models.llama import Transformer, init_weights
 from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
-from meshfold.parallel.context import shard_for_context_parallel
+from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_fsdp
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
@@ -220,6 +220,7 @@ class Trainer:
         batch = self.local_batch()
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())
         loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens)
+        self.step_metrics.update(context_step_metrics(self.model))  # cp: attention work max/mean
         params = [p for p in self.model.parameters() if p.grad is not None]
         pp_group = self.dims.group("pp") if self.pipeline is not None else None  # stages hold disjoint params
         self.last_grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip, extra_group=pp_group)
