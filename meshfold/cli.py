@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "plot": "meshfold.cli",
     "timeline": "meshfold.parallel.timeline",
     "calibrate-cost": "meshfold.data.cost_calibration",
+    "convert": "meshfold.models.hf",
 }
 
 

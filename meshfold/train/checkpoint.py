@@ -172,6 +172,36 @@ def _root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"
 
 
+def write_manifest(folder: Path, info: dict) -> None:
+    """Write ``meshfold.json`` into a finished checkpoint folder: ``info`` plus the size and
+    SHA-256 of every file, fsynced, through a rename (a reader sees all of it or nothing)."""
+    files = {}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name != MANIFEST and not f.name.endswith(".part"):
+            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    manifest = {"format": FORMAT_VERSION, **info, "time": time.time(), "files": files}
+    part = folder / (MANIFEST + ".part")
+    with part.open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(part, folder / MANIFEST)
+    _fsync_dir(folder)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make a finished folder visible under its final name with one ``rename``; an
+    existing folder of that name is moved aside first and removed after."""
+    trash = None
+    if final.exists():
+        trash = final.parent / f".trash-{final.name}-{time.time_ns()}"
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def _model_parts(trainer) -> list[torch.nn.Module]:
     """The model chunks this rank holds (pipeline stages may hold several)."""
     return list(getattr(trainer, "model_parts", None) or [trainer.model])
@@ -321,13 +351,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self._write_manifest(tmp, step)
-                final = self.root / f"step-{step}"
-                if final.exists():  # re-saving a step (after a rollback or resume)
-                    trash = self.root / f".trash-step-{step}-{time.time_ns()}"
-                    os.rename(final, trash)
-                    shutil.rmtree(trash, ignore_errors=True)
-                os.rename(tmp, final)
-                _fsync_dir(self.root)
+                publish(tmp, self.root / f"step-{step}")  # replaces a step saved before a rollback
                 self._prune()
             except OSError as err:
                 self._failed(tmp, step, err)
@@ -335,28 +359,14 @@ class Checkpointer:
         return bool(_broadcast(ok)) if self._pending is None else ok
 
     def _write_manifest(self, tmp: Path, step: int) -> None:
-        tr = self.trainer
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            if f.is_file() and f.name != MANIFEST:
-                files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        manifest = {
-            "format": FORMAT_VERSION,
+        cfg = self.trainer.cfg.to_dict()
+        write_manifest(tmp, {
             "step": step,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "parallel": tr.cfg.to_dict()["parallel"],
-            "model": tr.cfg.to_dict()["model"],
+            "parallel": cfg["parallel"],
+            "model": cfg["model"],
             "extras": sorted(self.extras),
-            "time": time.time(),
-            "files": files,
-        }
-        part = tmp / (MANIFEST + ".part")
-        with part.open("w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(part, tmp / MANIFEST)
-        _fsync_dir(tmp)
+        })
 
     def _prune(self) -> None:
         if self.keep <= 0:
