@@ -166,6 +166,7 @@ class DataConfig:
     tokenizer: str = ""  # "" = train a byte-level BPE on the corpus and cache it
     pack: bool = True
     doc_mask: bool = True  # with pack: attention never crosses a document boundary
+    skip_masked_blocks: bool = False  # cp = 1: tiled attention skipping fully masked blocks (cp > 1 always does)
     balance: str = "none"  # none | greedy | exact
     text_field: str = "text"
     cache_dir: str = ""  # "" = ~/.cache/meshfold

@@ -176,6 +176,28 @@ def test_training_matches_one_process(world, parallel, reference, short_docs, tm
     assert_runs_match(reference, got)
 
 
+def test_one_process_block_skipping_attention(reference, short_docs, tmp_path):
+    """data.skip_masked_blocks at cp = 1: the tiled attention (masked tiles skipped) trains
+    exactly like the model's dense masked attention."""
+    import meshfold.parallel.context as context
+    from meshfold.models.llama import document_causal_mask
+    from meshfold.train.trainer import Trainer
+
+    got = train_collect(_config(str(tmp_path), {**short_docs, "skip_masked_blocks": True}))
+    assert_runs_match(reference, got)
+    trainer = Trainer(from_dict(_config(str(tmp_path / "t"), {**short_docs, "skip_masked_blocks": True})))
+    cores = [b.attention.core for b in trainer.model.layers.values()]
+    assert all(isinstance(c, context.ContextParallelAttention) for c in cores)
+    batch = trainer.local_batch()
+    trainer.forward_loss(batch)
+    work = cores[0].plan.work  # one plan shared by the layers
+    pos = torch.arange(batch["inputs"].shape[1]).expand_as(batch["inputs"])
+    visible = int(document_causal_mask(batch["doc_ids"], batch["doc_ids"], pos, pos).sum())
+    assert work.visible == visible * len(cores)  # exactly the document-causal entries
+    tile = cores[0].plan.tile
+    assert work.skipped_tiles > 0 and work.computed < work.tiles * batch["inputs"].shape[0] * tile * tile
+
+
 def test_training_without_document_masks(short_docs, tmp_path):
     data = {**short_docs, "doc_mask": False}  # causal across the packed documents
     ref = train_collect(_config(str(tmp_path / "ref"), data))

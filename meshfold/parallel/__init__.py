@@ -22,7 +22,8 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims) -> nn.Module:
         from meshfold.parallel.tensor import parallelize_tensor
 
         parallelize_tensor(model, dims, cfg)
-    if dims.distributed and dims.enabled("cp"):  # swaps Attention.core, so before recompute wraps it
+    if (dims.distributed and dims.enabled("cp")) or cfg.data.skip_masked_blocks:  # swaps Attention.core,
+        # so before recompute wraps it
         from meshfold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, cfg, dims)

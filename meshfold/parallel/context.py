@@ -475,15 +475,24 @@ class ContextParallelAttention(nn.Module):
         self.plan = plan
         self.cache = cache
 
+    def _arange(self, bsz: int, seq: int, device) -> torch.Tensor:
+        """Default positions, one tensor per shape, so the metadata cache keeps hitting."""
+        cached = getattr(self, "_positions", None)
+        if cached is None or cached.shape != (bsz, seq) or cached.device != device:
+            self._positions = torch.arange(seq, device=device).expand(bsz, -1)
+        return self._positions
+
     def forward(self, q, k, v, positions=None, doc_ids=None):
+        if positions is None and self.plan.cp == 1:  # one rank holds the whole sequence
+            positions = self._arange(q.shape[0], q.shape[1], q.device)
         if positions is None:
             raise ValueError("context parallel attention needs the token positions of the local slice "
                              "(shard batches with meshfold.parallel.context.shard_batch)")
         plan = self.plan
         plan.count_work = torch.is_grad_enabled()
         meta = self.cache.get(positions, doc_ids)
-        if plan.tile == 0:
-            plan.tile = max(1, meta.shape[-1] * plan.ring // (2 * plan.cp))
+        if plan.tile == 0:  # the balanced chunk S/(2cp); at least 4 tiles per sequence side
+            plan.tile = max(1, meta.shape[-1] * plan.ring // (2 * max(plan.cp, 4)))
         u = plan.ulysses
         if u > 1:
             heads, kv = q.shape[2], k.shape[2]
