@@ -198,6 +198,14 @@ def test_one_process_block_skipping_attention(reference, short_docs, tmp_path):
     assert work.skipped_tiles > 0 and work.computed < work.tiles * batch["inputs"].shape[0] * tile * tile
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_training_with_recompute(recompute, reference, short_docs, tmp_path):
+    # The recomputed forward re-runs the ring inside backward, on every cp rank alike.
+    got = run_on(2, train_collect, _config(str(tmp_path), short_docs, parallel={"cp": 2, "cp_mode": "ring"},
+                                           train={"recompute": recompute}))[0]
+    assert_runs_match(reference, got)
+
+
 def test_training_without_document_masks(short_docs, tmp_path):
     data = {**short_docs, "doc_mask": False}  # causal across the packed documents
     ref = train_collect(_config(str(tmp_path / "ref"), data))

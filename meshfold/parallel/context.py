@@ -149,7 +149,7 @@ class ContextParallelPlan:
     cp_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
     ring_group: dist.ProcessGroup | None
-    tile: int = 0  # tokens per attention tile; 0 = seq_len / (2 cp) (the balanced chunk)
+    tile: int = 0  # tokens per attention tile; 0 = seq_len / (2 max(cp, 4)) (set on first use)
     work: AttentionWork = field(default_factory=AttentionWork)
     count_work: bool = True  # off for forwards without grad (evaluation)
 
