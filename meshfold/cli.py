@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "timeline": "meshfold.parallel.timeline",
     "calibrate-cost": "meshfold.data.cost_calibration",
     "convert": "meshfold.models.hf",
+    "netlab": "meshfold.lowcomm.cli",
 }
 
 
