@@ -179,6 +179,7 @@ class DataConfig:
     balance_tolerance: float = 1.02  # exact: run the MILP when the greedy imbalance is above this
     balance_time_limit_s: float = 1.0  # exact: MILP time limit per step
     seq_cp_max: int = 1  # per-sequence context parallel: spread long/costly documents over up to this many dp ranks
+    seq_cp_max: int = 1  # per-sequence context parallel: spread long/costly documents over up to this many dp ranks
 
 
 @dataclass

@@ -166,10 +166,21 @@ class StepPlan:
     n_ranks: int
     n_micro: int
     stats: dict = field(default_factory=dict)
+    degree: np.ndarray | None = None  # per-sequence cp: item i spans ranks [rank, rank + degree)
 
     def items(self, rank: int, micro: int) -> list[int]:
-        """Item indices on (rank, micro), in their step order."""
-        return np.flatnonzero((self.rank == rank) & (self.micro == micro)).tolist()
+        """Whole items on (rank, micro), in their step order."""
+        mask = (self.rank == rank) & (self.micro == micro)
+        if self.degree is not None:
+            mask &= self.degree == 1
+        return np.flatnonzero(mask).tolist()
+
+    def spread_items(self, rank: int) -> list[tuple[int, int, int]]:
+        """(item, degree, group start) of the spread items ``rank`` holds a share of."""
+        if self.degree is None:
+            return []
+        mask = (self.degree > 1) & (self.rank <= rank) & (rank < self.rank + self.degree)
+        return [(int(i), int(self.degree[i]), int(self.rank[i])) for i in np.flatnonzero(mask)]
 
 
 def rank_token_cap(micro_cap: int, n_micro: int, longest: int) -> int:

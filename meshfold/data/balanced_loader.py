@@ -89,8 +89,13 @@ class BalancedBatches:
 
     def __init__(self, pieces: DocumentPieces, cost: CostModel, n_ranks: int, rank: int, n_micro: int,
                  micro_cap: int, tokens_per_step: int, seed: int, method: str = "greedy",
-                 tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False):
+                 tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False,
+                 seq_cp_max: int = 1, cp_groups: dict | None = None):
+        from meshfold.parallel.per_sequence_cp import SpreadContext
+
         self.pieces, self.cost = pieces, cost
+        # Per-sequence context parallel (parallel/per_sequence_cp.py): groups made once, plans per step.
+        self.seq_cp_max, self.cp_groups, self.spread = seq_cp_max, cp_groups or {}, SpreadContext()
         self.n_ranks, self.rank, self.n_micro, self.micro_cap = n_ranks, rank, n_micro, micro_cap
         self.method, self.tolerance, self.time_limit = method, tolerance, time_limit
         self.broadcast = broadcast and dist.is_initialized() and dist.get_world_size() > 1
@@ -98,6 +103,8 @@ class BalancedBatches:
         self.last_plan: StepPlan | None = None
 
     def plan(self, ids: np.ndarray) -> StepPlan:
+        if self.seq_cp_max > 1:
+            return self.plan_spread(ids)
         plan = plan_step(self.pieces.lengths[ids], self.cost, self.n_ranks, self.n_micro, self.micro_cap,
                          self.method, self.tolerance, self.time_limit)
         if self.broadcast:
@@ -109,19 +116,59 @@ class BalancedBatches:
             plan.rank, plan.micro = both[0].numpy().copy(), both[1].numpy().copy()
         return plan
 
+    def plan_spread(self, ids: np.ndarray) -> StepPlan:
+        """One micro-batch per rank; documents over the token limit or above a fair share of
+        W spread over a group (deterministic: every rank computes the same)."""
+        from meshfold.data.balance import imbalance, loads_of, naive_split, plan_context_parallel
+
+        lengths = self.pieces.lengths[ids]
+        cp = plan_context_parallel(lengths, self.cost, self.n_ranks, rank_cap=self.micro_cap,
+                                   max_degree=self.seq_cp_max)
+        naive = naive_split(lengths, self.n_ranks)
+        stats = {"imbalance_before": imbalance(loads_of(naive, self.cost(lengths), self.n_ranks)),
+                 "imbalance": cp.imbalance,
+                 "imbalance_tokens_before": imbalance(loads_of(naive, lengths, self.n_ranks)),
+                 "imbalance_tokens": imbalance(cp.tokens),
+                 "spread_docs": int((cp.degree > 1).sum()), "spread_max_degree": int(cp.degree.max(initial=1))}
+        return StepPlan(cp.group_start, np.zeros(len(ids), dtype=np.int64), self.n_ranks, 1, stats, cp.degree)
+
     def next_ids(self) -> list[list[int]]:
         """Piece ids of this rank's micro-batches for the next step."""
         ids = self.sampler.next()
         plan = self.last_plan = self.plan(ids)
         self.last_tokens = int(self.pieces.lengths[ids].sum())
+        self.next_ids_of_step = ids
         return [ids[plan.items(self.rank, m)].tolist() for m in range(self.n_micro)]
 
     def local_batch(self, device: torch.device | str = "cpu") -> dict:
         """Flat ``[1, sum T_m]`` tensors plus ``micro_sizes`` (T_m per micro-batch)."""
         rows = [packed_row(self.pieces, ids) for ids in self.next_ids()]
+        if self.seq_cp_max > 1:
+            rows[0] = self.with_spread(rows[0], self.next_ids_of_step, device)
         batch = {k: torch.cat([r[k] for r in rows], dim=1).to(device) for k in rows[0]}
         batch["micro_sizes"] = [r["inputs"].shape[1] for r in rows]
         return batch
+
+    def with_spread(self, row: dict, ids: np.ndarray, device) -> dict:
+        """Prepend this rank's shares of the step's spread documents (in item order, the
+        order every group member shares) to its first micro-batch, and publish their ring
+        plans to the attention modules."""
+        from meshfold.parallel.per_sequence_cp import make_plan, spread_span
+
+        self.spread.by_doc = {}
+        parts = []
+        for item, k, start in self.last_plan.spread_items(self.rank):
+            piece = int(ids[item])
+            span, meta = spread_span(self.pieces, piece, k, self.rank - start, self.pieces.corpus.pad_id)
+            self.spread.by_doc[piece] = (make_plan(self.cp_groups[(k, start)], k, self.rank - start,
+                                                   span["inputs"].shape[1]), meta.to(device))
+            parts.append(span)
+        if not parts:
+            return row
+        if bool((row["doc_ids"] == -1).all()):  # the row held only the filler token
+            row = None
+        parts += [row] if row is not None else []
+        return {k: torch.cat([p[k] for p in parts], dim=1) for k in parts[0]}
 
     @staticmethod
     def split(batch: dict) -> list[dict]:
@@ -150,11 +197,19 @@ def from_trainer(trainer) -> BalancedBatches:
     micro = t.micro_batch or local
     pieces = DocumentPieces(trainer.data.train.corpus, m.seq_len)
     cost = cost_model_for(cfg, trainer.device, trainer.param_dtype)
+    groups = None
+    if d.seq_cp_max > 1:
+        from meshfold.parallel.per_sequence_cp import build_groups
+
+        if dp % d.seq_cp_max or local // micro != 1:
+            raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} needs it to divide the {dp} data-parallel ranks "
+                              f"and one micro-batch per rank (train.micro_batch = 0)")
+        groups = build_groups(trainer.dims.group("dp") if trainer.dims.distributed else None, dp, d.seq_cp_max)
     return BalancedBatches(
         pieces, cost, n_ranks=dp, rank=trainer.dims.rank("dp"), n_micro=local // micro,
         micro_cap=d.max_tokens or 2 * micro * m.seq_len, tokens_per_step=t.global_batch * m.seq_len,
         seed=t.seed, method=d.balance, tolerance=d.balance_tolerance, time_limit=d.balance_time_limit_s,
-        broadcast=d.balance == "exact",
+        broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups,
     )
 
 
@@ -173,7 +228,7 @@ def validate_balance(cfg) -> None:
     if p.cp > 1:
         raise ConfigError(f"data.balance = {d.balance} with parallel.cp = {p.cp} is not supported yet "
                           f"(per-sequence context parallel is planned only); use parallel.cp = 1")
-    if d.max_tokens and d.max_tokens < m.seq_len:
+    if d.max_tokens and d.max_tokens < m.seq_len and d.seq_cp_max == 1:
         raise ConfigError(f"data.max_tokens = {d.max_tokens} is below model.seq_len = {m.seq_len} (the longest "
                           f"document piece); use 0 (= 2*micro_batch*seq_len) or at least {m.seq_len}")
     if d.cost_a < 0 or d.cost_b < 0:
@@ -181,5 +236,13 @@ def validate_balance(cfg) -> None:
                           f"(both 0 = measure; see meshfold calibrate-cost)")
     if d.balance_tolerance < 1:
         raise ConfigError(f"data.balance_tolerance = {d.balance_tolerance} must be >= 1 (max/mean load)")
+    if d.seq_cp_max < 1 or d.seq_cp_max & (d.seq_cp_max - 1):
+        raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} must be a power of two (1 = off)")
+    if d.seq_cp_max > 1 and (p.tp > 1 or d.balance == "exact"):
+        raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} (per-sequence context parallel) needs parallel.tp = 1 "
+                          f"and data.balance = greedy")
+    if d.seq_cp_max > 1 and d.max_tokens and d.max_tokens * d.seq_cp_max < m.seq_len:
+        raise ConfigError(f"data.max_tokens = {d.max_tokens} times data.seq_cp_max = {d.seq_cp_max} is below "
+                          f"model.seq_len = {m.seq_len}: the longest piece could not be placed; raise one of them")
     if d.balance_time_limit_s <= 0:
         raise ConfigError(f"data.balance_time_limit_s must be > 0, got {d.balance_time_limit_s}")

@@ -139,7 +139,7 @@ class Trainer:
         if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
             from meshfold.models.varlen_attention import use_varlen_attention
 
-            use_varlen_attention(model)
+            use_varlen_attention(model, self.balancer.spread)
         return parallelize(model, self.cfg, self.dims)
 
     def barrier(self) -> None:
