@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "timeline": "meshfold.parallel.timeline",
     "calibrate-cost": "meshfold.data.cost_calibration",
     "convert": "meshfold.models.hf",
+    "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.planner.cli",
     "netlab": "meshfold.lowcomm.cli",
 }
 

@@ -3,11 +3,13 @@
 Here the cluster is N gloo processes on this machine, all running at once (they share
 the cores, so every number is measured with all N busy):
 
-- compute: float32 GEMM rate at a large width (-> ``peak_tflops``, ``matmul_eff`` = 1)
-  and at a small width (-> ``matmul_half_width`` from eff(w) = w / (w + H));
-- memory bandwidth: an elementwise add over large tensors (-> ``hbm_GBps``);
-- per-layer fixed cost: forward+backward of a 4-layer minus a 2-layer tiny Transformer
-  (-> ``layer_overhead_us``: dispatch cost, which dominates tiny models on CPU);
+- compute: forward+backward of one real transformer block (float32, seq 64, batch 4) at
+  widths 8, 64 and 256, solved for the cost model's per-layer form
+  t(w) = overhead + F(w) / (P * w / (w + H)): the width-8 block is almost pure dispatch
+  cost (-> ``layer_overhead_us``), the other two give P (-> ``peak_tflops``,
+  ``matmul_eff`` = 1) and H (-> ``matmul_half_width``); elementwise work is inside these
+  times, so ``elementwise_traffic`` = 0;
+- memory bandwidth: an elementwise add over large tensors (-> ``hbm_GBps``, optimizer);
 - links: all-reduce time at 8 bytes and at 4 MiB over all N ranks, solved for the
   alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_alpha_us``,
   ``intra_node_GBps``);
@@ -26,7 +28,11 @@ from pathlib import Path
 from meshfold.planner.cluster import Cluster, Device, cluster_to_toml
 
 
-def _timeit(fn, min_time: float = 0.3, reps_min: int = 3) -> float:
+BLOCK_DIMS = (16, 64, 256)  # widths of the timed transformer blocks
+BLOCK_SEQ, BLOCK_BATCH = 64, 4
+
+
+def _timeit(fn, min_time: float = 1.0, reps_min: int = 5) -> float:
     """Median seconds per call over repeated batches."""
     fn()
     samples = []
@@ -54,31 +60,24 @@ def _measure(rank: int, world: int, port: int, out) -> None:
         dist.barrier()
         return _timeit(fn)
 
-    # GEMMs: rate at a large and a small width (1024 tokens), each sample ~the same FLOPs
-    for width in (512, 64):
-        a, b = torch.randn(1024, width), torch.randn(width, width)
-        reps = max(1, (512 * 512) // (width * width))
+    # Compute: forward+backward of one real transformer block at three widths, all ranks
+    # at once. The tiny one is pure dispatch cost (-> layer overhead); the other two fix
+    # the rate and how it falls off at small widths (-> peak, half width).
+    for dim in BLOCK_DIMS:
+        torch.manual_seed(0)
+        cfg = ModelConfig(dim=dim, n_layers=1, n_heads=max(2, dim // 32), vocab_size=32, seq_len=BLOCK_SEQ)
+        model = Transformer(cfg)
+        block = model.layers["0"]
+        rope = model._rope(None, BLOCK_SEQ, "cpu")
+        x = torch.randn(BLOCK_BATCH, BLOCK_SEQ, dim, requires_grad=True)
 
-        def gemms(a=a, b=b, reps=reps):
-            for _ in range(reps):
-                a @ b
+        def step(block=block, x=x, rope=rope):
+            block(x, rope).sum().backward()
 
-        res[f"gemm_{width}"] = reps * 2 * 1024 * width * width / barrier_time(gemms)
-    # elementwise bandwidth: read two, write one
+        res[f"block_{dim}"] = barrier_time(step)
+    # elementwise bandwidth: read two, write one (optimizer and norms are memory-bound)
     x, y = torch.randn(4_000_000), torch.randn(4_000_000)
     res["bandwidth"] = 3 * 4 * x.numel() / barrier_time(lambda: x.add_(y))
-    # per-layer fixed cost of a tiny model's forward + backward
-    times = {}
-    for layers in (2, 4):
-        torch.manual_seed(0)
-        model = Transformer(ModelConfig(dim=16, n_layers=layers, n_heads=2, vocab_size=32, seq_len=8))
-        tokens = torch.randint(0, 32, (1, 8))
-
-        def step():
-            model(tokens).sum().backward()
-
-        times[layers] = barrier_time(step)
-    res["layer_s"] = max(1e-7, (times[4] - times[2]) / 2)
     # all-reduce over everyone: latency and bandwidth
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
         t = torch.zeros(size)
@@ -126,21 +125,44 @@ def measure(nproc: int) -> dict:
     return {k: statistics.median(r[k] for r in gathered) for k in gathered[0]}
 
 
+def block_flops(dim: int) -> float:
+    """Forward+backward FLOPs of one calibration block, counted as the cost model does
+    (3x forward; no fused attention on CPU, so the whole score matrix)."""
+    from meshfold.config import ModelConfig
+    from meshfold.models.presets import attention_params, mlp_params
+
+    cfg = ModelConfig(dim=dim, n_layers=1, n_heads=max(2, dim // 32), vocab_size=32, seq_len=BLOCK_SEQ)
+    tokens = BLOCK_BATCH * BLOCK_SEQ
+    fwd = 2 * (attention_params(cfg) + mlp_params(cfg, cfg.hidden_dim)) * tokens + 4 * tokens * BLOCK_SEQ * dim
+    return 3.0 * fwd
+
+
 def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu") -> Cluster:
-    big, small = r["gemm_512"], r["gemm_64"]
-    # eff(w) = w / (w + H) relative to the large-width rate: small/big = (64/(64+H)) / (512/(512+H))
-    ratio = min(0.999, small / big)
-    half = max(0.0, 64 * 512 * (1 - ratio) / (512 * ratio - 64)) if 512 * ratio > 64 else 512.0
-    peak = big * (512 + half) / 512  # the asymptotic rate the efficiency curve is relative to
+    """Solve the cost model's own per-layer form, t(w) = overhead + F(w) / (P w / (w + H)),
+    for overhead (tiny block), P and H (the two larger blocks)."""
+    overhead = r[f"block_{BLOCK_DIMS[0]}"]
+    (w1, w2) = BLOCK_DIMS[1:]
+    t1 = max(1e-9, r[f"block_{w1}"] - overhead)
+    t2 = max(1e-9, r[f"block_{w2}"] - overhead)
+    f1, f2 = block_flops(w1), block_flops(w2)
+    # t_i = F_i (w_i + H) / (P w_i)  =>  t1 P w1 / F1 - w1 = t2 P w2 / F2 - w2 = H
+    a1, a2 = t1 * w1 / f1, t2 * w2 / f2
+    if a1 > a2:
+        peak = (w1 - w2) / (a1 - a2)
+        half = max(0.0, a1 * peak - w1)
+    else:  # no fall-off measured: a flat rate
+        peak, half = f2 / t2, 0.0
     n = nproc
     a_small, a_big, size = r["ar_8"], r[f"ar_{4 << 20}"], float(4 << 20)
     alpha = a_small / max(1, 2 * (n - 1)) if n > 1 else 1e-4
     beta = (2 * (n - 1) / n * size) / max(1e-9, a_big - 2 * (n - 1) * alpha) if n > 1 else 1e9
-    device = Device("cpu-calibrated", peak_tflops=peak / 1e12, memory_gib=24.0 / max(1, n), hbm_GBps=r["bandwidth"] / 1e9,
-                    matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3, layer_overhead_us=r["layer_s"] * 1e6)
+    device = Device("cpu-calibrated", peak_tflops=peak / 1e12, memory_gib=24.0 / max(1, n),
+                    hbm_GBps=r["bandwidth"] / 1e9, matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3,
+                    layer_overhead_us=overhead * 1e6)
+    # elementwise work is inside the measured block times already: no separate term
     return Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
                    inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
-                   overlap=0.0)
+                   overlap=0.0, elementwise_traffic=0.0)
 
 
 def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = None) -> tuple[Cluster, dict]:

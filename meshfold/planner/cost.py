@@ -488,11 +488,12 @@ def _matmul_active(m: ModelConfig) -> float:
     return total
 
 
-def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> int:
     """Narayanan et al. 2021, Eq. (3): FLOPs per iteration of a GPT model with full
-    activation recomputation (4 forward-pass equivalents):
-    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
-    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    activation recomputation (4 forward-pass equivalents, 3 for the logit layer):
+    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)), expanded so integers stay exact."""
+    B, s, l, h, V = batch, seq, layers, hidden, vocab
+    return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
 
 
 __all__ = ["Workload", "Layout", "Estimate", "estimate", "model_state_bytes", "layer_activation_bytes",

@@ -1,0 +1,165 @@
+"""Predicted vs measured step time on this machine, after ``meshfold calibrate``.
+
+For N in (4, 8): calibrate N gloo processes (``meshfold calibrate``), train a small model
+for a few steps with each layout (``meshfold train --nproc N``), and compare the run's
+median ``step_time_s`` with the planner's prediction for its layout (``plan --check``'s
+code path). Also runs the planner's own pick (full search on the calibrated cluster) and
+checks it against the fastest measured layout. Prints per-layout rows, the mean absolute
+percentage error, Spearman's rank correlation, and the pick's gap to the fastest.
+
+    .venv/bin/python benchmarks/planner_accuracy.py [--quick] [--out runs/planner_bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BASE = ["model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
+        "model.seq_len=64", "train.global_batch=16", "train.dtype=\"float32\"", "train.steps=10",
+        "train.progress=false", "train.tensorboard=false", "train.checkpoint_every=0", "train.eval_every=0",
+        "train.straggler_every=0", "data.val_docs=0"]
+
+LAYOUTS = {
+    4: [
+        {"parallel.dp_replicate": 4, "parallel.dp_shard": 1, "parallel.zero": 0},
+        {"parallel.dp_shard": 4, "parallel.zero": 1},
+        {"parallel.dp_shard": 4, "parallel.zero": 2, "train.micro_batch": 2},
+        {"parallel.dp_shard": 4, "parallel.zero": 3},
+        {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3},
+        {"parallel.dp_shard": 4, "parallel.zero": 0, "parallel.dp_replicate": 1, "train.recompute": "full"},
+        {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 2},
+        {"parallel.tp": 4, "parallel.dp_shard": 1},
+        {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1},
+        {"parallel.pp": 4, "parallel.dp_shard": 1, "parallel.pp_microbatches": 8},
+        {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.zero": 2},
+        {"parallel.tp": 2, "parallel.sp": True, "parallel.pp": 2, "parallel.dp_shard": 1},
+    ],
+    8: [
+        {"parallel.dp_replicate": 8, "parallel.dp_shard": 1, "parallel.zero": 0},
+        {"parallel.dp_shard": 8, "parallel.zero": 3},
+        {"parallel.dp_replicate": 2, "parallel.dp_shard": 4, "parallel.zero": 2, "train.micro_batch": 1},
+        {"parallel.tp": 2, "parallel.dp_shard": 4, "parallel.zero": 2},
+        {"parallel.tp": 4, "parallel.dp_shard": 2, "parallel.zero": 1},
+        {"parallel.pp": 2, "parallel.dp_shard": 4, "parallel.zero": 1},
+        {"parallel.pp": 4, "parallel.dp_shard": 2, "parallel.zero": 1},
+        {"parallel.cp": 2, "parallel.dp_shard": 4, "parallel.zero": 2},
+        {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1},
+        {"parallel.cp": 4, "parallel.dp_shard": 2, "parallel.zero": 2, "parallel.cp_mode": "ulysses"},
+    ],
+}
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return f'"{v}"'
+    return str(v)
+
+
+def train(nproc: int, overrides: dict, run_dir: Path) -> bool:
+    sets = BASE + [f"{k}={_fmt(v)}" for k, v in overrides.items()] + [f'train.run_dir="{run_dir}"']
+    if (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()
+    cmd = [sys.executable, "-m", "meshfold", "train", str(ROOT / "configs/debug.toml"), "--nproc", str(nproc),
+           "--set", "train.resume=\"never\""]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        print(f"  FAILED ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:] }", flush=True)
+        return False
+    return True
+
+
+def spearman(a, b) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="runs/planner_bench")
+    ap.add_argument("--nprocs", default="4,8")
+    ap.add_argument("--quick", action="store_true", help="first 4 layouts per process count")
+    ap.add_argument("--reuse-cluster", action="store_true", help="keep existing calibrated cluster files")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from meshfold.config import load_config
+    from meshfold.planner.calibrate import calibrate
+    from meshfold.planner.cli import predict_run, workload_from_config
+    from meshfold.planner.cluster import load_cluster
+    from meshfold.planner.search import search
+
+    rows = []
+    picks = []
+    for nproc in [int(x) for x in args.nprocs.split(",")]:
+        cluster_file = out / f"cluster-cpu-{nproc}.toml"
+        if not (args.reuse_cluster and cluster_file.exists()):
+            t0 = time.time()
+            calibrate(nproc, cluster_file)
+            print(f"calibrated {nproc} processes in {time.time() - t0:.0f} s -> {cluster_file}", flush=True)
+        layouts = LAYOUTS[nproc][: 4 if args.quick else None]
+        # the planner's own pick on the calibrated cluster, run as one more layout
+        cfg = load_config(ROOT / "configs/debug.toml", BASE)
+        cluster = load_cluster(cluster_file)
+        res = search(workload_from_config(cfg, cluster), cluster, top=1)
+        win = res.ranked[0].layout
+        pick = {f"parallel.{k}": getattr(win, k) for k in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
+                                                             "pp_schedule", "pp_virtual_stages", "cp", "cp_mode")}
+        pick.update({"train.micro_batch": win.micro_batch, "train.recompute": win.recompute})
+        if win.pp > 1:
+            pick["parallel.pp_microbatches"] = win.microbatches(16)
+        entries = [(i, lay) for i, lay in enumerate(layouts)] + [("pick", pick)]
+        measured_here = []
+        for tag, lay in entries:
+            run_dir = out / f"n{nproc}-{tag}"
+            t0 = time.time()
+            if not train(nproc, lay, run_dir):
+                continue
+            est, meas, layout = predict_run(run_dir, str(cluster_file))
+            row = {"nproc": nproc, "tag": str(tag), "layout": layout.short(), "predicted_s": est.step_time_s,
+                   "measured_s": meas["step_time_s"], "comm_pred": est.comm_bytes, "comm_meas": meas["comm_bytes"],
+                   "wall_s": time.time() - t0}
+            measured_here.append(row)
+            print(f"n={nproc} {str(tag):>4} {layout.short():42s} predicted {est.step_time_s:8.4f} s  measured "
+                  f"{meas['step_time_s']:8.4f} s  ratio {est.step_time_s / meas['step_time_s']:.3f}", flush=True)
+        rows += [r for r in measured_here if r["tag"] != "pick"]
+        fastest = min(r["measured_s"] for r in measured_here)
+        chosen = [r for r in measured_here if r["tag"] == "pick"]
+        if chosen:
+            picks.append({"nproc": nproc, "pick": chosen[0]["layout"], "pick_measured_s": chosen[0]["measured_s"],
+                          "fastest_measured_s": fastest, "gap": chosen[0]["measured_s"] / fastest - 1})
+        # the planner ranking only the layouts measured here
+        cand = [r for r in measured_here if r["tag"] != "pick"]
+        best_pred = min(cand, key=lambda r: r["predicted_s"])
+        fastest_cand = min(r["measured_s"] for r in cand)
+        picks.append({"nproc": nproc, "pick_among_measured": best_pred["layout"],
+                      "gap": best_pred["measured_s"] / fastest_cand - 1})
+
+    errs = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
+    mae = sum(errs) / len(errs)
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    summary = {"layouts": len(rows), "mean_abs_pct_error": 100 * mae, "spearman": rho, "picks": picks,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    (out / "results.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(f"MAE {100 * mae:.1f}% (target <= 15%), Spearman {rho:.3f} (target >= 0.9), "
+          f"pick gaps {[round(100 * p['gap'], 1) for p in picks]}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

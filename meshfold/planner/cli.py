@@ -1,0 +1,231 @@
+"""``meshfold plan | simulate | calibrate`` (registered in ``meshfold/cli.py``)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from meshfold.config import Config, ConfigError, load_config, validate
+from meshfold.planner.cluster import GiB, Cluster, load_cluster
+from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+
+
+def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
+    """The model and batch of a config, with the numerics the run would use there."""
+    on_cpu = cluster.device.name.startswith("cpu")
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "float32" if on_cpu else "bf16"
+    dtype = {"bfloat16": "bf16"}.get(dtype, dtype)
+    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=not on_cpu)
+
+
+def layout_from_config(cfg: Config, world: int) -> Layout:
+    """The layout a config runs as on ``world`` devices (validated as ``train`` would)."""
+    cfg = validate(cfg, world)
+    p, t = cfg.parallel, cfg.train
+    local = t.global_batch // p.dp
+    micro = t.micro_batch or local
+    if p.pp > 1:
+        n_micro = p.pp_microbatches or max(p.pp, local // micro)
+        micro = local // n_micro
+    zero = p.zero if (p.dp_shard * p.cp > 1) else 0
+    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
+                  pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
+                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:,.2f}"
+
+
+def _table(ranked: list[Estimate]) -> str:
+    head = f"{'#':>3}  {'layout':52s} {'step s':>10} {'MFU':>6} {'TF/dev':>8} {'mem GiB':>9} fits"
+    rows = [head, "-" * len(head)]
+    for i, e in enumerate(ranked, 1):
+        rows.append(f"{i:>3}  {e.layout.short():52s} {e.step_time_s:>10.4g} {100 * e.mfu:>5.1f}% "
+                    f"{e.tflops_per_device:>8.3g} {_gib(e.peak_mem_bytes):>9} {'yes' if e.fits else 'NO'}")
+    return "\n".join(rows)
+
+
+def _entry(e: Estimate, global_batch: int) -> dict:
+    return {**e.row(), "breakdown": {"time_s": e.time, "memory_bytes": e.memory}, "comm_bytes": e.comm_bytes,
+            "parallel_toml": e.layout.to_toml(global_batch)}
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="search parallel layouts for a model and batch on a cluster")
+    p.add_argument("config", help="TOML config ([model], [train].global_batch)")
+    p.add_argument("--cluster", required=True, help="preset (a100, h100, h200, frontier, cpu; NAME:DEVICES) or TOML")
+    p.add_argument("--devices", type=int, default=None, help="use this many devices of the cluster")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="write the winner as a runnable TOML [parallel]/[train] section")
+    p.add_argument("--max-tp", type=int, default=0, help="limit tensor parallel degree (0 = any)")
+    p.add_argument("--check", default=None, metavar="RUN_DIR",
+                   help="compare a finished run's measurements with the prediction for its layout")
+
+
+def run_plan(args) -> int:
+    from meshfold.planner.search import explain, search
+
+    cfg = load_config(args.config, args.set)
+    if args.check:
+        return check_run(args.check, args.cluster, args.json)
+    cluster = load_cluster(args.cluster, devices=args.devices)
+    w = workload_from_config(cfg, cluster)
+    validate(cfg)
+    res = search(w, cluster, top=max(2, args.top), max_tp=args.max_tp)
+    if not res.ranked:
+        raise ConfigError(f"no layout tiles {cluster.world_size} devices and train.global_batch = "
+                          f"{w.global_batch}; change train.global_batch or the device count")
+    ranked = res.ranked[: args.top]
+    why = explain(ranked[0], ranked[1] if len(ranked) > 1 else None)
+    if args.out:
+        Path(args.out).write_text(f"# meshfold plan: {ranked[0].layout.short()} on {cluster.name} "
+                                  f"({cluster.world_size} devices), predicted {ranked[0].step_time_s:.4g} s/step\n"
+                                  + ranked[0].layout.to_toml(w.global_batch))
+    if args.json:
+        print(json.dumps({"cluster": cluster.name, "devices": cluster.world_size, "any_fits": res.any_fits,
+                          "search": {"structures": res.structures, "visited": res.visited,
+                                     "evaluated": res.evaluated, "seconds": res.seconds},
+                          "ranked": [_entry(e, w.global_batch) for e in ranked], "why": why,
+                          "notes": res.notes}, indent=1))
+        return 0
+    print(f"{cluster.name}: {cluster.world_size} devices ({cluster.nodes} x {cluster.devices_per_node}); "
+          f"{res.structures} structures, {res.visited} expanded, {res.evaluated} layouts evaluated "
+          f"in {res.seconds:.2f} s")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(_table(ranked))
+    print()
+    print("\n".join(why))
+    print()
+    print("winner as config:" if not args.out else f"winner written to {args.out}:")
+    print(ranked[0].layout.to_toml(w.global_batch))
+    return 0
+
+
+def _run_measurements(run_dir: Path) -> dict:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ConfigError(f"--check {run_dir}: no metrics.jsonl there")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise ConfigError(f"--check {run_dir}: metrics.jsonl is empty")
+    steady = records[2:] if len(records) > 4 else records[1:] or records  # skip warm-up steps
+    dims = sorted({k for r in steady for k in (r.get("comm_bytes") or {})})
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in records),
+            "comm_bytes": {d: statistics.median((r.get("comm_bytes") or {}).get(d, 0) for r in steady) for d in dims},
+            "steps": len(records)}
+
+
+def predict_run(run_dir: str | Path, cluster_spec: str) -> tuple[Estimate, dict, Layout]:
+    """Prediction for a finished run's layout next to what it measured."""
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.toml")
+    p = cfg.parallel
+    world = p.world_size() * (cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1)
+    cluster = load_cluster(cluster_spec, devices=world)
+    layout = layout_from_config(cfg, world)
+    est = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout)
+    return est, _run_measurements(run_dir), layout
+
+
+def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
+    est, meas, layout = predict_run(run_dir, cluster_spec)
+    out = {"layout": layout.short(),
+           "step_time_s": {"predicted": est.step_time_s, "measured": meas["step_time_s"]},
+           "peak_mem_bytes": {"predicted": est.peak_mem_bytes, "measured": meas["peak_mem_bytes"]},
+           "comm_bytes": {d: {"predicted": est.comm_bytes.get(d, 0.0), "measured": meas["comm_bytes"].get(d, 0)}
+                          for d in sorted(set(est.comm_bytes) | set(meas["comm_bytes"]))},
+           "breakdown": {"time_s": est.time, "memory_bytes": est.memory}}
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{run_dir}: {layout.short()} ({meas['steps']} steps logged)")
+    print(f"{'':18s} {'predicted':>14} {'measured':>14} {'ratio':>7}")
+
+    def line(name, a, b):
+        print(f"{name:18s} {a:>14.4g} {b:>14.4g} {a / b if b else float('nan'):>7.3f}")
+
+    line("step_time_s", est.step_time_s, meas["step_time_s"])
+    line("peak_mem_bytes", est.peak_mem_bytes, meas["peak_mem_bytes"])
+    for d, v in out["comm_bytes"].items():
+        line(f"comm_bytes.{d}", v["predicted"], v["measured"])
+    return 0
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def add_simulate_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="predict one layout (the config's [parallel]) in detail")
+    p.add_argument("config")
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--png", default=None, help="write the pipeline timeline as a PNG here")
+
+
+def run_simulate(args) -> int:
+    from meshfold.planner.simulate import makespan, result_json, simulate
+
+    cfg = load_config(args.config, args.set)
+    cluster = load_cluster(args.cluster, devices=args.devices)
+    w = workload_from_config(cfg, cluster)
+    layout = layout_from_config(cfg, cluster.world_size)
+    est, events = simulate(w, cluster, layout)
+    if args.png:
+        from meshfold.parallel.timeline import draw_timeline
+
+        draw_timeline(events, args.png, title=f"{layout.short()} on {cluster.name} (simulated)")
+    out = result_json(est, events, makespan(events))
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{layout.short()} on {cluster.name} ({cluster.world_size} devices)")
+    print(f"step {est.step_time_s:.4g} s   MFU {100 * est.mfu:.1f}%   {est.tflops_per_device:.3g} TFLOP/s/device   "
+          f"peak memory {_gib(est.peak_mem_bytes)} GiB ({'fits' if est.fits else 'does NOT fit'})")
+    print("time (s):   " + "  ".join(f"{k} {v:.4g}" for k, v in est.time.items()))
+    print("memory GiB: " + "  ".join(f"{k} {_gib(v)}" for k, v in est.memory.items()))
+    print("comm bytes (rank 0): " + "  ".join(f"{k} {v:.4g}" for k, v in est.comm_bytes.items()))
+    if args.png:
+        print(f"timeline: {args.png}")
+    return 0
+
+
+# --------------------------------------------------------------------------- calibrate
+
+
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure compute and alpha/beta with gloo processes; write a cluster file")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--out", default=None, help="cluster TOML to write (default cluster-cpu-N.toml)")
+
+
+def run_calibrate(args) -> int:
+    from meshfold.planner.calibrate import calibrate
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    out = args.out or f"cluster-cpu-{args.nproc}.toml"
+    cluster, raw = calibrate(args.nproc, out)
+    d = cluster.device
+    print(f"{args.nproc} gloo processes: GEMM {d.peak_tflops * 1e3:.3g} GFLOP/s/process (half width "
+          f"{d.matmul_half_width:.3g}), memory {d.hbm_GBps:.3g} GB/s, layer overhead {d.layer_overhead_us:.0f} us, "
+          f"all-reduce alpha {cluster.intra_node_alpha_us:.0f} us beta {cluster.intra_node_GBps:.3g} GB/s")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+add_parser = {"plan": add_plan_parser, "simulate": add_simulate_parser, "calibrate": add_calibrate_parser}
+run = {"plan": run_plan, "simulate": run_simulate, "calibrate": run_calibrate}

@@ -1,0 +1,330 @@
+"""Planner: cluster files, cost model against published figures, exact search, speed,
+simulator, CLI. All single-process and fast (the runtime comparison of communication
+bytes is in test_planner_comm.py; step-time accuracy in benchmarks/planner_accuracy.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from meshfold.config import ConfigError, ModelConfig
+from meshfold.models.presets import preset
+from meshfold.planner.cluster import cluster_from_dict, load_cluster
+from meshfold.planner.cost import (CostModel, Layout, Workload, estimate, layer_activation_bytes,
+                                   megatron_flops_per_iteration, model_state_bytes, pipeline_time)
+from meshfold.planner.search import RECOMPUTE, brute_force, search
+from meshfold.planner.simulate import makespan, simulate, simulate_schedule
+
+# --------------------------------------------------------------------------- ZeRO paper
+
+# Rajbhandari, Rasley, Ruwase, He. "ZeRO: Memory Optimizations Toward Training Trillion
+# Parameter Models", SC 2020, Table 1: per-device memory of model states (GB) under
+# P_os, P_os+g, P_os+g+p for mixed-precision Adam (K = 12), by data-parallel degree.
+ZERO_TABLE1 = {  # params: {DP: (Pos, Pos+g, Pos+g+p)}
+    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+            256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128), 64: (536, 284, 32),
+            256: (518, 263, 8), 1024: (513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000), 64: (4187, 2218, 250),
+           256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
+}
+
+
+@pytest.mark.parametrize("psi", sorted(ZERO_TABLE1))
+def test_zero_paper_model_state_memory(psi):
+    for dp, published in ZERO_TABLE1[psi].items():
+        for stage, want in zip((1, 2, 3), published):
+            got = sum(model_state_bytes(psi, stage, dp, "bf16").values()) / 1e9
+            # within 2%, or within the table's rounding (0.12 GB printed for 0.117 GB)
+            assert got == pytest.approx(want, rel=0.02, abs=0.005), (psi, dp, stage, got, want)
+
+
+def test_zero_stage_memory_enters_the_estimate():
+    """The same accounting is what the planner's per-device memory uses."""
+    m = preset("llama3-8b")
+    c = load_cluster("h100", devices=64)
+    w = Workload(m, 64)
+    mems = [estimate(w, c, Layout(dp_shard=64, zero=z, micro_batch=1)).memory for z in (1, 2, 3)]
+    assert mems[0]["optimizer"] == pytest.approx(mems[1]["optimizer"])
+    assert mems[1]["grads"] == pytest.approx(mems[0]["grads"] / 64)
+    assert mems[2]["params"] == pytest.approx(mems[1]["params"] / 64)
+
+
+# --------------------------------------------------------------------------- Korthikanti
+
+
+def _gpt(h=12288, a=96, layers=96, s=2048, V=51200) -> ModelConfig:
+    return ModelConfig(dim=h, n_layers=layers, n_heads=a, vocab_size=V, seq_len=s, norm="layernorm", mlp="gelu",
+                       bias=True, pos="learned", tie_embeddings=True)
+
+
+def test_activation_memory_matches_korthikanti_table2():
+    """Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", Table 2 (bytes per layer, 16-bit activations, dropout, no fused attention)."""
+    m = _gpt()
+    s, b, h, a = 2048, 1, m.dim, m.n_heads
+    for t in (1, 8):
+        def act(sp, rc):
+            return layer_activation_bytes(m, s, b, t, sp, rc, 2, flash=False, dropout=True)
+        assert act(False, "none") == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        assert act(True, "none") == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+        assert act(False, "selective") == pytest.approx(s * b * h * (10 + 24 / t))
+        assert act(True, "selective") == pytest.approx(s * b * h * 34 / t)
+        assert act(False, "full") == pytest.approx(2 * s * b * h)
+        assert act(True, "full") == pytest.approx(2 * s * b * h / t)
+
+
+# --------------------------------------------------------------------------- Megatron 2021
+
+# Narayanan et al. "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC 2021, Table 1 (weak scaling on Selene, A100 80GB, s = 2048, V = 51200):
+# (params B, heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU, aggregate PFLOP/s)
+MEGATRON_TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 4.4),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 8.8),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 18.2),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 34.6),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 70.8),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 143.8),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 227.1),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 297.4),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 410.2),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 502.0),
+]
+
+
+def test_megatron_flops_formula_exact():
+    """Eq. (3): F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) is 4 forward passes of every
+    transformer layer (full recompute) plus 3 of the logit layer, counted from the shape."""
+    for _, a, h, layers, *_rest in MEGATRON_TABLE1:
+        B, s, V = 512, 2048, 51200
+        layer_fwd = 2 * 12 * h * h * B * s + 4 * B * s * s * h  # QKV, out, 2 MLP matmuls; QK^T and AV
+        logits_fwd = 2 * B * s * h * V
+        got = megatron_flops_per_iteration(B, s, layers, h, V)
+        assert got == 4 * layers * layer_fwd + 3 * logits_fwd
+        assert got == pytest.approx(96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h)), rel=1e-14)
+    # and the published rows are self-consistent: per-GPU x GPUs = aggregate (3 significant digits)
+    for row in MEGATRON_TABLE1:
+        assert row[8] * row[6] / 1000 == pytest.approx(row[9], rel=0.01)
+
+
+@pytest.mark.parametrize("row", MEGATRON_TABLE1, ids=lambda r: f"{r[0]}B")
+def test_megatron_table1_achieved_tflops(row):
+    """Predicted achieved TFLOP/s per GPU within 15% for every row. Runs used full
+    recompute, fp16 with no fused attention, 1F1B pipelining; micro-batch 1 assumed."""
+    _, a, h, layers, tp, pp, gpus, batch, published, _agg = row
+    m = _gpt(h=h, a=a, layers=layers)
+    cluster = load_cluster("a100", devices=gpus)
+    w = Workload(m, batch, dtype="bf16", flash=False, dropout=True)
+    layout = Layout(dp_replicate=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full")
+    est = estimate(w, cluster, layout)
+    achieved = megatron_flops_per_iteration(batch, 2048, layers, h, 51200) / est.step_time_s / gpus / 1e12
+    assert achieved == pytest.approx(published, rel=0.15), (achieved, published, est.time)
+    assert est.fits
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _collapsed(estimates):
+    """Brute force reduced the way the search reports: per layout the least recompute
+    that fits, GPipe dropped (1F1B has its time with less memory)."""
+    best = {}
+    for e in estimates:
+        if not e.fits or e.layout.pp_schedule == "gpipe":
+            continue
+        key = tuple((k, v) for k, v in e.layout.__dict__.items() if k != "recompute")
+        if key not in best or RECOMPUTE.index(e.layout.recompute) < RECOMPUTE.index(best[key].layout.recompute):
+            best[key] = e
+    return sorted(e.step_time_s for e in best.values())
+
+
+@pytest.mark.parametrize("case", ["dense-a100-16", "tight-memory", "moe-8", "hetero"])
+def test_search_is_exact_against_brute_force(case):
+    if case == "dense-a100-16":
+        m = ModelConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=32000, seq_len=2048)
+        c, w = load_cluster("a100", devices=16), None
+        w = Workload(m, 32)
+    elif case == "tight-memory":  # 1.3B-ish on 8 small devices: memory prunes, recompute matters
+        m = ModelConfig(dim=2048, n_layers=8, n_heads=16, vocab_size=32000, seq_len=4096)
+        c = cluster_from_dict({"preset": "a100-dgx", "device": "a100-80gb", "memory_gib": 12.0}).with_nodes(1)
+        w = Workload(m, 16)
+    elif case == "moe-8":
+        m = ModelConfig(dim=512, n_layers=4, n_heads=8, vocab_size=8192, seq_len=1024, moe_experts=8, moe_topk=2)
+        c, w = load_cluster("h100", devices=8), Workload(m, 16)
+    else:
+        m = ModelConfig(dim=1024, n_layers=8, n_heads=16, vocab_size=32000, seq_len=2048)
+        c = cluster_from_dict({"devices_per_node": 4, "device": "h100-sxm", "intra_node_GBps": 300,
+                               "inter_group_GBps": 2, "node_groups": [{"nodes": 2, "inter_node_GBps": 25},
+                                                                     {"nodes": 2, "inter_node_GBps": 5}]})
+        w = Workload(m, 32)
+    want = _collapsed(brute_force(w, c))
+    res = search(w, c, top=5)
+    assert want, "the case must have fitting layouts"
+    got = [e.step_time_s for e in res.ranked]
+    assert got == pytest.approx(want[:5], rel=1e-12)
+    assert all(e.fits for e in res.ranked)
+    assert res.evaluated < len(brute_force(w, c))  # it pruned
+
+
+def test_search_405b_on_16384_h100_within_5_seconds():
+    w = Workload(preset("llama3-405b"), global_batch=2048)  # 16M tokens, as Llama 3 pre-training
+    cluster = load_cluster("h100", devices=16384)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    res = search(w, cluster, top=10)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    assert res.any_fits and res.ranked[0].fits
+    assert res.ranked[0].layout.world == 16384
+    assert cpu <= 5.0, f"search took {cpu:.2f} s CPU ({wall:.2f} s wall) for {res.evaluated} layouts"
+    win = res.ranked[0]
+    assert win.peak_mem_bytes <= 80 * 2**30 and 0.2 < win.mfu < 0.75
+
+
+def test_heterogeneous_links_follow_mesh_placement():
+    c = cluster_from_dict({"devices_per_node": 8, "device": "h100-sxm", "intra_node_GBps": 400,
+                           "inter_group_GBps": 3, "node_groups": [{"nodes": 2, "inter_node_GBps": 50},
+                                                                 {"nodes": 2, "inter_node_GBps": 10}]})
+    assert c.nodes == 4 and c.world_size == 32
+    assert c.link(1, 8)[1] == 400e9  # tp=8 innermost: inside a node
+    # ranks r and r+8 pair nodes (0,1) or (2,3): no group crossing; the slow group's NICs bound it
+    assert c.link(8, 2)[1] == 10e9
+    c2 = cluster_from_dict({"devices_per_node": 8, "device": "h100-sxm", "intra_node_GBps": 400,
+                            "node_groups": [{"nodes": 2, "inter_node_GBps": 50}, {"nodes": 2, "inter_node_GBps": 10}]})
+    assert c2.link(8, 2)[1] == 10e9
+    assert c2.link(16, 2)[1] == 10e9  # crosses groups, no inter_group_GBps: slower group's
+    assert c.link(16, 2)[1] == 3e9  # crosses groups: the inter-group link
+
+
+def test_link_levels_follow_group_span():
+    c = load_cluster("a100", devices=64)
+    assert c.link(1, 8)[1] == 300e9 and c.link(2, 4)[1] == 300e9
+    assert c.link(1, 16)[1] == 25e9 and c.link(8, 8)[1] == 25e9
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+@pytest.mark.parametrize("sched,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
+                                          ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3), ("zbv", 4, 8, 1)])
+def test_simulated_schedule_matches_closed_form(sched, pp, m, v):
+    events = simulate_schedule(sched, pp, m, v, 1.0, 2.0)
+    assert makespan(events) == pytest.approx(pipeline_time(sched, pp, m, v, 1.0, 2.0)[0])
+    kinds = {"F", "B"} | ({"W"} if sched == "zbv" else set())
+    assert {e["kind"] for e in events} == kinds
+    per_stage = {s: sum(1 for e in events if e["stage"] == s and e["kind"] == "F") for s in range(pp)}
+    assert set(per_stage.values()) == {m * (v if sched == "interleaved" else 1)}
+    for s in range(pp):  # a stage never runs two things at once
+        mine = sorted((e["start"], e["end"]) for e in events if e["stage"] == s)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
+
+
+def test_simulate_layout_and_draw(tmp_path):
+    from meshfold.parallel.timeline import draw_timeline
+
+    m = ModelConfig(dim=1024, n_layers=16, n_heads=16, vocab_size=32000, seq_len=2048)
+    c = load_cluster("a100", devices=16)
+    layout = Layout(dp_replicate=2, tp=2, pp=4, pp_schedule="interleaved", pp_virtual_stages=2, micro_batch=1)
+    est, events = simulate(Workload(m, 16), c, layout)
+    assert makespan(events) == pytest.approx(est.time["compute_fwd_bwd"] + est.time["pipeline_bubble"])
+    png = draw_timeline(events, tmp_path / "t.png", title="sim")
+    assert png.stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- files and CLI
+
+
+@pytest.mark.parametrize("table,field", [
+    ({"devices_per_node": 8, "device": "a100-80gb", "intra_node_GBps": 300, "inter_node_GBps": 25, "nodez": 2},
+     "cluster.nodez"),
+    ({"devices_per_node": 8, "device": "a100-80gb", "inter_node_GBps": 25}, "cluster.intra_node_GBps"),
+    ({"devices_per_node": 8, "device": "tpu-v9", "intra_node_GBps": 300}, "cluster.device"),
+    ({"devices_per_node": 8, "intra_node_GBps": 300, "peak_tflops": 100, "memory_gib": 16}, "cluster.hbm_GBps"),
+    ({"devices_per_node": "8", "device": "a100-80gb", "intra_node_GBps": 300}, "cluster.devices_per_node"),
+    ({"devices_per_node": 8, "device": "a100-80gb", "intra_node_GBps": -1}, "cluster.intra_node_GBps"),
+    ({"devices_per_node": 8, "device": "a100-80gb", "intra_node_GBps": 300, "node_groups": [{"nodes": 2}]},
+     "cluster.node_groups[0].inter_node_GBps"),
+    ({"nodes": 3, "devices_per_node": 8, "device": "a100-80gb", "intra_node_GBps": 300,
+      "node_groups": [{"nodes": 2, "inter_node_GBps": 5}]}, "cluster.nodes"),
+])
+def test_bad_cluster_fields_name_the_field(table, field):
+    with pytest.raises(ConfigError) as err:
+        cluster_from_dict(table)
+    msg = str(err.value)
+    assert field in msg and "\n" not in msg
+
+
+def test_cluster_file_and_presets(tmp_path):
+    for name in ("a100", "h100", "h200", "frontier", "cpu"):
+        assert load_cluster(name).world_size >= 1
+    f = tmp_path / "c.toml"
+    f.write_text('[cluster]\nnodes = 16\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
+                 'intra_node_GBps = 300\ninter_node_GBps = 25\n')
+    c = load_cluster(f)
+    assert c.world_size == 128 and c.device.memory_gib == 80
+    f.write_text("[cluster\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_cluster(f)
+    with pytest.raises(ConfigError, match="--cluster"):
+        load_cluster("b300")
+
+
+def test_cli_plan_json_simulate_and_bad_model(tmp_path, capsys):
+    from meshfold.cli import main
+
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('[model]\npreset = "llama3-8b"\n[train]\nglobal_batch = 256\n')
+    out = tmp_path / "win.toml"
+    assert main(["plan", str(cfg), "--cluster", "h100:64", "--json", "--top", "3", "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["ranked"]) == 3 and res["ranked"][0]["fits"]
+    times = [r["step_time_s"] for r in res["ranked"]]
+    assert times == sorted(times) and res["why"]
+    # the written winner is a runnable layout: simulate it and get the same prediction
+    text = out.read_text()
+    sim_cfg = tmp_path / "sim.toml"
+    sim_cfg.write_text('[model]\npreset = "llama3-8b"\n' + text.split("\n", 1)[1])
+    png = tmp_path / "tl.png"
+    assert main(["simulate", str(sim_cfg), "--cluster", "h100:64", "--json", "--png", str(png)]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["step_time_s"] == pytest.approx(times[0], rel=1e-9)
+    for key in ("mfu", "tflops_per_device", "peak_mem_bytes", "breakdown"):
+        assert key in sim
+    assert png.exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\ndim = 100\nn_heads = 3\n")
+    assert main(["plan", str(bad), "--cluster", "h100:8"]) == 2
+    assert "model.dim" in capsys.readouterr().err
+
+
+def test_plan_check_against_a_run(tmp_path, capsys):
+    """``plan --check`` reads a finished run (one process, 3 steps) and puts its
+    measurements next to the prediction."""
+    from meshfold.cli import main
+    from meshfold.config import dump_toml, from_dict
+    from meshfold.testing import tiny_config
+
+    run = tmp_path / "run"
+    cfg_dict = tiny_config(str(run), train={"steps": 3})
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(from_dict(cfg_dict)))
+    assert main(["train", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(path), "--cluster", "cpu", "--check", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"]["measured"] > 0 and out["step_time_s"]["predicted"] > 0
+    assert out["peak_mem_bytes"]["measured"] > 0
+
+
+def test_cost_model_cached_equals_fresh():
+    m = preset("llama3-70b")
+    c = load_cluster("h200", devices=256)
+    w = Workload(m, 512)
+    cm = CostModel(w, c)
+    lay = Layout(dp_shard=8, zero=3, tp=8, sp=True, pp=4, pp_schedule="interleaved", pp_virtual_stages=2,
+                 micro_batch=1, recompute="selective")
+    first = cm.estimate(lay)
+    cm.estimate(Layout(dp_shard=32, zero=1, tp=8, micro_batch=1))
+    again = cm.estimate(lay)
+    assert first.step_time_s == again.step_time_s == estimate(w, c, lay).step_time_s
