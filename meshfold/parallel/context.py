@@ -247,27 +247,32 @@ def _tile_mask(qpos, qdoc, kpos, kdoc):
 
 
 def _tiles(qmeta, kmeta, tile: int, work: AttentionWork | None):
-    """Yield (q slice, k slice, mask or None) for every tile with a visible entry."""
+    """Yield (q slice, k slice, mask or None) for every tile with a visible entry.
+
+    The block's mask is built once and every tile's visible count read in one transfer
+    (one host sync per block, not per tile)."""
     qpos, qdoc = qmeta
     kpos, kdoc = kmeta
     sq, sk = qpos.shape[1], kpos.shape[1]
-    for i0 in range(0, sq, tile):
+    mask = _tile_mask(qpos, qdoc, kpos, kdoc)  # [b, sq, sk]
+    q_starts, k_starts = range(0, sq, tile), range(0, sk, tile)
+    if sq % tile == 0 and sk % tile == 0:
+        counts = mask.view(mask.shape[0], sq // tile, tile, sk // tile, tile).sum((0, 2, 4)).tolist()
+    else:
+        counts = [[int(mask[:, i0:i0 + tile, j0:j0 + tile].sum()) for j0 in k_starts] for i0 in q_starts]
+    for i, i0 in enumerate(q_starts):
         qs = slice(i0, min(i0 + tile, sq))
-        for j0 in range(0, sk, tile):
+        for j, j0 in enumerate(k_starts):
             ks = slice(j0, min(j0 + tile, sk))
-            mask = _tile_mask(qpos[:, qs], None if qdoc is None else qdoc[:, qs],
-                              kpos[:, ks], None if kdoc is None else kdoc[:, ks])
-            visible = int(mask.sum())
+            visible = counts[i][j]
+            full = mask.shape[0] * (qs.stop - qs.start) * (ks.stop - ks.start)
             if work is not None:
                 work.tiles += 1
-            if visible == 0:
-                if work is not None:
-                    work.skipped_tiles += 1
-                continue
-            if work is not None:
-                work.computed += mask.numel()
+                work.skipped_tiles += int(visible == 0)
+                work.computed += full if visible else 0
                 work.visible += visible
-            yield qs, ks, (None if visible == mask.numel() else mask[:, None, None])
+            if visible:
+                yield qs, ks, (None if visible == full else mask[:, None, None, qs, ks])
 
 
 def _block_forward(qg, k, v, qmeta, kmeta, out, lse, scale, tile, work):
