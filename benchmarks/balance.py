@@ -19,7 +19,10 @@ Length distributions:
   lognormal  a seeded lognormal sample of document lengths (median ~400 tokens), written
              as a JSONL corpus
 
-    .venv/bin/python benchmarks/balance.py [--dist default lognormal] [--seq 2048] [--steps 6]
+    .venv/bin/python benchmarks/balance.py [--dist default lognormal] [--seq 4096] [--steps 6] [--seq-cp 4]
+
+With --seq-cp K the balanced side also spreads documents too costly for one rank over
+groups of up to K ranks (data.seq_cp_max, ring attention); the naive side never does.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def main() -> None:
     ap.add_argument("--cost-a", type=float, default=0.0)
     ap.add_argument("--cost-b", type=float, default=0.0)
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--seq-cp", type=int, default=1, help="data.seq_cp_max for the balanced side (per-sequence cp)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="data.max_tokens (per-rank token limit)")
     args = ap.parse_args()
 
     from meshfold.testing import run_on
@@ -108,14 +113,14 @@ def main() -> None:
             "train": {"global_batch": args.global_batch, "dtype": "float32", "run_dir": str(tmp / dist_name),
                       "progress": False, "tensorboard": False, "steps": args.steps + 1},
             "data": {"source": source, "val_docs": 0, "balance": "greedy", "cost_a": args.cost_a,
-                     "cost_b": args.cost_b},
+                     "cost_b": args.cost_b, "seq_cp_max": args.seq_cp, "max_tokens": args.max_tokens},
         }
         started = time.perf_counter()
         out = run_on(args.nproc, bench, cfg, args.steps, timeout=1800)[0]
         t_bal, t_naive = statistics.median(out["times"]["balanced"]), statistics.median(out["times"]["naive"])
         mean = lambda key, name: statistics.mean(s[key] for s in out["stats"][name])  # noqa: E731
         print(f"[{dist_name}] {args.nproc} gloo processes, seq_len {args.seq}, dim {args.dim}, {args.layers} layers, "
-              f"{args.global_batch * args.seq} tokens/step budget; W(l) = {out['a']:.3e} l^2 + {out['b']:.3e} l")
+              f"{args.global_batch * args.seq} tokens/step budget, seq_cp_max {args.seq_cp}; W(l) = {out['a']:.3e} l^2 + {out['b']:.3e} l")
         print(f"  lambda W      before {mean('imbalance_before', 'balanced'):.3f}  after "
               f"{mean('imbalance', 'balanced'):.3f}   (naive run: {mean('imbalance', 'naive'):.3f})")
         print(f"  lambda tokens before {mean('imbalance_tokens_before', 'balanced'):.3f}  after "

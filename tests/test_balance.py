@@ -302,3 +302,31 @@ def test_per_sequence_context_parallel_matches_one_process(source, tmp_path):
     assert max(r["spread_max_degree"] for r in records) >= 2
     for rec in records:
         assert rec["imbalance"] <= rec["imbalance_before"] + 1e-12
+
+
+def test_spread_plans_cover_every_piece_once():
+    """With per-sequence cp every piece of a step is either whole on one rank or shared by
+    every member of one aligned group, and all ranks see the same plan."""
+    pieces = DocumentPieces(corpus(80, seed=4), max_len=64)
+    ranks = 4
+    loaders = [BalancedBatches(pieces, CostModel(1.0, 1.0), ranks, r, n_micro=1, micro_cap=256,
+                               tokens_per_step=64 * ranks, seed=2, seq_cp_max=4) for r in range(ranks)]
+    spread_seen = 0
+    for _ in range(10):
+        whole = [ld.next_ids()[0] for ld in loaders]
+        ids = loaders[0].next_ids_of_step
+        plan = loaders[0].last_plan
+        owners = {}
+        for r, ld in enumerate(loaders):
+            assert np.array_equal(ld.last_plan.rank, plan.rank) and np.array_equal(ld.last_plan.degree, plan.degree)
+            for p in whole[r]:
+                owners.setdefault(p, []).append(r)
+            for item, k, start in ld.last_plan.spread_items(r):
+                assert start % k == 0 and start <= r < start + k
+                owners.setdefault(int(ids[item]), []).append(r)
+                spread_seen += 1
+        assert sorted(owners) == sorted(ids.tolist())
+        for i, p in enumerate(ids.tolist()):
+            k, start = int(plan.degree[i]), int(plan.rank[i])
+            assert owners[p] == list(range(start, start + k))
+    assert spread_seen > 0

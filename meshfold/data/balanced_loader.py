@@ -103,7 +103,7 @@ class BalancedBatches:
         self.last_plan: StepPlan | None = None
 
     def plan(self, ids: np.ndarray) -> StepPlan:
-        if self.seq_cp_max > 1:
+        if self.seq_cp_max > 1 and self.method != "none":
             return self.plan_spread(ids)
         plan = plan_step(self.pieces.lengths[ids], self.cost, self.n_ranks, self.n_micro, self.micro_cap,
                          self.method, self.tolerance, self.time_limit)
@@ -143,7 +143,7 @@ class BalancedBatches:
     def local_batch(self, device: torch.device | str = "cpu") -> dict:
         """Flat ``[1, sum T_m]`` tensors plus ``micro_sizes`` (T_m per micro-batch)."""
         rows = [packed_row(self.pieces, ids) for ids in self.next_ids()]
-        if self.seq_cp_max > 1:
+        if self.seq_cp_max > 1 and self.last_plan.degree is not None:
             rows[0] = self.with_spread(rows[0], self.next_ids_of_step, device)
         batch = {k: torch.cat([r[k] for r in rows], dim=1).to(device) for k in rows[0]}
         batch["micro_sizes"] = [r["inputs"].shape[1] for r in rows]
