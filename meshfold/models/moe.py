@@ -199,6 +199,8 @@ class MoE(nn.Module):
             step_counts, step_tokens = self._step_stats[: self.n_experts], self._step_stats[self.n_experts]
             f = (step_counts / (step_tokens * self.topk)).to(probs.dtype)
             self._replay.append((f, n_tokens))
+        if not (self.aux_coef or self.z_coef):
+            return  # no loss terms: nothing joins the backward
         aux = logits.new_zeros(())
         if self.aux_coef:
             aux = aux + self.aux_coef * self.n_experts * (f * probs.sum(0)).sum() / n_tokens
