@@ -179,7 +179,6 @@ class DataConfig:
     balance_tolerance: float = 1.02  # exact: run the MILP when the greedy imbalance is above this
     balance_time_limit_s: float = 1.0  # exact: MILP time limit per step
     seq_cp_max: int = 1  # per-sequence context parallel: spread long/costly documents over up to this many dp ranks
-    seq_cp_max: int = 1  # per-sequence context parallel: spread long/costly documents over up to this many dp ranks
 
 
 @dataclass
@@ -549,11 +548,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                 raise ConfigError(
                     f"parallel.pp_microbatches = {n_micro} does not divide the {local} sequences per "
                     f"data-parallel rank; choose one of {_divisors(local)}"
-                )
-            if p.pp_schedule in ("1f1b", "zbv") and n_micro < p.pp:
-                raise ConfigError(
-                    f"parallel.pp_microbatches = {n_micro}: pp_schedule = {p.pp_schedule} needs at least "
-                    f"parallel.pp = {p.pp} micro-batches; raise it or use pp_schedule = gpipe"
                 )
             if p.pp_schedule == "interleaved" and n_micro % p.pp:
                 raise ConfigError(
