@@ -77,8 +77,9 @@ def microbatch_problem(schedule: str, pp: int, m: int) -> str | None:
     """Why ``m`` micro-batches cannot run on ``schedule`` with ``pp`` ranks, or None."""
     if m < 1:
         return f"{m} micro-batches"
-    if schedule in ("1f1b", "zbv") and m < pp:
-        return f"{schedule} needs at least pp = {pp} micro-batches, got {m}"
+    # gpipe, 1f1b and zbv run any count (below pp they degenerate towards GPipe's bubble;
+    # torch's Schedule1F1B/ZBV refuse that, our executor does not need to). Interleaved's
+    # closed-form order walks micro-batches in groups of pp.
     if schedule == "interleaved" and m % pp:
         return f"interleaved needs a multiple of pp = {pp} micro-batches, got {m}"
     return None
@@ -429,7 +430,7 @@ class Pipeline:
                 grad = None if s == self.n_stages - 1 else self._recv("grad", s, a.mb, shape)
                 start = time.perf_counter()
                 outs, grads = [out], [torch.ones_like(out) if grad is None else grad]
-                if aux is not None:  # MoE balance terms of this chunk's layers join its backward
+                if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
                 if self.split_backward and s > 0:
