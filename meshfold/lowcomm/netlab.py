@@ -219,6 +219,8 @@ class NetLab:
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
                 f"--nproc-per-node={nproc_per_node}", f"--node-rank={i}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.addr(0)}:{port}", f"--rdzv-id=netlab{self.tag}",
+                # node 0 hosts the store: hostname lookup inside a namespace would not say so
+                f"--rdzv-conf=is_host={1 if i == 0 else 0}",
                 f"--local-addr={self.addr(i)}", "--max-restarts=0", "-m", *module_args]
 
 
