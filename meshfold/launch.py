@@ -25,7 +25,18 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     if dist.is_initialized() or env_world_size() == 1:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # After an elastic restart the agent's store still holds the dead workers' gloo
+    # addresses under the same keys; a per-attempt prefix keeps the new ones apart.
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"meshfold/attempt-{restart}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def shutdown_distributed(clean: bool = True) -> None:

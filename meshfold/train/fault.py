@@ -18,7 +18,7 @@ Straggler detection (C4 / MegaScale style)
     it entered than the earliest rank. The lag a rank adds is the sum of the increases of
     its lateness along each group's sequence (so a late rank issuing several back-to-back
     asynchronous collectives counts once). A rank whose lag exceeds
-    ``train.straggler_margin`` x the median step time is named in the log and in
+    ``train.straggler_margin`` x the median step time (and 50 ms) is named in the log and in
     ``metrics.jsonl`` (``straggler``). Time spent blocked inside synchronous collectives is
     reported per rank too (``wait``). Needs a common clock (one host, or NTP-synchronised
     hosts: offsets well below the margin).
@@ -56,6 +56,7 @@ TRACKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_sin
            "broadcast", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
            "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
 MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
+MIN_LAG_S = 0.05  # lags below this are scheduler/logging noise, never reported
 
 _BROKEN = False  # set when a collective timed out: the group cannot be trusted at shutdown
 
@@ -310,7 +311,7 @@ class FaultMonitor:
         wait_s = [g[2] for g in gathered]
         lag = straggler_lag(stamps)
         median = statistics.median(step_s)
-        slow = [r for r, x in enumerate(lag) if x > self.margin * median]
+        slow = [r for r, x in enumerate(lag) if x > max(self.margin * median, MIN_LAG_S)]
         self.trainer.step_metrics["straggler"] = {"ranks": slow, "lag_s": [round(x, 4) for x in lag],
                                                   "wait_s": [round(x, 4) for x in wait_s]}
         if slow and self.rank == 0:
