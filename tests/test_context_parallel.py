@@ -207,13 +207,16 @@ def test_training_with_recompute(recompute, reference, short_docs, tmp_path):
 
 
 def test_training_without_document_masks(short_docs, tmp_path):
-    data = {**short_docs, "doc_mask": False}  # causal across the packed documents
-    ref = train_collect(_config(str(tmp_path / "ref"), data))
-    got = run_on(2, train_collect, _config(str(tmp_path / "cp"), data, parallel={"cp": 2}))[0]
-    assert_runs_match(ref, got)
-    # Causal only, balanced split: both ranks did exactly the same attention work each step.
     import json
 
-    records = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    data = {**short_docs, "doc_mask": False, "val_docs": 16}  # causal across the packed documents
+    train = {"eval_every": 5, "eval_batches": 2}  # validation loss on sharded batches too
+    ref = train_collect(_config(str(tmp_path / "ref"), data, train=train))
+    got = run_on(2, train_collect, _config(str(tmp_path / "cp"), data, parallel={"cp": 2}, train=train))[0]
+    assert_runs_match(ref, got)
+    ref_rec, records = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                        for run in ("ref", "cp"))
+    assert records[-1]["val_loss"] == pytest.approx(ref_rec[-1]["val_loss"], rel=1e-10)
+    # Causal only, balanced split: both ranks did exactly the same attention work each step.
     assert [r["cp_imbalance"] for r in records] == [1.0] * 5
     assert all(r["comm_bytes"]["cp"] > 0 for r in records)
