@@ -2,7 +2,8 @@
 
 For N in (4, 8): calibrate N gloo processes (``meshfold calibrate``), train a small model
 for a few steps with each layout (``meshfold train --nproc N``), and compare the run's
-median ``step_time_s`` with the planner's prediction for its layout (``plan --check``'s
+fastest steady ``step_time_s`` (steps 3..12; the least disturbed by other jobs on a shared
+host, as calibration takes its fastest samples) with the planner's prediction for its layout (``plan --check``'s
 code path). Also runs the planner's own pick (full search on the calibrated cluster) and
 checks it against the fastest measured layout. Prints per-layout rows, the mean absolute
 percentage error, Spearman's rank correlation, and the pick's gap to the fastest.
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BASE = ["model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
-        "model.seq_len=64", "train.global_batch=16", "train.dtype=\"float32\"", "train.steps=10",
+        "model.seq_len=64", "train.global_batch=16", "train.dtype=\"float32\"", "train.steps=12",
         "train.progress=false", "train.tensorboard=false", "train.checkpoint_every=0", "train.eval_every=0",
         "train.straggler_every=0", "data.val_docs=0"]
 
@@ -129,7 +130,7 @@ def main() -> int:
             t0 = time.time()
             if not train(nproc, lay, run_dir):
                 continue
-            est, meas, layout = predict_run(run_dir, str(cluster_file))
+            est, meas, layout = predict_run(run_dir, str(cluster_file), stat="min")
             row = {"nproc": nproc, "tag": str(tag), "layout": layout.short(), "predicted_s": est.step_time_s,
                    "measured_s": meas["step_time_s"], "comm_pred": est.comm_bytes, "comm_meas": meas["comm_bytes"],
                    "wall_s": time.time() - t0}

@@ -112,7 +112,9 @@ def run_plan(args) -> int:
     return 0
 
 
-def _run_measurements(run_dir: Path) -> dict:
+def _run_measurements(run_dir: Path, stat: str = "median") -> dict:
+    """A run's steady-state numbers; ``stat`` = median, or min (the least-disturbed step,
+    for shared hosts)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"--check {run_dir}: no metrics.jsonl there")
@@ -121,13 +123,14 @@ def _run_measurements(run_dir: Path) -> dict:
         raise ConfigError(f"--check {run_dir}: metrics.jsonl is empty")
     steady = records[2:] if len(records) > 4 else records[1:] or records  # skip warm-up steps
     dims = sorted({k for r in steady for k in (r.get("comm_bytes") or {})})
-    return {"step_time_s": statistics.median(r["step_time_s"] for r in steady),
+    pick = min if stat == "min" else statistics.median
+    return {"step_time_s": pick(r["step_time_s"] for r in steady),
             "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in records),
             "comm_bytes": {d: statistics.median((r.get("comm_bytes") or {}).get(d, 0) for r in steady) for d in dims},
             "steps": len(records)}
 
 
-def predict_run(run_dir: str | Path, cluster_spec: str) -> tuple[Estimate, dict, Layout]:
+def predict_run(run_dir: str | Path, cluster_spec: str, stat: str = "median") -> tuple[Estimate, dict, Layout]:
     """Prediction for a finished run's layout next to what it measured."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
@@ -136,7 +139,7 @@ def predict_run(run_dir: str | Path, cluster_spec: str) -> tuple[Estimate, dict,
     cluster = load_cluster(cluster_spec, devices=world)
     layout = layout_from_config(cfg, world)
     est = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout)
-    return est, _run_measurements(run_dir), layout
+    return est, _run_measurements(run_dir, stat), layout
 
 
 def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:

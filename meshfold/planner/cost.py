@@ -270,13 +270,15 @@ class CostModel:
         if cp > 1 and cp_mode == "ulysses":
             size = act * tokens * h / tp
             cp_fwd = 4 * collective_time(c, "all_to_all", size, cp, tp)
-            cp_sent = 4 * RING["all_to_all"](cp) * size
+            cp_sent = 8 * RING["all_to_all"](cp) * size  # q, k, v, out: forward and backward
         elif cp > 1:
             kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
             alpha, beta = c.link(tp, cp)
             hop = alpha + kv / beta
             cp_fwd = max((cp - 1) * hop - attn_core / (peak * eff), hop)
-            cp_sent = (cp - 1) * kv
+            # per layer: K,V forward (cp-1 hops); backward K,V again (cp-1) and dK,dV,
+            # which travel the whole ring back to their owner (cp hops)
+            cp_sent = (3 * cp - 2) * kv
         out = {}
         for moe in set(self.kinds):
             ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
@@ -289,13 +291,30 @@ class CostModel:
                 rec = attn_core / (peak * eff) + elementwise_fwd / 2
             else:
                 rec = 0.0
-            bwd = 2 * fwd_c + 2 * elementwise_fwd + 2 * tp_ar + 2 * cp_fwd + rec + 2 * overhead / 3
+            bwd = (2 * fwd_c + 2 * elementwise_fwd + (2 + (1.0 if sp else 0.0)) * tp_ar + 2 * cp_fwd + rec
+                   + 2 * overhead / 3)
             params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c)
         out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
+        # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
+        # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
+        # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:
+        # all-gather fwd, reduce-scatter + re-gather bwd; else all-reduce bwd); and per layer
+        # with sp the re-gather of the two gathered inputs in backward. Plus, on the last
+        # stage, the loss's three all-reduces of per-token scalars and (sp) the all-reduce of
+        # the replicated norm weights' gradients.
+        emb_ops = (0.5, 0.5) if sp else (1.0, 0.0)  # (forward, backward)
+        out_ops = (0.5, 1.0) if sp else (0.0, 1.0)
+        layer_regather = 1.0 if sp else 0.0
+        loss_bytes = 3 * tokens * max(4, act)
+        norm_bytes = (2 * m.n_layers + 1) * h * pb if sp else 0.0
         hit = dict(kinds=out, out_fwd=out_fwd, out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
-                   p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp)
+                   p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
+                   emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
+                   loss_t=collective_time(c, "all_reduce", loss_bytes / 3, tp, 1),
+                   norm_t=collective_time(c, "all_reduce", norm_bytes, tp, 1) if sp else 0.0,
+                   tp_edge_bytes=(loss_bytes + norm_bytes) * RING["all_reduce"](tp) if tp > 1 else 0.0)
         self._layer_cache[key] = hit
         return hit
 
@@ -345,8 +364,11 @@ class CostModel:
             params = sum(kinds[k][2] * n for k, n in counts.items()) + m.dim
             if st == 0:
                 params += T["emb"]
+                f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
             if st == pp - 1:
                 f, bw = f + T["out_fwd"], bw + T["out_bwd"]
+                f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
+                bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
                 params += 0 if (m.tie_embeddings and pp == 1) else T["emb"]
             if pp > 1:
                 f, bw = f + v * p2p, bw + v * p2p
@@ -391,11 +413,16 @@ class CostModel:
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1
         per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
         if tp > 1:
-            comm["tp"] = stage_layers[0] * per_layer_ops * RING["all_reduce"](tp) * T["tp_bytes"] * n_micro
+            ops = stage_layers[0] * (per_layer_ops + T["layer_regather"]) + sum(T["emb_ops"])
+            edge = 0.0
+            if pp == 1:  # rank 0 is also the last stage
+                ops += sum(T["out_ops"])
+                edge = T["tp_edge_bytes"]
+            comm["tp"] = (ops * RING["all_reduce"](tp) * T["tp_bytes"] + edge) * n_micro
         if pp > 1:
             comm["pp"] = v * T["p2p_bytes"] * n_micro  # stage 0 sends activations forward
         if cp > 1:
-            comm["cp"] = 3 * T["cp_sent"] * stage_layers[0] * n_micro
+            comm["cp"] = T["cp_sent"] * stage_layers[0] * n_micro  # per layer, forward + backward
 
         # ---- optimizer step: one memory-bound pass over the local states
         shards = n_shard if L.zero >= 1 else 1
@@ -406,7 +433,7 @@ class CostModel:
 
         time = {
             "compute_fwd_bwd": n_micro * (t_f + t_b),
-            "of_which_tp_comm": n_micro * stage_layers[0] * (4 + (2 if L.recompute == "full" else 0)) * T["tp_ar"],
+            "of_which_tp_comm": n_micro * stage_layers[0] * (per_layer_ops + T["layer_regather"]) * T["tp_ar"],
             "of_which_cp_comm": n_micro * stage_layers[0] * 3 * T["cp_fwd"],
             "of_which_pp_p2p": n_micro * 2 * v * p2p,
             "pipeline_bubble": bubble,
