@@ -354,3 +354,31 @@ def test_outer_state_restores_exactly(method, extra, tmp_path):
         assert fl == rl, (fl, rl)
         for n, v in fp.items():
             assert torch.equal(rp[n], v), n
+
+
+@pytest.mark.parametrize("lowcomm,extra,key", [
+    ({"method": "diloco", "workers": 2}, {}, "lowcomm.inner_steps"),
+    ({"method": "diloco", "workers": 3, "inner_steps": 2}, {}, "lowcomm.workers"),
+    ({"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 3}, {}, "lowcomm.fragments"),
+    ({"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "overlap_steps": 4}, {},
+     "lowcomm.overlap_steps"),
+    ({"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "quant_bits": 8}, {},
+     "lowcomm.quant_bits"),
+    ({"method": "co2", "workers": 2, "inner_steps": 4, "co2_staleness_penalty": 2.0}, {}, "co2_staleness_penalty"),
+    ({"method": "diloco", "workers": 2, "inner_steps": 4}, {"data": {"balance": "greedy"}}, "data.balance"),
+    ({"compression": "onebit", "onebit_adam": False, "topk_ratio": 0.0}, {}, None),
+    ({"compression": "topk", "topk_ratio": 0.0}, {}, "lowcomm.topk_ratio"),
+    ({"onebit_adam": True}, {}, "lowcomm.onebit_adam"),
+])
+def test_bad_lowcomm_config_is_one_line(lowcomm, extra, key):
+    from meshfold.config import ConfigError, from_dict, validate
+
+    cfg = tiny_config("/tmp/x", lowcomm=lowcomm, parallel={"dp_replicate": 2, "dp_shard": 1}, **extra)
+    cfg = from_dict(cfg)
+    world = 4 if lowcomm.get("method") else 2  # 2 workers x DDP-2, or DDP-2 alone
+    if key is None:
+        validate(cfg, world)  # valid: no error
+        return
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
+        validate(cfg, world)
+    assert "\n" not in str(err.value)

@@ -65,6 +65,10 @@ class LowComm:
         if self.compression is not None and lc.onebit_adam:
             self._use_onebit_adam(trainer)
         self.rank = trainer.rank
+        if lc.method == "noloco" and self.workers > 1 and getattr(trainer, "fault", None) is not None:
+            # The straggler check gathers timings over the whole world every k steps: a
+            # collective over all workers, which NoLoCo promises not to issue.
+            trainer.fault.every = 0
         if getattr(trainer, "checkpointer", None) is not None:
             trainer.checkpointer.register("lowcomm", self)
 
@@ -199,7 +203,13 @@ def check_lowcomm(cfg: Config) -> None:
             raise ConfigError(f"lowcomm.quant_bits = {lc.quant_bits}; choose 4 (FP4 E3M0) or 32")
         if not 0 <= lc.mixing <= 1:
             raise ConfigError(f"lowcomm.mixing = {lc.mixing} must be in [0, 1]")
+    if lc.method != "none" and lc.workers > 1 and cfg.data.balance != "none":
+        raise ConfigError("data.balance with lowcomm.workers > 1 is not supported (workers take slices of one "
+                          "sampled batch); set data.balance = none")
     if lc.method == "co2":
+        if p.tp > 1 or p.pp > 1:
+            raise ConfigError("lowcomm.method = co2 clips the outer momentum by its norm over data-parallel shards "
+                              "only; use parallel.tp = 1 and parallel.pp = 1 inside workers")
         if not 0 <= lc.co2_staleness_penalty <= 1:
             raise ConfigError(f"lowcomm.co2_staleness_penalty = {lc.co2_staleness_penalty} must be in [0, 1]")
         if lc.co2_clip < 0:
