@@ -4,8 +4,8 @@ Both sides run the real ``Trainer.train_step`` with ``data.balance = greedy`` (w
 documents, per-document attention, the same documents per step in the same order); the
 baseline's loader places them with the naive token-equal contiguous split
 (``plan_step(method="none")``) instead of the cost-aware plan. The cost model
-W(l) = a l^2 + b l is measured first (``cost_calibration``, global rank 0, broadcast)
-unless --cost-a/--cost-b are given. Steps alternate between the two trainers so machine
+W(l) = a l^2 + b l is measured first (``cost_calibration.measure_cost``, in this
+process before the ranks start) unless --cost-a/--cost-b are given. Steps alternate between the two trainers so machine
 noise hits both. Printed: lambda (max/mean W over the 4 ranks, and of tokens) before and
 after balancing; each rank's measured compute time per step (its main thread's CPU
 seconds, which waiting for a core or for peers does not count), their max/mean, and the
@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def lognormal_corpus(path: Path, n_docs: int, seed: int = 0, median_words: float = 300.0, sigma: float = 1.2,
@@ -104,6 +105,18 @@ def main() -> None:
     from meshfold.testing import run_on
 
     tmp = Path(tempfile.mkdtemp(prefix="meshfold-balance-"))
+    if not (args.cost_a or args.cost_b):
+        # Measured once here (one process, before the gloo ranks start), then pinned.
+        from meshfold.config import ModelConfig
+        from meshfold.data.cost_calibration import default_lengths, measure_cost
+
+        torch.set_num_threads(1)
+        model = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=4, n_kv_heads=2, vocab_size=512,
+                            seq_len=args.seq)
+        fit = measure_cost(model, lengths=default_lengths(args.seq, 5), repeats=2)
+        args.cost_a, args.cost_b = fit.a, fit.b
+        print(f"calibrated: W(l) = {fit.a:.3e} l^2 + {fit.b:.3e} l (overhead {fit.c:.2e} s per micro-batch; "
+              f"largest fit error {fit.rel_error():.0%})", flush=True)
     for dist_name in args.dist:
         source = "default" if dist_name == "default" else lognormal_corpus(tmp / "lognormal.jsonl", 600)
         cfg = {

@@ -2,7 +2,7 @@
 
 Forward + backward of the configured model (per-document attention, as the balanced
 loader runs it) on micro-batches of k documents of l tokens, for several l (k = 1, and k*l about
-four times the longest); the fastest of a few repeats per length is fitted by non-negative least squares
+twice the longest); the fastest of a few repeats per length is fitted by non-negative least squares
 to  time = k (a l^2 + b l) + c.  The constant c is the per-micro-batch overhead, paid
 once per micro-batch whatever it holds, so it is not part of a document's W. The planner can call ``measure_cost`` for the same numbers.
 
@@ -57,7 +57,7 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
                  lengths: list[int] | None = None, repeats: int = 3, seed: int = 0,
                  row_tokens: int = 0) -> CostFit:
     """Time micro-batches of ``k`` documents of ``l`` tokens (k = 1 and k*l about
-    ``row_tokens``, default 4 * the longest length) and fit time = k (a l^2 + b l) + c."""
+    ``row_tokens``, default 2 * the longest length) and fit time = k (a l^2 + b l) + c."""
     from scipy.optimize import nnls
 
     from meshfold.models.llama import Transformer, init_weights
@@ -72,7 +72,7 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
     gen = torch.Generator().manual_seed(seed)
     # Each length alone and k to a row: varying the row's total tokens separates the
     # per-document cost from the per-micro-batch overhead c.
-    row_tokens = row_tokens or 4 * max(lengths)
+    row_tokens = row_tokens or 2 * max(lengths)
     points = sorted({(l, k) for l in lengths for k in (1, max(2, row_tokens // l))})
     lengths, counts = [l for l, _ in points], [k for _, k in points]
 
