@@ -330,6 +330,17 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, meta, use_doc, plan: ContextParallelPlan):
+        # The block math runs in (at least) float32 whatever autocast is active outside.
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, meta, use_doc, plan)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, meta, use_doc, plan: ContextParallelPlan):
         b, s, heads, d = q.shape
         hkv = k.shape[2]
         cdt = torch.promote_types(q.dtype, torch.float32)
@@ -358,7 +369,7 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(b, heads, s, d).permute(0, 2, 1, 3).to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         plan: ContextParallelPlan = ctx.plan
         b, s, heads, d = q.shape
