@@ -65,18 +65,30 @@ def test_exact_resume_is_bitwise(reference, tmp_path, async_save):
         assert torch.equal(second["params"][name], value), name
 
 
-def test_reshard_fsdp4_hsdp2x2_ddp2(reference, tmp_path):
-    # Saved under dp_shard 4 (ZeRO-3), resumed under dp_replicate 2 x dp_shard 2 (HSDP), then
-    # under 2-rank DDP: every step's loss and the final parameters match the run that never
-    # stopped, to float64 rounding (different reduction orders): rtol 1e-9, atol 1e-11.
-    a = run_on(4, segment, _cfg(tmp_path, {"dp_shard": 4, "zero": 3}), 2)[0]
-    b = run_on(4, segment, _cfg(tmp_path, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}), 4)[0]
-    c = run_on(2, segment, _cfg(tmp_path, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}), STEPS, save=False)[0]
-    assert (a["start"], b["start"], c["start"]) == (0, 2, 4)
-    got = torch.tensor(a["losses"] + b["losses"] + c["losses"], dtype=torch.float64)
-    torch.testing.assert_close(got, torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
+RESHARD_CHAIN = [  # (world, [parallel], stop step): every segment resumes the previous one's checkpoint
+    (4, {"dp_shard": 4, "zero": 3}, 1),  # FSDP2 ZeRO-3
+    (4, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}, 2),  # HSDP
+    (2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, 3),  # DDP, on 2 ranks
+    (4, {"tp": 2, "dp_shard": 2}, 4),  # Megatron TP on DTensors inside FSDP2
+    (4, {"pp": 2, "dp_shard": 2}, STEPS),  # pipeline: each stage holds only its layers
+]
+
+
+def test_reshard_through_every_layout(reference, tmp_path):
+    # Saved under one [parallel], loaded under the next: dp_shard 4 -> dp_replicate 2 x dp_shard 2
+    # -> DDP 2 -> tp 2 x dp_shard 2 -> pp 2 x dp_shard 2. Every step's loss and the final
+    # parameters equal the one-process run that never stopped, to float64 rounding (the
+    # layouts reduce in different orders): rtol 1e-9, atol 1e-11.
+    losses, starts = [], []
+    for world, parallel, stop in RESHARD_CHAIN:
+        got = run_on(world, segment, _cfg(tmp_path, parallel), stop, save=stop < STEPS)[0]
+        starts.append(got["start"])
+        losses += got["losses"]
+    assert starts == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
     for name, value in reference["params"].items():
-        torch.testing.assert_close(c["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_reshard_zero1_to_one_process(reference, tmp_path):

@@ -207,6 +207,32 @@ def _model_parts(trainer) -> list[torch.nn.Module]:
     return list(getattr(trainer, "model_parts", None) or [trainer.model])
 
 
+class _MergedChunks(torch.nn.Module):
+    """Several pipeline chunks seen as one module with the full model's names: each chunk's
+    ``layers`` entries (keyed by global index) and its embedding/norm/output. The state-dict
+    helpers then map every optimizer parameter to its layout-independent name."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                if child is None:
+                    continue
+                if isinstance(child, torch.nn.ModuleDict):
+                    if name not in self._modules:
+                        self.add_module(name, torch.nn.ModuleDict())
+                    self._modules[name].update(child)
+                elif name in self._modules:
+                    raise ValueError(f"two pipeline chunks both hold {name}")
+                else:
+                    self.add_module(name, child)
+
+
+def _whole_model(trainer) -> torch.nn.Module:
+    parts = _model_parts(trainer)
+    return parts[0] if len(parts) == 1 else _MergedChunks(parts)
+
+
 class Checkpointer:
     """Saves and restores a ``Trainer``'s whole state; see the module docstring."""
 
@@ -240,10 +266,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ state dicts
 
     def _model_state(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part in _model_parts(self.trainer):
-            out.update(get_model_state_dict(part))
-        return out
+        return get_model_state_dict(_whole_model(self.trainer))
 
     def _zero_one(self) -> ZeroRedundancyOptimizer | None:
         opt = self.trainer.optimizer
@@ -252,21 +275,13 @@ class Checkpointer:
     def _fqn_of_params(self) -> dict[int, str]:
         from meshfold.parallel.data import unwrap
 
-        names = {}
-        for part in _model_parts(self.trainer):
-            for name, p in unwrap(part).named_parameters():
-                names[id(p)] = name
-        return names
+        return {id(p): name for name, p in unwrap(_whole_model(self.trainer)).named_parameters()}
 
     def _optim_state(self) -> dict[str, Any]:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         zero = self._zero_one()
         if zero is None:
-            state: dict[str, Any] = {}
-            for part in _model_parts(self.trainer):
-                _, optim = get_state_dict(part, self.trainer.optimizer, options=opts)
-                state.update(optim)
-            return state
+            return get_state_dict(_whole_model(self.trainer), self.trainer.optimizer, options=opts)[1]
         # ZeRO-1: each rank writes the Adam state of the parameters it owns, in the same
         # flattened naming as every other layout; param groups are the same everywhere.
         names = self._fqn_of_params()
@@ -444,13 +459,12 @@ class Checkpointer:
         dcp.load(sd, checkpoint_id=str(path))
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in tr.optimizer.param_groups]
+        model = _whole_model(tr)
         if zero is None:
-            for part in _model_parts(tr):
-                set_state_dict(part, tr.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                               options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+            set_state_dict(model, tr.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=StateDictOptions(flatten_optimizer_state_dict=True))
         else:
-            for part in _model_parts(tr):
-                set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+            set_model_state_dict(model, sd["model"])
             self._load_zero_one(sd["optim"])
         for group, kept in zip(tr.optimizer.param_groups, flags):
             group.update(kept)
@@ -519,8 +533,7 @@ class Checkpointer:
             raise CheckpointError(f"train.init_from: {error}")
         sd = {"model": self._model_state()}
         dcp.load(sd, checkpoint_id=str(path))
-        for part in _model_parts(self.trainer):
-            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+        set_model_state_dict(_whole_model(self.trainer), sd["model"])
 
     def resume(self) -> int | None:
         """At the start of ``fit``: resume from the newest good checkpoint
