@@ -3,7 +3,7 @@
     # 1. quality and bytes: 4 workers x 1 rank vs DDP over 4 ranks, equal tokens, >= 3 seeds
     python benchmarks/lowcomm.py convergence --seeds 3 --steps 120
     # 2. wall-clock over throttled links: one namespace per worker (meshfold netlab, root)
-    python benchmarks/lowcomm.py netlab --rate-mbit 10 --steps 60
+    python benchmarks/lowcomm.py netlab --rate-mbit 10 --steps 60   # methods get 1.5x the steps
     # 3. plots (loss vs wall-clock, loss vs bytes) from the JSON the two write
     python benchmarks/lowcomm.py plot
 
@@ -135,10 +135,13 @@ def _toml(cfg: dict) -> str:
 
 
 def netlab(args) -> dict:
-    out = {"rate_mbit": args.rate_mbit, "steps": args.steps, "seed": args.seed, "model": MODEL, "runs": {}}
+    out = {"rate_mbit": args.rate_mbit, "steps": args.steps, "method_steps_factor": args.method_steps_factor,
+           "seed": args.seed, "model": MODEL, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
-            cfg = config(method, args.seed, args.steps, f"{tmp}/{method}")
+            # Methods may run longer than DDP (their own schedule) to reach DDP's final loss.
+            steps = args.steps if method == "ddp" else int(args.steps * args.method_steps_factor)
+            cfg = config(method, args.seed, steps, f"{tmp}/{method}")
             path = Path(tmp) / f"{method}.toml"
             path.write_text(_toml(cfg))
             t0 = time.perf_counter()
@@ -245,6 +248,7 @@ def main() -> None:
     n.add_argument("--steps", type=int, default=60)
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--methods", nargs="+", default=list(METHODS))
+    n.add_argument("--method-steps-factor", type=float, default=1.5)
     sub.add_parser("plot")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -300,6 +300,23 @@ def test_diloco_with_fsdp_inside_workers_matches_single_rank_workers(tmp_path):
     assert abs(fsdp[0]["total"]["outer"] - single[0]["total"]["outer"] / 2) / single[0]["total"]["outer"] < 0.05
 
 
+def test_diloco_with_tensor_parallel_inside_workers_matches_single_rank_workers(tmp_path):
+    """2 workers x (TP-2): the outer step exchanges each rank's TP slice with the same slice
+    of the other worker; the trajectory equals 2 workers x 1 rank (float64, 1e-9)."""
+    base = tiny_config(str(tmp_path / "a"), lowcomm=_lc("diloco"), train={"steps": 4})
+    single = run_on(2, _train_all_ranks, base)
+    tp_cfg = copy.deepcopy(base)
+    tp_cfg["parallel"] = {"dp_shard": 1, "tp": 2}
+    tp_cfg["train"]["run_dir"] = str(tmp_path / "b")
+    tp = run_on(4, _train_all_ranks, tp_cfg)
+    by_worker = {r["worker"]: r for r in single}
+    for r in tp:
+        ref = by_worker[r["worker"]]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=1e-11)
+        for n, v in ref["params"].items():
+            torch.testing.assert_close(r["params"][n], v, rtol=1e-9, atol=1e-11, msg=lambda m, n=n: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("method,extra", [
     ("diloco", {}),
     ("streaming", {"fragments": 2, "overlap_steps": 1}),
