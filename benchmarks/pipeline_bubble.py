@@ -2,8 +2,10 @@
 
 Runs every schedule on 4 real gloo processes (same model, data and micro-batch count),
 reads the per-step ``bubble_frac`` the executor measured (1 - busy / makespan per stage,
-from real timings) and prints it with the schedule's theoretical bubble and the step time
-relative to GPipe measured in the same run (the baseline).
+from real timings) and prints it next to the schedule's theoretical bubble, the bubble
+its order would have with the measured mean F/B/W durations and no contention or
+transfer time ("replay"), and the step time relative to GPipe measured in the same run
+(the baseline).
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--steps 8] [--microbatches 8]
 
@@ -40,9 +42,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args()
 
-    from meshfold.parallel.pipeline import theoretical_bubble
+    from meshfold.parallel.pipeline import TIMELINE_FILE, schedule_actions, simulate, theoretical_bubble
+    from meshfold.parallel.timeline import bubble_fractions
     from meshfold.testing import run_on
 
     rows = []
@@ -50,7 +55,8 @@ def main() -> int:
         for schedule, virtual in SCHEDULES:
             run_dir = Path(tmp) / schedule
             cfg = {
-                "model": {"dim": 128, "n_layers": 2 * args.pp * 2, "n_heads": 4, "vocab_size": 512, "seq_len": 64},
+                "model": {"dim": args.dim, "n_layers": 4 * args.pp, "n_heads": 4, "vocab_size": 512,
+                          "seq_len": args.seq},
                 "parallel": {"pp": args.pp, "dp_shard": 1, "pp_schedule": schedule, "pp_virtual_stages": virtual,
                              "pp_microbatches": args.microbatches},
                 "train": {"steps": args.steps, "global_batch": 2 * args.microbatches, "dtype": "float32",
@@ -60,17 +66,28 @@ def main() -> int:
             run_on(args.pp, train, cfg, timeout=600)
             records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][2:]  # warm-up
             stages = [statistics.median(r["bubble_frac_stages"][s] for r in records) for s in range(args.pp)]
+            # Replay the order with the measured mean action durations (no waiting for cores or wires).
+            steps = [json.loads(x) for x in (run_dir / TIMELINE_FILE).read_text().splitlines()][2:]
+            events = [e for rec in steps for e in rec["events"]]
+            cost = {k: statistics.mean([e["end"] - e["start"] for e in events if e["kind"] == k] or [0.0])
+                    for k in "FBW"}
+            orders = schedule_actions(schedule, args.pp, virtual, args.microbatches)
+            replay = bubble_fractions(simulate(schedule, orders, cost))
             rows.append((schedule, virtual, theoretical_bubble(schedule, args.pp, virtual, args.microbatches),
+                         sum(replay.values()) / len(replay),
                          statistics.median(r["bubble_frac"] for r in records), stages,
-                         statistics.median(r["step_time_s"] for r in records)))
-    base = rows[0][5]
-    print(f"pp {args.pp}, {args.microbatches} micro-batches, 16 blocks of dim 128, seq 64, float32; "
+                         statistics.median(r["step_time_s"] for r in records), cost))
+    base = rows[0][6]  # gpipe step time
+    print(f"pp {args.pp}, {args.microbatches} micro-batches of 2 sequences, {4 * args.pp} blocks of dim {args.dim}, "
+          f"seq {args.seq}, float32; "
           f"median over steps 3..{args.steps}")
-    print(f"{'schedule':<16}{'theory':>8}{'measured':>10}  {'per stage':<28}{'step s':>8}{'vs gpipe':>10}")
-    for schedule, virtual, theory, measured, stages, step in rows:
-        name = f"{schedule} (v={virtual})" if schedule == "interleaved" else schedule
+    print(f"{'schedule':<18}{'theory':>8}{'replay':>8}{'measured':>10}  {'measured per stage':<22}"
+          f"{'step s':>8}{'speed vs gpipe':>16}   mean F / B / W ms")
+    for schedule, virtual, theory, replay, measured, stages, step, cost in rows:
+        name = f"interleaved (v={virtual})" if schedule == "interleaved" else schedule
         per = " ".join(f"{b:.2f}" for b in stages)
-        print(f"{name:<16}{theory:>8.3f}{measured:>10.3f}  {per:<28}{step:>8.3f}{base / step:>9.2f}x")
+        print(f"{name:<18}{theory:>8.3f}{replay:>8.3f}{measured:>10.3f}  {per:<22}{step:>8.3f}{base / step:>15.2f}x   "
+              + " / ".join(f"{1e3 * cost[k]:.1f}" for k in "FBW"))
     return 0
 
 

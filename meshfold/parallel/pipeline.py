@@ -200,52 +200,52 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
     todo = {r: [Action("F", c, i) for i in range(m) for c in (0, 1)] + [Action("B", c, i) for i in range(m)
                                                                           for c in (0, 1)] for r in range(pp)}
     cost = {"F": 1.0, "B": 1.0, "W": 1.0}
+    blocked: set[int] = set()  # ranks waiting for an action nobody has scheduled yet
     while any(todo.values()) or any(pending_w):
-        # The rank that becomes free first decides next (ties: lowest rank).
-        progressed = False
-        for r in sorted(range(pp), key=lambda r: (free_at[r], r)):
-            now = free_at[r]
+        # Event order: the rank that is free earliest decides next (ties: lowest rank); all
+        # completions up to its clock are known, so its choice sees the true ready set.
+        waiting = [q for q in range(pp) if q not in blocked]
+        if not waiting:
+            raise RuntimeError("zbv scheduler made no progress")
+        r = min(waiting, key=lambda q: (free_at[q], q))
+        now = free_at[r]
 
-            def ready(a: Action, r=r, now=now) -> bool:
-                return all(done.get(d, float("inf")) <= now for d in _deps("zbv", pp, n_stages, a, r))
+        def ready(a: Action) -> bool:
+            return all(done.get(d, float("inf")) <= now for d in _deps("zbv", pp, n_stages, a, r))
 
-            bs = [a for a in todo[r] if a.kind == "B" and ready(a)]
-            fs = [a for a in todo[r] if a.kind == "F" and ready(a)]
-            pick = None
-            if bs:
-                pick = min(bs, key=lambda a: (a.mb, -stage_of("zbv", pp, r, a.chunk)))
-            elif fs:
-                # Deeper chunk first (it drains toward the loss); a new micro-batch enters
-                # chunk 0 only within the activation budget.
-                f = min(fs, key=lambda a: (-a.chunk, a.mb))
-                if f.chunk == 1 or inflight[r] < 2 * pp:
-                    pick = f
-            if pick is None and pending_w[r]:
-                pick = pending_w[r].pop(0)
-            if pick is None:
-                continue
-            if pick.kind != "W":
-                todo[r].remove(pick)
-            whole = pick.kind == "B" and stage_of("zbv", pp, r, pick.chunk) == 0
-            end = now + cost[pick.kind] * (2 if whole else 1)
-            done[(r, pick)] = end
-            free_at[r] = end
-            orders[r].append(pick)
-            if pick.kind == "F":
-                inflight[r] += 1
-            elif pick.kind == "B":
-                inflight[r] -= 1
-                if not whole:
-                    pending_w[r].append(Action("W", pick.chunk, pick.mb))
-            progressed = True
-            break
-        if not progressed:  # everyone waits: idle ranks jump to the next completion
-            now = min(free_at)
-            future = [t for t in list(done.values()) + free_at if t > now]
-            if not future:
-                raise RuntimeError("zbv scheduler made no progress")
-            for r in range(pp):
-                free_at[r] = max(free_at[r], min(future))
+        bs = [a for a in todo[r] if a.kind == "B" and ready(a)]
+        fs = [a for a in todo[r] if a.kind == "F" and ready(a)]
+        pick = None
+        if bs:
+            pick = min(bs, key=lambda a: (a.mb, -stage_of("zbv", pp, r, a.chunk)))
+        elif fs:
+            # Deeper chunk first (it drains toward the loss); a new micro-batch enters
+            # chunk 0 only within the activation budget.
+            f = min(fs, key=lambda a: (-a.chunk, a.mb))
+            if f.chunk == 1 or inflight[r] < 2 * pp:
+                pick = f
+        if pick is None and pending_w[r]:
+            pick = pending_w[r].pop(0)
+        if pick is None:  # idle until the next completion, or until another rank schedules one
+            later = [t for t in done.values() if t > now]
+            if later:
+                free_at[r] = min(later)
+            else:
+                blocked.add(r)
+            continue
+        blocked.clear()
+        if pick.kind != "W":
+            todo[r].remove(pick)
+        whole = pick.kind == "B" and stage_of("zbv", pp, r, pick.chunk) == 0
+        end = now + cost[pick.kind] * (2 if whole else 1)
+        done[(r, pick)] = free_at[r] = end
+        orders[r].append(pick)
+        if pick.kind == "F":
+            inflight[r] += 1
+        elif pick.kind == "B":
+            inflight[r] -= 1
+            if not whole:
+                pending_w[r].append(Action("W", pick.chunk, pick.mb))
     return orders
 
 
