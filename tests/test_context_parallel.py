@@ -115,6 +115,15 @@ def test_uneven_sequence_and_heads_are_config_errors():
     assert "cp" in msg and "\n" not in msg
     msg = check({}, {"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 3, "dp_shard": 1}, 4)
     assert "parallel.cp_ulysses" in msg
+    # The sharding itself refuses uneven lengths too (e.g. an evaluation batch of another length).
+    from meshfold.parallel.context import token_indices
+
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        token_indices(20, 4, 0, ulysses=1, balance=True)
+    # Hybrid 2 x 2, 24 tokens: 4 chunks of 6; ring member 0 holds chunks 0 and 3, member 1
+    # chunks 1 and 2; each member's two Ulysses ranks split its share.
+    got = [token_indices(24, 4, r, ulysses=2, balance=True).tolist() for r in range(4)]
+    assert got == [list(range(0, 6)), list(range(18, 24)), list(range(6, 12)), list(range(12, 18))]
     # Ulysses with 2 kv heads over 4 ranks is fine (kv heads repeated), as is hybrid auto.
     validate(from_dict(tiny_config("/tmp/unused", parallel={"cp": 4, "cp_mode": "ulysses", "dp_shard": 1})), 4)
 
