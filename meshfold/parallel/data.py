@@ -74,7 +74,6 @@ def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward
     """Record FSDP2's collectives in the ledger: an all-gather when a sharded module runs
     forward, another for its backward if it was resharded (ZeRO-3, non-root), and a
     reduce-scatter (plus the HSDP all-reduce) of its gradients in backward."""
-    n_shard, n_rep = dims.size("dp_shard_cp"), dims.size("dp_replicate")
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     owned: dict[nn.Module, int] = {}
     for m in fsdp_modules:
@@ -84,8 +83,10 @@ def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward
     for m in fsdp_modules:
         shard_bytes = owned[m]
         regather = reshard_after_forward and m is not root
+        # A module sharded over its own group (experts over edp, parallel/expert.py) says so.
+        n_shard, n_rep = getattr(m, "fsdp_group_sizes", (dims.size("dp_shard_cp"), dims.size("dp_replicate")))
 
-        def forward_hook(_mod, _args, shard_bytes=shard_bytes, regather=regather):
+        def forward_hook(_mod, _args, shard_bytes=shard_bytes, regather=regather, n_shard=n_shard, n_rep=n_rep):
             if not torch.is_grad_enabled():
                 ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
                 return

@@ -146,4 +146,5 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         # Validation guarantees zero >= 2: experts get their own FSDP group over edp.
         moe.experts.grad_scale = 1.0 / ep_mesh.size()
         fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3)
+        moe.experts.fsdp_group_sizes = (edp_mesh.size(), 1)  # for the ledger (parallel/data.py)
     return model
