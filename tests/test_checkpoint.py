@@ -68,7 +68,7 @@ def test_exact_resume_is_bitwise(reference, tmp_path, async_save):
 RESHARD_CHAIN = [  # (world, [parallel], stop step): every segment resumes the previous one's checkpoint
     (4, {"dp_shard": 4, "zero": 3}, 1),  # FSDP2 ZeRO-3
     (4, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}, 2),  # HSDP
-    (2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, 3),  # DDP, on 2 ranks
+    (2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, 3),  # DDP, on 2 ranks (asynchronous save)
     (4, {"tp": 2, "dp_shard": 2}, 4),  # Megatron TP on DTensors inside FSDP2
     (4, {"pp": 2, "dp_shard": 2}, STEPS),  # pipeline: each stage holds only its layers
 ]
@@ -81,7 +81,8 @@ def test_reshard_through_every_layout(reference, tmp_path):
     # layouts reduce in different orders): rtol 1e-9, atol 1e-11.
     losses, starts = [], []
     for world, parallel, stop in RESHARD_CHAIN:
-        got = run_on(world, segment, _cfg(tmp_path, parallel), stop, save=stop < STEPS)[0]
+        cfg = _cfg(tmp_path, parallel, async_checkpoint=world == 2)
+        got = run_on(world, segment, cfg, stop, save=stop < STEPS)[0]
         starts.append(got["start"])
         losses += got["losses"]
     assert starts == [0, 1, 2, 3, 4]

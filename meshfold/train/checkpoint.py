@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -52,6 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshfold.comm import ledger
 
 MANIFEST = "meshfold.json"
 FORMAT_VERSION = 1
@@ -82,6 +85,7 @@ def _broadcast(value: Any) -> Any:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
+    ledger().record("checkpoint", "broadcast", len(pickle.dumps(box[0])), dist.get_world_size())
     return box[0]
 
 
@@ -317,7 +321,15 @@ class Checkpointer:
         return sd
 
     def expected_shapes(self) -> dict[str, tuple]:
-        return {f"model.{k}": tuple(v.shape) for k, v in self._model_state().items() if torch.is_tensor(v)}
+        """Global shape of every model tensor, over all ranks (pipeline stages hold
+        different layers): what a checkpoint must contain to be loaded here."""
+        mine = {f"model.{k}": tuple(v.shape) for k, v in self._model_state().items() if torch.is_tensor(v)}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        ledger().record("checkpoint", "all_gather", sum(len(pickle.dumps(x)) for x in everyone), len(everyone))
+        return {k: v for shapes in everyone for k, v in shapes.items()}
 
     # ------------------------------------------------------------------ saving
 
@@ -423,8 +435,8 @@ class Checkpointer:
         """Rank 0 picks the newest checkpoint that validates (reporting every one it
         skips); every rank gets the same answer."""
         choice = None
+        shapes = self.expected_shapes()
         if self.rank == 0:
-            shapes = self.expected_shapes()
             for path in published(self.root):
                 try:
                     validate_checkpoint(path, shapes)
@@ -433,8 +445,6 @@ class Checkpointer:
                     continue
                 choice = str(path)
                 break
-        else:
-            self.expected_shapes()  # same collectives as rank 0, if any
         choice = _broadcast(choice)
         return Path(choice) if choice else None
 
@@ -521,7 +531,7 @@ class Checkpointer:
 
     def load_model_only(self, path: Path) -> None:
         """``train.init_from``: parameters only (e.g. a converted Hugging Face model)."""
-        shapes = self.expected_shapes() if self.rank == 0 else None
+        shapes = self.expected_shapes()
         error = None
         if self.rank == 0:
             try:
