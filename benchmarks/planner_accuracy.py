@@ -36,7 +36,7 @@ LAYOUTS = {
         {"parallel.dp_shard": 4, "parallel.zero": 2, "train.micro_batch": 2},
         {"parallel.dp_shard": 4, "parallel.zero": 3},
         {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3},
-        {"parallel.dp_shard": 4, "parallel.zero": 0, "parallel.dp_replicate": 1, "train.recompute": "full"},
+        {"parallel.dp_replicate": 4, "parallel.dp_shard": 1, "parallel.zero": 0, "train.recompute": "full"},
         {"parallel.tp": 2, "parallel.dp_shard": 2, "parallel.zero": 2},
         {"parallel.tp": 4, "parallel.dp_shard": 1},
         {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1},

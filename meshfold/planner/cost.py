@@ -293,8 +293,17 @@ class CostModel:
                 rec = 0.0
             bwd = (2 * fwd_c + 2 * elementwise_fwd + (2 + (1.0 if sp else 0.0)) * tp_ar + 2 * cp_fwd + rec
                    + 2 * overhead / 3)
+            ep_sent = 0.0
+            if moe and ep > 1:
+                # expert parallel: dispatch and combine all-to-alls of the routed tokens
+                # (top-k copies of each) forward, and their transposes backward, over the
+                # ep ranks (innermost of dp x cp: stride tp)
+                routed = act * tokens * m.moe_topk * h
+                a2a = collective_time(c, "all_to_all", routed, ep, tp)
+                fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
+                ep_sent = 4 * RING["all_to_all"](ep) * routed
             params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
-            out[moe] = (fwd, bwd, params, fwd_c)
+            out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
         # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
@@ -421,6 +430,9 @@ class CostModel:
             comm["tp"] = (ops * RING["all_reduce"](tp) * T["tp_bytes"] + edge) * n_micro
         if pp > 1:
             comm["pp"] = v * T["p2p_bytes"] * n_micro  # stage 0 sends activations forward
+        ep_bytes = sum(kinds[k][4] * n for k, n in stages[0].items())
+        if ep_bytes:
+            comm["ep"] = ep_bytes * n_micro
         if cp > 1:
             comm["cp"] = T["cp_sent"] * stage_layers[0] * n_micro  # per layer, forward + backward
 

@@ -68,10 +68,11 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 sps = [False] + ([True] if tp > 1 and s % tp == 0 else [])
                 for dpr in _divisors(dp):
                     dps = dp // dpr
+                    eps_here = [e for e in eps if (dps * cp) % e == 0]
                     for b in _divisors(local):
                         for sp in sps:
                             for mode in modes:
-                                for ep in eps:
+                                for ep in eps_here:
                                     yield (pp, dpr, dps, cp, tp, sp, mode, ep, b)
 
 
@@ -96,6 +97,8 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
+    if ep > 1:  # experts are FSDP-sharded over the data-parallel ranks left after ep
+        zeros = [z for z in zeros if z >= 2]
     scheds = schedules(w, pp, n_micro, gpipe)
     for zero in zeros:
         for sched, v in scheds:
@@ -185,4 +188,6 @@ def explain(winner: Estimate, runner: Estimate | None) -> list[str]:
         if abs(d) > 1e-9 * max(1.0, winner.step_time_s):
             lines.append(f"  {k:18s} winner {winner.time.get(k, 0):.4g}s  runner-up {runner.time[k]:.4g}s  "
                          f"({'+' if d > 0 else ''}{d:.3g}s)")
+    lines.append(f"  {'peak memory':18s} winner {winner.peak_mem_bytes / 2**30:.2f} GiB  runner-up "
+                 f"{runner.peak_mem_bytes / 2**30:.2f} GiB")
     return lines
