@@ -526,9 +526,11 @@ class Pipeline:
 
     def _log_events(self) -> None:
         """Append this step's events of all stages to RUN_DIR/pipeline_timeline.jsonl
-        (global rank 0); ``meshfold timeline RUN_DIR`` draws them."""
-        events = self.gather_events()
+        (global rank 0) on the steps metrics are logged; ``meshfold timeline RUN_DIR`` draws them."""
         tr = self.trainer
+        if (tr.step + 1) % max(1, tr.cfg.train.log_every) and tr.step + 1 != tr.cfg.train.steps:
+            return
+        events = self.gather_events()
         if tr.rank != 0 or events is None:
             return
         tr.run_dir.mkdir(parents=True, exist_ok=True)
