@@ -229,3 +229,13 @@ def test_global_batch_balance_loss_across_ranks(world, cfg_kw):
         torch.testing.assert_close(grad, moe.router.weight.grad, rtol=1e-10, atol=1e-14)
         assert torch.equal(load, ref_load)
     assert math.isfinite(float(ref.detach()))
+
+
+def test_bf16_autocast_combines_in_fp32():
+    cfg = tiny(moe_shared_experts=1)
+    moe = build_moe(cfg).float()
+    x = torch.randn(2, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), moe(x), rtol=0.05, atol=0.02)

@@ -91,6 +91,14 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum over t's assignments of gate * expert output; summed in >= fp32 (expert
+    outputs are bf16 under autocast), returned in the experts' dtype like a dense MLP's."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    return out.index_add(0, token, y.to(acc) * weight[:, None].to(acc)).to(y.dtype)
+
+
 class LocalDispatcher(nn.Module):
     """All experts on this rank: sort assignments by expert, run the groups, weight and add."""
 
@@ -99,7 +107,7 @@ class LocalDispatcher(nn.Module):
         order = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=n_experts).tolist()
         y = experts(x[token[order]], counts)
-        return torch.zeros_like(x).index_add(0, token[order], y * weight[order, None].to(y.dtype))
+        return combine(x, token[order], y, weight[order])
 
 
 class MoE(nn.Module):

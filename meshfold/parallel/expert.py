@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshfold.comm import ledger
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
-from meshfold.models.moe import MoE, moe_layers
+from meshfold.models.moe import MoE, combine, moe_layers
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, rank: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ class AllToAllDispatcher(nn.Module):
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
         y = AllToAll.apply(y[back], send_splits, recv_splits, self.group, self.ep_rank)
-        return torch.zeros_like(x).index_add(0, token[order], y * weight[order, None].to(y.dtype))
+        return combine(x, token[order], y, weight[order])
 
 
 def _stats_reducer(group: dist.ProcessGroup, n: int):
