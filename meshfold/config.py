@@ -384,6 +384,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             )
         if m.moe_every < 1:
             raise ConfigError(f"model.moe_every must be >= 1, got {m.moe_every}")
+        if m.moe_first_dense < 0 or m.moe_first_dense >= m.n_layers:
+            raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} must be between 0 and "
+                              f"model.n_layers - 1 = {m.n_layers - 1}")
         if m.moe_capacity_factor < 0:
             raise ConfigError(f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")
         if m.moe_capacity_factor > 0 and p.cp > 1:

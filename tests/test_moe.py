@@ -239,3 +239,18 @@ def test_bf16_autocast_combines_in_fp32():
         out = moe(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), moe(x), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("model,key", [
+    ({"moe_first_dense": 2}, "model.moe_first_dense"),
+    ({"moe_capacity_factor": -1.0}, "model.moe_capacity_factor"),
+    ({"moe_topk": 5}, "model.moe_topk"),
+    ({"moe_router": "relu"}, "model.moe_router"),
+])
+def test_bad_moe_keys_name_the_key(model, key, tmp_path):
+    from meshfold.config import ConfigError, from_dict, validate
+    from meshfold.testing import tiny_config
+
+    cfg = from_dict(tiny_config(str(tmp_path), model={"moe_experts": 4, **model}))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, 1)
