@@ -129,9 +129,16 @@ def test_context_parallel_plan_spreads_only_what_must_be_spread():
     np.testing.assert_allclose(loads, plan.loads)
     # Memory alone: a 20000-token document with a 12288-token limit needs two ranks even
     # when its cost would be acceptable (share = 100).
-    mem = plan_context_parallel([20000, 100, 100, 100], COST, 4, rank_cap=cap, share=100.0)
+    mem = plan_context_parallel([20000, 100, 100, 100], COST, 4, rank_cap=cap, share=100.0, tolerance=None)
     assert mem.degree.tolist() == [2, 1, 1, 1]
     assert mem.tokens.max() <= cap
+    # Granularity: five equal documents on four ranks. None is above a fair share, so the
+    # first rule spreads nothing and LPT leaves lambda = 2 / 1.25; the refinement spreads
+    # one of them over the four ranks, which balances exactly.
+    coarse = plan_context_parallel([1000] * 5, COST, 4, rank_cap=cap, tolerance=None)
+    assert coarse.degree.tolist() == [1] * 5 and coarse.imbalance == pytest.approx(1.6)
+    refined = plan_context_parallel([1000] * 5, COST, 4, rank_cap=cap)
+    assert refined.degree.tolist() == [4, 1, 1, 1, 1] and refined.imbalance == pytest.approx(1.0)
     with pytest.raises(BalanceError, match="power-of-two"):
         plan_context_parallel(lengths, COST, 6, rank_cap=cap)
     with pytest.raises(BalanceError, match="data.max_tokens"):

@@ -252,14 +252,17 @@ class CPPlan:
 
 
 def plan_context_parallel(lengths, cost: CostModel, n_ranks: int, rank_cap: int, max_degree: int = 0,
-                          share: float = 1.0) -> CPPlan:
+                          share: float = 1.0, tolerance: float | None = 1.02) -> CPPlan:
     """Per-sequence context-parallel degree, then balance.
 
     An item gets degree k = the smallest power of two (<= ``max_degree``, default
     ``n_ranks``) with ``l/k <= rank_cap`` (memory) and ``W/k <= share * mean load``
     (it would otherwise dominate the step). Spread items go first, longest first, each to
     the aligned group of k ranks whose most loaded member is least loaded (the ring
-    splits W evenly over its members); the rest are placed by LPT under the token caps."""
+    splits W evenly over its members); the rest are placed by LPT under the token caps.
+    Then, while the imbalance is above ``tolerance`` (None: skip), the heaviest item whose
+    degree can still double is tried at twice the degree, kept only if lambda drops
+    (few large documents per step leave LPT too coarse a granularity)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     w = cost(lengths)
     n = len(lengths)
@@ -277,6 +280,28 @@ def plan_context_parallel(lengths, cost: CostModel, n_ranks: int, rank_cap: int,
             raise BalanceError(f"a document of {int(lengths[i])} tokens exceeds {rank_cap} tokens per rank even "
                                f"spread over {k} ranks; raise data.max_tokens or the context-parallel degree")
         degree[i] = k
+    plan = _place_with_degrees(lengths, w, degree, n_ranks, rank_cap)
+    if tolerance is None:
+        return plan
+    for i in sorted(range(n), key=lambda i: (-w[i], i)):
+        if plan.imbalance <= tolerance:
+            break
+        while plan.degree[i] < max_degree:
+            trial = plan.degree.copy()
+            trial[i] *= 2
+            try:
+                better = _place_with_degrees(lengths, w, trial, n_ranks, rank_cap)
+            except BalanceError:
+                break
+            if better.imbalance >= plan.imbalance * (1 - 1e-9):
+                break
+            plan = better
+    return plan
+
+
+def _place_with_degrees(lengths, w, degree, n_ranks: int, rank_cap: int) -> CPPlan:
+    """Place items of given degrees: spread ones on aligned groups, then LPT for the rest."""
+    n = len(lengths)
     loads = np.zeros(n_ranks)
     used = np.zeros(n_ranks)
     start = np.zeros(n, dtype=np.int64)
