@@ -49,11 +49,11 @@ LAYOUTS = {
         {"parallel.dp_shard": 8, "parallel.zero": 3},
         {"parallel.dp_replicate": 2, "parallel.dp_shard": 4, "parallel.zero": 2, "train.micro_batch": 1},
         {"parallel.tp": 2, "parallel.dp_shard": 4, "parallel.zero": 2},
-        {"parallel.tp": 4, "parallel.dp_shard": 2, "parallel.zero": 1},
+        {"parallel.tp": 4, "parallel.dp_shard": 2, "parallel.zero": 2},
         {"parallel.pp": 2, "parallel.dp_shard": 4, "parallel.zero": 1},
         {"parallel.pp": 4, "parallel.dp_shard": 2, "parallel.zero": 1},
         {"parallel.cp": 2, "parallel.dp_shard": 4, "parallel.zero": 2},
-        {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 1},
+        {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.zero": 3},
         {"parallel.cp": 4, "parallel.dp_shard": 2, "parallel.zero": 2, "parallel.cp_mode": "ulysses"},
     ],
 }
@@ -133,10 +133,11 @@ def main() -> int:
             est, meas, layout = predict_run(run_dir, str(cluster_file), stat="min")
             row = {"nproc": nproc, "tag": str(tag), "layout": layout.short(), "predicted_s": est.step_time_s,
                    "measured_s": meas["step_time_s"], "comm_pred": est.comm_bytes, "comm_meas": meas["comm_bytes"],
-                   "wall_s": time.time() - t0}
+                   "wall_s": time.time() - t0, "load_avg_1m": os.getloadavg()[0]}
             measured_here.append(row)
             print(f"n={nproc} {str(tag):>4} {layout.short():42s} predicted {est.step_time_s:8.4f} s  measured "
-                  f"{meas['step_time_s']:8.4f} s  ratio {est.step_time_s / meas['step_time_s']:.3f}", flush=True)
+                  f"{meas['step_time_s']:8.4f} s  ratio {est.step_time_s / meas['step_time_s']:.3f}  "
+                  f"(load {os.getloadavg()[0]:.0f})", flush=True)
         rows += [r for r in measured_here if r["tag"] != "pick"]
         fastest = min(r["measured_s"] for r in measured_here)
         chosen = [r for r in measured_here if r["tag"] == "pick"]

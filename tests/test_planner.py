@@ -141,7 +141,7 @@ def _collapsed(estimates):
     return sorted(e.step_time_s for e in best.values())
 
 
-@pytest.mark.parametrize("case", ["dense-a100-16", "tight-memory", "moe-8", "hetero"])
+@pytest.mark.parametrize("case", ["dense-a100-16", "tight-memory", "moe-8", "hetero", "cpu-shared"])
 def test_search_is_exact_against_brute_force(case):
     if case == "dense-a100-16":
         m = ModelConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=32000, seq_len=2048)
@@ -154,6 +154,10 @@ def test_search_is_exact_against_brute_force(case):
     elif case == "moe-8":
         m = ModelConfig(dim=512, n_layers=4, n_heads=8, vocab_size=8192, seq_len=1024, moe_experts=8, moe_topk=2)
         c, w = load_cluster("h100", devices=8), Workload(m, 16)
+    elif case == "cpu-shared":  # 8 gloo processes on 2 cores: bubbles can be free
+        m = ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=64)
+        c = cluster_from_dict({"preset": "cpu-gloo", "host_cores": 2})
+        w = Workload(m, 16, dtype="float32", flash=False)
     else:
         m = ModelConfig(dim=1024, n_layers=8, n_heads=16, vocab_size=32000, seq_len=2048)
         c = cluster_from_dict({"devices_per_node": 4, "device": "h100-sxm", "intra_node_GBps": 300,
@@ -328,3 +332,24 @@ def test_cost_model_cached_equals_fresh():
     cm.estimate(Layout(dp_shard=32, zero=1, tp=8, micro_batch=1))
     again = cm.estimate(lay)
     assert first.step_time_s == again.step_time_s == estimate(w, c, lay).step_time_s
+
+
+@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_every_searched_layout_is_runnable(case):
+    """The search space is inside what ``meshfold train`` accepts: every layout passes
+    ``config.validate`` for its device count."""
+    from meshfold.config import validate
+    from meshfold.planner.search import runtime_config, structures, variants
+
+    if case == "dense":
+        m = ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=1024, seq_len=256)
+    else:
+        m = ModelConfig(dim=256, n_layers=4, n_heads=8, vocab_size=1024, seq_len=256, moe_experts=8)
+    w = Workload(m, 16)
+    n = 0
+    for st in structures(w, 8):
+        for lay in variants(w, st):
+            for r in RECOMPUTE:
+                validate(runtime_config(w, Layout(**{**lay.__dict__, "recompute": r})), 8)
+                n += 1
+    assert n > 100

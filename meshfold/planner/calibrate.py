@@ -13,7 +13,9 @@ the cores, so every number is measured with all N busy):
 - links: all-reduce time at 8 bytes and at 4 MiB over all N ranks, solved for the
   alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_alpha_us``,
   ``intra_node_GBps``);
-- overlap = 0: gloo's progress threads compete with compute for the same cores.
+- overlap = 0: gloo's progress threads compete with compute for the same cores;
+- host_cores = this machine's core count: the processes share them (cost.py uses it for
+  pipeline bubbles, which free cores for the busy stages).
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
     # elementwise work is inside the measured block times already: no separate term
     return Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
                    inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
-                   overlap=0.0, elementwise_traffic=0.0)
+                   overlap=0.0, elementwise_traffic=0.0, host_cores=os.cpu_count() or 1)
 
 
 def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = None) -> tuple[Cluster, dict]:

@@ -13,6 +13,7 @@ Bad files or fields raise ``ConfigError`` with one line naming the field.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -89,6 +90,10 @@ class Cluster:
     elementwise_traffic: float = 6.0
     # Fixed per-step overhead (optimizer launch, data loading, logging), seconds.
     step_overhead_s: float = 0.0
+    # > 0: all devices are processes sharing this many CPU cores (this machine). A
+    # waiting process frees its core for the others, so the step is bounded by the total
+    # work over the cores as well as by the critical path (see cost.py).
+    host_cores: int = 0
 
     @property
     def world_size(self) -> int:
@@ -165,7 +170,7 @@ PRESETS: dict[str, dict] = {
     # This machine: N gloo processes on loopback. Numbers are placeholders until
     # `meshfold calibrate` writes measured ones.
     "cpu-gloo": dict(nodes=1, devices_per_node=8, device="cpu", intra_node_GBps=0.5, inter_node_GBps=0.5,
-                     intra_node_alpha_us=100.0, overlap=0.0),
+                     intra_node_alpha_us=100.0, overlap=0.0, host_cores=os.cpu_count() or 1),
 }
 PRESET_ALIASES = {"a100": "a100-dgx", "h100": "h100-dgx", "h200": "h200-dgx", "mi250x": "frontier", "cpu": "cpu-gloo"}
 
@@ -175,6 +180,7 @@ _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": 
            "intra_node_GBps": float, "inter_node_GBps": float, "intra_node_alpha_us": float,
            "inter_node_alpha_us": float, "inter_group_GBps": float, "inter_group_alpha_us": float,
            "overlap": float, "elementwise_traffic": float, "step_overhead_s": float, "preset": str,
+           "host_cores": int,
            "name": str, "node_groups": list}
 _DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
                 "layer_overhead_us")
@@ -318,5 +324,5 @@ def cluster_to_toml(c: Cluster) -> str:
              f"intra_node_GBps = {c.intra_node_GBps!r}", f"inter_node_GBps = {c.inter_node_GBps!r}",
              f"intra_node_alpha_us = {c.intra_node_alpha_us!r}", f"inter_node_alpha_us = {c.inter_node_alpha_us!r}",
              f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",
-             f"step_overhead_s = {c.step_overhead_s!r}"]
+             f"step_overhead_s = {c.step_overhead_s!r}", f"host_cores = {c.host_cores!r}"]
     return "\n".join(lines) + "\n"

@@ -365,7 +365,7 @@ class CostModel:
         else:
             p2p = 0.0
         stages = self.stage_kinds(pp, v)
-        t_f = t_b = 0.0
+        t_f = t_b = busy_sum = 0.0
         stage_params, stage_layers = [], []
         for st, counts in enumerate(stages):
             f = sum(kinds[k][0] * n for k, n in counts.items())
@@ -382,9 +382,20 @@ class CostModel:
             if pp > 1:
                 f, bw = f + v * p2p, bw + v * p2p
             t_f, t_b = max(t_f, f), max(t_b, bw)
+            busy_sum += f + bw
             stage_params.append(params)
             stage_layers.append(sum(counts.values()))
         makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
+        if c.host_cores and L.world > c.host_cores and pp > 1:
+            # Processes sharing host_cores cores: the calibrated rate is with every process
+            # busy; a stage waiting in the bubble frees its core, so the step is the larger
+            # of the total work over the cores (the average stage, no bubble) and the
+            # critical path run at the faster rate of a less crowded host.
+            host_bound = n_micro * busy_sum / pp
+            critical = makespan * c.host_cores / L.world
+            shared = max(host_bound, critical)
+            bubble = max(0.0, shared - n_micro * (t_f + t_b))
+            makespan = shared
 
         # ---- data parallel: gradient reduction (and ZeRO gathers) over dp x cp ranks
         P0, Pmax = stage_params[0], max(stage_params)
@@ -497,7 +508,8 @@ class CostModel:
         t_f = (sum(kinds[k][0] for k in self.kinds) + T["out_fwd"]) / L.pp
         t_b = (sum(kinds[k][1] for k in self.kinds) + T["out_bwd"]) / L.pp
         bubble = 0.0
-        if L.pp > 1:
+        shared_host = c.host_cores and L.world > c.host_cores
+        if L.pp > 1 and not shared_host:  # (on a shared host a bubble can cost nothing)
             bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
         P = (sum(kinds[k][2] for k in self.kinds) + T["emb"]) / L.pp  # average stage's parameters
         n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp

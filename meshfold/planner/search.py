@@ -52,6 +52,8 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                     modes.append("ring")
                 if s % cp == 0 and m.n_heads % (cp * tp) == 0:
                     modes.append("ulysses")
+            if cp > 1 and m.moe_capacity_factor > 0:  # capacity is per whole sequence
+                modes = []
             if not modes:
                 continue
             rest_cp = rest_tp // cp
@@ -65,7 +67,7 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 eps = [1]
                 if m.moe_experts:
                     eps = [e for e in _divisors(m.moe_experts) if (dp * cp) % e == 0]
-                sps = [False] + ([True] if tp > 1 and s % tp == 0 else [])
+                sps = [False] + ([True] if tp > 1 and s % tp == 0 and not m.moe_experts else [])
                 for dpr in _divisors(dp):
                     dps = dp // dpr
                     eps_here = [e for e in eps if (dps * cp) % e == 0]
@@ -99,11 +101,22 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
     if ep > 1:  # experts are FSDP-sharded over the data-parallel ranks left after ep
         zeros = [z for z in zeros if z >= 2]
+    if tp > 1 and dpr * dps * cp > 1:  # tp's DTensor parameters compose with FSDP2 only
+        zeros = [z for z in zeros if z >= 2] if dps * cp > 1 else []
     scheds = schedules(w, pp, n_micro, gpipe)
     for zero in zeros:
         for sched, v in scheds:
             yield Layout(dp_replicate=dpr, dp_shard=dps, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
                          pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
+
+
+def runtime_config(w: Workload, L: Layout):
+    """The ``Config`` that runs layout ``L`` (what ``plan --out`` writes)."""
+    from meshfold.config import Config, TrainConfig
+
+    t = TrainConfig(global_batch=w.global_batch, micro_batch=L.micro_batch if L.pp == 1 else 0,
+                    recompute=L.recompute)
+    return Config(model=w.model, parallel=L.parallel_config(w.global_batch), train=t)
 
 
 def _with_recompute(L: Layout, r: str) -> Layout:
