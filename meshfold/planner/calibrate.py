@@ -10,6 +10,8 @@ the cores, so every number is measured with all N busy):
   ``matmul_eff`` = 1) and H (-> ``matmul_half_width``); elementwise work is inside these
   times, so ``elementwise_traffic`` = 0;
 - memory bandwidth: an elementwise add over large tensors (-> ``hbm_GBps``, optimizer);
+- fixed cost per step: a real ``Trainer.train_step`` of a one-layer model on all N ranks,
+  minus what the model predicts for it (-> ``step_overhead_s``);
 - links: all-reduce time at 8 bytes and at 4 MiB over all N ranks, solved for the
   alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_alpha_us``,
   ``intra_node_GBps``);
@@ -35,8 +37,9 @@ BLOCK_SEQ, BLOCK_BATCH = 64, 4
 
 
 def _timeit(fn, min_time: float = 1.0, reps_min: int = 5) -> float:
-    """Fastest call over repeated calls: on a shared host the least-disturbed sample is
-    the one that measures this machine rather than its other tenants."""
+    """Median seconds per call while every rank runs the same loop: the processes share
+    the cores the way training steps do (a minimum would catch moments when a process
+    briefly had a core to itself and overstate the rate)."""
     fn()
     samples = []
     start = time.perf_counter()
@@ -44,7 +47,7 @@ def _timeit(fn, min_time: float = 1.0, reps_min: int = 5) -> float:
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return min(samples)
+    return statistics.median(samples)
 
 
 def _measure(rank: int, world: int, port: int, out) -> None:
@@ -81,6 +84,16 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     # elementwise bandwidth: read two, write one (optimizer and norms are memory-bound)
     x, y = torch.randn(4_000_000), torch.randn(4_000_000)
     res["bandwidth"] = 3 * 4 * x.numel() / barrier_time(lambda: x.add_(y))
+    # the framework's fixed cost per optimizer step (data, clipping, optimizer, loss
+    # reductions): a real Trainer step of a one-layer model, all ranks data-parallel
+    import tempfile
+
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(from_dict(tiny_step_config(world, tmp)))
+        res["tiny_step"] = barrier_time(trainer.train_step)
     # all-reduce over everyone: latency and bandwidth
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
         t = torch.zeros(size)
@@ -128,6 +141,15 @@ def measure(nproc: int) -> dict:
     return {k: statistics.median(r[k] for r in gathered) for k in gathered[0]}
 
 
+def tiny_step_config(world: int, run_dir: str) -> dict:
+    """A one-layer model whose training step is mostly the framework's fixed cost."""
+    from meshfold.testing import tiny_config
+
+    return tiny_config(run_dir, model={"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "seq_len": 16},
+                       parallel={"dp_replicate": world, "dp_shard": 1, "zero": 0},
+                       train={"global_batch": world, "dtype": "float32", "steps": 1000})
+
+
 def block_flops(dim: int) -> float:
     """Forward+backward FLOPs of one calibration block, counted as the cost model does
     (3x forward; no fused attention on CPU, so the whole score matrix)."""
@@ -148,10 +170,10 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
     t1 = max(1e-9, r[f"block_{w1}"] - overhead)
     t2 = max(1e-9, r[f"block_{w2}"] - overhead)
     f1, f2 = block_flops(w1), block_flops(w2)
-    # t_i = F_i (w_i + H) / (P w_i)  =>  t1 P w1 / F1 - w1 = t2 P w2 / F2 - w2 = H
+    # t_i = F_i (w_i + H) / (P w_i)  =>  a_i = t_i w_i / F_i = (w_i + H) / P
     a1, a2 = t1 * w1 / f1, t2 * w2 / f2
-    if a1 > a2:
-        peak = (w1 - w2) / (a1 - a2)
+    if a2 > a1:
+        peak = (w2 - w1) / (a2 - a1)
         half = max(0.0, a1 * peak - w1)
     else:  # no fall-off measured: a flat rate
         peak, half = f2 / t2, 0.0
@@ -163,9 +185,17 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
                     hbm_GBps=r["bandwidth"] / 1e9, matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3,
                     layer_overhead_us=overhead * 1e6)
     # elementwise work is inside the measured block times already: no separate term
-    return Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
+    cluster = Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
                    inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
                    overlap=0.0, elementwise_traffic=0.0, host_cores=os.cpu_count() or 1)
+    # what the model does not explain of a real one-layer training step is fixed per step
+    from meshfold.config import from_dict
+    from meshfold.planner.cli import layout_from_config, workload_from_config
+    from meshfold.planner.cost import CostModel
+
+    cfg = from_dict(tiny_step_config(n, "unused"))
+    predicted = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, n))
+    return replace(cluster, step_overhead_s=max(0.0, r["tiny_step"] - predicted.step_time_s))
 
 
 def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = None) -> tuple[Cluster, dict]:

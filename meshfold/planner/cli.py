@@ -60,7 +60,7 @@ def _entry(e: Estimate, global_batch: int) -> dict:
 
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="search parallel layouts for a model and batch on a cluster")
-    p.add_argument("config", help="TOML config ([model], [train].global_batch)")
+    p.add_argument("config", help="TOML config ([model], [train].global_batch); ignored with --check")
     p.add_argument("--cluster", required=True, help="preset (a100, h100, h200, frontier, cpu; NAME:DEVICES) or TOML")
     p.add_argument("--devices", type=int, default=None, help="use this many devices of the cluster")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -75,9 +75,9 @@ def add_plan_parser(sub) -> None:
 def run_plan(args) -> int:
     from meshfold.planner.search import explain, search
 
-    cfg = load_config(args.config, args.set)
-    if args.check:
+    if args.check:  # the run directory holds its own resolved config
         return check_run(args.check, args.cluster, args.json)
+    cfg = load_config(args.config, args.set)
     cluster = load_cluster(args.cluster, devices=args.devices)
     w = workload_from_config(cfg, cluster)
     validate(cfg)
