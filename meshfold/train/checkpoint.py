@@ -29,6 +29,7 @@ reported with what is wrong. All ranks then load the chosen step.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ import pickle
 import shutil
 import sys
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from meshfold.comm import ledger
 
@@ -206,6 +208,26 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def _stage(value: Any, buffers: dict, key: str = "") -> Any:
+    """A private CPU copy of a state dict for an asynchronous save: tensors copied to CPU
+    (DTensors keep their mesh and placements), everything else deep-copied. ``buffers``
+    keeps the CPU tensors between saves (fresh 100s of MB cost page faults every time);
+    the previous async save has finished before the next one stages, so reuse is safe."""
+    if isinstance(value, dict):
+        return {k: _stage(v, buffers, f"{key}.{k}") for k, v in value.items()}
+    if not torch.is_tensor(value):
+        return copy.deepcopy(value)
+    local = value.to_local() if isinstance(value, DTensor) else value
+    buf = buffers.get(key)
+    if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+        buf = buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+    buf.copy_(local.detach())
+    if isinstance(value, DTensor):
+        return DTensor.from_local(buf, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return buf
+
+
 def _model_parts(trainer) -> list[torch.nn.Module]:
     """The model chunks this rank holds (pipeline stages may hold several)."""
     return list(getattr(trainer, "model_parts", None) or [trainer.model])
@@ -250,7 +272,11 @@ class Checkpointer:
         self.extras: dict[str, Any] = {}
         self.rank = _rank()
         self.last_saved_step: int | None = None
-        self._pending: tuple[Future, Path, int] | None = None
+        # Async: the upload and rank 0's publishing (hashing, manifest, rename, pruning)
+        # run on this one background thread; ``_pending`` is its future.
+        self._pending: Future | None = None
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="meshfold-ckpt") if self.use_async else None
+        self._staging: dict[str, torch.Tensor] = {}  # CPU copies reused by every async save
         # Async saves talk over their own group so their collectives never interleave
         # with training collectives on the main group (gloo runs them in order).
         self._group = None
@@ -355,8 +381,9 @@ class Checkpointer:
         self.last_saved_step = step
         try:
             if self.use_async:
-                future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self._group)
-                self._pending = (future, tmp, step)
+                # Copy the state (the only part training waits for), then write it with a
+                # plain DCP save on the background thread, over the spare group.
+                self._pending = self._publisher.submit(self._save_async, _stage(sd, self._staging), tmp, step)
                 return True
             dcp.save(sd, checkpoint_id=str(tmp))
         except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - a failed save must not end training
@@ -371,9 +398,10 @@ class Checkpointer:
             _log(f"saving step {step} failed ({_root_cause(err)}); the previous checkpoints are kept: "
                  f"{', '.join(good) or 'none yet'}")
 
-    def _publish(self, tmp: Path, step: int) -> bool:
+    def _publish(self, tmp: Path, step: int, agree: bool = True) -> bool:
         """Rank 0: hash, write the manifest, rename into place, prune. All files are
-        written when this runs (DCP's save returns after every rank finished)."""
+        written when this runs (DCP's save returns after every rank finished). ``agree``:
+        tell every rank the outcome (not from the async thread: no collectives there)."""
         ok = True
         if self.rank == 0:
             try:
@@ -383,7 +411,7 @@ class Checkpointer:
             except OSError as err:
                 self._failed(tmp, step, err)
                 ok = False
-        return bool(_broadcast(ok)) if self._pending is None else ok
+        return bool(_broadcast(ok)) if agree else ok
 
     def _write_manifest(self, tmp: Path, step: int) -> None:
         cfg = self.trainer.cfg.to_dict()
@@ -402,29 +430,33 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def _poll(self) -> None:
-        if self._pending is not None and self._pending[0].done():
-            self._finish_pending()
+        if self._pending is not None and self._pending.done():
+            self.wait()
 
-    def _finish_pending(self) -> None:
-        future, tmp, step = self._pending
+    def _save_async(self, staged: dict, tmp: Path, step: int) -> bool:
+        """Background thread: write every rank's files, then publish (rank 0)."""
         try:
-            result = future.result()
-            if hasattr(result, "upload_completion"):  # AsyncSaveResponse (newer API)
-                result.upload_completion.result()
+            dcp.save(staged, checkpoint_id=str(tmp), process_group=self._group)
         except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001
-            self._pending = None
             self._failed(tmp, step, err)
-            return
-        self._publish(tmp, step)
-        self._pending = None
+            return False
+        return self._publish(tmp, step, agree=False)
 
     def wait(self) -> None:
         """Block until an async save in flight is written and published."""
         if self._pending is not None:
-            self._finish_pending()
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def close(self) -> None:
+        """Finish an async save in flight and release its thread and group (a save after
+        this is synchronous)."""
         self.wait()
+        self.use_async = False
+        self._staging = {}
+        if self._publisher is not None:
+            self._publisher.shutdown()
+            self._publisher = None
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
