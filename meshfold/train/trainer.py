@@ -269,7 +269,7 @@ class Trainer:
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
-        tokens_per_step = t.global_batch * self.cfg.model.seq_len
+        tokens_per_step = t.global_batch * self.cfg.model.seq_len * self.dims.size("worker")  # batch is per worker
         try:
             while self.step < t.steps:
                 start = time.perf_counter()
