@@ -331,6 +331,14 @@ def test_methods_train_and_sync(method, extra, tmp_path):
         assert r["total"]["outer"] > 0
     # Different data per worker: the first-step losses differ.
     assert res[0]["losses"][0] != res[1]["losses"][0]
+    # metrics.jsonl: bytes per step and cumulative, outer steps counted
+    import json
+
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    per_step = sum(r["comm_bytes"].get("outer", 0) for r in recs)
+    assert per_step > 0 and abs(recs[-1]["comm_bytes_total"]["outer"] - per_step) <= len(recs)
+    assert abs(recs[-1]["comm_bytes_total"]["outer"] - res[0]["total"]["outer"]) <= 1
+    assert any("outer_step" in r for r in recs)
     if method in ("diloco", "co2", "streaming"):  # the last step ends synchronised
         same = method != "streaming"  # streaming: only fragments due at the end are synced
         if same:
