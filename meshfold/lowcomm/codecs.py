@@ -365,6 +365,13 @@ class LGreCo(PowerSGD):
             self.choose_ranks(named)
         super().reduce(named)
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "ranks": dict(self.ranks)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self.ranks = dict(sd.get("ranks", {}))
+
     def choose_ranks(self, named) -> None:
         mats = [(name, g) for name, g in named if g.ndim >= 2]
         if not mats:
