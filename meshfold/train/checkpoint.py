@@ -33,7 +33,6 @@ import copy
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import sys
 import time
@@ -55,8 +54,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-
-from meshfold.comm import ledger
 
 MANIFEST = "meshfold.json"
 FORMAT_VERSION = 1
@@ -87,7 +84,6 @@ def _broadcast(value: Any) -> Any:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
-    ledger().record("checkpoint", "broadcast", len(pickle.dumps(box[0])), dist.get_world_size())
     return box[0]
 
 
@@ -354,7 +350,6 @@ class Checkpointer:
             return mine
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        ledger().record("checkpoint", "all_gather", sum(len(pickle.dumps(x)) for x in everyone), len(everyone))
         return {k: v for shapes in everyone for k, v in shapes.items()}
 
     # ------------------------------------------------------------------ saving
@@ -466,6 +461,8 @@ class Checkpointer:
     def find_latest(self) -> Path | None:
         """Rank 0 picks the newest checkpoint that validates (reporting every one it
         skips); every rank gets the same answer."""
+        if not published(self.root):  # the common fresh start: no collectives at all
+            return None  # (every rank sees the same run directory: a shared filesystem)
         choice = None
         shapes = self.expected_shapes()
         if self.rank == 0:
