@@ -2,7 +2,8 @@
 
 Forward + backward of the configured model (per-document attention, as the balanced
 loader runs it) on micro-batches of k documents of l tokens, for several l (k = 1, and k*l about
-twice the longest); the fastest of a few repeats per length is fitted by non-negative least squares
+twice the longest); the fastest of a few repeats per length (CPU seconds of the process on CPU, so waiting
+for a core on a shared machine does not count; synchronised wall time on GPUs) is fitted by non-negative least squares
 to  time = k (a l^2 + b l) + c.  The constant c is the per-micro-batch overhead, paid
 once per micro-batch whatever it holds, so it is not part of a document's W. The planner can call ``measure_cost`` for the same numbers.
 
@@ -76,6 +77,10 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
     points = sorted({(l, k) for l in lengths for k in (1, max(2, row_tokens // l))})
     lengths, counts = [l for l, _ in points], [k for _, k in points]
 
+    # On CPU, the process's CPU seconds: time spent waiting for a core on a shared machine
+    # is not the model's cost. On GPUs, synchronised wall time.
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+
     def once(l: int, k: int) -> float:
         """One micro-batch of k documents of l tokens each, forward + backward."""
         tokens = torch.randint(0, model_cfg.vocab_size, (1, k * l), generator=gen).to(device)
@@ -83,13 +88,13 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
         positions = torch.arange(l, device=device).repeat(k).unsqueeze(0)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         logits = model(tokens, positions=positions, doc_ids=doc_ids)
         logits.float().logsumexp(-1).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return clock() - start
 
     for l, k in zip(lengths, counts):  # warm-up: every shape once
         once(l, k)
