@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--nprocs", default="4,8")
     ap.add_argument("--quick", action="store_true", help="first 4 layouts per process count")
     ap.add_argument("--reuse-cluster", action="store_true", help="keep existing calibrated cluster files")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="no training: (re)calibrate and predict the runs already in --out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,10 @@ def main() -> int:
         for tag, lay in entries:
             run_dir = out / f"n{nproc}-{tag}"
             t0 = time.time()
-            if not train(nproc, lay, run_dir):
+            if args.predict_only:
+                if not (run_dir / "metrics.jsonl").exists():
+                    continue
+            elif not train(nproc, lay, run_dir):
                 continue
             est, meas, layout = predict_run(run_dir, str(cluster_file), stat="min")
             row = {"nproc": nproc, "tag": str(tag), "layout": layout.short(), "predicted_s": est.step_time_s,
@@ -141,6 +146,10 @@ def main() -> int:
         rows += [r for r in measured_here if r["tag"] != "pick"]
         fastest = min(r["measured_s"] for r in measured_here)
         chosen = [r for r in measured_here if r["tag"] == "pick"]
+        if args.predict_only:  # the pick of the current model, if one of the measured layouts
+            chosen = [r for r in measured_here if r["layout"] == win.short()]
+            if not chosen:
+                picks.append({"nproc": nproc, "pick": win.short(), "note": "not among the measured layouts"})
         if chosen:
             picks.append({"nproc": nproc, "pick": chosen[0]["layout"], "pick_measured_s": chosen[0]["measured_s"],
                           "fastest_measured_s": fastest, "gap": chosen[0]["measured_s"] / fastest - 1})

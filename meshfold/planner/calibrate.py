@@ -10,8 +10,10 @@ the cores, so every number is measured with all N busy):
   ``matmul_eff`` = 1) and H (-> ``matmul_half_width``); elementwise work is inside these
   times, so ``elementwise_traffic`` = 0;
 - memory bandwidth: an elementwise add over large tensors (-> ``hbm_GBps``, optimizer);
-- fixed cost per step: a real ``Trainer.train_step`` of a one-layer model on all N ranks,
-  minus what the model predicts for it (-> ``step_overhead_s``);
+- fixed cost per step: a real ``Trainer.train_step`` of a one-layer model on all N ranks
+  with DDP, minus what the model predicts for it (-> ``step_overhead_s``); the same step with
+  FSDP2 (ZeRO-3) prices issuing a collective: the measured FSDP - DDP difference beyond the
+  predicted one, over the difference in collective calls (-> ``collective_overhead_us``);
 - links: all-reduce time at 8 bytes and at 4 MiB over all N ranks, solved for the
   alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_alpha_us``,
   ``intra_node_GBps``);
@@ -91,9 +93,11 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(from_dict(tiny_step_config(world, tmp)))
-        res["tiny_step"] = barrier_time(trainer.train_step)
+    for zero in (0, 3):  # DDP, then FSDP2: the difference prices issuing collectives
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero)))
+            res[f"tiny_step_z{zero}"] = barrier_time(trainer.train_step)
+            del trainer
     # all-reduce over everyone: latency and bandwidth
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
         t = torch.zeros(size)
@@ -141,12 +145,14 @@ def measure(nproc: int) -> dict:
     return {k: statistics.median(r[k] for r in gathered) for k in gathered[0]}
 
 
-def tiny_step_config(world: int, run_dir: str) -> dict:
-    """A one-layer model whose training step is mostly the framework's fixed cost."""
+def tiny_step_config(world: int, run_dir: str, zero: int = 0) -> dict:
+    """A one-layer model whose training step is mostly the framework's fixed cost
+    (zero 0: DDP over all ranks; zero 3: FSDP2 over all ranks)."""
     from meshfold.testing import tiny_config
 
+    parallel = {"dp_replicate": world, "dp_shard": 1, "zero": 0} if zero == 0 else {"dp_shard": world, "zero": zero}
     return tiny_config(run_dir, model={"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "seq_len": 16},
-                       parallel={"dp_replicate": world, "dp_shard": 1, "zero": 0},
+                       parallel=parallel,
                        train={"global_batch": world, "dtype": "float32", "steps": 1000})
 
 
@@ -193,9 +199,17 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
     from meshfold.planner.cli import layout_from_config, workload_from_config
     from meshfold.planner.cost import CostModel
 
-    cfg = from_dict(tiny_step_config(n, "unused"))
-    predicted = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, n))
-    return replace(cluster, step_overhead_s=max(0.0, r["tiny_step"] - predicted.step_time_s))
+    def predict(zero: int, overhead_us: float) -> float:
+        cfg = from_dict(tiny_step_config(n, "unused", zero))
+        c = replace(cluster, collective_overhead_us=overhead_us)
+        return CostModel(workload_from_config(cfg, c), c).estimate(layout_from_config(cfg, n)).step_time_s
+
+    if n > 1:  # predicted time is linear in the per-call cost: solve for it from FSDP - DDP
+        calls = (predict(3, 1.0) - predict(3, 0.0)) - (predict(0, 1.0) - predict(0, 0.0))  # seconds per us
+        excess = (r["tiny_step_z3"] - r["tiny_step_z0"]) - (predict(3, 0.0) - predict(0, 0.0))
+        cluster = replace(cluster, collective_overhead_us=max(0.0, excess / calls) if calls > 0 else 0.0)
+    predicted = predict(0, cluster.collective_overhead_us)
+    return replace(cluster, step_overhead_s=max(0.0, r["tiny_step_z0"] - predicted))
 
 
 def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = None) -> tuple[Cluster, dict]:

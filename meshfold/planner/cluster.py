@@ -94,6 +94,9 @@ class Cluster:
     # waiting process frees its core for the others, so the step is bounded by the total
     # work over the cores as well as by the critical path (see cost.py).
     host_cores: int = 0
+    # Software cost of issuing one collective beyond the alpha of its hops (Python, FSDP
+    # copy-in/out, DTensor bookkeeping): small on GPUs, large for gloo on a busy CPU.
+    collective_overhead_us: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -180,7 +183,7 @@ _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": 
            "intra_node_GBps": float, "inter_node_GBps": float, "intra_node_alpha_us": float,
            "inter_node_alpha_us": float, "inter_group_GBps": float, "inter_group_alpha_us": float,
            "overlap": float, "elementwise_traffic": float, "step_overhead_s": float, "preset": str,
-           "host_cores": int,
+           "host_cores": int, "collective_overhead_us": float,
            "name": str, "node_groups": list}
 _DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
                 "layer_overhead_us")
@@ -324,5 +327,6 @@ def cluster_to_toml(c: Cluster) -> str:
              f"intra_node_GBps = {c.intra_node_GBps!r}", f"inter_node_GBps = {c.inter_node_GBps!r}",
              f"intra_node_alpha_us = {c.intra_node_alpha_us!r}", f"inter_node_alpha_us = {c.inter_node_alpha_us!r}",
              f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",
-             f"step_overhead_s = {c.step_overhead_s!r}", f"host_cores = {c.host_cores!r}"]
+             f"step_overhead_s = {c.step_overhead_s!r}", f"host_cores = {c.host_cores!r}",
+             f"collective_overhead_us = {c.collective_overhead_us!r}"]
     return "\n".join(lines) + "\n"

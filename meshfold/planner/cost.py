@@ -261,7 +261,8 @@ class CostModel:
         # Tensor parallel: 2 all-reduces (with sp: all-gather + reduce-scatter, the same
         # bytes) of the b*s*h activations per layer forward, 2 in backward.
         tp_bytes = act * tokens * h
-        tp_ar = collective_time(c, "all_reduce", tp_bytes, tp, 1)
+        call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
+        tp_ar = collective_time(c, "all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
         # Context parallel. Ring: K,V go around (cp-1 hops) forward, K,V and dK,dV
         # backward, each hop hidden behind the attention block it feeds. Ulysses: 4
         # all-to-alls (q, k, v, out) forward, 4 backward.
@@ -269,12 +270,12 @@ class CostModel:
         cp_fwd = cp_sent = 0.0
         if cp > 1 and cp_mode == "ulysses":
             size = act * tokens * h / tp
-            cp_fwd = 4 * collective_time(c, "all_to_all", size, cp, tp)
+            cp_fwd = 4 * (collective_time(c, "all_to_all", size, cp, tp) + call)
             cp_sent = 8 * RING["all_to_all"](cp) * size  # q, k, v, out: forward and backward
         elif cp > 1:
             kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
             alpha, beta = c.link(tp, cp)
-            hop = alpha + kv / beta
+            hop = alpha + kv / beta + call
             cp_fwd = max((cp - 1) * hop - attn_core / (peak * eff), hop)
             # per layer: K,V forward (cp-1 hops); backward K,V again (cp-1) and dK,dV,
             # which travel the whole ring back to their owner (cp hops)
@@ -299,7 +300,7 @@ class CostModel:
                 # (top-k copies of each) forward, and their transposes backward, over the
                 # ep ranks (innermost of dp x cp: stride tp)
                 routed = act * tokens * m.moe_topk * h
-                a2a = collective_time(c, "all_to_all", routed, ep, tp)
+                a2a = collective_time(c, "all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = 4 * RING["all_to_all"](ep) * routed
             params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
@@ -418,7 +419,10 @@ class CostModel:
                     + (RING["all_reduce"](n_rep) * P0 * gb / n_shard if n_rep > 1 else 0.0))
             comm["dp"] = sent * n_micro
             hide = c.overlap * (t_f + t_b)
-            dp_exposed = n_micro * max(t_mb - hide, t_mb / (stage_layers[0] + 1))
+            # issuing the collectives is work on the issuing rank, never hidden
+            calls = (stage_layers[0] + 1) * (gathers + 1 + (1 if n_rep > 1 else 0))
+            dp_exposed = n_micro * (max(t_mb - hide, t_mb / (stage_layers[0] + 1))
+                                    + calls * c.collective_overhead_us * 1e-6)
             del root_max
         elif n_all > 1:
             # DDP: all-reduce of the gradients in 25 MB buckets during the last
@@ -430,7 +434,10 @@ class CostModel:
                 t_z1 = collective_time(c, "all_gather", Pmax * pb, n_shard, st_dps)
                 comm["dp"] += RING["all_gather"](n_shard) * P0 * pb
             last_bucket = t_ar * min(1.0, 25e6 / max(Pmax * gb, 1.0))
-            dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1
+            calls = math.ceil(Pmax * gb / 25e6)
+            if L.zero == 1 and n_shard > 1:  # ZeRO-1: each rank broadcasts its shard
+                calls += n_shard
+            dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
         per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
         if tp > 1:
             ops = stage_layers[0] * (per_layer_ops + T["layer_regather"]) + sum(T["emb_ops"])
