@@ -73,6 +73,7 @@ def test_sigkill_restart_resumes_with_same_losses(tmp_path):
             proc.kill()
     assert killed is not None, "the run finished before a worker could be killed"
     assert proc.returncode == 0, out
+    assert "PeerLostError: rank 0: lost the connection to a peer (it crashed or was killed)" in out, out
     assert "meshfold: checkpoint: resumed from" in out, out
 
     # The reference: the same config in one process, never interrupted.

@@ -69,6 +69,10 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not finish within ``train.collective_timeout_s``."""
 
 
+class PeerLostError(RuntimeError):
+    """A peer's connection closed in the middle of a collective (the peer died)."""
+
+
 class NonFiniteError(RuntimeError):
     """Non-finite steps kept coming and there was no checkpoint to roll back to."""
 
@@ -364,6 +368,15 @@ class FaultMonitor:
             f"Ending the job (backend said: {str(err).splitlines()[0][:200]})"
         )
 
+    def peer_lost(self, err: BaseException) -> "PeerLostError":
+        global _BROKEN
+        _BROKEN = True
+        return PeerLostError(
+            f"rank {self.rank}: lost the connection to a peer (it crashed or was killed) at step "
+            f"{self.trainer.step + 1}: {self._describe(err)}. Ending this worker so the job can restart from "
+            f"the last checkpoint (backend said: {str(err).splitlines()[0][:200]})"
+        )
+
     def _watch(self) -> None:
         """Backstop for hangs no timeout catches: end the process with a message."""
         grace = self.timeout_s + max(30.0, self.timeout_s)
@@ -396,6 +409,11 @@ def _innermost_outside_torch(tb) -> str:
     return found
 
 
+def _is_peer_lost(err: BaseException) -> bool:
+    text = str(err)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
 def _is_timeout(err: BaseException) -> bool:
     text = str(err).lower()
     return isinstance(err, getattr(dist, "DistBackendError", ())) or "timed out" in text or "timeout" in text
@@ -414,8 +432,11 @@ class _StepScope:
         m = self.monitor
         if exc is not None:
             m._step_started = None
-            if m.tracker is not None and isinstance(exc, RuntimeError) and _is_timeout(exc):
-                raise m.timed_out(exc) from exc
+            if m.tracker is not None and isinstance(exc, RuntimeError):
+                if _is_peer_lost(exc):
+                    raise m.peer_lost(exc) from exc
+                if _is_timeout(exc):
+                    raise m.timed_out(exc) from exc
             return False
         m._end(time.perf_counter() - self.start)
         return False
