@@ -65,6 +65,18 @@ def test_exact_resume_is_bitwise(reference, tmp_path, async_save):
         assert torch.equal(second["params"][name], value), name
 
 
+def test_exact_resume_on_two_ranks_is_bitwise(tmp_path):
+    # The same holds inside a process group: FSDP2 (ZeRO-3) on 2 ranks, 3 + 3 steps == 6 steps.
+    parallel = {"dp_shard": 2, "zero": 3}
+    straight = run_on(2, segment, _cfg(tmp_path / "straight", parallel), STEPS, save=False)[0]
+    run_on(2, segment, _cfg(tmp_path / "resumed", parallel), STEPS // 2)
+    second = run_on(2, segment, _cfg(tmp_path / "resumed", parallel), STEPS, save=False)[0]
+    assert second["start"] == STEPS // 2
+    assert second["losses"] == straight["losses"][STEPS // 2:]
+    for name, value in straight["params"].items():
+        assert torch.equal(second["params"][name], value), name
+
+
 RESHARD_CHAIN = [  # (world, [parallel], stop step): every segment resumes the previous one's checkpoint
     (4, {"dp_shard": 4, "zero": 3}, 1),  # FSDP2 ZeRO-3
     (4, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}, 2),  # HSDP
