@@ -107,18 +107,23 @@ run = {"train": run_train, "plot": run_plot}
 # --------------------------------------------------------------------------- entry
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshfold", description=__doc__.splitlines()[0])
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or (``only``) just one subcommand's: a command then imports only
+    its own module, not every feature's (start-up time on a loaded machine)."""
+    parser = argparse.ArgumentParser(
+        prog="meshfold", description="Train transformer LMs folded onto a device mesh; plan and simulate layouts.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+    names = [only] if only in SUBCOMMANDS else list(SUBCOMMANDS)
+    for name in names:
+        module = importlib.import_module(SUBCOMMANDS[name])
         adder = module.add_parser[name] if isinstance(module.add_parser, dict) else module.add_parser
         adder(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command])
     runner = module.run[args.command] if isinstance(module.run, dict) else module.run
     try:
