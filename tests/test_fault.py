@@ -124,8 +124,10 @@ def test_slow_rank_is_named(tmp_path, parallel):
     reports, line = run_on(2, slow_rank_run, cfg, 1, 0.4)[0]
     assert len(reports) == 2
     for r in reports:
-        assert r["ranks"] == [1], r
-        assert r["lag_s"][1] > 0.3 and r["lag_s"][0] < 0.1, r
+        assert 1 in r["ranks"] and r["lag_s"][1] > 0.3, r
+    # Rank 0 is not named when it is not late. (On an overloaded machine the OS can stall
+    # rank 0 for seconds; the detector then rightly names it too, so ask this of one report.)
+    assert any(r["ranks"] == [1] and r["lag_s"][0] < 0.1 for r in reports), reports
     assert line.startswith("straggler at step 6: rank 1 (peers waited"), line
 
 
