@@ -64,6 +64,18 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     res = {}
 
+    def fixed_reps(fn, reps):
+        """Median of a fixed number of calls: fn runs collectives, so every rank must
+        call it equally often (a time-based loop would leave ranks mismatched)."""
+        fn()
+        samples = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
     def barrier_time(fn):
         dist.barrier()
         return _timeit(fn)
@@ -96,7 +108,7 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     for zero in (0, 3):  # DDP, then FSDP2: the difference prices issuing collectives
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero)))
-            res[f"tiny_step_z{zero}"] = barrier_time(trainer.train_step)
+            res[f"tiny_step_z{zero}"] = fixed_reps(trainer.train_step, 12)
             del trainer
     # all-reduce over everyone: latency and bandwidth
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
