@@ -31,7 +31,7 @@ from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
 from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
-from meshfold.parallel.data import uses_ddp, uses_fsdp
+from meshfold.parallel.data import uses_ddp
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
