@@ -168,7 +168,7 @@ def main() -> int:
     (out / "results.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))
     print(f"MAE {100 * mae:.1f}% (target <= 15%), Spearman {rho:.3f} (target >= 0.9), "
-          f"pick gaps {[round(100 * p['gap'], 1) for p in picks]}%")
+          f"pick gaps {[round(100 * p['gap'], 1) for p in picks if 'gap' in p]}%")
     return 0
 
 
