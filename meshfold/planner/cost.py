@@ -233,6 +233,7 @@ class CostModel:
         self.kinds = [m.is_moe_layer(i) for i in range(m.n_layers)]
         self._layer_cache: dict = {}
         self._stage_cache: dict = {}
+        self._stage_sum_cache: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
         self.causal = 0.5 if w.flash else 1.0
@@ -343,6 +344,33 @@ class CostModel:
             self._stage_cache[key] = hit
         return hit
 
+    def _stage_sums(self, T: dict, stages: list, pp: int, v: int, p2p: float):
+        """Per-micro-batch forward/backward of the slowest stage, total busy time over
+        stages, and each stage's parameters and layer count (cached per layer terms)."""
+        m = self.w.model
+        kinds = T["kinds"]
+        t_f = t_b = busy_sum = 0.0
+        stage_params, stage_layers = [], []
+        for st, counts in enumerate(stages):
+            f = sum(kinds[k][0] * n for k, n in counts.items())
+            bw = sum(kinds[k][1] * n for k, n in counts.items())
+            params = sum(kinds[k][2] * n for k, n in counts.items()) + m.dim
+            if st == 0:
+                params += T["emb"]
+                f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
+            if st == pp - 1:
+                f, bw = f + T["out_fwd"], bw + T["out_bwd"]
+                f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
+                bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
+                params += 0 if (m.tie_embeddings and pp == 1) else T["emb"]
+            if pp > 1:
+                f, bw = f + v * p2p, bw + v * p2p
+            t_f, t_b = max(t_f, f), max(t_b, bw)
+            busy_sum += f + bw
+            stage_params.append(params)
+            stage_layers.append(sum(counts.values()))
+        return t_f, t_b, busy_sum, stage_params, stage_layers
+
     def estimate(self, L: Layout) -> Estimate:
         """Predict one layout. Raises ValueError for layouts that do not tile the batch."""
         w, c, m = self.w, self.c, self.w.model
@@ -366,26 +394,12 @@ class CostModel:
         else:
             p2p = 0.0
         stages = self.stage_kinds(pp, v)
-        t_f = t_b = busy_sum = 0.0
-        stage_params, stage_layers = [], []
-        for st, counts in enumerate(stages):
-            f = sum(kinds[k][0] * n for k, n in counts.items())
-            bw = sum(kinds[k][1] * n for k, n in counts.items())
-            params = sum(kinds[k][2] * n for k, n in counts.items()) + m.dim
-            if st == 0:
-                params += T["emb"]
-                f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
-            if st == pp - 1:
-                f, bw = f + T["out_fwd"], bw + T["out_bwd"]
-                f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
-                bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
-                params += 0 if (m.tie_embeddings and pp == 1) else T["emb"]
-            if pp > 1:
-                f, bw = f + v * p2p, bw + v * p2p
-            t_f, t_b = max(t_f, f), max(t_b, bw)
-            busy_sum += f + bw
-            stage_params.append(params)
-            stage_layers.append(sum(counts.values()))
+        skey = (id(T), pp, v, p2p)
+        hit = self._stage_sum_cache.get(skey)
+        if hit is None:
+            hit = self._stage_sums(T, stages, pp, v, p2p)
+            self._stage_sum_cache[skey] = hit
+        t_f, t_b, busy_sum, stage_params, stage_layers = hit
         makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
         if c.host_cores and L.world > c.host_cores and pp > 1:
             # Processes sharing host_cores cores: the calibrated rate is with every process
