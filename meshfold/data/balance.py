@@ -67,14 +67,16 @@ def _caps(cap, n_bins: int) -> np.ndarray:
     return caps
 
 
-def greedy_lpt(weights, tokens, n_bins: int, cap=None) -> np.ndarray:
+def greedy_lpt(weights, tokens, n_bins: int, cap=None, load: np.ndarray | None = None,
+               used: np.ndarray | None = None) -> np.ndarray:
     """Bin (rank) of every item: items by decreasing weight (ties: index), each to the
-    least loaded bin (ties: lowest index) whose token cap still fits it."""
+    least loaded bin (ties: lowest index) whose token cap still fits it. ``load``/``used``
+    give bins a head start (updated in place), e.g. the share of documents spread over them."""
     weights = np.asarray(weights, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.float64)
     caps = _caps(cap, n_bins)
-    load = np.zeros(n_bins)
-    used = np.zeros(n_bins)
+    load = np.zeros(n_bins) if load is None else load
+    used = np.zeros(n_bins) if used is None else used
     out = np.empty(len(weights), dtype=np.int64)
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], -tokens[i], i)):
         fits = used + tokens[i] <= caps
@@ -323,17 +325,9 @@ def _place_with_degrees(lengths, w, degree, n_ranks: int, rank_cap: int) -> CPPl
         loads[best: best + k] += w[i] / k
         used[best: best + k] += lengths[i] / k
     whole = np.flatnonzero(degree == 1)
-    if len(whole):
-        # LPT with the spread items' loads already in place.
-        for i in sorted(whole.tolist(), key=lambda i: (-w[i], i)):
-            fits = used + lengths[i] <= rank_cap
-            if not fits.any():
-                raise BalanceError(f"a {int(lengths[i])}-token document fits no rank under the {rank_cap}-token "
-                                   f"limit; raise data.max_tokens")
-            r = int(np.argmin(np.where(fits, loads, np.inf)))
-            start[i] = r
-            loads[r] += w[i]
-            used[r] += lengths[i]
+    if len(whole):  # LPT with the spread items' loads already in place
+        start[whole] = greedy_lpt(np.asarray(w)[whole], np.asarray(lengths)[whole], n_ranks, rank_cap,
+                                  load=loads, used=used)
     return CPPlan(start, degree, loads, used)
 
 
