@@ -278,6 +278,16 @@ def _lc(method, **kw):
     return {"method": method, "workers": 2, "inner_steps": 2, **kw}
 
 
+def _assert_same_trajectory_per_worker(runs, single):
+    """Every rank's losses and params equal those of its worker in the 1-rank-per-worker run."""
+    by_worker = {r["worker"]: r for r in single}
+    for r in runs:
+        ref = by_worker[r["worker"]]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=1e-11)
+        for n, v in ref["params"].items():
+            torch.testing.assert_close(r["params"][n], v, rtol=1e-9, atol=1e-11, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_diloco_with_fsdp_inside_workers_matches_single_rank_workers(tmp_path):
     """2 workers x (FSDP zero-3 over 2 ranks) must follow exactly the trajectory of 2
     workers x 1 rank: the outer all-reduce works on shards, rank i of each worker."""
@@ -287,12 +297,7 @@ def test_diloco_with_fsdp_inside_workers_matches_single_rank_workers(tmp_path):
     fsdp_cfg["parallel"] = {"dp_shard": 2, "zero": 3}
     fsdp_cfg["train"]["run_dir"] = str(tmp_path / "b")
     fsdp = run_on(4, _train_all_ranks, fsdp_cfg)
-    by_worker = {r["worker"]: r for r in single}
-    for r in fsdp:
-        ref = by_worker[r["worker"]]
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=1e-11)
-        for n, v in ref["params"].items():
-            torch.testing.assert_close(r["params"][n], v, rtol=1e-9, atol=1e-11, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_same_trajectory_per_worker(fsdp, single)
     # after the last outer step (step 4 of 5 -> one inner step since): workers differ only by that step,
     # and at step 4 both were identical: check the outer bytes were recorded on the worker dim
     assert single[0]["total"]["outer"] > 0
@@ -309,12 +314,7 @@ def test_diloco_with_tensor_parallel_inside_workers_matches_single_rank_workers(
     tp_cfg["parallel"] = {"dp_shard": 1, "tp": 2}
     tp_cfg["train"]["run_dir"] = str(tmp_path / "b")
     tp = run_on(4, _train_all_ranks, tp_cfg)
-    by_worker = {r["worker"]: r for r in single}
-    for r in tp:
-        ref = by_worker[r["worker"]]
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=1e-11)
-        for n, v in ref["params"].items():
-            torch.testing.assert_close(r["params"][n], v, rtol=1e-9, atol=1e-11, msg=lambda m, n=n: f"{n}: {m}")
+    _assert_same_trajectory_per_worker(tp, single)
 
 
 @pytest.mark.parametrize("method,extra", [
