@@ -45,7 +45,9 @@ METHODS = {
 }
 
 
-def config(method: str, seed: int, steps: int, run_dir: str) -> dict:
+def config(method: str, seed: int, steps: int, run_dir: str, overrides: dict | None = None) -> dict:
+    """The run's config dict. ``overrides`` (from ``settings``) maps "section.key" -> value
+    for this method; "lowcomm.*" keys are ignored for DDP."""
     lc = dict(METHODS[method])
     if method == "ddp":
         parallel = {"dp_replicate": WORKERS, "dp_shard": 1}
@@ -54,10 +56,47 @@ def config(method: str, seed: int, steps: int, run_dir: str) -> dict:
         parallel = {"dp_replicate": 1, "dp_shard": 1}
         batch = PER_WORKER_BATCH
         lc["workers"] = WORKERS
-    return {"model": dict(MODEL), "parallel": parallel,
-            "train": {"steps": steps, "seed": seed, "global_batch": batch, "lr": 3e-3, "run_dir": run_dir,
-                      "progress": False, "tensorboard": False, "eval_batches": 8, "warmup_steps": steps // 10},
-            "data": {"val_docs": 32}, "lowcomm": lc}
+    cfg = {"model": dict(MODEL), "parallel": parallel,
+           "train": {"steps": steps, "seed": seed, "global_batch": batch, "lr": 3e-3, "run_dir": run_dir,
+                     "progress": False, "tensorboard": False, "eval_batches": 8, "warmup_steps": steps // 10,
+                     "straggler_every": 0},
+           "data": {"val_docs": 32}, "lowcomm": lc}
+    for key, value in (overrides or {}).items():
+        section, name = key.split(".", 1)
+        if method == "ddp" and section == "lowcomm":
+            continue
+        cfg.setdefault(section, {})[name] = value
+    return cfg
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text, text)
+
+
+def settings(args, method: str) -> dict:
+    """Per-method overrides from the command line: --lr / --ddp-lr / --h / --outer-lr /
+    --outer-momentum, then --set METHOD.KEY=VALUE (KEY is a [lowcomm] key, or SECTION.KEY)."""
+    out = {}
+    if method == "ddp":
+        if getattr(args, "ddp_lr", None) is not None:
+            out["train.lr"] = args.ddp_lr
+    else:
+        if getattr(args, "lr", None) is not None:
+            out["train.lr"] = args.lr
+        for flag, key in (("h", "inner_steps"), ("outer_lr", "outer_lr"), ("outer_momentum", "outer_momentum")):
+            if getattr(args, flag, None) is not None:
+                out[f"lowcomm.{key}"] = getattr(args, flag)
+    for item in getattr(args, "set", None) or []:
+        target, value = item.split("=", 1)
+        m, key = target.split(".", 1)
+        if m == method:
+            out[key if "." in key else f"lowcomm.{key}"] = _value(value)
+    return out
 
 
 # --------------------------------------------------------------------------- convergence
@@ -80,28 +119,86 @@ def _train(cfg: dict) -> dict | None:
 
     tr.step_record = record
     losses = tr.fit()
-    val = tr.evaluate()
+    val = full_validation(tr)
     if dist.get_rank() != 0:
         return None
     return {"losses": losses, "val_loss": val, "bytes_per_step": per_step, "bytes": sum(per_step)}
 
 
+def full_validation(tr) -> float:
+    """Mean loss per token over EVERY held-out sequence, computed by each rank on its own
+    model without collectives (worker 0's model is the one reported). DDP and the workers
+    thus see exactly the same validation set (Trainer.evaluate samples per data-parallel
+    layout, so its set would differ between DDP's batch of 32 and a worker's batch of 8)."""
+    import torch
+
+    from meshfold.data.dataset import IGNORE_INDEX
+
+    val = tr.data.val
+    model = getattr(tr.model, "module", tr.model)  # DDP's wrapped module: no collectives in forward
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(val), 32):
+            batch = val.batch(range(start, min(start + 32, len(val))))
+            doc_ids = batch["doc_ids"] if tr.use_doc_mask else None
+            logits = model(batch["inputs"], doc_ids=doc_ids)
+            total += float(tr.loss_fn(logits, batch["labels"]).double())
+            tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+    model.train()
+    return total / tokens
+
+
 def convergence(args) -> dict:
     from meshfold.testing import run_on
 
-    out = {"steps": args.steps, "seeds": args.seeds, "workers": WORKERS, "per_worker_batch": PER_WORKER_BATCH,
-           "model": MODEL, "methods": METHODS, "runs": {}}
+    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
+    out = {"steps": args.steps, "seeds": seeds, "workers": WORKERS, "per_worker_batch": PER_WORKER_BATCH,
+           "model": MODEL, "configs": {}, "runs": {}}
     tokens = args.steps * WORKERS * PER_WORKER_BATCH * MODEL["seq_len"]
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
-            for method in METHODS:
+        for seed in seeds:
+            for method in args.methods:
                 t0 = time.perf_counter()
-                res = run_on(WORKERS, _train, config(method, seed, args.steps, f"{tmp}/{method}-{seed}"),
-                             timeout=1800)[0]
+                cfg = config(method, seed, args.steps, f"{tmp}/{method}-{seed}", settings(args, method))
+                out["configs"][method] = {k: cfg[k] for k in ("train", "lowcomm")}
+                res = run_on(WORKERS, _train, cfg, timeout=1800)[0]
+                res["seed"] = seed
                 res["bytes_per_token"] = res["bytes"] / tokens
+                res["wall_s"] = time.perf_counter() - t0
                 out["runs"].setdefault(method, []).append(res)
                 print(f"seed {seed} {method:10s} val {res['val_loss']:.4f} bytes/token {res['bytes_per_token']:.1f} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                      f"({res['wall_s']:.0f} s)", flush=True)
+    if "ddp" in out["runs"]:
+        summarize(out)
+    return out
+
+
+def merge(args) -> dict:
+    """Merge convergence JSONs (e.g. one per method or seed) into one; the model, steps and
+    each method's config must agree across files."""
+    out = None
+    for path in args.files:
+        part = json.loads(Path(path).read_text())
+        if out is None:
+            out = {k: part[k] for k in ("steps", "workers", "per_worker_batch", "model")}
+            out.update(configs={}, runs={})
+        for k in ("steps", "workers", "per_worker_batch", "model"):
+            if part[k] != out[k]:
+                raise SystemExit(f"{path}: {k} differs ({part[k]} vs {out[k]})")
+        for method, cfg in part["configs"].items():
+            known = out["configs"].setdefault(method, cfg)
+            norm = lambda c: {s: {k: v for k, v in c[s].items() if k not in ("seed", "run_dir")} for s in c}
+            if norm(known) != norm(cfg):
+                raise SystemExit(f"{path}: config of {method} differs from an earlier file")
+        for method, rs in part["runs"].items():
+            out["runs"].setdefault(method, []).extend(rs)
+    for method, rs in out["runs"].items():
+        rs.sort(key=lambda r: r["seed"])
+        seeds = [r["seed"] for r in rs]
+        if len(set(seeds)) != len(seeds):
+            raise SystemExit(f"{method}: seed measured twice ({seeds}); merge each seed once")
+    out["seeds"] = sorted({r["seed"] for rs in out["runs"].values() for r in rs})
     summarize(out)
     return out
 
@@ -144,7 +241,7 @@ def netlab(args) -> dict:
         for method in args.methods:
             # Methods may run longer than DDP (their own schedule) to reach DDP's final loss.
             steps = args.steps if method == "ddp" else int(args.steps * args.method_steps_factor)
-            cfg = config(method, args.seed, steps, f"{tmp}/{method}")
+            cfg = config(method, args.seed, steps, f"{tmp}/{method}", settings(args, method))
             path = Path(tmp) / f"{method}.toml"
             path.write_text(_toml(cfg))
             t0 = time.perf_counter()
@@ -246,25 +343,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="part", required=True)
     c = sub.add_parser("convergence")
-    c.add_argument("--seeds", type=int, default=3)
+    c.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    c.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of --seeds")
     c.add_argument("--steps", type=int, default=120)
+    c.add_argument("--out", default=str(RESULTS / "lowcomm_convergence.json"))
+    m = sub.add_parser("merge", help="merge convergence JSONs (per method / seed) and print the table")
+    m.add_argument("files", nargs="+")
+    m.add_argument("--out", default=str(RESULTS / "lowcomm_convergence.json"))
     n = sub.add_parser("netlab")
     n.add_argument("--rate-mbit", type=float, default=10.0)
     n.add_argument("--steps", type=int, default=60)
     n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--methods", nargs="+", default=list(METHODS))
     n.add_argument("--method-steps-factor", type=float, default=1.5)
+    n.add_argument("--out", default=str(RESULTS / "lowcomm_netlab.json"))
+    for p in (c, n):  # the training settings both parts share
+        p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+        p.add_argument("--lr", type=float, help="inner AdamW lr of the outer methods (default 3e-3)")
+        p.add_argument("--ddp-lr", type=float, help="DDP's AdamW lr (default 3e-3)")
+        p.add_argument("--h", type=int, help="inner steps per outer step, all methods")
+        p.add_argument("--outer-lr", type=float)
+        p.add_argument("--outer-momentum", type=float)
+        p.add_argument("--set", action="append", metavar="METHOD.KEY=VALUE",
+                       help="per-method override, e.g. streaming.mixing=0.3 or ddp.train.lr=4e-3")
     sub.add_parser("plot")
     sub.add_parser("summary", help="re-print the tables from the saved JSON")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    if args.part == "convergence":
-        out = convergence(args)
-        (RESULTS / "lowcomm_convergence.json").write_text(json.dumps(out, indent=1))
-    elif args.part == "netlab":
-        out = netlab(args)
-        (RESULTS / "lowcomm_netlab.json").write_text(json.dumps(out, indent=1))
+    if args.part in ("convergence", "merge", "netlab"):
+        out = {"convergence": convergence, "merge": merge, "netlab": netlab}[args.part](args)
+        Path(args.out).write_text(json.dumps(out, indent=1))
     elif args.part == "summary":
         for name, fn in (("lowcomm_convergence.json", summarize), ("lowcomm_netlab.json", time_to_target)):
             if (RESULTS / name).exists():

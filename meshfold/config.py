@@ -193,6 +193,7 @@ class LowCommConfig:
     fragments: int = 4
     overlap_steps: int = 1
     quant_bits: int = 4
+    quant_coding: str = "fixed"  # streaming 4-bit: fixed | deflate (lossless zlib of the codes, variable length)
     mixing: float = 0.5
     noloco_gamma: float = 0.5
     co2_staleness_penalty: float = 0.5
@@ -232,6 +233,7 @@ CHOICES: dict[tuple[str, str], tuple] = {
     ("data", "balance"): ("none", "greedy", "exact"),
     ("lowcomm", "method"): ("none", "diloco", "streaming", "noloco", "co2"),
     ("lowcomm", "compression"): ("none", "powersgd", "topk", "onebit", "lgreco"),
+    ("lowcomm", "quant_coding"): ("fixed", "deflate"),
 }
 
 

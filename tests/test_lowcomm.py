@@ -108,14 +108,16 @@ def _fp4_mean_reference(vectors: list[torch.Tensor], n: int) -> torch.Tensor:
     return fp4_dequantize(*fp4_quantize(mean))[:numel]
 
 
-def test_streaming_fragment_sync_with_overlap_matches_hand_computation():
+@pytest.mark.parametrize("coding", ["fixed", "deflate"])
+def test_streaming_fragment_sync_with_overlap_matches_hand_computation(coding):
     """P = 2 fragments, H = 4: fragment 1 (layers.1 + output) is due at t = 2, fragment 0
     (embeddings + layers.0) at t = 4. tau = 1: the 4-bit exchange launched at t = 2 is
-    applied at t = 3, mixing with the parameters as they are at t = 3."""
+    applied at t = 3, mixing with the parameters as they are at t = 3. Deflate coding of
+    the 4-bit codes is lossless: the same result to the last bit."""
     lr, mu, alpha, shift = 0.7, 0.9, 0.5, 0.01
     res = run_on(W, _outer_case, "streaming",
                  {"inner_steps": 4, "fragments": 2, "overlap_steps": 1, "mixing": alpha, "quant_bits": 4,
-                  "outer_lr": lr, "outer_momentum": mu},
+                  "quant_coding": coding, "outer_lr": lr, "outer_momentum": mu},
                  [("progress", 0), ("step", 1), ("step", 2), ("shift", shift), ("step", 3)])
     frag1 = ["layers.1.w", "output.weight"]
     start = _start()

@@ -201,6 +201,8 @@ def check_lowcomm(cfg: Config) -> None:
                               f"{lc.inner_steps})")
         if lc.quant_bits not in (4, 32):
             raise ConfigError(f"lowcomm.quant_bits = {lc.quant_bits}; choose 4 (FP4 E3M0) or 32")
+        if lc.quant_coding == "deflate" and lc.quant_bits != 4:
+            raise ConfigError("lowcomm.quant_coding = deflate codes the 4-bit exchange; set lowcomm.quant_bits = 4")
         if not 0 <= lc.mixing <= 1:
             raise ConfigError(f"lowcomm.mixing = {lc.mixing} must be in [0, 1]")
     if lc.method != "none" and lc.workers > 1 and cfg.data.balance != "none":

@@ -24,6 +24,7 @@ Codecs (docs/lowcomm.md has the equations):
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,73 @@ def fp4_all_reduce_mean(x: torch.Tensor, group, dim: str | None = "outer") -> to
     if dim:
         ledger().record(dim, "all_gather", fp4_bytes(padded.numel()), n)
     return fp4_dequantize(all_codes, all_scales)[:numel].to(x.dtype)
+
+
+def _deflate(codes: torch.Tensor) -> torch.Tensor:
+    return torch.frombuffer(bytearray(zlib.compress(codes.numpy().tobytes(), 6)), dtype=torch.uint8)
+
+
+def _inflate(payload: torch.Tensor, nbytes: int) -> torch.Tensor:
+    raw = zlib.decompress(payload.numpy().tobytes())
+    if len(raw) != nbytes:
+        raise RuntimeError(f"deflated FP4 chunk decoded to {len(raw)} bytes, expected {nbytes}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _all_to_all_varlen(payloads: list[torch.Tensor], group) -> tuple[list[torch.Tensor], int]:
+    """uint8 payloads[j] to rank j, lengths vary (nothing is sent to oneself): the int64
+    lengths first, then the bytes with uneven splits. Returns (what rank j sent us, own
+    slot empty; bytes this rank sent, lengths included)."""
+    me = dist.get_rank(group)
+    send_len = torch.tensor([0 if j == me else p.numel() for j, p in enumerate(payloads)], dtype=torch.int64)
+    recv_len = torch.empty_like(send_len)
+    dist.all_to_all_single(recv_len, send_len, group=group)
+    send = torch.cat([p[:0] if j == me else p for j, p in enumerate(payloads)])
+    recv = torch.empty(int(recv_len.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_len.tolist(), input_split_sizes=send_len.tolist(),
+                           group=group)
+    sent = send.numel() + send_len.element_size() * (len(payloads) - 1)
+    return list(recv.split(recv_len.tolist())), sent
+
+
+def fp4_deflate_all_reduce_mean(x: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """``fp4_all_reduce_mean`` with the packed 4-bit codes deflated (zlib, level 6) before
+    they cross the link. Lossless, so the mean is bit-identical to the fixed-length
+    exchange; the messages have variable length. Per phase, to each peer a rank sends an
+    int64 length, its deflated codes for that peer and the matching fp32 block scales
+    (raw). Returns (mean, bytes this rank sent): the sizes of the buffers handed to the
+    collectives, excluding only the empty slot to itself (the ledger's "bytes leaving")."""
+    n = _world(group)
+    if n == 1:
+        return x.clone(), 0
+    me = dist.get_rank(group)
+    numel = x.numel()
+    unit = FP4_BLOCK * n
+    padded = torch.zeros(unit * math.ceil(numel / unit), dtype=torch.float64)
+    padded[:numel] = x.double()
+    chunk = padded.numel() // n
+    cb, sb = chunk // 2, chunk // FP4_BLOCK
+    codes, scales = fp4_quantize(padded)
+    # Reduce-scatter phase: rank j gets chunk j of everyone's codes (deflated) and scales.
+    payloads = [_deflate(codes[j * cb:(j + 1) * cb]) if j != me else codes[:0] for j in range(n)]
+    recv, sent = _all_to_all_varlen(payloads, group)
+    recv_scales = torch.empty_like(scales)
+    dist.all_to_all_single(recv_scales, scales, group=group)
+    sent += scales.element_size() * sb * (n - 1)
+    mine = torch.zeros(chunk, dtype=torch.float64)
+    for r in range(n):  # sum in float64, as in the fixed-length exchange
+        rc = codes[me * cb:(me + 1) * cb] if r == me else _inflate(recv[r], cb)
+        mine += fp4_dequantize(rc, recv_scales[r * sb:(r + 1) * sb])
+    mine /= n
+    my_codes, my_scales = fp4_quantize(mine)
+    # All-gather phase: my deflated chunk to every peer (an all-to-all of one payload).
+    mine_z = _deflate(my_codes)
+    recv, sent_gather = _all_to_all_varlen([mine_z] * n, group)
+    all_scales = torch.empty(sb * n, dtype=torch.float32)
+    dist.all_gather_into_tensor(all_scales, my_scales, group=group)
+    sent += sent_gather + my_scales.numel() * my_scales.element_size() * (n - 1)
+    all_codes = torch.cat([my_codes if r == me else _inflate(recv[r], cb) for r in range(n)])
+    return fp4_dequantize(all_codes, all_scales)[:numel].to(x.dtype), sent
 
 
 # --------------------------------------------------------------------------- codecs

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from meshfold.comm import ledger
 from meshfold.config import LowCommConfig
-from meshfold.lowcomm.codecs import FP4_BLOCK, fp4_all_reduce_mean, fp4_bytes
+from meshfold.lowcomm.codecs import FP4_BLOCK, fp4_all_reduce_mean, fp4_bytes, fp4_deflate_all_reduce_mean
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -184,6 +184,10 @@ class StreamingDiLoCo(OuterOptimizer):
         if n == 1:
             return delta
         padded = FP4_BLOCK * n * math.ceil(delta.numel() / (FP4_BLOCK * n))
+        if self.lc.quant_bits == 4 and self.lc.quant_coding == "deflate":
+            # Message lengths are known only once coded: the bytes are recorded when the
+            # result is applied (apply), from what was actually handed to the collectives.
+            return self.executor.submit(fp4_deflate_all_reduce_mean, delta, self.group)
         if self.lc.quant_bits == 4:
             ledger().record("outer", "all_to_all", fp4_bytes(padded), n)
             ledger().record("outer", "all_gather", fp4_bytes(padded), n)
@@ -213,6 +217,9 @@ class StreamingDiLoCo(OuterOptimizer):
 
     def apply(self, p: int, result, mix: bool = True) -> None:
         delta = result.result() if isinstance(result, Future) else result
+        if isinstance(delta, tuple):  # deflate coding: (mean, bytes this rank sent)
+            delta, sent = delta
+            ledger().add_sent("outer", sent)
         del self.pending[p]
         self.nesterov(p, delta)
         alpha = self.lc.mixing if mix else 0.0
@@ -228,7 +235,11 @@ class StreamingDiLoCo(OuterOptimizer):
         # Keep the schedule: wait for the results, store them with their due step.
         for p, (due, result) in list(self.pending.items()):
             if isinstance(result, Future):
-                self.pending[p] = (due, result.result())
+                result = result.result()
+                if isinstance(result, tuple):  # deflate: record the bytes now, keep the mean
+                    result, sent = result
+                    ledger().add_sent("outer", sent)
+                self.pending[p] = (due, result)
 
     def extra_state(self) -> dict:
         return {"pending": {p: (due, r.clone()) for p, (due, r) in self.pending.items()}}
