@@ -93,7 +93,8 @@ def main() -> int:
     ap.add_argument("--out", default="runs/planner_bench")
     ap.add_argument("--nprocs", default="4,8")
     ap.add_argument("--quick", action="store_true", help="first 4 layouts per process count")
-    ap.add_argument("--reuse-cluster", action="store_true", help="keep existing calibrated cluster files")
+    ap.add_argument("--reuse-cluster", action="store_true",
+                    help="no new calibration: re-derive the cluster files from their saved measurements")
     ap.add_argument("--predict-only", action="store_true",
                     help="no training: (re)calibrate and predict the runs already in --out")
     args = ap.parse_args()
@@ -101,7 +102,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     from meshfold.config import load_config
-    from meshfold.planner.calibrate import calibrate
+    from meshfold.planner.calibrate import calibrate, cluster_from_measurements, measurements_path
+    from meshfold.planner.cluster import cluster_to_toml
     from meshfold.planner.cli import predict_run, workload_from_config
     from meshfold.planner.cluster import load_cluster
     from meshfold.planner.search import search
@@ -110,7 +112,11 @@ def main() -> int:
     picks = []
     for nproc in [int(x) for x in args.nprocs.split(",")]:
         cluster_file = out / f"cluster-cpu-{nproc}.toml"
-        if not (args.reuse_cluster and cluster_file.exists()):
+        raw = measurements_path(cluster_file)
+        if args.reuse_cluster and raw.exists():  # re-derive with the current code, same measurements
+            cluster_file.write_text(cluster_to_toml(cluster_from_measurements(
+                nproc, json.loads(raw.read_text())["measurements"])))
+        elif not (args.reuse_cluster and cluster_file.exists()):
             t0 = time.time()
             calibrate(nproc, cluster_file)
             print(f"calibrated {nproc} processes in {time.time() - t0:.0f} s -> {cluster_file}", flush=True)

@@ -4,19 +4,31 @@ Here the cluster is N gloo processes on this machine, all running at once (they 
 the cores, so every number is measured with all N busy):
 
 - compute: forward+backward of one real transformer block (float32, seq 64, batch 4) at
-  widths 8, 64 and 256, solved for the cost model's per-layer form
-  t(w) = overhead + F(w) / (P * w / (w + H)): the width-8 block is almost pure dispatch
-  cost (-> ``layer_overhead_us``), the other two give P (-> ``peak_tflops``,
+  widths 16, 64 and 256, solved for the cost model's per-layer form
+  t(w) = overhead + F(w) / (P * w / (w + H)): the width-16 block is almost pure dispatch
+  cost, the other two give P (-> ``peak_tflops``,
   ``matmul_eff`` = 1) and H (-> ``matmul_half_width``); elementwise work is inside these
   times, so ``elementwise_traffic`` = 0;
-- memory bandwidth: an elementwise add over large tensors (-> ``hbm_GBps``, optimizer);
+- memory-bound work: the training's AdamW step over 1M float32 parameters, as the
+  bandwidth at which the cost model's optimizer pass (2 x 16 bytes a parameter) takes that
+  long (-> ``hbm_GBps``);
 - fixed cost per step: a real ``Trainer.train_step`` of a one-layer model on all N ranks
-  with DDP, minus what the model predicts for it (-> ``step_overhead_s``); the same step with
-  FSDP2 (ZeRO-3) prices issuing a collective: the measured FSDP - DDP difference beyond the
-  predicted one, over the difference in collective calls (-> ``collective_overhead_us``);
-- links: all-reduce time at 8 bytes and at 4 MiB over all N ranks, solved for the
-  alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_alpha_us``,
-  ``intra_node_GBps``);
+  with DDP, minus what the model predicts for it (-> ``step_overhead_s``); with three
+  layers, what one more layer adds to a real step (-> ``layer_overhead_us``: the block's
+  dispatch plus the step's per-layer hooks, optimizer and clipping work); the same step with
+  FSDP2 (ZeRO-3) prices FSDP's own work per collective (hooks, copy-in/out): the measured
+  FSDP - DDP difference beyond the predicted one, over FSDP's collective calls
+  (-> ``fsdp_overhead_us``);
+- links: all-reduce time at 8 bytes and at 4 MiB over all N idle ranks, solved for the
+  alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_GBps``, and the
+  idle alpha as ``in_step_alpha_us``, for reductions whose ranks arrive in step); and a
+  small all-reduce between compute blocks, over groups of 2, 4 and all N ranks, minus the
+  blocks alone: the latency of one hop while the ranks are busy, as they are in training
+  (-> ``intra_node_alpha_us``; with more processes than cores it is the scheduler's
+  wake-up delay, ~1 ms, twenty times the idle figure) and a cost per call
+  (-> ``collective_overhead_us``);
+- the tiled attention context parallelism runs, on one rank, as 1 tile and as 36 visible
+  tiles (-> ``attention_tile_us``);
 - overlap = 0: gloo's progress threads compete with compute for the same cores;
 - host_cores = this machine's core count: the processes share them (cost.py uses it for
   pipeline bubbles, which free cores for the busy stages).
@@ -25,6 +37,7 @@ the cores, so every number is measured with all N busy):
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import statistics
 import time
@@ -83,6 +96,7 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     # Compute: forward+backward of one real transformer block at three widths, all ranks
     # at once. The tiny one is pure dispatch cost (-> layer overhead); the other two fix
     # the rate and how it falls off at small widths (-> peak, half width).
+    steps = {}
     for dim in BLOCK_DIMS:
         torch.manual_seed(0)
         cfg = ModelConfig(dim=dim, n_layers=1, n_heads=max(2, dim // 32), vocab_size=32, seq_len=BLOCK_SEQ)
@@ -95,9 +109,20 @@ def _measure(rank: int, world: int, port: int, out) -> None:
             block(x, rope).sum().backward()
 
         res[f"block_{dim}"] = barrier_time(step)
-    # elementwise bandwidth: read two, write one (optimizer and norms are memory-bound)
-    x, y = torch.randn(4_000_000), torch.randn(4_000_000)
-    res["bandwidth"] = 3 * 4 * x.numel() / barrier_time(lambda: x.add_(y))
+        steps[dim] = step
+    # Latency of a collective while the ranks are busy computing, as in training: with
+    # more processes than cores a woken rank waits for a core (the scheduler's wake-up
+    # granularity, ~1 ms here, not the ~50 us of an idle host), once per sequential hop.
+    # A small all-reduce between blocks over pairs and over everyone, minus the blocks
+    # alone; the two group sizes separate the per-hop latency from a per-call cost.
+    res.update(busy_collective_costs(world, rank, steps[BLOCK_DIMS[1]]))
+    # The tiled attention that context parallelism runs: the same attention as one tile
+    # and as 36 visible tiles; the difference is the fixed cost of a tile.
+    for tile in (BLOCK_SEQ, BLOCK_SEQ // 8):
+        res[f"tiled_attention_{tile}"] = barrier_time(tiled_attention_step(tile))
+    # memory-bound work: the optimizer pass itself, the training's AdamW over 1M float32
+    # parameters (its foreach kernels stream the states several times)
+    res["optimizer_step_1m"] = barrier_time(optimizer_step(1 << 20))
     # the framework's fixed cost per optimizer step (data, clipping, optimizer, loss
     # reductions): a real Trainer step of a one-layer model, all ranks data-parallel
     import tempfile
@@ -105,10 +130,13 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer
 
-    for zero in (0, 3):  # DDP, then FSDP2: the difference prices issuing collectives
+    # DDP, then FSDP2 (the difference prices FSDP's collectives), then DDP with more
+    # layers (what a layer costs inside a real step beyond its block: hooks, optimizer and
+    # clipping per tensor, autograd bookkeeping)
+    for key, zero, layers in (("tiny_step_z0", 0, 1), ("tiny_step_z3", 3, 1), ("tiny_step_z0_l3", 0, 3)):
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero)))
-            res[f"tiny_step_z{zero}"] = fixed_reps(trainer.train_step, 12)
+            trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero, layers)))
+            res[key] = fixed_reps(trainer.train_step, 12)
             del trainer
     # all-reduce over everyone: latency and bandwidth
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
@@ -126,6 +154,57 @@ def _measure(rank: int, world: int, port: int, out) -> None:
         out.put(gathered)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def tiled_attention_step(tile: int):
+    """Forward + backward of context parallelism's tiled attention on this rank alone
+    (cp = 1), width 64 (2 heads of 32), at ``tile`` tokens per tile."""
+    import torch
+
+    from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
+
+    plan = ContextParallelPlan(1, 1, False, 0, None, None, None, tile=tile)
+    attn = ContextParallelAttention(plan, _MetaCache(plan))
+    q, k, v = (torch.randn(BLOCK_BATCH, BLOCK_SEQ, 2, 32, requires_grad=True) for _ in range(3))
+
+    def step():
+        attn(q, k, v).sum().backward()
+
+    return step
+
+
+def busy_collective_costs(world: int, rank: int, compute, iters: int = 30, rounds: int = 5) -> dict:
+    """Seconds one small all-reduce adds to a loop of ``compute`` calls on every rank, over
+    groups of 2 and 4 consecutive ranks (where they tile the world) and of all ranks
+    (``busy_ar_<size>``); medians over rounds."""
+    import torch
+    import torch.distributed as dist
+
+    groups = {world: None}
+    for size in (2, 4):
+        if size < world and world % size == 0:
+            for start in range(0, world, size):  # every rank creates every group, in order
+                group = dist.new_group(list(range(start, start + size)))
+                if start <= rank < start + size:
+                    groups[size] = group
+    buf = torch.zeros(1024)
+
+    def loop(group_size):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            compute()
+            if group_size:
+                dist.all_reduce(buf, group=groups[group_size])
+        dist.barrier()
+        return (time.perf_counter() - t0) / iters
+
+    samples: dict[str, list] = {}
+    for _ in range(rounds):
+        base = loop(0)
+        for g in groups:
+            samples.setdefault(f"busy_ar_{g}", []).append(loop(g) - base)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def measure(nproc: int) -> dict:
@@ -157,13 +236,28 @@ def measure(nproc: int) -> dict:
     return {k: statistics.median(r[k] for r in gathered) for k in gathered[0]}
 
 
-def tiny_step_config(world: int, run_dir: str, zero: int = 0) -> dict:
-    """A one-layer model whose training step is mostly the framework's fixed cost
+def optimizer_step(numel: int):
+    """One AdamW step (the training's settings on CPU) over ``numel`` float32 parameters."""
+    import torch
+
+    from meshfold.config import TrainConfig
+    from meshfold.train.optim import _adamw_kwargs
+
+    params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    cfg = TrainConfig()
+    opt = torch.optim.AdamW([{"params": params, "weight_decay": cfg.weight_decay}], **_adamw_kwargs(cfg, "cpu"))
+    return opt.step
+
+
+def tiny_step_config(world: int, run_dir: str, zero: int = 0, layers: int = 1) -> dict:
+    """A tiny model whose training step is mostly the framework's fixed cost
     (zero 0: DDP over all ranks; zero 3: FSDP2 over all ranks)."""
     from meshfold.testing import tiny_config
 
     parallel = {"dp_replicate": world, "dp_shard": 1, "zero": 0} if zero == 0 else {"dp_shard": world, "zero": zero}
-    return tiny_config(run_dir, model={"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "seq_len": 16},
+    return tiny_config(run_dir, model={"dim": 16, "n_layers": layers, "n_heads": 2, "n_kv_heads": 1, "seq_len": 16},
                        parallel=parallel,
                        train={"global_batch": world, "dtype": "float32", "steps": 1000})
 
@@ -197,35 +291,71 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
         peak, half = f2 / t2, 0.0
     n = nproc
     a_small, a_big, size = r["ar_8"], r[f"ar_{4 << 20}"], float(4 << 20)
-    alpha = a_small / max(1, 2 * (n - 1)) if n > 1 else 1e-4
-    beta = (2 * (n - 1) / n * size) / max(1e-9, a_big - 2 * (n - 1) * alpha) if n > 1 else 1e9
+    idle_alpha = a_small / max(1, 2 * (n - 1)) if n > 1 else 1e-4
+    # beta from the idle all-reduces (the same conditions as the alpha it subtracts)
+    beta = (2 * (n - 1) / n * size) / max(1e-9, a_big - 2 * (n - 1) * idle_alpha) if n > 1 else 1e9
+    alpha, call = busy_alpha_and_call(n, r) if n > 1 else (idle_alpha, 0.0)
+    tile_us = max(0.0, r[f"tiled_attention_{BLOCK_SEQ // 8}"] - r[f"tiled_attention_{BLOCK_SEQ}"]) / 35 * 1e6
+    # the cost model's optimizer pass moves 2 (param + grad + states) bytes per parameter
+    optimizer_GBps = 2 * (4 + 4 + 8) * (1 << 20) / r["optimizer_step_1m"] / 1e9
+    # a layer inside a real step: its block (the tiny block is nearly all overhead) plus
+    # what the step adds per layer, never less than the block alone
+    per_layer = max(overhead, (r["tiny_step_z0_l3"] - r["tiny_step_z0"]) / 2)
     device = Device("cpu-calibrated", peak_tflops=peak / 1e12, memory_gib=24.0 / max(1, n),
-                    hbm_GBps=r["bandwidth"] / 1e9, matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3,
-                    layer_overhead_us=overhead * 1e6)
+                    hbm_GBps=optimizer_GBps, matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3,
+                    layer_overhead_us=per_layer * 1e6, attention_tile_us=tile_us)
     # elementwise work is inside the measured block times already: no separate term
     cluster = Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
-                   inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
-                   overlap=0.0, elementwise_traffic=0.0, host_cores=os.cpu_count() or 1)
+                      inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
+                      overlap=0.0, elementwise_traffic=0.0, host_cores=os.cpu_count() or 1,
+                      collective_overhead_us=call * 1e6, in_step_alpha_us=idle_alpha * 1e6)
     # what the model does not explain of a real one-layer training step is fixed per step
     from meshfold.config import from_dict
     from meshfold.planner.cli import layout_from_config, workload_from_config
     from meshfold.planner.cost import CostModel
 
-    def predict(zero: int, overhead_us: float) -> float:
+    def predict(zero: int, fsdp_us: float) -> float:
         cfg = from_dict(tiny_step_config(n, "unused", zero))
-        c = replace(cluster, collective_overhead_us=overhead_us)
+        c = replace(cluster, fsdp_overhead_us=fsdp_us)
         return CostModel(workload_from_config(cfg, c), c).estimate(layout_from_config(cfg, n)).step_time_s
 
-    if n > 1:  # predicted time is linear in the per-call cost: solve for it from FSDP - DDP
-        calls = (predict(3, 1.0) - predict(3, 0.0)) - (predict(0, 1.0) - predict(0, 0.0))  # seconds per us
+    if n > 1:  # predicted time is linear in FSDP's per-call cost: solve for it from FSDP - DDP
+        calls = predict(3, 1.0) - predict(3, 0.0)  # seconds per us
         excess = (r["tiny_step_z3"] - r["tiny_step_z0"]) - (predict(3, 0.0) - predict(0, 0.0))
-        cluster = replace(cluster, collective_overhead_us=max(0.0, excess / calls) if calls > 0 else 0.0)
-    predicted = predict(0, cluster.collective_overhead_us)
+        cluster = replace(cluster, fsdp_overhead_us=max(0.0, excess / calls) if calls > 0 else 0.0)
+    predicted = predict(0, cluster.fsdp_overhead_us)
     return replace(cluster, step_overhead_s=max(0.0, r["tiny_step_z0"] - predicted))
 
 
+def busy_alpha_and_call(n: int, r: dict) -> tuple[float, float]:
+    """(per-hop latency, per-call cost) in seconds from the busy all-reduces: a ring
+    all-reduce over g ranks takes 2(g-1) hops, so t(g) = call + 2(g-1) alpha, fitted by
+    least squares over the group sizes measured. With one size (n = 2) the call cost
+    cannot be told apart and is taken as 0."""
+    import numpy as np
+
+    sizes = sorted(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("busy_ar_"))
+    hops = np.array([2.0 * (g - 1) for g in sizes])
+    t = np.array([max(0.0, r[f"busy_ar_{g}"]) for g in sizes])
+    if len(sizes) == 1:
+        return float(t[0] / hops[0]), 0.0
+    alpha, call = np.polyfit(hops, t, 1)
+    if call < 0:  # no per-call cost: a line through the origin
+        return float((hops @ t) / (hops @ hops)), 0.0
+    return max(0.0, float(alpha)), float(call)
+
+
+def measurements_path(cluster_path: str | Path) -> Path:
+    """Where ``calibrate`` keeps the raw measurements behind a cluster file."""
+    return Path(cluster_path).with_suffix(".measurements.json")
+
+
 def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = None) -> tuple[Cluster, dict]:
+    """Measure, solve, and write the cluster file (and its raw measurements beside it, so
+    the cluster can be re-derived from them by ``cluster_from_measurements``)."""
     r = measure(nproc)
+    measurements_path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    measurements_path(out_path).write_text(json.dumps({"nproc": nproc, "measurements": r}, indent=1))
     cluster = cluster_from_measurements(nproc, r)
     if step_overhead_s is not None:
         cluster = replace(cluster, step_overhead_s=step_overhead_s)

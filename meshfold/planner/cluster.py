@@ -48,6 +48,9 @@ class Device:
     # Fixed time per transformer layer per micro-batch (forward + backward): kernel
     # launches on GPUs, Python/ATen dispatch on CPU, where it dominates tiny models.
     layer_overhead_us: float = 30.0
+    # Fixed time per tile of the tiled attention that context parallelism runs (forward +
+    # backward, beyond its FLOPs): its few dozen small ops per tile. 0 = negligible.
+    attention_tile_us: float = 0.0
 
 
 # Data-sheet numbers (dense, no sparsity). matmul_eff from vendor GEMM benchmarks.
@@ -94,9 +97,16 @@ class Cluster:
     # waiting process frees its core for the others, so the step is bounded by the total
     # work over the cores as well as by the critical path (see cost.py).
     host_cores: int = 0
-    # Software cost of issuing one collective beyond the alpha of its hops (Python, FSDP
-    # copy-in/out, DTensor bookkeeping): small on GPUs, large for gloo on a busy CPU.
+    # Software cost of issuing one collective beyond the alpha of its hops (Python and
+    # the library's bookkeeping): small on GPUs, large for gloo on a busy CPU.
     collective_overhead_us: float = 0.0
+    # Extra cost of each FSDP2 (ZeRO-2/3) collective on top of that: its pre/post hooks
+    # and the copy-in/copy-out of the flat buffers.
+    fsdp_overhead_us: float = 0.0
+    # Hop latency for collectives whose ranks are already in step (the loss, token-count
+    # and grad-norm reductions at the step's edges); 0 = the link's alpha. On a shared CPU
+    # a hop after a compute segment waits for a busy core, one after a collective does not.
+    in_step_alpha_us: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -183,10 +193,11 @@ _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": 
            "intra_node_GBps": float, "inter_node_GBps": float, "intra_node_alpha_us": float,
            "inter_node_alpha_us": float, "inter_group_GBps": float, "inter_group_alpha_us": float,
            "overlap": float, "elementwise_traffic": float, "step_overhead_s": float, "preset": str,
-           "host_cores": int, "collective_overhead_us": float,
+           "host_cores": int, "collective_overhead_us": float, "fsdp_overhead_us": float,
+           "in_step_alpha_us": float, "attention_tile_us": float,
            "name": str, "node_groups": list}
 _DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
-                "layer_overhead_us")
+                "layer_overhead_us", "attention_tile_us")
 _POSITIVE = ("nodes", "devices_per_node", "peak_tflops", "memory_gib", "hbm_GBps", "intra_node_GBps",
              "inter_node_GBps")
 
@@ -324,9 +335,11 @@ def cluster_to_toml(c: Cluster) -> str:
              f"peak_tflops = {d.peak_tflops!r}", f"memory_gib = {d.memory_gib!r}", f"hbm_GBps = {d.hbm_GBps!r}",
              f"matmul_eff = {d.matmul_eff!r}", f"matmul_half_width = {d.matmul_half_width!r}",
              f"reserved_gib = {d.reserved_gib!r}", f"layer_overhead_us = {d.layer_overhead_us!r}",
+             f"attention_tile_us = {d.attention_tile_us!r}",
              f"intra_node_GBps = {c.intra_node_GBps!r}", f"inter_node_GBps = {c.inter_node_GBps!r}",
              f"intra_node_alpha_us = {c.intra_node_alpha_us!r}", f"inter_node_alpha_us = {c.inter_node_alpha_us!r}",
              f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",
              f"step_overhead_s = {c.step_overhead_s!r}", f"host_cores = {c.host_cores!r}",
-             f"collective_overhead_us = {c.collective_overhead_us!r}"]
+             f"collective_overhead_us = {c.collective_overhead_us!r}",
+             f"fsdp_overhead_us = {c.fsdp_overhead_us!r}", f"in_step_alpha_us = {c.in_step_alpha_us!r}"]
     return "\n".join(lines) + "\n"

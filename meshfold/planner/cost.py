@@ -26,8 +26,11 @@ DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation
 }
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
+# Sequential message hops (alpha terms) of each collective. An all-to-all posts every
+# pairwise exchange at once, so its latency grows slowly with the group: ceil(log2 n)
+# (gloo on this host, 64 KB: 2 ranks 1.2 ms, 4 ranks 1.5, 8 ranks 2.5, at ~1 ms a hop).
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
-         "all_to_all": lambda n: n - 1, "send": lambda n: 1}
+         "all_to_all": lambda n: math.ceil(math.log2(n)), "send": lambda n: 1}
 
 
 @dataclass(frozen=True)
@@ -205,12 +208,26 @@ def matmul_efficiency(cluster: Cluster, width: float) -> float:
     return d.matmul_eff * width / (width + d.matmul_half_width)
 
 
-def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int) -> float:
-    """alpha-beta time of one collective over a group of n ranks ``stride`` apart."""
+def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int,
+                    in_step: bool = False) -> float:
+    """alpha-beta time of one collective over a group of n ranks ``stride`` apart.
+    ``in_step``: the ranks arrive in step (right after another collective), so its hops
+    cost the cluster's ``in_step_alpha_us`` where set."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
     alpha, beta = cluster.link(stride, n)
+    if in_step and cluster.in_step_alpha_us > 0:
+        alpha = cluster.in_step_alpha_us * 1e-6
     return STEPS[op](n) * alpha + RING[op](n) * size_bytes / beta
+
+
+def attention_tiles_per_rank(cp: int, ring: int) -> float:
+    """Visible (query, key) tiles one rank computes per layer in the tiled attention that
+    context parallelism runs: tiles of seq / (2 max(cp, 4)) tokens (the rule in
+    ``parallel/context.py``), so T = 2 max(cp, 4) per side, T (T + 1) / 2 under the causal
+    mask, split over the ``ring`` members (Ulysses ranks each see every tile)."""
+    t = 2 * max(cp, 4)
+    return t * (t + 1) / 2 / ring
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -281,12 +298,17 @@ class CostModel:
             # per layer: K,V forward (cp-1 hops); backward K,V again (cp-1) and dK,dV,
             # which travel the whole ring back to their owner (cp hops)
             cp_sent = (3 * cp - 2) * kv
+        # the tiled attention's fixed cost per tile (a third forward, two thirds backward)
+        tile_t = 0.0
+        if cp > 1:
+            ring = 1 if cp_mode == "ulysses" else cp
+            tile_t = attention_tiles_per_rank(cp, ring) * c.device.attention_tile_us * 1e-6
         out = {}
         for moe in set(self.kinds):
             ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
             ffn_total = ffn_params(m, 0 if not moe else self.kinds.index(True))
             fwd_c = (2 * (attn_p + ffn_active) / tp * tokens + attn_core) / (peak * eff)
-            fwd = fwd_c + elementwise_fwd + 2 * tp_ar + cp_fwd + overhead / 3
+            fwd = fwd_c + elementwise_fwd + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
             if recompute == "full":
                 rec = fwd
             elif recompute == "selective":
@@ -294,7 +316,7 @@ class CostModel:
             else:
                 rec = 0.0
             bwd = (2 * fwd_c + 2 * elementwise_fwd + (2 + (1.0 if sp else 0.0)) * tp_ar + 2 * cp_fwd + rec
-                   + 2 * overhead / 3)
+                   + 2 * (overhead + tile_t) / 3)
             ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
@@ -435,8 +457,8 @@ class CostModel:
             hide = c.overlap * (t_f + t_b)
             # issuing the collectives is work on the issuing rank, never hidden
             calls = (stage_layers[0] + 1) * (gathers + 1 + (1 if n_rep > 1 else 0))
-            dp_exposed = n_micro * (max(t_mb - hide, t_mb / (stage_layers[0] + 1))
-                                    + calls * c.collective_overhead_us * 1e-6)
+            per_call = (c.collective_overhead_us + c.fsdp_overhead_us) * 1e-6
+            dp_exposed = n_micro * (max(t_mb - hide, t_mb / (stage_layers[0] + 1)) + calls * per_call)
             del root_max
         elif n_all > 1:
             # DDP: all-reduce of the gradients in 25 MB buckets during the last
@@ -472,7 +494,7 @@ class CostModel:
         shards = n_shard if L.zero >= 1 else 1
         opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
         # loss, token count and grad-norm all-reduces over everyone: latency-bound
-        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1) if L.world > 1 else 0.0
+        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1, in_step=True)
         step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
 
         time = {
@@ -535,7 +557,7 @@ class CostModel:
         P = (sum(kinds[k][2] for k in self.kinds) + T["emb"]) / L.pp  # average stage's parameters
         n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
         opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.hbm
-        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1) if L.world > 1 else 0.0
+        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1, in_step=True)
         dp = 0.0
         if n_all > 1:
             t_ar = collective_time(c, "all_reduce", P * gb, n_all, L.tp)
