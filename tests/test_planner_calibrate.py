@@ -27,7 +27,7 @@ from meshfold.models.presets import preset
 def synthetic_measurements(n: int, alpha: float, call: float, sizes=(2, 4)) -> dict:
     """Measurements as a host with these busy-hop and per-call costs would give them."""
     r = {"block_16": 1.5e-3, "block_64": 6e-3, "block_256": 3e-2, "optimizer_step_1m": 2e-3,
-         "tiny_step_z0_l3": 0.03 + 2 * 2e-3,
+         "tiny_step_z0_l3": 0.03 + 2 * 2e-3, "tiny_step_pp2": 0.1,
          "tiled_attention_64": 1.6e-3, "tiled_attention_8": 1.6e-3 + 35 * 5e-4,
          "ar_8": 2 * (n - 1) * 5e-5, "ar_4194304": 6e-3, "tiny_step_z0": 0.03, "tiny_step_z3": 0.08}
     for g in [s for s in sizes if s < n and n % s == 0] + [n]:
@@ -56,8 +56,8 @@ def test_busy_fit_never_returns_a_negative_call_cost():
     assert call == 0.0 and alpha > 0
 
 
-def _tiny_prediction(cluster, n, zero):
-    cfg = from_dict(tiny_step_config(n, "unused", zero))
+def _tiny_prediction(cluster, n, zero, layers=1, pp=1):
+    cfg = from_dict(tiny_step_config(n, "unused", zero, layers, pp))
     return CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, n)).step_time_s
 
 
@@ -76,6 +76,9 @@ def test_cluster_from_measurements_round_trips_through_the_cost_model(n):
     assert _tiny_prediction(c, n, 0) == pytest.approx(r["tiny_step_z0"], rel=1e-9)
     assert c.fsdp_overhead_us > 0
     assert _tiny_prediction(c, n, 3) == pytest.approx(r["tiny_step_z3"], rel=1e-9)
+    # and the pipeline step too (the executor's per-operation cost absorbs the difference)
+    assert c.pipeline_op_us > 0
+    assert _tiny_prediction(c, n, 0, layers=2, pp=2) == pytest.approx(r["tiny_step_pp2"], rel=1e-9)
     # a layer costs what it adds to a real step; the optimizer pass takes what it measured
     assert c.device.layer_overhead_us == pytest.approx(2e-3 * 1e6)
     assert c.device.hbm_GBps == pytest.approx(32 * (1 << 20) / 2e-3 / 1e9)
@@ -119,6 +122,6 @@ def test_calibrate_two_gloo_processes(tmp_path):
     assert loaded.host_cores >= 1 and loaded.devices_per_node == 2
     saved = json.loads(measurements_path(out).read_text())
     assert saved["nproc"] == 2 and saved["measurements"] == pytest.approx(r)
-    assert f"tiled_attention_{BLOCK_SEQ // 8}" in r and "busy_ar_2" in r
+    assert f"tiled_attention_{BLOCK_SEQ // 8}" in r and "busy_ar_2" in r and "tiny_step_pp2" in r
     # re-deriving from the saved measurements gives the same cluster
     assert same_cluster(cluster_from_measurements(2, saved["measurements"]), cluster)

@@ -18,7 +18,8 @@ the cores, so every number is measured with all N busy):
   dispatch plus the step's per-layer hooks, optimizer and clipping work); the same step with
   FSDP2 (ZeRO-3) prices FSDP's own work per collective (hooks, copy-in/out): the measured
   FSDP - DDP difference beyond the predicted one, over FSDP's collective calls
-  (-> ``fsdp_overhead_us``);
+  (-> ``fsdp_overhead_us``); and a two-stage 1F1B pipeline, whose time beyond the
+  prediction is the schedule executor's fixed work per stage operation (-> ``pipeline_op_us``);
 - links: all-reduce time at 8 bytes and at 4 MiB over all N idle ranks, solved for the
   alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_GBps``, and the
   idle alpha as ``in_step_alpha_us``, for reductions whose ranks arrive in step); and a
@@ -132,10 +133,14 @@ def _measure(rank: int, world: int, port: int, out) -> None:
 
     # DDP, then FSDP2 (the difference prices FSDP's collectives), then DDP with more
     # layers (what a layer costs inside a real step beyond its block: hooks, optimizer and
-    # clipping per tensor, autograd bookkeeping)
-    for key, zero, layers in (("tiny_step_z0", 0, 1), ("tiny_step_z3", 3, 1), ("tiny_step_z0_l3", 0, 3)):
+    # clipping per tensor, autograd bookkeeping), then a two-stage pipeline (what the
+    # schedule executor adds per stage operation)
+    probes = [("tiny_step_z0", 0, 1, 1), ("tiny_step_z3", 3, 1, 1), ("tiny_step_z0_l3", 0, 3, 1)]
+    if world % 2 == 0:
+        probes.append(("tiny_step_pp2", 0, 2, 2))
+    for key, zero, layers, pp in probes:
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero, layers)))
+            trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero, layers, pp)))
             res[key] = fixed_reps(trainer.train_step, 12)
             del trainer
     # all-reduce over everyone: latency and bandwidth
@@ -251,15 +256,20 @@ def optimizer_step(numel: int):
     return opt.step
 
 
-def tiny_step_config(world: int, run_dir: str, zero: int = 0, layers: int = 1) -> dict:
-    """A tiny model whose training step is mostly the framework's fixed cost
-    (zero 0: DDP over all ranks; zero 3: FSDP2 over all ranks)."""
+def tiny_step_config(world: int, run_dir: str, zero: int = 0, layers: int = 1, pp: int = 1) -> dict:
+    """A tiny model whose training step is mostly the framework's fixed cost (zero 0: DDP
+    over all ranks; zero 3: FSDP2 over all ranks; pp 2: DDP over world/2 two-stage
+    pipelines, 1F1B over 4 micro-batches)."""
     from meshfold.testing import tiny_config
 
     parallel = {"dp_replicate": world, "dp_shard": 1, "zero": 0} if zero == 0 else {"dp_shard": world, "zero": zero}
+    train = {"global_batch": world, "dtype": "float32", "steps": 1000}
+    if pp > 1:
+        parallel = {"pp": pp, "dp_replicate": world // pp, "dp_shard": 1, "zero": 0, "pp_schedule": "1f1b",
+                    "pp_microbatches": 4}
+        train.update(global_batch=4 * (world // pp), micro_batch=1)
     return tiny_config(run_dir, model={"dim": 16, "n_layers": layers, "n_heads": 2, "n_kv_heads": 1, "seq_len": 16},
-                       parallel=parallel,
-                       train={"global_batch": world, "dtype": "float32", "steps": 1000})
+                       parallel=parallel, train=train)
 
 
 def block_flops(dim: int) -> float:
@@ -324,7 +334,21 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
         excess = (r["tiny_step_z3"] - r["tiny_step_z0"]) - (predict(3, 0.0) - predict(0, 0.0))
         cluster = replace(cluster, fsdp_overhead_us=max(0.0, excess / calls) if calls > 0 else 0.0)
     predicted = predict(0, cluster.fsdp_overhead_us)
-    return replace(cluster, step_overhead_s=max(0.0, r["tiny_step_z0"] - predicted))
+    cluster = replace(cluster, step_overhead_s=max(0.0, r["tiny_step_z0"] - predicted))
+    if "tiny_step_pp2" in r:  # the executor's cost per stage operation: what the pipeline step leaves
+        cfg = from_dict(tiny_step_config(n, "unused", 0, 2, 2))
+
+        def predict_pp(op_us: float) -> float:
+            c = replace(cluster, pipeline_op_us=op_us)
+            return CostModel(workload_from_config(cfg, c), c).estimate(layout_from_config(cfg, n)).step_time_s
+
+        lo, hi = 0.0, 1e6  # the prediction grows with the op cost: bisect
+        if predict_pp(lo) < r["tiny_step_pp2"]:
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if predict_pp(mid) < r["tiny_step_pp2"] else (lo, mid)
+        cluster = replace(cluster, pipeline_op_us=lo)
+    return cluster
 
 
 def busy_alpha_and_call(n: int, r: dict) -> tuple[float, float]:

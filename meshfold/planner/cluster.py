@@ -107,6 +107,10 @@ class Cluster:
     # and grad-norm reductions at the step's edges); 0 = the link's alpha. On a shared CPU
     # a hop after a compute segment waits for a busy core, one after a collective does not.
     in_step_alpha_us: float = 0.0
+    # Fixed cost of one pipeline-stage operation (a micro-batch's forward or backward on a
+    # stage, with its send and receive) beyond compute and the message itself: the
+    # schedule executor's own work. 0 = negligible.
+    pipeline_op_us: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -194,7 +198,7 @@ _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": 
            "inter_node_alpha_us": float, "inter_group_GBps": float, "inter_group_alpha_us": float,
            "overlap": float, "elementwise_traffic": float, "step_overhead_s": float, "preset": str,
            "host_cores": int, "collective_overhead_us": float, "fsdp_overhead_us": float,
-           "in_step_alpha_us": float, "attention_tile_us": float,
+           "in_step_alpha_us": float, "attention_tile_us": float, "pipeline_op_us": float,
            "name": str, "node_groups": list}
 _DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
                 "layer_overhead_us", "attention_tile_us")
@@ -341,5 +345,6 @@ def cluster_to_toml(c: Cluster) -> str:
              f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",
              f"step_overhead_s = {c.step_overhead_s!r}", f"host_cores = {c.host_cores!r}",
              f"collective_overhead_us = {c.collective_overhead_us!r}",
-             f"fsdp_overhead_us = {c.fsdp_overhead_us!r}", f"in_step_alpha_us = {c.in_step_alpha_us!r}"]
+             f"fsdp_overhead_us = {c.fsdp_overhead_us!r}", f"in_step_alpha_us = {c.in_step_alpha_us!r}",
+             f"pipeline_op_us = {c.pipeline_op_us!r}"]
     return "\n".join(lines) + "\n"

@@ -410,9 +410,10 @@ class CostModel:
         # FSDP shards over (dp_shard, cp) flattened: stride tp; replicas stride tp*cp*dp_shard
         st_dps, st_dpr, st_pp = tp, tp * cp * L.dp_shard, tp * cp * dp
 
-        if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans
+        if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans,
+            # and the executor's fixed work around each stage operation
             alpha, beta = c.link(st_pp, pp)
-            p2p = alpha + T["p2p_bytes"] / beta
+            p2p = alpha + T["p2p_bytes"] / beta + c.pipeline_op_us * 1e-6
         else:
             p2p = 0.0
         stages = self.stage_kinds(pp, v)
