@@ -377,7 +377,7 @@ def plot(args) -> None:
         ax.set_xscale("log")
         ax.set_xlabel(f"seconds of training over {data['rate_mbit']:g} Mbit/s links")
         ax.set_ylabel(f"training loss ({k}-step mean)")
-        ax.set_title("loss vs wall-clock (meshfold netlab, 4 nodes)")
+        ax.set_title(f"loss vs wall-clock (meshfold netlab, 4 nodes, DDP {data['steps']} steps)")
         ax.legend()
         fig.tight_layout()
         name = "lowcomm_loss_vs_time" + lab.stem[len("lowcomm_netlab"):] + ".png"
