@@ -423,3 +423,22 @@ def test_codec_state_restores_exactly(compression, tmp_path):
         assert fl == rl, (fl, rl)
         for n, v in fp.items():
             assert torch.equal(rp[n], v), n
+
+
+def _evaluate_untrained(cfg_dict: dict) -> float:
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    return Trainer(from_dict(cfg_dict)).evaluate()
+
+
+def test_validation_set_is_the_same_for_workers_and_one_process(tmp_path):
+    """Before training every worker holds the same (name-seeded) model, so each must score
+    exactly what one process scores with the run's whole batch: the same held-out sequences."""
+    data = {"max_docs": 40, "val_docs": 8}
+    single = _evaluate_untrained(tiny_config(str(tmp_path / "one"), data=data, train={"global_batch": 8}))
+    per_worker = run_on(2, _evaluate_untrained, tiny_config(str(tmp_path / "w"), data=data,
+                                                             lowcomm=_lc("diloco"), train={"global_batch": 4}))
+    assert single is not None
+    for got in per_worker:
+        assert got == pytest.approx(single, rel=1e-12)

@@ -245,7 +245,11 @@ class Trainer:
             return None
         t = self.cfg.train
         self.model.eval()
-        sampler = GlobalBatchSampler(len(self.data.val), min(t.global_batch, len(self.data.val)), seed=12345)
+        # The same held-out sequences whatever the layout: a batch of what one optimizer step
+        # of the whole run sees (global_batch per worker x workers), every worker scoring
+        # its own model on all of them.
+        size = min(t.global_batch * self.dims.size("worker"), len(self.data.val))
+        sampler = GlobalBatchSampler(len(self.data.val), size, seed=12345)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(t.eval_batches):
