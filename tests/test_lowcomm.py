@@ -290,15 +290,21 @@ def _assert_same_trajectory_per_worker(runs, single):
             torch.testing.assert_close(r["params"][n], v, rtol=1e-9, atol=1e-11, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def _single_and_inner_layout(tmp_path, parallel: dict, steps: int) -> tuple[list, list]:
+    """DiLoCo with 2 workers of 1 rank, and the same run with ``parallel`` inside each
+    worker (4 ranks): every rank's results."""
+    base = tiny_config(str(tmp_path / "a"), lowcomm=_lc("diloco"), train={"steps": steps})
+    single = run_on(2, _train_all_ranks, base)
+    inner = copy.deepcopy(base)
+    inner["parallel"] = parallel
+    inner["train"]["run_dir"] = str(tmp_path / "b")
+    return single, run_on(4, _train_all_ranks, inner)
+
+
 def test_diloco_with_fsdp_inside_workers_matches_single_rank_workers(tmp_path):
     """2 workers x (FSDP zero-3 over 2 ranks) must follow exactly the trajectory of 2
     workers x 1 rank: the outer all-reduce works on shards, rank i of each worker."""
-    base = tiny_config(str(tmp_path / "a"), lowcomm=_lc("diloco"), train={"steps": 5})
-    single = run_on(2, _train_all_ranks, base)
-    fsdp_cfg = copy.deepcopy(base)
-    fsdp_cfg["parallel"] = {"dp_shard": 2, "zero": 3}
-    fsdp_cfg["train"]["run_dir"] = str(tmp_path / "b")
-    fsdp = run_on(4, _train_all_ranks, fsdp_cfg)
+    single, fsdp = _single_and_inner_layout(tmp_path, {"dp_shard": 2, "zero": 3}, steps=5)
     _assert_same_trajectory_per_worker(fsdp, single)
     # after the last outer step (step 4 of 5 -> one inner step since): workers differ only by that step,
     # and at step 4 both were identical: check the outer bytes were recorded on the worker dim
@@ -310,12 +316,7 @@ def test_diloco_with_fsdp_inside_workers_matches_single_rank_workers(tmp_path):
 def test_diloco_with_tensor_parallel_inside_workers_matches_single_rank_workers(tmp_path):
     """2 workers x (TP-2): the outer step exchanges each rank's TP slice with the same slice
     of the other worker; the trajectory equals 2 workers x 1 rank (float64, 1e-9)."""
-    base = tiny_config(str(tmp_path / "a"), lowcomm=_lc("diloco"), train={"steps": 4})
-    single = run_on(2, _train_all_ranks, base)
-    tp_cfg = copy.deepcopy(base)
-    tp_cfg["parallel"] = {"dp_shard": 1, "tp": 2}
-    tp_cfg["train"]["run_dir"] = str(tmp_path / "b")
-    tp = run_on(4, _train_all_ranks, tp_cfg)
+    single, tp = _single_and_inner_layout(tmp_path, {"dp_shard": 1, "tp": 2}, steps=4)
     _assert_same_trajectory_per_worker(tp, single)
 
 

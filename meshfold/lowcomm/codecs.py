@@ -96,6 +96,14 @@ def fp4_bytes(numel: int, block: int = FP4_BLOCK) -> int:
     return numel // 2 + 4 * (numel // block)
 
 
+def _padded_chunks(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """``x`` as float64, zero-padded to n equal chunks of whole FP4 blocks; the chunk length."""
+    unit = FP4_BLOCK * n
+    padded = torch.zeros(unit * math.ceil(x.numel() / unit), dtype=torch.float64)
+    padded[:x.numel()] = x.double()
+    return padded, padded.numel() // n
+
+
 def fp4_all_reduce_mean(x: torch.Tensor, group, dim: str | None = "outer") -> torch.Tensor:
     """Mean of ``x`` (1-D, any float dtype) over ``group`` with only 4-bit data on the wire.
 
@@ -107,10 +115,7 @@ def fp4_all_reduce_mean(x: torch.Tensor, group, dim: str | None = "outer") -> to
     if n == 1:
         return x.clone()
     numel = x.numel()
-    unit = FP4_BLOCK * n
-    padded = torch.zeros(unit * math.ceil(numel / unit), dtype=torch.float64)
-    padded[:numel] = x.double()
-    chunk = padded.numel() // n
+    padded, chunk = _padded_chunks(x, n)
     codes, scales = fp4_quantize(padded)
     recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
     dist.all_to_all_single(recv_codes, codes, group=group)
@@ -171,10 +176,7 @@ def fp4_deflate_all_reduce_mean(x: torch.Tensor, group) -> tuple[torch.Tensor, i
         return x.clone(), 0
     me = dist.get_rank(group)
     numel = x.numel()
-    unit = FP4_BLOCK * n
-    padded = torch.zeros(unit * math.ceil(numel / unit), dtype=torch.float64)
-    padded[:numel] = x.double()
-    chunk = padded.numel() // n
+    padded, chunk = _padded_chunks(x, n)
     cb, sb = chunk // 2, chunk // FP4_BLOCK
     codes, scales = fp4_quantize(padded)
     # Reduce-scatter phase: rank j gets chunk j of everyone's codes (deflated) and scales.

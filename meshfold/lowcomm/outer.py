@@ -28,6 +28,15 @@ from meshfold.config import LowCommConfig
 from meshfold.lowcomm.codecs import FP4_BLOCK, fp4_all_reduce_mean, fp4_bytes, fp4_deflate_all_reduce_mean
 
 
+def _record_coded(result):
+    """The mean of an outer exchange; a deflate-coded one comes as (mean, bytes this rank
+    sent), known only once coded, so its bytes are recorded here."""
+    if isinstance(result, tuple):
+        result, sent = result
+        ledger().add_sent("outer", sent)
+    return result
+
+
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores for ``p`` (its FSDP/TP shard for a DTensor)."""
     return p.to_local() if hasattr(p, "to_local") else p.data
@@ -216,10 +225,7 @@ class StreamingDiLoCo(OuterOptimizer):
         return out
 
     def apply(self, p: int, result, mix: bool = True) -> None:
-        delta = result.result() if isinstance(result, Future) else result
-        if isinstance(delta, tuple):  # deflate coding: (mean, bytes this rank sent)
-            delta, sent = delta
-            ledger().add_sent("outer", sent)
+        delta = _record_coded(result.result() if isinstance(result, Future) else result)
         del self.pending[p]
         self.nesterov(p, delta)
         alpha = self.lc.mixing if mix else 0.0
@@ -235,11 +241,7 @@ class StreamingDiLoCo(OuterOptimizer):
         # Keep the schedule: wait for the results, store them with their due step.
         for p, (due, result) in list(self.pending.items()):
             if isinstance(result, Future):
-                result = result.result()
-                if isinstance(result, tuple):  # deflate: record the bytes now, keep the mean
-                    result, sent = result
-                    ledger().add_sent("outer", sent)
-                self.pending[p] = (due, result)
+                self.pending[p] = (due, _record_coded(result.result()))
 
     def extra_state(self) -> dict:
         return {"pending": {p: (due, r.clone()) for p, (due, r) in self.pending.items()}}

@@ -95,8 +95,8 @@ def _measure(rank: int, world: int, port: int, out) -> None:
         return _timeit(fn)
 
     # Compute: forward+backward of one real transformer block at three widths, all ranks
-    # at once. The tiny one is pure dispatch cost (-> layer overhead); the other two fix
-    # the rate and how it falls off at small widths (-> peak, half width).
+    # at once. The tiny one is pure dispatch cost; the other two, less that cost, fix the
+    # rate and how it falls off at small widths (-> peak, half width).
     steps = {}
     for dim in BLOCK_DIMS:
         torch.manual_seed(0)
@@ -114,8 +114,8 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     # Latency of a collective while the ranks are busy computing, as in training: with
     # more processes than cores a woken rank waits for a core (the scheduler's wake-up
     # granularity, ~1 ms here, not the ~50 us of an idle host), once per sequential hop.
-    # A small all-reduce between blocks over pairs and over everyone, minus the blocks
-    # alone; the two group sizes separate the per-hop latency from a per-call cost.
+    # A small all-reduce between blocks over groups of 2, 4 and everyone, minus the blocks
+    # alone; the group sizes separate the per-hop latency from a per-call cost.
     res.update(busy_collective_costs(world, rank, steps[BLOCK_DIMS[1]]))
     # The tiled attention that context parallelism runs: the same attention as one tile
     # and as 36 visible tiles; the difference is the fixed cost of a tile.
@@ -320,14 +320,8 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
                       overlap=0.0, elementwise_traffic=0.0, host_cores=os.cpu_count() or 1,
                       collective_overhead_us=call * 1e6, in_step_alpha_us=idle_alpha * 1e6)
     # what the model does not explain of a real one-layer training step is fixed per step
-    from meshfold.config import from_dict
-    from meshfold.planner.cli import layout_from_config, workload_from_config
-    from meshfold.planner.cost import CostModel
-
     def predict(zero: int, fsdp_us: float) -> float:
-        cfg = from_dict(tiny_step_config(n, "unused", zero))
-        c = replace(cluster, fsdp_overhead_us=fsdp_us)
-        return CostModel(workload_from_config(cfg, c), c).estimate(layout_from_config(cfg, n)).step_time_s
+        return predict_tiny_step(replace(cluster, fsdp_overhead_us=fsdp_us), n, zero)
 
     if n > 1:  # predicted time is linear in FSDP's per-call cost: solve for it from FSDP - DDP
         calls = predict(3, 1.0) - predict(3, 0.0)  # seconds per us
@@ -336,11 +330,8 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
     predicted = predict(0, cluster.fsdp_overhead_us)
     cluster = replace(cluster, step_overhead_s=max(0.0, r["tiny_step_z0"] - predicted))
     if "tiny_step_pp2" in r:  # the executor's cost per stage operation: what the pipeline step leaves
-        cfg = from_dict(tiny_step_config(n, "unused", 0, 2, 2))
-
         def predict_pp(op_us: float) -> float:
-            c = replace(cluster, pipeline_op_us=op_us)
-            return CostModel(workload_from_config(cfg, c), c).estimate(layout_from_config(cfg, n)).step_time_s
+            return predict_tiny_step(replace(cluster, pipeline_op_us=op_us), n, 0, layers=2, pp=2)
 
         lo, hi = 0.0, 1e6  # the prediction grows with the op cost: bisect
         if predict_pp(lo) < r["tiny_step_pp2"]:
@@ -349,6 +340,16 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
                 lo, hi = (mid, hi) if predict_pp(mid) < r["tiny_step_pp2"] else (lo, mid)
         cluster = replace(cluster, pipeline_op_us=lo)
     return cluster
+
+
+def predict_tiny_step(cluster: Cluster, n: int, zero: int, layers: int = 1, pp: int = 1) -> float:
+    """The cost model's step time for one of the tiny calibration steps on ``cluster``."""
+    from meshfold.config import from_dict
+    from meshfold.planner.cli import layout_from_config, workload_from_config
+    from meshfold.planner.cost import CostModel
+
+    cfg = from_dict(tiny_step_config(n, "unused", zero, layers, pp))
+    return CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, n)).step_time_s
 
 
 def busy_alpha_and_call(n: int, r: dict) -> tuple[float, float]:
@@ -378,8 +379,9 @@ def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = 
     """Measure, solve, and write the cluster file (and its raw measurements beside it, so
     the cluster can be re-derived from them by ``cluster_from_measurements``)."""
     r = measure(nproc)
-    measurements_path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    measurements_path(out_path).write_text(json.dumps({"nproc": nproc, "measurements": r}, indent=1))
+    raw = measurements_path(out_path)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps({"nproc": nproc, "measurements": r}, indent=1))
     cluster = cluster_from_measurements(nproc, r)
     if step_overhead_s is not None:
         cluster = replace(cluster, step_overhead_s=step_overhead_s)
