@@ -284,7 +284,28 @@ def test_calibration_fits_positive_costs():
     # Each length alone and several to a row (about 2 x 64 tokens), so b and the
     # per-micro-batch overhead c are separable.
     assert list(zip(fit.lengths, fit.counts)) == [(8, 1), (8, 16), (32, 1), (32, 4), (64, 1), (64, 2)]
-    assert all(s > 0 for s in fit.seconds) and fit.rel_error() >= 0
+    assert all(s > 0 for s in fit.seconds)
+    assert fit.rel_error() == pytest.approx(max(abs(k * (fit.a * l * l + fit.b * l) + fit.c - s) / s
+                                                for l, k, s in zip(fit.lengths, fit.counts, fit.seconds)))
+
+
+def test_cost_fit_recovers_known_costs_and_reports_its_error():
+    """The fit behind calibration: exact on noiseless points, and rel_error is the largest
+    relative miss (one point made 10 % slower than the law moves the fit and shows up)."""
+    from meshfold.data.cost_calibration import fit_cost
+
+    a, b, c = 3e-9, 2e-6, 5e-4
+    lengths = [8, 8, 32, 32, 128, 128]
+    counts = [1, 32, 1, 8, 1, 2]
+    seconds = [k * (a * l * l + b * l) + c for l, k in zip(lengths, counts)]
+    fit = fit_cost(lengths, counts, seconds)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((a, b, c), rel=1e-6)
+    assert fit.rel_error() < 1e-6
+    seconds[4] *= 1.10
+    off = fit_cost(lengths, counts, seconds)
+    assert 0.005 < off.rel_error() < 0.10
+    pred = [k * (off.a * l * l + off.b * l) + off.c for l, k in zip(lengths, counts)]
+    assert off.rel_error() == pytest.approx(max(abs(p - s) / s for p, s in zip(pred, seconds)))
 
 
 def test_per_sequence_context_parallel_matches_one_process(source, tmp_path):

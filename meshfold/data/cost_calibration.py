@@ -59,8 +59,6 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
                  row_tokens: int = 0) -> CostFit:
     """Time micro-batches of ``k`` documents of ``l`` tokens (k = 1 and k*l about
     ``row_tokens``, default 2 * the longest length) and fit time = k (a l^2 + b l) + c."""
-    from scipy.optimize import nnls
-
     from meshfold.models.llama import Transformer, init_weights
     from meshfold.models.varlen_attention import use_varlen_attention
 
@@ -100,14 +98,21 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
         once(l, k)
     # The fastest of a few repeats: the least disturbed by other work on the machine.
     seconds = [min(once(l, k) for _ in range(repeats)) for l, k in zip(lengths, counts)]
+    return fit_cost(lengths, counts, seconds)
+
+
+def fit_cost(lengths: list[int], counts: list[int], seconds: list[float]) -> CostFit:
+    """Non-negative least squares of time = k (a l^2 + b l) + c over the measured points."""
+    from scipy.optimize import nnls
+
     l = np.asarray(lengths, dtype=np.float64)
     k = np.asarray(counts, dtype=np.float64)
-    # time = k (a l^2 + b l) + c. Columns scaled so nnls is well conditioned, then undone.
+    # Columns scaled so nnls is well conditioned, then undone.
     cols = np.stack([k * l * l, k * l, np.ones_like(l)], axis=1)
     norm = cols.max(axis=0)
-    coef, _ = nnls(cols / norm, np.asarray(seconds))
+    coef, _ = nnls(cols / norm, np.asarray(seconds, dtype=np.float64))
     a, b, c = (coef / norm).tolist()
-    return CostFit(a, b, c, list(map(int, lengths)), seconds, list(map(int, counts)))
+    return CostFit(a, b, c, list(map(int, lengths)), list(map(float, seconds)), list(map(int, counts)))
 
 
 def _cache_file(cfg: Config, device: torch.device, dtype: torch.dtype):
