@@ -101,8 +101,6 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
     if ep > 1:  # experts are FSDP-sharded over the data-parallel ranks left after ep
         zeros = [z for z in zeros if z >= 2]
-    if tp > 1 and dpr * dps * cp > 1:  # tp's DTensor parameters compose with FSDP2 only
-        zeros = [z for z in zeros if z >= 2] if dps * cp > 1 else []
     scheds = schedules(w, pp, n_micro, gpipe)
     for zero in zeros:
         for sched, v in scheds:
