@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshfold.config import ModelConfig, ParallelConfig
+from meshfold.config import Config, ModelConfig, ParallelConfig, validate
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
-from meshfold.planner.cluster import GiB, Cluster
+from meshfold.planner.cluster import GiB, Cluster, load_cluster
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
@@ -288,7 +288,26 @@ class CostModel:
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
         self.causal = 0.5 if w.flash else 1.0
+        self.kind_counts = {k: self.kinds.count(k) for k in set(self.kinds)}
+        self._links: dict = {}
         self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * m.n_layers * self.causal)
+
+    def link(self, stride: int, n: int) -> tuple[float, float]:
+        """``Cluster.link``, memoised for this model (the search asks millions of times)."""
+        key = (stride, n)
+        hit = self._links.get(key)
+        if hit is None:
+            hit = self._links[key] = self.c.link(stride, n)
+        return hit
+
+    def ct(self, op: str, size_bytes: float, n: int, stride: int, in_step: bool = False) -> float:
+        """``collective_time`` on this cluster (same formula, memoised links)."""
+        if n <= 1 or size_bytes <= 0:
+            return 0.0
+        alpha, beta = self.link(stride, n)
+        if in_step and self.c.in_step_alpha_us > 0:
+            alpha = self.c.in_step_alpha_us * 1e-6
+        return STEPS[op](n) * alpha + RING[op](n) * size_bytes / beta
 
     # ---- per layer (one micro-batch on one device), by kind (dense / MoE)
     def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str) -> dict:
@@ -314,7 +333,7 @@ class CostModel:
         # bytes) of the b*s*h activations per layer forward, 2 in backward.
         tp_bytes = act * tokens * h
         call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
-        tp_ar = collective_time(c, "all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
+        tp_ar = self.ct("all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
         # Context parallel. Ring: K,V go around (cp-1 hops) forward, K,V and dK,dV
         # backward, each hop hidden behind the attention block it feeds. Ulysses: 4
         # all-to-alls (q, k, v, out) forward, 4 backward.
@@ -322,11 +341,11 @@ class CostModel:
         cp_fwd = cp_sent = 0.0
         if cp > 1 and cp_mode == "ulysses":
             size = act * tokens * h / tp
-            cp_fwd = 4 * (collective_time(c, "all_to_all", size, cp, tp) + call)
+            cp_fwd = 4 * (self.ct("all_to_all", size, cp, tp) + call)
             cp_sent = 8 * RING["all_to_all"](cp) * size  # q, k, v, out: forward and backward
         elif cp > 1:
             kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
-            alpha, beta = c.link(tp, cp)
+            alpha, beta = self.link(tp, cp)
             hop = alpha + kv / beta + call
             cp_fwd = max((cp - 1) * hop - attn_core / (peak * eff), hop)
             # per layer: K,V forward (cp-1 hops); backward K,V again (cp-1) and dK,dV,
@@ -357,7 +376,7 @@ class CostModel:
                 # (top-k copies of each) forward, and their transposes backward, over the
                 # ep ranks (innermost of dp x cp: stride tp)
                 routed = act * tokens * m.moe_topk * h
-                a2a = collective_time(c, "all_to_all", routed, ep, tp) + call
+                a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = 4 * RING["all_to_all"](ep) * routed
             params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
@@ -406,8 +425,8 @@ class CostModel:
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
-                   loss_t=collective_time(c, "all_reduce", loss_bytes / 3, tp, 1),
-                   norm_t=collective_time(c, "all_reduce", norm_bytes, tp, 1) if sp else 0.0,
+                   loss_t=self.ct("all_reduce", loss_bytes / 3, tp, 1),
+                   norm_t=self.ct("all_reduce", norm_bytes, tp, 1) if sp else 0.0,
                    tp_edge_bytes=(loss_bytes + norm_bytes) * RING["all_reduce"](tp) if tp > 1 else 0.0)
         self._layer_cache[key] = hit
         return hit
@@ -474,7 +493,7 @@ class CostModel:
 
         if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans,
             # and the executor's fixed work around each stage operation
-            alpha, beta = c.link(st_pp, pp)
+            alpha, beta = self.link(st_pp, pp)
             p2p = alpha + T["p2p_bytes"] / beta + c.pipeline_op_us * 1e-6
         else:
             p2p = 0.0
@@ -509,9 +528,9 @@ class CostModel:
         if fsdp:
             wg, wr = FSDP_WIRE[w.dtype]
             modules = stage_layers[0] + chunks  # blocks plus each chunk's root
-            t_ag = collective_time(c, "all_gather", Pmax * wg, n_shard, st_dps)
-            t_red = (collective_time(c, "reduce_scatter", Pmax * wr, n_shard, st_dps)
-                     + collective_time(c, "all_reduce", Pmax * wr / n_shard, n_rep, st_dpr))
+            t_ag = self.ct("all_gather", Pmax * wg, n_shard, st_dps)
+            t_red = (self.ct("reduce_scatter", Pmax * wr, n_shard, st_dps)
+                     + self.ct("all_reduce", Pmax * wr / n_shard, n_rep, st_dpr))
             per_call = (c.collective_overhead_us + c.fsdp_overhead_us) * 1e-6
             red_calls = modules * (2 if n_rep > 1 else 1)
 
@@ -531,11 +550,11 @@ class CostModel:
         elif n_all > 1:
             # DDP / manual buckets: all-reduce of the gradients in 25 MB buckets during the
             # last micro-batch's backward; ZeRO-1 then all-gathers the updated shards.
-            t_ar = collective_time(c, "all_reduce", Pmax * gb, n_all, tp)
+            t_ar = self.ct("all_reduce", Pmax * gb, n_all, tp)
             t_z1 = 0.0
             calls = buckets(Pmax * gb)
             if L.zero == 1 and n_shard > 1:
-                t_z1 = collective_time(c, "all_gather", Pmax * pb, n_shard, st_dps)
+                t_z1 = self.ct("all_gather", Pmax * pb, n_shard, st_dps)
                 calls += buckets(Pmax * pb)
             last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
@@ -545,7 +564,7 @@ class CostModel:
         shards = n_shard if L.zero >= 1 else 1
         opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
         # loss, token count and grad-norm all-reduces over everyone: latency-bound
-        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1, in_step=True)
+        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
         step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
 
         time = {
@@ -687,31 +706,82 @@ class CostModel:
         n_micro = w.global_batch // L.dp // L.micro_batch
         kinds = T["kinds"]
         # the slowest stage is at least the average one, whatever the split or schedule
-        t_f = (sum(kinds[k][0] for k in self.kinds) + T["out_fwd"]) / L.pp
-        t_b = (sum(kinds[k][1] for k in self.kinds) + T["out_bwd"]) / L.pp
+        counts = self.kind_counts
+        t_f = (sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"]) / L.pp
+        t_b = (sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"]) / L.pp
         bubble = 0.0
         shared_host = c.host_cores and L.world > c.host_cores
         if L.pp > 1 and not shared_host:  # (on a shared host a bubble can cost nothing)
             bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
-        P = (sum(kinds[k][2] for k in self.kinds) + T["emb"]) / L.pp  # average stage's parameters
+        P = (sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"]) / L.pp  # average stage's parameters
         n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
         opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.hbm
-        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1, in_step=True)
+        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
         dp = 0.0
         if n_all > 1:
-            t_ar = collective_time(c, "all_reduce", P * gb, n_all, L.tp)
+            t_ar = self.ct("all_reduce", P * gb, n_all, L.tp)
             dp = t_ar * min(1.0, BUCKET_BYTES / max(P * gb, 1.0))
             if n_shard > 1:  # FSDP: at least each collective's share of one module, once
                 wg, wr = FSDP_WIRE[w.dtype]
-                t_once = (collective_time(c, "all_gather", P * wg, n_shard, L.tp)
-                          + collective_time(c, "reduce_scatter", P * wr, n_shard, L.tp))
+                t_once = (self.ct("all_gather", P * wg, n_shard, L.tp)
+                          + self.ct("reduce_scatter", P * wr, n_shard, L.tp))
                 dp = min(dp, t_once / (m.n_layers + 4))
-        return n_micro * (t_f + t_b) + bubble + opt + small + dp + c.step_overhead_s
+        # (a hair below: sums grouped by layer kind may round differently from the stage sums)
+        return (n_micro * (t_f + t_b) + bubble + opt + small + dp + c.step_overhead_s) * (1 - 1e-12)
 
 
 def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
     """Predict one layout (see ``CostModel``)."""
     return CostModel(w, cluster).estimate(L)
+
+
+# --------------------------------------------------------------------------- from a config
+
+
+def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
+    """The model and batch of a config, with the numerics the run would use: ``bfloat16``
+    (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs."""
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    dtype = {"bfloat16": "bf16-amp"}.get(dtype, dtype)
+    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu)
+
+
+def layout_from_config(cfg: Config, world: int) -> Layout:
+    """The layout a config runs as on ``world`` devices (validated as ``train`` would)."""
+    cfg = validate(cfg, world)
+    p, t = cfg.parallel, cfg.train
+    local = t.global_batch // p.dp
+    micro = t.micro_batch or local
+    if p.pp > 1:
+        n_micro = p.pp_microbatches or max(p.pp, local // micro)
+        micro = local // n_micro
+    zero = p.zero if (p.dp_shard * p.cp > 1) else 0
+    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
+                  pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
+                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute)
+
+
+def _cuda_available() -> bool:
+    import torch  # only for train.device = auto; the planner itself never needs torch
+
+    return torch.cuda.is_available()
+
+
+def footprint(cfg: Config, world: int, device: str | None = None) -> dict:
+    """The planner's prediction for the layout in ``cfg.parallel`` on ``world`` ranks, in
+    the terms ``meshfold dry-run`` reports for the runtime: per rank (max over ranks)
+    ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_bytes``, and rank 0's
+    ``collectives`` per step, ``{dim: {"count": int, "bytes": float}}`` (see
+    ``CostModel.collectives``; docs/planner.md defines every count). ``device`` (cpu |
+    cuda) decides the numerics as the trainer would; default ``cfg.train.device``. Memory
+    and collectives do not depend on the cluster's speeds."""
+    device = device or cfg.train.device
+    on_gpu = device == "cuda" or (device == "auto" and _cuda_available())
+    cluster = load_cluster("h100" if on_gpu else "cpu", devices=world)
+    est = CostModel(workload_from_config(cfg, on_gpu), cluster).estimate(layout_from_config(cfg, world))
+    return est.footprint()
 
 
 def _matmul_active(m: ModelConfig) -> float:
@@ -729,5 +799,5 @@ def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
 
 
-__all__ = ["Workload", "Layout", "Estimate", "estimate", "model_state_bytes", "layer_activation_bytes",
+__all__ = ["Workload", "Layout", "Estimate", "estimate", "footprint", "workload_from_config", "layout_from_config", "model_state_bytes", "layer_activation_bytes",
            "pipeline_time", "inflight_microbatches", "megatron_flops_per_iteration", "mlp_params"]
