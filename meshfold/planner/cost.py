@@ -400,14 +400,16 @@ class CostModel:
         if tp > 1:
             r_ar, A = RING["all_reduce"](tp), act * tokens * h
             weight_ar = r_ar * pb  # all-reduce of a replicated weight's gradient, per element
+            # Full recompute re-runs the block's forward up to its last saved tensor (torch's
+            # non-reentrant checkpoint stops early), so the MLP's exit is not repeated.
             recomputed = 1 if recompute == "full" else 0
             if sp:  # per block: gathered entry (AG fwd; AG + RS bwd) and exit (RS fwd, AG bwd)
-                calls, sent = 2 * (5 + 2 * recomputed), (5 + 2 * recomputed) * r_ar * A
+                calls, sent = 10 + 3 * recomputed, (5 + 1.5 * recomputed) * r_ar * A
                 norm_calls = 2 if (m.norm == "layernorm" and m.bias) else 1
                 calls += 2 * norm_calls + (2 if m.bias else 0)  # norm weights and wo/w2 biases
                 sent += (2 * norm_calls + (2 if m.bias else 0)) * weight_ar * h
             else:  # f (all-reduce bwd) into, g (all-reduce fwd) out of attention and MLP
-                calls, sent = 4 + 2 * recomputed, (4 + 2 * recomputed) * r_ar * A
+                calls, sent = 4 + recomputed, (4 + recomputed) * r_ar * A
             if m.kv_heads % tp:  # wk, wv replicated: their gradients are summed over tp
                 calls += 2 * (2 if m.bias else 1)
                 sent += 2 * weight_ar * hkv * (h + (1 if m.bias else 0))
@@ -421,7 +423,7 @@ class CostModel:
             else:
                 tp_last = (1 + loss[0], r_ar * A + loss[1])
         hit = dict(kinds=out, out_fwd=out_fwd, out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
-                   tp_layer=tp_layer, tp_first=tp_first, tp_last=tp_last,
+                   tp_layer=tp_layer, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
@@ -456,7 +458,7 @@ class CostModel:
         for st, counts in enumerate(stages):
             f = sum(kinds[k][0] * n for k, n in counts.items())
             bw = sum(kinds[k][1] * n for k, n in counts.items())
-            params = sum(kinds[k][2] * n for k, n in counts.items()) + m.dim
+            params = sum(kinds[k][2] * n for k, n in counts.items())
             if st == 0:
                 params += T["emb"]
                 f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
@@ -464,7 +466,7 @@ class CostModel:
                 f, bw = f + T["out_fwd"], bw + T["out_bwd"]
                 f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
                 bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
-                params += 0 if (m.tie_embeddings and pp == 1) else T["emb"]
+                params += (0 if (m.tie_embeddings and pp == 1) else T["emb"]) + T["final_norm"]
             if pp > 1:
                 f, bw = f + v * p2p, bw + v * p2p
             t_f, t_b = max(t_f, f), max(t_b, bw)
