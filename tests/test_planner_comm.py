@@ -79,7 +79,7 @@ def _compare(parallel: dict, model: dict | None = None, train: dict | None = Non
     ({"dp_replicate": 4, "zero": 0}, {}),  # DDP: one bucket per step
     ({"dp_replicate": 4, "zero": 0}, {"micro_batch": 1}),  # ... whatever the micro-batches
     ({"dp_shard": 4, "zero": 1}, {"micro_batch": 1}),  # + ZeRO-1's exchange of updated params
-])
+], ids=["ddp", "ddp-8-micro", "zero1-8-micro"])
 def test_dp_collectives_match_runtime(tmp_path, parallel, train):
     _compare(parallel, train=train, tmp_path=tmp_path)
 
@@ -92,6 +92,7 @@ def test_dp_collectives_match_runtime(tmp_path, parallel, train):
     ({"pp": 2, "dp_shard": 2, "zero": 1}, None, {}),  # activations, loss and bubble statistics; dp
     ({"pp": 2, "dp_replicate": 2, "zero": 0, "pp_schedule": "interleaved", "pp_virtual_stages": 2},
      {"n_layers": 4}, {}),  # interleaved: stage 0 also sends gradients back from its second chunk
-])
+    ({"tp": 2, "sp": True, "pp": 2}, None, {}),  # rank 0 is stage 0: embedding, no output or loss
+], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
 def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, train):
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)
