@@ -1,5 +1,13 @@
-"""The planner's communication bytes use the runtime's convention (meshfold/comm.py): the
-bytes rank 0 records in one real training step on gloo processes equal the prediction."""
+"""The planner's collectives are the runtime's: in one real training step on gloo
+processes, the calls and bytes rank 0 hands to the communication layer (measured at
+``meshfold/comm.py``'s ledger, one count per recorded collective or point-to-point send)
+equal the planner's ``collectives`` for the same layout, per mesh dimension.
+
+Only traffic the runtime measures where it is sent is compared: tensor, context and
+pipeline parallel (real calls), and data parallel under DDP / ZeRO-1 (DDP's communication
+hook, the pipeline's own reduction, ZeRO-1's parameter exchange). FSDP2's data-parallel
+bytes are still recorded from module hooks, not from the calls, in this branch, so they
+are left out here (issue 17's runtime side makes them measured)."""
 
 from __future__ import annotations
 
@@ -8,56 +16,83 @@ import pytest
 from meshfold.testing import run_on, tiny_config
 
 
-def _one_step_bytes(cfg_dict: dict) -> dict | None:
+def _one_step_ledger(cfg_dict: dict) -> dict | None:
+    """{dim: {"count", "bytes"}} rank 0 recorded in the ledger during one training step."""
     import torch.distributed as dist
 
+    from meshfold.comm import CommLedger
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer
 
     trainer = Trainer(from_dict(cfg_dict))
     trainer.ledger.pop_step()  # set-up traffic is not a step's
-    trainer.train_step()
-    out = trainer.ledger.pop_step()
-    return out if dist.get_rank() == 0 else None
+    counts: dict[str, int] = {}
+    original = CommLedger.add_sent  # every record (collective or send) ends here
+
+    def counting(self, dim, sent_bytes):
+        counts[dim] = counts.get(dim, 0) + 1
+        original(self, dim, sent_bytes)
+
+    CommLedger.add_sent = counting
+    try:
+        trainer.train_step()
+    finally:
+        CommLedger.add_sent = original
+    sent = trainer.ledger.pop_step()
+    if dist.get_rank() != 0:
+        return None
+    return {d: {"count": counts[d], "bytes": sent[d]} for d in sent}
 
 
 def _predicted(cfg_dict: dict, world: int) -> dict:
     from meshfold.config import from_dict
-    from meshfold.planner.cli import layout_from_config, workload_from_config
-    from meshfold.planner.cluster import load_cluster
-    from meshfold.planner.cost import CostModel
+    from meshfold.planner.cost import footprint
 
-    cfg = from_dict(cfg_dict)
-    cluster = load_cluster("cpu", devices=world)
-    layout = layout_from_config(cfg, world)
-    return CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout).comm_bytes
+    return footprint(from_dict(cfg_dict), world, device="cpu")["collectives"]
 
 
-@pytest.mark.parametrize("parallel,micro", [
-    ({"dp_shard": 4, "zero": 1}, 0),  # DDP all-reduce + ZeRO-1 gather of updated shards
-    ({"dp_shard": 4, "zero": 2}, 1),  # FSDP2 per micro-batch, 2 micro-batches
-    ({"dp_shard": 4, "zero": 3}, 0),  # FSDP2 with re-gather in backward
-    ({"dp_replicate": 2, "dp_shard": 2, "zero": 3}, 0),  # HSDP
-])
-def test_dp_comm_bytes_match_runtime(tmp_path, parallel, micro):
-    cfg = tiny_config(str(tmp_path / "run"), parallel=parallel, train={"micro_batch": micro, "steps": 1})
-    measured = run_on(4, _one_step_bytes, cfg)[0]
-    predicted = _predicted(cfg, 4)
+def _fsdp(parallel: dict) -> bool:
+    shard = parallel.get("dp_shard", 1) * parallel.get("cp", 1)
+    return parallel.get("zero", 3) >= 2 and shard > 1
+
+
+def _compare(parallel: dict, model: dict | None = None, train: dict | None = None, world: int = 4,
+             tmp_path=None) -> None:
+    sections = {"parallel": parallel, "train": {"steps": 1, **(train or {})}}
+    if model:
+        sections["model"] = model
+    cfg = tiny_config(str(tmp_path / "run"), **sections)
+    measured = run_on(world, _one_step_ledger, cfg)[0]
+    predicted = _predicted(cfg, world)
+    if _fsdp(parallel):  # FSDP2's dp bytes are hook-recorded here, not measured
+        measured.pop("dp", None)
+        predicted.pop("dp", None)
     assert set(predicted) == set(measured), (predicted, measured)
-    for dim, value in measured.items():
-        assert predicted[dim] == pytest.approx(value, rel=1e-6, abs=2), (dim, predicted, measured)
+    for dim, got in measured.items():
+        want = predicted[dim]
+        assert want["count"] == got["count"], (dim, predicted, measured)
+        # the ledger rounds each step's bytes to an integer
+        assert want["bytes"] == pytest.approx(got["bytes"], rel=1e-9, abs=1), (dim, predicted, measured)
 
 
-@pytest.mark.parametrize("parallel,rel", [
-    ({"tp": 2, "dp_shard": 2, "zero": 3}, 1e-6),  # Megatron tp around FSDP
-    ({"tp": 2, "sp": True, "dp_shard": 2}, 1e-6),  # sequence parallel: gathers, re-gathers
-    ({"cp": 2, "dp_shard": 2, "zero": 2}, 0.02),  # ring: + a few bytes of chunk metadata
-    ({"pp": 2, "dp_shard": 2, "zero": 1}, 0.01),  # activations + small control messages
-])
-def test_model_parallel_comm_bytes_match_runtime(tmp_path, parallel, rel):
-    cfg = tiny_config(str(tmp_path / "run"), parallel=parallel, train={"steps": 1})
-    measured = run_on(4, _one_step_bytes, cfg)[0]
-    predicted = _predicted(cfg, 4)
-    assert set(predicted) == set(measured), (predicted, measured)
-    for dim, value in measured.items():
-        assert predicted[dim] == pytest.approx(value, rel=rel), (dim, predicted, measured)
+@pytest.mark.parametrize("parallel,train", [
+    ({"dp_replicate": 4, "zero": 0}, {}),  # DDP: one bucket per step
+    ({"dp_replicate": 4, "zero": 0}, {"micro_batch": 1}),  # ... whatever the micro-batches
+    ({"dp_shard": 4, "zero": 1}, {"micro_batch": 1}),  # + ZeRO-1's exchange of updated params
+], ids=["ddp", "ddp-8-micro", "zero1-8-micro"])
+def test_dp_collectives_match_runtime(tmp_path, parallel, train):
+    _compare(parallel, train=train, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("parallel,model,train", [
+    ({"tp": 2, "dp_shard": 2, "zero": 3}, None, {}),  # Megatron tp around FSDP
+    ({"tp": 2, "sp": True, "dp_shard": 2}, None, {}),  # sequence parallel: gathers, re-gathers, norms
+    ({"tp": 2, "sp": True, "dp_shard": 2}, None, {"recompute": "full", "micro_batch": 2}),
+    ({"cp": 2, "dp_shard": 2, "zero": 2}, None, {}),  # ring hops + positions/doc ids + work counter
+    ({"pp": 2, "dp_shard": 2, "zero": 1}, None, {}),  # activations, loss and bubble statistics; dp
+    ({"pp": 2, "dp_replicate": 2, "zero": 0, "pp_schedule": "interleaved", "pp_virtual_stages": 2},
+     {"n_layers": 4}, {}),  # interleaved: stage 0 also sends gradients back from its second chunk
+    ({"tp": 2, "sp": True, "pp": 2}, None, {}),  # rank 0 is stage 0: embedding, no output or loss
+], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
+def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, train):
+    _compare(parallel, model=model, train=train, tmp_path=tmp_path)

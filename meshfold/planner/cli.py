@@ -8,33 +8,14 @@ import sys
 from pathlib import Path
 
 from meshfold.config import Config, ConfigError, load_config, validate
+from meshfold.planner import cost
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
-from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config
 
 
 def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
     """The model and batch of a config, with the numerics the run would use there."""
-    on_cpu = cluster.device.name.startswith("cpu")
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "float32" if on_cpu else "bf16"
-    dtype = {"bfloat16": "bf16"}.get(dtype, dtype)
-    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=not on_cpu)
-
-
-def layout_from_config(cfg: Config, world: int) -> Layout:
-    """The layout a config runs as on ``world`` devices (validated as ``train`` would)."""
-    cfg = validate(cfg, world)
-    p, t = cfg.parallel, cfg.train
-    local = t.global_batch // p.dp
-    micro = t.micro_batch or local
-    if p.pp > 1:
-        n_micro = p.pp_microbatches or max(p.pp, local // micro)
-        micro = local // n_micro
-    zero = p.zero if (p.dp_shard * p.cp > 1) else 0
-    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
-                  pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
-                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute)
+    return cost.workload_from_config(cfg, on_gpu=not cluster.device.name.startswith("cpu"))
 
 
 def _gib(x: float) -> str:
@@ -52,6 +33,7 @@ def _table(ranked: list[Estimate]) -> str:
 
 def _entry(e: Estimate, global_batch: int) -> dict:
     return {**e.row(), "breakdown": {"time_s": e.time, "memory_bytes": e.memory}, "comm_bytes": e.comm_bytes,
+            "footprint": e.footprint(),
             "parallel_toml": e.layout.to_toml(global_batch)}
 
 
@@ -200,7 +182,10 @@ def run_simulate(args) -> int:
           f"peak memory {_gib(est.peak_mem_bytes)} GiB ({'fits' if est.fits else 'does NOT fit'})")
     print("time (s):   " + "  ".join(f"{k} {v:.4g}" for k, v in est.time.items()))
     print("memory GiB: " + "  ".join(f"{k} {_gib(v)}" for k, v in est.memory.items()))
-    print("comm bytes (rank 0): " + "  ".join(f"{k} {v:.4g}" for k, v in est.comm_bytes.items()))
+    print("per rank: " + "  ".join(f"{k} {_gib(getattr(est, k))} GiB" for k in
+                                   ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")))
+    print("collectives per step (rank 0): " + "  ".join(f"{k} {v['count']} calls {v['bytes']:.4g} B"
+                                                          for k, v in est.collectives.items()))
     if args.png:
         print(f"timeline: {args.png}")
     return 0

@@ -15,15 +15,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshfold.config import ModelConfig, ParallelConfig
+from meshfold.config import Config, ModelConfig, ParallelConfig, validate
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
-from meshfold.planner.cluster import GiB, Cluster
+from meshfold.planner.cluster import GiB, Cluster, load_cluster
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
+    # meshfold's train.dtype = bfloat16: fp32 parameters and gradients, autocast to bf16
+    "bf16-amp": (4, 4, 8, 2),
     "float32": (4, 4, 8, 4),
     "float64": (8, 8, 16, 8),
 }
+# Bytes per parameter on the wire for FSDP2 (all-gather in the compute dtype, gradient
+# reduce-scatter in train.reduce_dtype = float32); DDP and ZeRO-1 send the stored dtypes.
+FSDP_WIRE = {"bf16": (2, 2), "bf16-amp": (2, 4), "float32": (4, 4), "float64": (8, 8)}
+# Data-parallel gradient buckets (DDP's bucket_cap_mb = 25; the same size for the
+# once-per-step reductions of tp/pp layouts and ZeRO-1's parameter gather).
+BUCKET_BYTES = 25 * 2**20
+
+
+def buckets(size_bytes: float) -> int:
+    """Collective calls that move ``size_bytes`` in BUCKET_BYTES buckets."""
+    return max(1, math.ceil(size_bytes / BUCKET_BYTES)) if size_bytes > 0 else 0
+
+
+def chunks_per_rank(schedule: str, virtual: int) -> int:
+    """Model chunks one pipeline rank holds (``parallel/pipeline.py``'s rule)."""
+    return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 # Sequential message hops (alpha terms) of each collective. An all-to-all posts every
@@ -40,7 +58,7 @@ class Workload:
     model: ModelConfig
     global_batch: int  # sequences per optimizer step
     seq_len: int = 0  # 0 = model.seq_len
-    dtype: str = "bf16"  # bf16 | float32 | float64
+    dtype: str = "bf16"  # bf16 | bf16-amp (meshfold's bfloat16: fp32 params) | float32 | float64
     flash: bool = True  # fused attention: no s^2 activations, causal half of the score FLOPs
     dropout: bool = False  # GPT/Megatron-style dropout masks (Korthikanti's 34 sbh)
 
@@ -122,6 +140,19 @@ class Estimate:
     mfu: float
     tflops_per_device: float  # model FLOPs / step time / devices
     comm_bytes: dict = field(default_factory=dict)  # rank 0, per step, by dimension
+    # What ``meshfold dry-run`` prints next to the runtime (``footprint``): per rank, max
+    # over ranks, bytes of parameters, gradients, optimizer states and activations...
+    param_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    # ... and rank 0's collectives per step by mesh dimension: {dim: {"count", "bytes"}}
+    collectives: dict = field(default_factory=dict)
+
+    def footprint(self) -> dict:
+        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "activation_bytes": self.activation_bytes,
+                "collectives": self.collectives}
 
     def row(self) -> dict:
         return {"layout": self.layout.short(), "step_time_s": self.step_time_s, "mfu": self.mfu,
@@ -132,13 +163,16 @@ class Estimate:
 # --------------------------------------------------------------------------- pieces
 
 
-def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16") -> dict:
+def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16",
+                      accumulate: bool = False) -> dict:
     """Parameters, gradients and optimizer states per device under ZeRO stage ``zero``
-    with ``shards`` ranks sharing them (Rajbhandari et al. 2020, Sec. 5)."""
+    with ``shards`` ranks sharing them (Rajbhandari et al. 2020, Sec. 5). ``accumulate``:
+    gradients are reduced once per optimizer step over several micro-batches, so ZeRO-2/3
+    hold them unsharded until then (FSDP2 without gradient sync keeps unsharded grads)."""
     pb, gb, ob, _ = DTYPE_BYTES[dtype]
     n = max(1, shards)
     return {"params": params * pb / (n if zero >= 3 else 1),
-            "grads": params * gb / (n if zero >= 2 else 1),
+            "grads": params * gb / (n if zero >= 2 and not accumulate else 1),
             "optimizer": params * ob / (n if zero >= 1 else 1)}
 
 
@@ -254,7 +288,26 @@ class CostModel:
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
         self.causal = 0.5 if w.flash else 1.0
+        self.kind_counts = {k: self.kinds.count(k) for k in set(self.kinds)}
+        self._links: dict = {}
         self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * m.n_layers * self.causal)
+
+    def link(self, stride: int, n: int) -> tuple[float, float]:
+        """``Cluster.link``, memoised for this model (the search asks millions of times)."""
+        key = (stride, n)
+        hit = self._links.get(key)
+        if hit is None:
+            hit = self._links[key] = self.c.link(stride, n)
+        return hit
+
+    def ct(self, op: str, size_bytes: float, n: int, stride: int, in_step: bool = False) -> float:
+        """``collective_time`` on this cluster (same formula, memoised links)."""
+        if n <= 1 or size_bytes <= 0:
+            return 0.0
+        alpha, beta = self.link(stride, n)
+        if in_step and self.c.in_step_alpha_us > 0:
+            alpha = self.c.in_step_alpha_us * 1e-6
+        return STEPS[op](n) * alpha + RING[op](n) * size_bytes / beta
 
     # ---- per layer (one micro-batch on one device), by kind (dense / MoE)
     def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str) -> dict:
@@ -280,7 +333,7 @@ class CostModel:
         # bytes) of the b*s*h activations per layer forward, 2 in backward.
         tp_bytes = act * tokens * h
         call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
-        tp_ar = collective_time(c, "all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
+        tp_ar = self.ct("all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
         # Context parallel. Ring: K,V go around (cp-1 hops) forward, K,V and dK,dV
         # backward, each hop hidden behind the attention block it feeds. Ulysses: 4
         # all-to-alls (q, k, v, out) forward, 4 backward.
@@ -288,11 +341,11 @@ class CostModel:
         cp_fwd = cp_sent = 0.0
         if cp > 1 and cp_mode == "ulysses":
             size = act * tokens * h / tp
-            cp_fwd = 4 * (collective_time(c, "all_to_all", size, cp, tp) + call)
+            cp_fwd = 4 * (self.ct("all_to_all", size, cp, tp) + call)
             cp_sent = 8 * RING["all_to_all"](cp) * size  # q, k, v, out: forward and backward
         elif cp > 1:
             kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
-            alpha, beta = c.link(tp, cp)
+            alpha, beta = self.link(tp, cp)
             hop = alpha + kv / beta + call
             cp_fwd = max((cp - 1) * hop - attn_core / (peak * eff), hop)
             # per layer: K,V forward (cp-1 hops); backward K,V again (cp-1) and dK,dV,
@@ -323,7 +376,7 @@ class CostModel:
                 # (top-k copies of each) forward, and their transposes backward, over the
                 # ep ranks (innermost of dp x cp: stride tp)
                 routed = act * tokens * m.moe_topk * h
-                a2a = collective_time(c, "all_to_all", routed, ep, tp) + call
+                a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = 4 * RING["all_to_all"](ep) * routed
             params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
@@ -341,12 +394,41 @@ class CostModel:
         layer_regather = 1.0 if sp else 0.0
         loss_bytes = 3 * tokens * max(4, act)
         norm_bytes = (2 * m.n_layers + 1) * h * pb if sp else 0.0
+        # Calls and bytes each tp collective of the runtime (parallel/tensor.py, loss.py)
+        # sends, per micro-batch: per layer, on the first stage, on the last stage.
+        tp_layer = tp_first = tp_last = (0, 0.0)
+        if tp > 1:
+            r_ar, A = RING["all_reduce"](tp), act * tokens * h
+            weight_ar = r_ar * pb  # all-reduce of a replicated weight's gradient, per element
+            # Full recompute re-runs the block's forward up to its last saved tensor (torch's
+            # non-reentrant checkpoint stops early), so the MLP's exit is not repeated.
+            recomputed = 1 if recompute == "full" else 0
+            if sp:  # per block: gathered entry (AG fwd; AG + RS bwd) and exit (RS fwd, AG bwd)
+                calls, sent = 10 + 3 * recomputed, (5 + 1.5 * recomputed) * r_ar * A
+                norm_calls = 2 if (m.norm == "layernorm" and m.bias) else 1
+                calls += 2 * norm_calls + (2 if m.bias else 0)  # norm weights and wo/w2 biases
+                sent += (2 * norm_calls + (2 if m.bias else 0)) * weight_ar * h
+            else:  # f (all-reduce bwd) into, g (all-reduce fwd) out of attention and MLP
+                calls, sent = 4 + recomputed, (4 + recomputed) * r_ar * A
+            if m.kv_heads % tp:  # wk, wv replicated: their gradients are summed over tp
+                calls += 2 * (2 if m.bias else 1)
+                sent += 2 * weight_ar * hkv * (h + (1 if m.bias else 0))
+            tp_layer = (calls, sent)
+            pos = weight_ar * s * h if (sp and m.pos == "learned") else 0.0
+            tp_first = (2 + (1 if pos else 0), r_ar * A + pos) if sp else (1, r_ar * A)
+            loss = (2, r_ar * 3 * tokens * max(4, act))  # max logit, (sum exp, target)
+            if sp:
+                norm_calls = 2 if (m.norm == "layernorm" and m.bias) else 1
+                tp_last = (3 + loss[0] + norm_calls, 1.5 * r_ar * A + loss[1] + norm_calls * weight_ar * h)
+            else:
+                tp_last = (1 + loss[0], r_ar * A + loss[1])
         hit = dict(kinds=out, out_fwd=out_fwd, out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
+                   tp_layer=tp_layer, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
-                   loss_t=collective_time(c, "all_reduce", loss_bytes / 3, tp, 1),
-                   norm_t=collective_time(c, "all_reduce", norm_bytes, tp, 1) if sp else 0.0,
+                   loss_t=self.ct("all_reduce", loss_bytes / 3, tp, 1),
+                   norm_t=self.ct("all_reduce", norm_bytes, tp, 1) if sp else 0.0,
                    tp_edge_bytes=(loss_bytes + norm_bytes) * RING["all_reduce"](tp) if tp > 1 else 0.0)
         self._layer_cache[key] = hit
         return hit
@@ -376,7 +458,7 @@ class CostModel:
         for st, counts in enumerate(stages):
             f = sum(kinds[k][0] * n for k, n in counts.items())
             bw = sum(kinds[k][1] * n for k, n in counts.items())
-            params = sum(kinds[k][2] * n for k, n in counts.items()) + m.dim
+            params = sum(kinds[k][2] * n for k, n in counts.items())
             if st == 0:
                 params += T["emb"]
                 f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
@@ -384,7 +466,7 @@ class CostModel:
                 f, bw = f + T["out_fwd"], bw + T["out_bwd"]
                 f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
                 bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
-                params += 0 if (m.tie_embeddings and pp == 1) else T["emb"]
+                params += (0 if (m.tie_embeddings and pp == 1) else T["emb"]) + T["final_norm"]
             if pp > 1:
                 f, bw = f + v * p2p, bw + v * p2p
             t_f, t_b = max(t_f, f), max(t_b, bw)
@@ -393,8 +475,9 @@ class CostModel:
             stage_layers.append(sum(counts.values()))
         return t_f, t_b, busy_sum, stage_params, stage_layers
 
-    def estimate(self, L: Layout) -> Estimate:
-        """Predict one layout. Raises ValueError for layouts that do not tile the batch."""
+    def estimate(self, L: Layout, detail: bool = True) -> Estimate:
+        """Predict one layout. Raises ValueError for layouts that do not tile the batch.
+        ``detail=False`` (the search's inner loop) leaves out the per-dimension collectives."""
         w, c, m = self.w, self.c, self.w.model
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         tp, pp, cp = L.tp, L.pp, L.cp
@@ -412,7 +495,7 @@ class CostModel:
 
         if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans,
             # and the executor's fixed work around each stage operation
-            alpha, beta = c.link(st_pp, pp)
+            alpha, beta = self.link(st_pp, pp)
             p2p = alpha + T["p2p_bytes"] / beta + c.pipeline_op_us * 1e-6
         else:
             p2p = 0.0
@@ -435,67 +518,55 @@ class CostModel:
             bubble = max(0.0, shared - n_micro * (t_f + t_b))
             makespan = shared
 
-        # ---- data parallel: gradient reduction (and ZeRO gathers) over dp x cp ranks
+        # ---- data parallel over dp x cp ranks: gradients reduced once per optimizer step
+        # (the last micro-batch's backward); ZeRO-1 then gathers the updated parameters;
+        # ZeRO-3 gathers parameters per micro-batch (forward, and backward for non-roots).
         P0, Pmax = stage_params[0], max(stage_params)
         max_block = max(k[2] for k in kinds.values())
         n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, dp * cp
-        comm: dict[str, float] = {}
+        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
         dp_exposed = 0.0
         fsdp = L.zero >= 2 and n_shard > 1
         if fsdp:
-            # FSDP2 per micro-batch: all-gather each block (ZeRO-3: again in backward,
-            # the root module once), reduce-scatter its gradients, HSDP all-reduce.
-            root_max = Pmax - (Pmax - m.dim if pp > 1 else 0)
-            gathers = 2.0 if L.zero == 3 else 1.0
-            t_mb = (gathers * collective_time(c, "all_gather", Pmax * pb, n_shard, st_dps)
-                    + collective_time(c, "reduce_scatter", Pmax * gb, n_shard, st_dps)
-                    + collective_time(c, "all_reduce", Pmax * gb / n_shard, n_rep, st_dpr))
-            root0 = P0 - sum(kinds[k][2] * n for k, n in stages[0].items())
-            g0 = (2 * P0 - root0) if L.zero == 3 else P0
-            sent = (RING["all_gather"](n_shard) * g0 * pb + RING["reduce_scatter"](n_shard) * P0 * gb
-                    + (RING["all_reduce"](n_rep) * P0 * gb / n_shard if n_rep > 1 else 0.0))
-            comm["dp"] = sent * n_micro
-            hide = c.overlap * (t_f + t_b)
-            # issuing the collectives is work on the issuing rank, never hidden
-            calls = (stage_layers[0] + 1) * (gathers + 1 + (1 if n_rep > 1 else 0))
+            wg, wr = FSDP_WIRE[w.dtype]
+            modules = stage_layers[0] + chunks  # blocks plus each chunk's root
+            t_ag = self.ct("all_gather", Pmax * wg, n_shard, st_dps)
+            t_red = (self.ct("reduce_scatter", Pmax * wr, n_shard, st_dps)
+                     + self.ct("all_reduce", Pmax * wr / n_shard, n_rep, st_dpr))
             per_call = (c.collective_overhead_us + c.fsdp_overhead_us) * 1e-6
-            dp_exposed = n_micro * (max(t_mb - hide, t_mb / (stage_layers[0] + 1)) + calls * per_call)
-            del root_max
+            red_calls = modules * (2 if n_rep > 1 else 1)
+
+            def exposed(t: float, window: float) -> float:  # at least one module's share shows
+                return max(t - c.overlap * window, t / modules)
+
+            if L.zero == 3:  # gathers in every micro-batch's forward and backward; the
+                # reduction joins them in the last micro-batch's backward
+                t_g = 2 * t_ag
+                comm_t = (n_micro - 1) * exposed(t_g, t_f + t_b) + exposed(t_g + t_red, t_f + t_b)
+                calls = n_micro * (2 * modules - chunks) + red_calls
+            elif n_micro == 1:  # ZeRO-2, one micro-batch: gather and reduce in one pass
+                comm_t, calls = exposed(t_ag + t_red, t_f + t_b), modules + red_calls
+            else:  # ZeRO-2: gathered in the first forward and kept; reduced in the last backward
+                comm_t, calls = exposed(t_ag, t_f) + exposed(t_red, t_b), modules + red_calls
+            dp_exposed = comm_t + calls * per_call
         elif n_all > 1:
-            # DDP: all-reduce of the gradients in 25 MB buckets during the last
-            # micro-batch's backward; ZeRO-1 then all-gathers the updated shards.
-            t_ar = collective_time(c, "all_reduce", Pmax * gb, n_all, tp)
-            comm["dp"] = RING["all_reduce"](n_all) * P0 * gb
+            # DDP / manual buckets: all-reduce of the gradients in 25 MB buckets during the
+            # last micro-batch's backward; ZeRO-1 then all-gathers the updated shards.
+            t_ar = self.ct("all_reduce", Pmax * gb, n_all, tp)
             t_z1 = 0.0
+            calls = buckets(Pmax * gb)
             if L.zero == 1 and n_shard > 1:
-                t_z1 = collective_time(c, "all_gather", Pmax * pb, n_shard, st_dps)
-                comm["dp"] += RING["all_gather"](n_shard) * P0 * pb
-            last_bucket = t_ar * min(1.0, 25e6 / max(Pmax * gb, 1.0))
-            calls = math.ceil(Pmax * gb / 25e6)
-            if L.zero == 1 and n_shard > 1:  # ZeRO-1: each rank broadcasts its shard
-                calls += n_shard
+                t_z1 = self.ct("all_gather", Pmax * pb, n_shard, st_dps)
+                calls += buckets(Pmax * pb)
+            last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
         per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
-        if tp > 1:
-            ops = stage_layers[0] * (per_layer_ops + T["layer_regather"]) + sum(T["emb_ops"])
-            edge = 0.0
-            if pp == 1:  # rank 0 is also the last stage
-                ops += sum(T["out_ops"])
-                edge = T["tp_edge_bytes"]
-            comm["tp"] = (ops * RING["all_reduce"](tp) * T["tp_bytes"] + edge) * n_micro
-        if pp > 1:
-            comm["pp"] = v * T["p2p_bytes"] * n_micro  # stage 0 sends activations forward
-        ep_bytes = sum(kinds[k][4] * n for k, n in stages[0].items())
-        if ep_bytes:
-            comm["ep"] = ep_bytes * n_micro
-        if cp > 1:
-            comm["cp"] = T["cp_sent"] * stage_layers[0] * n_micro  # per layer, forward + backward
 
         # ---- optimizer step: one memory-bound pass over the local states
         shards = n_shard if L.zero >= 1 else 1
         opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
         # loss, token count and grad-norm all-reduces over everyone: latency-bound
-        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1, in_step=True)
+        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
         step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
 
         time = {
@@ -513,8 +584,9 @@ class CostModel:
         }
 
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
-        zero = L.zero if n_shard > 1 else min(L.zero, 1) if n_shard > 1 else 0
-        states = model_state_bytes(Pmax, zero, n_shard, w.dtype)
+        zero = L.zero if n_shard > 1 else 0  # nothing to shard over: replicated states
+        accumulate = n_micro > 1
+        states = model_state_bytes(Pmax, zero, n_shard, w.dtype, accumulate)
         if fsdp and L.zero == 3:
             states["gathered_blocks"] = 2 * max_block * pb  # the running block and the prefetched one
         inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
@@ -523,18 +595,104 @@ class CostModel:
             acts += T["act_full"]  # one layer's activations while it is recomputed
         logits = (act + 8) * T["tokens"] * V / tp
         memory = {**states, "activations": acts, "logits": logits if pp == 1 else 0.0,
-                  "buffers": 2 * min(25e6, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
+                  "buffers": 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
                   "reserved": c.device.reserved_gib * GiB}
         peak_mem = sum(memory.values())
+        activation_bytes = acts + memory["logits"]
         if pp > 1:  # the last stage holds the logits but fewer in-flight micro-batches
-            last = model_state_bytes(stage_params[-1], zero, n_shard, w.dtype)
+            last = model_state_bytes(stage_params[-1], zero, n_shard, w.dtype, accumulate)
             last_acts = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro)) \
                 * stage_layers[-1] * T["act_kept"]
             peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
+            activation_bytes = max(activation_bytes, last_acts + logits)
         fits = peak_mem <= c.device.memory_gib * GiB
         tflops = self.flops_model / step / L.world
-        return Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
-                        tflops / 1e12, comm)
+        est = Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
+                       tflops / 1e12, param_bytes=states["params"], grad_bytes=states["grads"],
+                       optimizer_bytes=states["optimizer"], activation_bytes=activation_bytes)
+        if detail:
+            est.collectives = self.collectives(L, T, stages, stage_layers, stage_params, n_micro)
+            est.comm_bytes = {d: x["bytes"] for d, x in est.collectives.items()}
+        return est
+
+    def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
+                    n_micro: int) -> dict:
+        """Rank 0's collectives in one optimizer step, by mesh dimension as the runtime's
+        communication ledger names them: ``{dim: {"count": calls, "bytes": sent}}``, bytes
+        in ``meshfold/comm.py``'s ring convention (FACTORS), one count per collective call
+        or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
+        also the last stage). Not counted: the step's scalar reductions (token count, loss,
+        gradient norm), which the trainer issues outside the dimensions below."""
+        w, m = self.w, self.w.model
+        pb, gb, _, act = DTYPE_BYTES[w.dtype]
+        tp, pp, cp = L.tp, L.pp, L.cp
+        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
+        last_on_rank0 = pp == 1 or L.pp_schedule == "zbv"
+        layers0 = stage_layers[0]  # all of rank 0's chunks
+        out: dict[str, list] = {}
+
+        def add(dim: str, calls: float, sent: float) -> None:
+            if calls > 0:
+                entry = out.setdefault(dim, [0, 0.0])
+                entry[0] += calls
+                entry[1] += sent
+
+        # data parallel (over dp x cp: FSDP shards over dp_shard x cp, replicas over dp_replicate)
+        P0 = stage_params[0]
+        n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, L.dp * cp
+        if L.zero >= 2 and n_shard > 1:
+            wg, wr = FSDP_WIRE[w.dtype]
+            modules = stage_layers[0] + chunks
+            roots = P0 - sum(T["kinds"][k][2] * n for k, n in stages[0].items())
+            ag = RING["all_gather"](n_shard)
+            if L.zero == 3:  # roots are not re-gathered in backward (FSDP2 keeps the root's)
+                add("dp", n_micro * (2 * modules - chunks), n_micro * ag * (2 * P0 - roots) * wg)
+            else:
+                add("dp", modules, ag * P0 * wg)
+            add("dp", modules, RING["reduce_scatter"](n_shard) * P0 * wr)
+            if n_rep > 1:
+                add("dp", modules, RING["all_reduce"](n_rep) * P0 * wr / n_shard)
+        elif n_all > 1:
+            add("dp", buckets(P0 * gb), RING["all_reduce"](n_all) * P0 * gb)
+            if L.zero == 1 and n_shard > 1:
+                add("dp", buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
+        # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
+        if tp > 1:
+            calls, sent = T["tp_layer"]
+            add("tp", n_micro * layers0 * calls, n_micro * layers0 * sent)
+            add("tp", n_micro * T["tp_first"][0], n_micro * T["tp_first"][1])
+            if last_on_rank0:
+                add("tp", n_micro * T["tp_last"][0], n_micro * T["tp_last"][1])
+        # pipeline: activations to the next stage, gradients to the previous one, per
+        # micro-batch and chunk; then the loss and the bubble statistics over pp
+        if pp > 1:
+            if L.pp_schedule == "zbv":
+                sends = 2  # stage 0 sends activations, stage 2p-1 (the last) gradients
+            else:
+                sends = 2 * chunks - 1  # every chunk sends forward; all but stage 0 backward
+            add("pp", n_micro * sends, n_micro * sends * T["p2p_bytes"])
+            add("pp", 2, RING["all_reduce"](pp) * (8 + 16 * pp))
+        # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
+        # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
+        if cp > 1:
+            recomputed = L.recompute == "full"
+            if L.cp_mode == "ulysses":
+                per_layer = 8 + (4 if recomputed else 0)
+            else:
+                per_layer = 3 * cp - 2 + (cp - 1 if recomputed else 0)
+            sent = T["cp_sent"] * (1 + ((cp - 1) / (3 * cp - 2) if recomputed and L.cp_mode != "ulysses"
+                                        else 0.5 if recomputed else 0))
+            add("cp", n_micro * layers0 * per_layer, n_micro * layers0 * sent)
+            meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp
+            add("cp", n_micro, n_micro * RING["all_gather"](cp) * meta)
+            add("cp", 1, RING["all_gather"](cp) * 8 * cp)
+        # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
+        # the two transposes backward
+        ep_layers = sum(n for k, n in stages[0].items() if k)
+        if L.ep > 1 and ep_layers:
+            ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
+            add("ep", n_micro * 5 * ep_layers, n_micro * ep_bytes)
+        return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 
     def lower_bound(self, L: Layout, schedules: tuple = ()) -> float:
         """A time no variant of ``L``'s (dp_replicate, dp_shard, tp, sp, pp, cp, cp_mode,
@@ -542,38 +700,90 @@ class CostModel:
         ``schedules``, (name, v) pairs): the average stage's forward and backward without
         recompute, the smallest bubble, the optimizer pass with the most sharding, and the
         unhideable part of data-parallel communication (ZeRO-0/1: the last bucket of the
-        all-reduce; ZeRO-2/3: one block's gathers per micro-batch), whichever is smaller."""
+        all-reduce; ZeRO-2/3: one module's share of one gather and one reduce-scatter),
+        whichever is smaller."""
         w, c, m = self.w, self.c, self.w.model
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, "none")
         n_micro = w.global_batch // L.dp // L.micro_batch
         kinds = T["kinds"]
         # the slowest stage is at least the average one, whatever the split or schedule
-        t_f = (sum(kinds[k][0] for k in self.kinds) + T["out_fwd"]) / L.pp
-        t_b = (sum(kinds[k][1] for k in self.kinds) + T["out_bwd"]) / L.pp
+        counts = self.kind_counts
+        t_f = (sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"]) / L.pp
+        t_b = (sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"]) / L.pp
         bubble = 0.0
         shared_host = c.host_cores and L.world > c.host_cores
         if L.pp > 1 and not shared_host:  # (on a shared host a bubble can cost nothing)
             bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
-        P = (sum(kinds[k][2] for k in self.kinds) + T["emb"]) / L.pp  # average stage's parameters
+        P = (sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"]) / L.pp  # average stage's parameters
         n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
         opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.hbm
-        small = 3 * collective_time(c, "all_reduce", 8, L.world, 1, in_step=True)
+        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
         dp = 0.0
         if n_all > 1:
-            t_ar = collective_time(c, "all_reduce", P * gb, n_all, L.tp)
-            dp = t_ar * min(1.0, 25e6 / max(P * gb, 1.0))
-            if n_shard > 1:
-                t_mb = (collective_time(c, "all_gather", P * pb, n_shard, L.tp)
-                        + collective_time(c, "reduce_scatter", P * gb, n_shard, L.tp))
-                blocks = m.n_layers / L.pp
-                dp = min(dp, n_micro * t_mb / (blocks + 2))
-        return n_micro * (t_f + t_b) + bubble + opt + small + dp + c.step_overhead_s
+            t_ar = self.ct("all_reduce", P * gb, n_all, L.tp)
+            dp = t_ar * min(1.0, BUCKET_BYTES / max(P * gb, 1.0))
+            if n_shard > 1:  # FSDP: at least each collective's share of one module, once
+                wg, wr = FSDP_WIRE[w.dtype]
+                t_once = (self.ct("all_gather", P * wg, n_shard, L.tp)
+                          + self.ct("reduce_scatter", P * wr, n_shard, L.tp))
+                dp = min(dp, t_once / (m.n_layers + 4))
+        # (a hair below: sums grouped by layer kind may round differently from the stage sums)
+        return (n_micro * (t_f + t_b) + bubble + opt + small + dp + c.step_overhead_s) * (1 - 1e-12)
 
 
 def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
     """Predict one layout (see ``CostModel``)."""
     return CostModel(w, cluster).estimate(L)
+
+
+# --------------------------------------------------------------------------- from a config
+
+
+def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
+    """The model and batch of a config, with the numerics the run would use: ``bfloat16``
+    (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs."""
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    dtype = {"bfloat16": "bf16-amp"}.get(dtype, dtype)
+    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu)
+
+
+def layout_from_config(cfg: Config, world: int) -> Layout:
+    """The layout a config runs as on ``world`` devices (validated as ``train`` would)."""
+    cfg = validate(cfg, world)
+    p, t = cfg.parallel, cfg.train
+    local = t.global_batch // p.dp
+    micro = t.micro_batch or local
+    if p.pp > 1:
+        n_micro = p.pp_microbatches or max(p.pp, local // micro)
+        micro = local // n_micro
+    zero = p.zero if (p.dp_shard * p.cp > 1) else 0
+    return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
+                  pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
+                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute)
+
+
+def _cuda_available() -> bool:
+    import torch  # only for train.device = auto; the planner itself never needs torch
+
+    return torch.cuda.is_available()
+
+
+def footprint(cfg: Config, world: int, device: str | None = None) -> dict:
+    """The planner's prediction for the layout in ``cfg.parallel`` on ``world`` ranks, in
+    the terms ``meshfold dry-run`` reports for the runtime: per rank (max over ranks)
+    ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_bytes``, and rank 0's
+    ``collectives`` per step, ``{dim: {"count": int, "bytes": float}}`` (see
+    ``CostModel.collectives``; docs/planner.md defines every count). ``device`` (cpu |
+    cuda) decides the numerics as the trainer would; default ``cfg.train.device``. Memory
+    and collectives do not depend on the cluster's speeds."""
+    device = device or cfg.train.device
+    on_gpu = device == "cuda" or (device == "auto" and _cuda_available())
+    cluster = load_cluster("h100" if on_gpu else "cpu", devices=world)
+    est = CostModel(workload_from_config(cfg, on_gpu), cluster).estimate(layout_from_config(cfg, world))
+    return est.footprint()
 
 
 def _matmul_active(m: ModelConfig) -> float:
@@ -591,5 +801,5 @@ def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
 
 
-__all__ = ["Workload", "Layout", "Estimate", "estimate", "model_state_bytes", "layer_activation_bytes",
+__all__ = ["Workload", "Layout", "Estimate", "estimate", "footprint", "workload_from_config", "layout_from_config", "model_state_bytes", "layer_activation_bytes",
            "pipeline_time", "inflight_microbatches", "megatron_flops_per_iteration", "mlp_params"]

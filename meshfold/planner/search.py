@@ -101,8 +101,6 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
     if ep > 1:  # experts are FSDP-sharded over the data-parallel ranks left after ep
         zeros = [z for z in zeros if z >= 2]
-    if tp > 1 and dpr * dps * cp > 1:  # tp's DTensor parameters compose with FSDP2 only
-        zeros = [z for z in zeros if z >= 2] if dps * cp > 1 else []
     scheds = schedules(w, pp, n_micro, gpipe)
     for zero in zeros:
         for sched, v in scheds:
@@ -155,7 +153,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         visited += 1
         for L in variants(w, st, gpipe=False):
             for r in RECOMPUTE:
-                e = cm.estimate(_with_recompute(L, r))
+                e = cm.estimate(_with_recompute(L, r), detail=False)
                 evaluated += 1
                 counter += 1
                 if e.fits:
@@ -172,7 +170,8 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
                     elif e.step_time_s < -fallback[0][0]:
                         heapq.heapreplace(fallback, item)
     chosen = best or fallback
-    ranked = [e for _, _, e in sorted(chosen, key=lambda x: (-x[0], x[1]))]
+    # the few ranked layouts again with their per-dimension collectives
+    ranked = [cm.estimate(e.layout) for _, _, e in sorted(chosen, key=lambda x: (-x[0], x[1]))]
     notes = [] if best else ["no layout fits in device memory; showing the fastest that do not"]
     return PlanResult(ranked, evaluated, len(keyed), visited, _time.perf_counter() - start, bool(best), notes)
 

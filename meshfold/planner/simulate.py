@@ -139,5 +139,5 @@ def result_json(est: Estimate, events: list[dict], simulated_pipeline_s: float) 
     return {"layout": est.layout.short(), "step_time_s": est.step_time_s, "mfu": est.mfu,
             "tflops_per_device": est.tflops_per_device, "peak_mem_bytes": est.peak_mem_bytes,
             "fits": est.fits, "breakdown": {"time_s": est.time, "memory_bytes": est.memory},
-            "comm_bytes": est.comm_bytes, "simulated_pipeline_s": simulated_pipeline_s,
+            "comm_bytes": est.comm_bytes, "footprint": est.footprint(), "simulated_pipeline_s": simulated_pipeline_s,
             "events": len(events)}

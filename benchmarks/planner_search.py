@@ -1,0 +1,70 @@
+"""Speed of the planner's exact search: Llama 3 405B, 2048 x 8192-token sequences (16M
+tokens, as Llama 3 pre-training) on 16,384 H100s. Goal (issue 17): <= 5 s of CPU here.
+
+Prints CPU and wall seconds (median of ``--repeat`` runs) and, as a same-run baseline,
+exhaustive enumeration without the search's pruning: every variant and recompute of
+``--sample`` structures (evenly spaced over all of them) timed and scaled to all
+structures; the ratio is search CPU / exhaustive CPU.
+
+    python benchmarks/planner_search.py [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from meshfold.models.presets import preset
+from meshfold.planner.cluster import load_cluster
+from meshfold.planner.cost import CostModel, Workload
+from meshfold.planner.search import RECOMPUTE, _with_recompute, search, structures, variants
+
+
+def exhaustive_cpu(w: Workload, cluster, sample: int) -> tuple[float, int]:
+    """Estimated CPU seconds and layouts of evaluating every layout, from a sample."""
+    all_st = list(structures(w, cluster.world_size))
+    step = max(1, len(all_st) // sample)
+    picked = all_st[::step]
+    cm = CostModel(w, cluster)
+    c0 = time.process_time()
+    n = 0
+    for st in picked:
+        for lay in variants(w, st, gpipe=False):
+            for r in RECOMPUTE:
+                cm.estimate(_with_recompute(lay, r), detail=False)
+                n += 1
+    scale = len(all_st) / len(picked)
+    return (time.process_time() - c0) * scale, int(n * scale)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sample", type=int, default=400)
+    args = ap.parse_args()
+    w = Workload(preset("llama3-405b"), global_batch=2048)
+    cluster = load_cluster("h100", devices=16384)
+    cpus, walls = [], []
+    res = None
+    for _ in range(args.repeat):
+        c0, w0 = time.process_time(), time.perf_counter()
+        res = search(w, cluster, top=10)
+        cpus.append(time.process_time() - c0)
+        walls.append(time.perf_counter() - w0)
+    win = res.ranked[0]
+    cpu = statistics.median(cpus)
+    print(f"405B / 16,384 H100 search: {cpu:.2f} s CPU (median of {args.repeat}: "
+          f"{', '.join(f'{c:.2f}' for c in cpus)}), {statistics.median(walls):.2f} s wall")
+    print(f"  {res.structures} structures, {res.visited} expanded, {res.evaluated} layouts evaluated "
+          f"({res.evaluated / cpu:,.0f} layouts/s incl. bounds)")
+    print(f"  winner: {win.layout.short()}  {win.step_time_s:.3f} s/step  MFU {100 * win.mfu:.1f}%  "
+          f"{win.peak_mem_bytes / 2**30:.1f} GiB")
+    base, layouts = exhaustive_cpu(w, cluster, args.sample)
+    print(f"  baseline, exhaustive evaluation (extrapolated from {args.sample} structures): ~{layouts:,} layouts, "
+          f"~{base:.1f} s CPU; search / exhaustive = {cpu / base:.3f}")
+    print(f"  goal <= 5 s CPU: {'met' if cpu <= 5.0 else 'NOT met'} (ratio to goal {cpu / 5.0:.2f})")
+
+
+if __name__ == "__main__":
+    main()
