@@ -348,9 +348,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files of ``src`` (a folder, or one tokenizer.json-format file,
-    which lands as ``tokenizer.json``) into ``dst``; returns the names copied."""
+    """Copy the tokenizer files of ``src`` into ``dst``; returns the names copied. ``src`` is
+    a folder, a ``tokenizer.json`` (its folder's other tokenizer files come along) or any
+    other tokenizer.json-format file (a cached BPE), which lands as ``tokenizer.json``."""
     if src.is_file():
+        if src.name == "tokenizer.json":
+            return copy_tokenizer(src.parent, dst)
         shutil.copyfile(src, dst / "tokenizer.json")
         return ["tokenizer.json"]
     copied = []
