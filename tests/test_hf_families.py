@@ -271,3 +271,71 @@ def test_imported_model_trains_under_tp2_pp2_as_one_process(family, tmp_path):
                                                  {"tp": 2, "pp": 2, "dp_shard": 1, "pp_microbatches": 2}))[0]
     assert len(ref["losses"]) == 3
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+
+
+# --------------------------------------------------------------------------- presets and configs
+
+# config.json values of the published checkpoints (Hugging Face hub, the keys that matter).
+PUBLISHED_CONFIGS = {
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                        num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, head_dim=128,
+                        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                        num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, head_dim=64,
+                        rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                         num_key_value_heads=2, num_hidden_layers=24, vocab_size=151936, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=32768, use_sliding_window=False,
+                         max_window_layers=21, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, num_hidden_layers=28, vocab_size=151936,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000, attention_bias=False,
+                       sliding_window=None, use_sliding_window=False, tie_word_embeddings=True),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, num_hidden_layers=32, vocab_size=32768, max_position_embeddings=32768,
+                       rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CONFIGS))
+def test_presets_are_what_import_reads_from_the_published_configs(name):
+    from meshfold.models.hf import model_config_from_hf
+    from meshfold.models.presets import param_count, preset
+
+    imported, shipped = model_config_from_hf(PUBLISHED_CONFIGS[name]), preset(name)
+    assert imported.head_dim == shipped.head_dim
+    same = dict(seq_len=shipped.seq_len, preset=name, attn_head_dim=shipped.attn_head_dim)
+    assert dataclasses.replace(imported, **same) == shipped
+    assert param_count(imported) == param_count(shipped)
+
+
+def test_continued_pretraining_config_is_valid():
+    from pathlib import Path
+
+    from meshfold.config import load_config, validate
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "llama3.1-8b-continue.toml",
+                      ["data.source='default'"])  # the prepared corpus is the user's
+    validate(cfg, 16)
+    assert cfg.model.rope_scaling == "llama3" and cfg.train.init_from and cfg.data.tokenizer
+
+
+def test_untie_lets_a_tied_import_run_pipeline_parallel(tmp_path):
+    from meshfold.config import ConfigError, from_dict, validate
+
+    hf = hf_model(tmp_path / "hf", "qwen2.5-tied")
+    assert main(["convert", "import", str(tmp_path / "hf"), str(tmp_path / "tied")]) == 0
+    _, m = read_checkpoint_model(tmp_path / "tied")
+    with pytest.raises(ConfigError, match="convert import --untie"):
+        validate(from_dict(tiny_config(str(tmp_path), model=dataclasses.asdict(m), parallel={"pp": 2})), 2)
+    assert main(["convert", "import", str(tmp_path / "hf"), str(tmp_path / "untied"), "--untie"]) == 0
+    state, m = read_checkpoint_model(tmp_path / "untied")
+    assert not m.tie_embeddings and torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+    validate(from_dict(tiny_config(str(tmp_path), model=dataclasses.asdict(m), parallel={"pp": 2})), 2)
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path / "untied", torch.float64)(tokens(4)), hf(tokens(4)).logits,
+                                   **TOL)

@@ -19,6 +19,7 @@ Features and refusals: docs/hf.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -369,8 +370,6 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     """A meshfold checkpoint folder holding only the model (what ``train.init_from`` reads)
     and the source's tokenizer files, published atomically like training checkpoints.
     Returns the tokenizer files copied."""
-    import dataclasses
-
     import torch.distributed.checkpoint as dcp
 
     from meshfold.config import dump_toml, Config
@@ -409,9 +408,14 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     return state, m
 
 
-def import_hf(hf_dir: Path, out: Path) -> ModelConfig:
+def import_hf(hf_dir: Path, out: Path, untie: bool = False) -> ModelConfig:
+    """``untie``: give a tied model its own output projection (a copy of the embedding, so
+    the logits are unchanged), which pipeline parallel needs; the two then train apart."""
     hf_dir, out = Path(hf_dir), Path(out)
     state, m = read_hf(hf_dir)
+    if untie and m.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"].clone()
+        m = dataclasses.replace(m, tie_embeddings=False)
     write_checkpoint_model(state, m, out, source=str(hf_dir), tokenizer_from=hf_dir)
     return m
 
@@ -511,6 +515,8 @@ def add_parser(sub) -> None:
     imp = direction.add_parser("import", help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
+    imp.add_argument("--untie", action="store_true",
+                     help="tied embeddings: give the output projection its own copy (for parallel.pp > 1)")
     exp = direction.add_parser("export", help="meshfold checkpoint (e.g. RUN_DIR/checkpoints/step-N) -> HF folder")
     exp.add_argument("checkpoint")
     exp.add_argument("out")
@@ -535,7 +541,7 @@ def run(args) -> int:
 
     try:
         if args.direction == "import":
-            m = import_hf(Path(args.hf_dir), Path(args.out))
+            m = import_hf(Path(args.hf_dir), Path(args.out), args.untie)
             tok = Path(args.out) / "tokenizer.json"
             print(f"meshfold: imported {args.hf_dir} ({m.n_layers} layers, dim {m.dim}) into {args.out}; "
                   f"train from it with train.init_from = {args.out!r} and its [model] (see {args.out}/config.toml)"
