@@ -322,7 +322,7 @@ def test_continued_pretraining_config_is_valid():
     cfg = load_config(path)
     assert cfg.model.rope_scaling == "llama3" and cfg.train.init_from in cfg.data.tokenizer
     # The import and the prepared corpus are the user's: validate the rest on 16 processes.
-    validate(load_config(path, ["data.source='default'", "data.tokenizer=''"]), 16)
+    validate(load_config(path, ["data.source='default'", "data.tokenizer=''", "train.init_from=''"]), 16)
 
 
 def test_untie_lets_a_tied_import_run_pipeline_parallel(tmp_path):
