@@ -81,6 +81,7 @@ def hf_reference(tmp_path_factory):
     pytest.param(2, {"tp": 2, "sp": True, "dp_shard": 1}, id="tp2-sp"),
     pytest.param(4, {"tp": 4, "dp_shard": 1}, id="tp4-kv-replicated"),
     pytest.param(4, {"tp": 2, "cp": 2, "dp_shard": 1}, id="tp2xcp2"),
+    pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}, id="tp2xfsdp2-sp"),
 ])
 def test_hf_family_features(world, parallel, hf_reference, tmp_path):
     assert "layers.0.attention.q_norm.weight" in hf_reference["grads"]
