@@ -475,7 +475,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           "(with 1 it is 1f1b)")
     if p.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
-                          "set it to false (meshfold convert import --untie for a Hugging Face model) or parallel.pp = 1")
+                          "set it to false (meshfold convert import --untie for a Hugging Face model) "
+                          "or parallel.pp = 1")
     if p.pp > 1 and pp_stages > m.n_layers:
         raise ConfigError(
             f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "

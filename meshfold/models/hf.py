@@ -495,7 +495,8 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
     ours.load_state_dict({k: v.float() for k, v in state.items()})
     ours.float().eval()
     del state
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **fp32).eval()
     seq = min(seq, m.seq_len)
     tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -512,7 +513,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3) <-> meshfold checkpoints")
     direction = p.add_subparsers(dest="direction", required=True)
-    imp = direction.add_parser("import", help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
+    imp = direction.add_parser("import",
+                               help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
     imp.add_argument("--untie", action="store_true",

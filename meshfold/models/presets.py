@@ -51,7 +51,8 @@ PRESETS: dict[str, dict] = {
                          **_QWEN2),
     "qwen2.5-3b": dict(dim=2048, n_layers=36, n_heads=16, n_kv_heads=2, ffn_dim=11008, tie_embeddings=True,
                        **_QWEN2),
-    "qwen2.5-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, **dict(_QWEN2, vocab_size=152064)),
+    "qwen2.5-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                       **dict(_QWEN2, vocab_size=152064)),
     # Qwen3 (per-head q/k RMSNorm, head_dim 128 whatever dim / n_heads is).
     "qwen3-0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_embeddings=True, **_QWEN3),
     "qwen3-1.7b": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144, tie_embeddings=True, **_QWEN3),
