@@ -41,6 +41,18 @@ class ModelConfig:
     mlp: str = "swiglu"  # swiglu | gelu
     bias: bool = False
     pos: str = "rope"  # rope | learned
+    # Hugging Face families (Llama 3.x, Qwen 2/2.5/3, Mistral): docs/hf.md.
+    attn_head_dim: int = 0  # per-head width; 0 = dim / n_heads (Qwen3 sets it explicitly)
+    qkv_bias: bool = False  # biases on the q/k/v projections only (Qwen2/2.5); `bias` puts them everywhere
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    rope_scaling: str = "none"  # none | linear | llama3 | dynamic | yarn
+    rope_factor: float = 1.0
+    rope_original_seq_len: int = 0  # the pre-training context the scaling stretches (original_max_position_embeddings)
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = 0.1 ln(factor) + 1
     # Mixture of experts (0 experts = dense).
     moe_experts: int = 0
     moe_topk: int = 2
@@ -62,7 +74,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -221,6 +233,7 @@ CHOICES: dict[tuple[str, str], tuple] = {
     ("model", "mlp"): ("swiglu", "gelu"),
     ("model", "pos"): ("rope", "learned"),
     ("model", "moe_router"): ("softmax", "sigmoid"),
+    ("model", "rope_scaling"): ("none", "linear", "llama3", "dynamic", "yarn"),
     ("parallel", "pp_schedule"): ("gpipe", "1f1b", "interleaved", "zbv"),
     ("parallel", "cp_mode"): ("ring", "ulysses", "hybrid"),
     ("train", "dtype"): ("auto", "float32", "float64", "bfloat16"),
@@ -366,7 +379,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "seq_len"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}")
-    if m.dim % m.n_heads:
+    if m.attn_head_dim < 0:
+        raise ConfigError(f"model.attn_head_dim must be >= 0 (0 = dim / n_heads), got {m.attn_head_dim}")
+    if m.dim % m.n_heads and not m.attn_head_dim:
         fits = [h for h in _divisors(m.dim) if h <= 4 * m.n_heads][-3:]
         raise ConfigError(
             f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
@@ -379,6 +394,17 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         )
     if m.pos == "rope" and m.head_dim % 2:
         raise ConfigError(f"rotary embeddings need an even head dim; model.dim/model.n_heads = {m.head_dim}")
+    if m.rope_scaling != "none":
+        if m.pos != "rope":
+            raise ConfigError(f"model.rope_scaling = {m.rope_scaling!r} needs model.pos = 'rope'")
+        if m.rope_factor < 1.0:
+            raise ConfigError(f"model.rope_factor = {m.rope_factor} must be >= 1 with model.rope_scaling")
+        if m.rope_scaling in ("llama3", "dynamic", "yarn") and m.rope_original_seq_len <= 0:
+            raise ConfigError(f"model.rope_scaling = {m.rope_scaling!r} needs model.rope_original_seq_len "
+                              f"(the pre-training context, e.g. 8192 for Llama 3.1)")
+        if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor = {m.rope_low_freq_factor}")
     if m.moe_experts:
         if not 1 <= m.moe_topk <= m.moe_experts:
             raise ConfigError(
@@ -449,7 +475,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           "(with 1 it is 1f1b)")
     if p.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
-                          "set it to false or parallel.pp = 1")
+                          "set it to false (meshfold convert import --untie for a Hugging Face model) "
+                          "or parallel.pp = 1")
     if p.pp > 1 and pp_stages > m.n_layers:
         raise ConfigError(
             f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "

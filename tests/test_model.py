@@ -18,6 +18,22 @@ PUBLISHED = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800,
+    # The Hugging Face families (model cards; for tied models the card's count, which the
+    # safetensors listing exceeds by the separately stored lm_head copy).
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "llama3.1-405b": 405_853_388_800,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-3b": 3_085_938_688,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 751_632_384 - 151_936 * 1024,
+    "qwen3-1.7b": 2_031_739_904 - 151_936 * 2048,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "mistral-7b": 7_248_023_552,  # v0.3
 }
 
 
@@ -37,10 +53,13 @@ SMALL_SHAPES = [
     ModelConfig(n_kv_heads=2, tie_embeddings=True),
     ModelConfig(norm="layernorm", mlp="gelu", bias=True, pos="learned", tie_embeddings=True),
     ModelConfig(dim=96, n_heads=6, n_kv_heads=3, ffn_dim=200, n_layers=3),
+    ModelConfig(n_kv_heads=2, qkv_bias=True, tie_embeddings=True),  # Qwen2
+    ModelConfig(n_kv_heads=2, qk_norm=True, attn_head_dim=32),  # Qwen3: head_dim != dim / n_heads
 ]
 
 
-@pytest.mark.parametrize("cfg", SMALL_SHAPES, ids=lambda c: f"{c.norm}-{c.mlp}-kv{c.kv_heads}-tie{c.tie_embeddings}")
+@pytest.mark.parametrize("cfg", SMALL_SHAPES, ids=lambda c: f"{c.norm}-{c.mlp}-kv{c.kv_heads}-tie{c.tie_embeddings}"
+                         f"-qkvb{c.qkv_bias}-qkn{c.qk_norm}-hd{c.head_dim}")
 def test_param_count_matches_live_model(cfg):
     model = Transformer(cfg)
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
@@ -107,3 +126,33 @@ def test_gqa_matches_repeated_kv_heads():
     mha.load_state_dict(state)
     tokens = torch.randint(0, 64, (2, 8))
     torch.testing.assert_close(gqa(tokens), mha(tokens))
+
+
+def test_hf_family_presets_carry_their_features():
+    assert preset("llama3.1-8b").rope_scaling == "llama3" and preset("llama3.2-1b").rope_factor == 32.0
+    assert preset("qwen2.5-7b").qkv_bias and not preset("qwen2.5-7b").tie_embeddings
+    q = preset("qwen3-4b")
+    assert q.qk_norm and q.head_dim == 128 != q.dim // q.n_heads and q.tie_embeddings
+
+
+def test_head_dim_and_qk_norm_shape_the_attention():
+    cfg = ModelConfig(n_kv_heads=2, qk_norm=True, qkv_bias=True, attn_head_dim=24, rope_scaling="llama3",
+                      rope_factor=8.0, rope_original_seq_len=16)
+    model = Transformer(cfg).double()
+    init_weights(model, cfg, seed=0)
+    attn = model.layers["0"].attention
+    assert attn.wq.weight.shape == (4 * 24, 64) and attn.wk.bias.shape == (2 * 24,)
+    assert attn.wo.bias is None and attn.q_norm.weight.shape == (24,)
+    tokens = torch.randint(0, 512, (2, 16))
+    out = model(tokens)
+    # The per-head norm acts: scaling q_norm's weight changes the logits.
+    with torch.no_grad():
+        attn.q_norm.weight.mul_(3.0)
+    assert not torch.allclose(model(tokens), out)
+
+
+def test_rope_scaling_needs_its_original_context():
+    from meshfold.config import Config, ConfigError, validate
+
+    with pytest.raises(ConfigError, match="model.rope_original_seq_len"):
+        validate(Config(model=ModelConfig(rope_scaling="llama3", rope_factor=8.0)))

@@ -65,6 +65,30 @@ def test_gpt_style_block(tmp_path):
     assert_runs_match(ref, got, rtol=RTOL, atol=ATOL)
 
 
+# Qwen2/Qwen3/Llama 3.1 features together: q/k/v biases (split with their rows, or
+# replicated with the kv heads), per-head q/k RMSNorm (replicated, applied to local heads),
+# head_dim 16 != dim / n_heads = 8, scaled RoPE (yarn: frequencies and a cos/sin temperature).
+HF_FEATURES = {"qkv_bias": True, "qk_norm": True, "attn_head_dim": 16, "rope_scaling": "yarn", "rope_factor": 4.0,
+               "rope_original_seq_len": 8}
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tmp_path_factory):
+    return train_collect(tiny_config(str(tmp_path_factory.mktemp("hfref")), model=HF_FEATURES))
+
+
+@pytest.mark.parametrize("world,parallel", [
+    pytest.param(2, {"tp": 2, "sp": True, "dp_shard": 1}, id="tp2-sp"),
+    pytest.param(4, {"tp": 4, "dp_shard": 1}, id="tp4-kv-replicated"),
+    pytest.param(4, {"tp": 2, "cp": 2, "dp_shard": 1}, id="tp2xcp2"),
+    pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}, id="tp2xfsdp2-sp"),
+])
+def test_hf_family_features(world, parallel, hf_reference, tmp_path):
+    assert "layers.0.attention.q_norm.weight" in hf_reference["grads"]
+    got = run_on(world, train_collect, tiny_config(str(tmp_path), model=HF_FEATURES, parallel=parallel))[0]
+    assert_runs_match(hf_reference, got, rtol=RTOL, atol=ATOL)
+
+
 # --------------------------------------------------------------------------- sizes
 
 

@@ -1,21 +1,27 @@
-"""Hugging Face Llama interop: ``meshfold convert import|export``.
+"""Hugging Face interop for Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3: ``meshfold convert``.
 
-import  HF folder (``config.json`` + ``*.safetensors``, sharded or not) -> a meshfold
-        checkpoint folder (DCP, ``model.<name>`` keys, ``meshfold.json`` manifest) that
-        ``train.init_from`` starts from, plus ``config.toml`` with the matching ``[model]``.
+import  HF folder (``config.json`` + ``*.safetensors``, sharded or not, + tokenizer files) ->
+        a meshfold checkpoint folder (DCP, ``model.<name>`` keys, ``meshfold.json`` manifest,
+        the tokenizer files) that ``train.init_from`` starts from, plus ``config.toml`` with
+        the matching ``[model]`` and ``data.tokenizer``.
 export  a meshfold checkpoint (a training ``step-N`` or an imported one; the model shape
-        comes from its manifest) -> HF folder loadable by ``LlamaForCausalLM.from_pretrained``.
+        comes from its manifest) -> HF folder that ``AutoModelForCausalLM`` loads.
+check   transformers' logits against meshfold's import of the same folder (fp32).
 
 Names map one to one (``model.layers.i.self_attn.q_proj`` <-> ``layers.i.attention.wq``,
 ``mlp.gate_proj/up_proj/down_proj`` <-> ``feed_forward.w1/w3/w2``, ...). The one change of
 values: meshfold rotates *adjacent* pairs of each head's q/k features (Meta's layout),
-Hugging Face rotates the two *halves* (``rotate_half``), so q_proj/k_proj rows are permuted
-per head: HF row ``h*d + j`` holds meshfold row ``h*d + 2j`` (j < d/2) or ``h*d + 2(j-d/2) + 1``.
+Hugging Face rotates the two *halves* (``rotate_half``), so q_proj/k_proj rows (and biases)
+are permuted per head: HF row ``h*d + j`` holds meshfold row ``h*d + 2j`` (j < d/2) or
+``h*d + 2(j-d/2) + 1``; Qwen3's per-head q/k norm weights get the same permutation (one head).
+Features and refusals: docs/hf.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -40,6 +46,8 @@ LAYER_NAMES = {
     "feed_forward.w1.bias": "mlp.gate_proj.bias",
     "feed_forward.w3.bias": "mlp.up_proj.bias",
     "feed_forward.w2.bias": "mlp.down_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -49,42 +57,156 @@ TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight"
 
 # --------------------------------------------------------------------------- config
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic", "yarn": "yarn"}
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """One flat RoPE dict from either format: transformers 4's ``rope_theta`` + ``rope_scaling``
+    or transformers 5's ``rope_parameters`` (which holds the theta too)."""
+    params = dict(hf.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"convert: per-layer-type RoPE parameters {sorted(params)} are not supported")
+    params.update(hf.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return params
+
+
+def _sliding_window(hf: dict, model_type: str) -> str | None:
+    """Why the model attends through a sliding window, or None when it attends to everything."""
+    if "sliding_attention" in (hf.get("layer_types") or ()):
+        return "layer_types has sliding_attention layers"
+    if model_type in ("qwen2", "qwen3"):  # the window only applies with use_sliding_window
+        return "use_sliding_window = true" if hf.get("use_sliding_window") else None
+    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 0)
+    return f"sliding_window = {window}" if window and window < longest else None
+
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """meshfold's ``[model]`` for a HF Llama ``config.json``; ConfigError for what meshfold's
-    Llama cannot represent exactly."""
+    """meshfold's ``[model]`` for a HF ``config.json`` of the Llama / Mistral / Qwen2 / Qwen3
+    families; ConfigError (one line) for what meshfold cannot represent exactly."""
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral") or hf.get("sliding_window"):
-        raise ConfigError(f"convert: model_type {model_type!r} is not a plain Llama; only Llama-style models import")
-    if hf.get("rope_scaling"):
-        raise ConfigError(f"convert: rope_scaling {hf['rope_scaling']} is not supported (plain RoPE only)")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"convert: model_type {model_type!r} is not supported; meshfold imports "
+                          f"{', '.join(FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3)")
+    window = _sliding_window(hf, model_type)
+    if window:
+        raise ConfigError(f"convert: {window}: sliding-window attention is not supported (meshfold attends "
+                          f"to the whole causal context)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"convert: hidden_act {hf['hidden_act']!r}; meshfold's SwiGLU needs silu")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // heads):
-        raise ConfigError(f"convert: head_dim {hf['head_dim']} != hidden_size/num_attention_heads = {dim // heads}")
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-        raise ConfigError("convert: attention_bias and mlp_bias differ; meshfold has one model.bias switch")
+    head_dim = hf.get("head_dim") or dim // heads
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if model_type == "qwen3" and attn_bias:
+        raise ConfigError("convert: Qwen3 with attention_bias = true (biases on q/k/v/o without MLP biases) "
+                          "is not supported")
+    if model_type in ("llama", "mistral") and attn_bias != mlp_bias:
+        raise ConfigError("convert: attention_bias and mlp_bias differ; meshfold has one model.bias switch "
+                          "for both (and model.qkv_bias for q/k/v only)")
+    rope = _rope_parameters(hf)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"convert: rope_type {rope_type!r} is not supported; meshfold has "
+                          f"{', '.join(ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"convert: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+                          f"(meshfold rotates the whole head)")
+    seq_len = hf.get("max_position_embeddings", 2048)
+    scaling: dict = {"rope_scaling": ROPE_TYPES[rope_type]}
+    if rope_type != "default":
+        factor = rope.get("factor")
+        original = rope.get("original_max_position_embeddings")
+        if rope_type == "dynamic":  # transformers stretches beyond max_position_embeddings
+            original = seq_len
+        if rope_type == "yarn":
+            if rope.get("truncate", True) is False:
+                raise ConfigError("convert: yarn with truncate = false is not supported")
+            original = original or seq_len
+            factor = factor or seq_len / original
+            attention = rope.get("attention_factor")
+            mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            if attention is None and mscale and mscale_all:
+                def m(scale, k):
+                    return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+                attention = m(factor, mscale) / m(factor, mscale_all)
+            scaling.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                           rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                           rope_attention_factor=float(attention or 0.0))
+        if rope_type == "llama3":
+            scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                           rope_high_freq_factor=float(rope["high_freq_factor"]))
+        scaling.update(rope_factor=float(factor), rope_original_seq_len=int(original or 0))
     return ModelConfig(
         dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], seq_len=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bias=bool(hf.get("attention_bias", False)),
+        vocab_size=hf["vocab_size"], seq_len=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=attn_bias and model_type in ("llama", "mistral"), qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3", attn_head_dim=head_dim if head_dim != dim // heads else 0, **scaling,
     )
 
 
-def hf_config_from_model(m: ModelConfig, dtype: torch.dtype) -> dict:
+def hf_family(m: ModelConfig, arch: str | None = None) -> str:
+    """The Hugging Face family a meshfold model exports to (``arch`` forces one), or a
+    ConfigError naming the feature that family lacks."""
     if m.norm != "rmsnorm" or m.mlp != "swiglu" or m.pos != "rope" or m.moe_experts:
-        raise ConfigError("convert export: only dense Llama models (rmsnorm, swiglu, rope) map to LlamaForCausalLM")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        raise ConfigError("convert export: only dense models with rmsnorm, swiglu and rope map to a Hugging Face "
+                          "Llama/Mistral/Qwen model")
+    family = arch or ("qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama")
+    need = {"llama": dict(qk_norm=False, qkv_bias=False), "mistral": dict(qk_norm=False, qkv_bias=False, bias=False),
+            "qwen2": dict(qk_norm=False, bias=False), "qwen3": dict(qkv_bias=False, bias=False)}[family]
+    for key, value in need.items():
+        if getattr(m, key) != value:
+            raise ConfigError(f"convert export: model.{key} = {getattr(m, key)} has no equivalent in "
+                              f"{ARCHITECTURES[family]}; choose another --arch")
+    if family == "qwen2" and not m.qkv_bias:
+        raise ConfigError("convert export: Qwen2ForCausalLM always has q/k/v biases; set --arch llama")
+    return family
+
+
+def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
+    """transformers' ``rope_scaling`` dict (None for plain RoPE) and max_position_embeddings."""
+    kind = m.rope_scaling
+    if kind == "none":
+        return None, m.seq_len
+    scaling = {"rope_type": kind, "factor": m.rope_factor}
+    if kind == "dynamic":  # transformers reads the original context from max_position_embeddings
+        return scaling, m.rope_original_seq_len
+    if kind in ("llama3", "yarn"):
+        scaling["original_max_position_embeddings"] = m.rope_original_seq_len
+    if kind == "llama3":
+        scaling.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor)
+    if kind == "yarn":
+        scaling.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
+        if m.rope_attention_factor:
+            scaling["attention_factor"] = m.rope_attention_factor
+    return scaling, m.seq_len
+
+
+def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = None) -> dict:
+    family = hf_family(m, arch)
+    rope_scaling, max_pos = _hf_rope(m)
+    out = {
+        "architectures": [ARCHITECTURES[family]], "model_type": family,
         "hidden_size": m.dim, "intermediate_size": m.hidden_dim, "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size, "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": m.bias, "mlp_bias": m.bias, "torch_dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": m.vocab_size, "max_position_embeddings": max_pos, "rms_norm_eps": m.norm_eps,
+        # transformers 4 names (rope_theta + rope_scaling); transformers 5 reads them too.
+        "rope_theta": m.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if family in ("llama", "mistral"):
+        out.update(attention_bias=m.bias, mlp_bias=m.bias)
+    if family == "mistral":
+        out["sliding_window"] = None
+    if family in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layers)
+    if family == "qwen3":
+        out["attention_bias"] = False
+    return out
 
 
 # --------------------------------------------------------------------------- weights
@@ -103,6 +225,18 @@ def _from_hf_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:])
 
 
+def _rotated_heads(mine: str, m: ModelConfig) -> int | None:
+    """How many heads a tensor's rows (or, for the per-head q/k norms, its one head) hold
+    when RoPE's pair layout applies to it, or None when it does not."""
+    if mine.startswith("attention.wq."):
+        return m.n_heads
+    if mine.startswith("attention.wk."):
+        return m.kv_heads
+    if mine.startswith(("attention.q_norm.", "attention.k_norm.")):
+        return 1  # a weight over one head's features, applied before RoPE
+    return None
+
+
 def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     out = {}
     for name, value in state.items():
@@ -112,8 +246,9 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Ten
         _, layer, rest = name.split(".", 2)
         if rest not in LAYER_NAMES:
             raise ConfigError(f"convert export: no Hugging Face name for {name}")
-        if rest.startswith(("attention.wq.", "attention.wk.")):
-            value = _to_hf_rope(value, m.n_heads if ".wq." in rest else m.kv_heads)
+        heads = _rotated_heads(rest, m)
+        if heads is not None:
+            value = _to_hf_rope(value, heads)
         out[f"model.layers.{layer}.{LAYER_NAMES[rest]}"] = value
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -128,16 +263,17 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
                 continue  # tied: the embedding is the output projection
             out[top[name]] = value
             continue
-        if not name.startswith("model.layers.") or "rotary_emb" in name:
-            if "rotary_emb" in name:
-                continue
+        if "rotary_emb" in name:
+            continue
+        if not name.startswith("model.layers."):
             raise ConfigError(f"convert import: unexpected tensor {name}")
         _, _, layer, rest = name.split(".", 3)
         if rest not in per_layer:
             raise ConfigError(f"convert import: unexpected tensor {name}")
         mine = per_layer[rest]
-        if mine.startswith(("attention.wq.", "attention.wk.")):
-            value = _from_hf_rope(value, m.n_heads if ".wq." in mine else m.kv_heads)
+        heads = _rotated_heads(mine, m)
+        if heads is not None:
+            value = _from_hf_rope(value, heads)
         out[f"layers.{layer}.{mine}"] = value
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -207,11 +343,33 @@ def read_checkpoint_model(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelCon
     return sd["model"], m
 
 
-def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: Path, source: str) -> None:
-    """A meshfold checkpoint folder holding only the model (what ``train.init_from`` reads),
-    published atomically like training checkpoints."""
-    import dataclasses
+# Files of a Hugging Face model folder that describe its tokenizer (copied both ways).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files of ``src`` into ``dst``; returns the names copied. ``src`` is
+    a folder, a ``tokenizer.json`` (its folder's other tokenizer files come along) or any
+    other tokenizer.json-format file (a cached BPE), which lands as ``tokenizer.json``."""
+    if src.is_file():
+        if src.name == "tokenizer.json":
+            return copy_tokenizer(src.parent, dst)
+        shutil.copyfile(src, dst / "tokenizer.json")
+        return ["tokenizer.json"]
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: Path, source: str,
+                           tokenizer_from: Path | None = None) -> list[str]:
+    """A meshfold checkpoint folder holding only the model (what ``train.init_from`` reads)
+    and the source's tokenizer files, published atomically like training checkpoints.
+    Returns the tokenizer files copied."""
     import torch.distributed.checkpoint as dcp
 
     from meshfold.config import dump_toml, Config
@@ -221,33 +379,68 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+    copied = copy_tokenizer(tokenizer_from, tmp) if tokenizer_from is not None else []
     cfg = Config(model=m)
     cfg.train.init_from = str(out)
-    (tmp / "config.toml").write_text(
-        f"# meshfold [model] of {source}; train with: meshfold train {out / 'config.toml'}\n" + dump_toml(cfg))
+    if "tokenizer.json" in copied:
+        cfg.data.tokenizer = str(out / "tokenizer.json")
+    note = (f"# meshfold [model] of {source}; train with: meshfold train {out / 'config.toml'}\n"
+            f"# model.seq_len is the source's longest context ({m.seq_len}); set the length to train at.\n")
+    (tmp / "config.toml").write_text(note + dump_toml(cfg))
     write_manifest(tmp, {"step": 0, "world_size": 1, "model": dataclasses.asdict(m), "parallel": {},
                          "extras": [], "source": source})
     publish(tmp, out)
+    return copied
 
 
-def import_hf(hf_dir: Path, out: Path) -> ModelConfig:
-    hf_dir, out = Path(hf_dir), Path(out)
+def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """meshfold-named tensors and model shape of a Hugging Face folder, checked against the
+    names the shape implies."""
     config_path = hf_dir / "config.json"
     if not config_path.exists():
-        raise ConfigError(f"convert import: {config_path} does not exist")
+        raise ConfigError(f"convert: {config_path} does not exist (give a Hugging Face model folder)")
     m = model_config_from_hf(json.loads(config_path.read_text()))
     state = from_hf(read_safetensors(hf_dir), m)
     expected = _expected_names(m)
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ConfigError(f"convert import: tensors do not match the config: missing {missing[:5]}, extra {extra[:5]}")
-    write_checkpoint_model(state, m, out, source=str(hf_dir))
+    return state, m
+
+
+def import_hf(hf_dir: Path, out: Path, untie: bool = False) -> ModelConfig:
+    """``untie``: give a tied model its own output projection (a copy of the embedding, so
+    the logits are unchanged), which pipeline parallel needs; the two then train apart."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    state, m = read_hf(hf_dir)
+    if untie and m.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"].clone()
+        m = dataclasses.replace(m, tie_embeddings=False)
+    write_checkpoint_model(state, m, out, source=str(hf_dir), tokenizer_from=hf_dir)
     return m
 
 
-def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> ModelConfig:
-    state, m = read_checkpoint_model(Path(ckpt))
+def _run_tokenizer(ckpt: Path) -> Path | None:
+    """Where a checkpoint's tokenizer is: its own files (an import), else the
+    ``data.tokenizer`` of the run that wrote it (RUN_DIR/checkpoints/step-N)."""
+    if (ckpt / "tokenizer.json").is_file():
+        return ckpt
+    run_config = ckpt.parent.parent / "config.toml"
+    if run_config.is_file():
+        from meshfold.config import load_config
+
+        tok = load_config(run_config).data.tokenizer
+        if tok and Path(tok).expanduser().exists():
+            return Path(tok).expanduser()
+    return None
+
+
+def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+              arch: str | None = None, tokenizer: Path | None = None) -> tuple[ModelConfig, str, list[str]]:
+    """Returns the model shape, the family written and the tokenizer files copied."""
+    ckpt = Path(ckpt)
+    state, m = read_checkpoint_model(ckpt)
+    family = hf_family(m, arch)  # refuse before writing anything
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     hf_state = to_hf(state, m)
@@ -255,8 +448,12 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None,
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(hf_state, out, max_shard_bytes)
     dt = next(iter(state.values())).dtype
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dt), indent=1))
-    return m
+    (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dt, family), indent=1))
+    source = tokenizer if tokenizer is not None else _run_tokenizer(ckpt)
+    if tokenizer is not None and not tokenizer.exists():
+        raise ConfigError(f"convert export: --tokenizer {tokenizer} does not exist")
+    copied = copy_tokenizer(source, out) if source is not None else []
+    return m, family, copied
 
 
 def _expected_names(m: ModelConfig) -> set[str]:
@@ -278,22 +475,67 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None):
     return model
 
 
+# --------------------------------------------------------------------------- check
+
+CHECK_TOLERANCE = 1e-4
+
+
+def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
+    """Largest absolute logit difference between ``transformers`` and meshfold's import of
+    ``hf_dir`` on the same random tokens, both in float32."""
+    from meshfold.models.llama import Transformer
+
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("convert check needs transformers: pip install transformers") from None
+    hf_dir = Path(hf_dir)
+    state, m = read_hf(hf_dir)
+    ours = Transformer(m)
+    ours.load_state_dict({k: v.float() for k, v in state.items()})
+    ours.float().eval()
+    del state
+    fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **fp32).eval()
+    seq = min(seq, m.seq_len)
+    tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    return {"max_abs_diff": diff, "tolerance": CHECK_TOLERANCE, "ok": diff <= CHECK_TOLERANCE,
+            "model_type": theirs.config.model_type, "tokens": [batch, seq], "dtype": "float32"}
+
+
 # --------------------------------------------------------------------------- CLI
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face Llama <-> meshfold checkpoints")
+    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3) <-> meshfold checkpoints")
     direction = p.add_subparsers(dest="direction", required=True)
-    imp = direction.add_parser("import", help="HF folder (config.json + safetensors) -> meshfold checkpoint")
+    imp = direction.add_parser("import",
+                               help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
+    imp.add_argument("--untie", action="store_true",
+                     help="tied embeddings: give the output projection its own copy (for parallel.pp > 1)")
     exp = direction.add_parser("export", help="meshfold checkpoint (e.g. RUN_DIR/checkpoints/step-N) -> HF folder")
     exp.add_argument("checkpoint")
     exp.add_argument("out")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    exp.add_argument("--arch", choices=FAMILIES, default=None,
+                     help="Hugging Face family to write (default: qwen3 with q/k norms, qwen2 with q/k/v biases, "
+                          "else llama)")
+    exp.add_argument("--tokenizer", default=None,
+                     help="tokenizer folder or tokenizer.json to copy (default: the checkpoint's own, or its "
+                          "run's data.tokenizer)")
+    chk = direction.add_parser("check", help="logits of transformers vs meshfold's import, fp32, same tokens")
+    chk.add_argument("hf_dir")
+    chk.add_argument("--json", action="store_true", help="print one JSON object (key max_abs_diff)")
+    chk.add_argument("--batch", type=int, default=2)
+    chk.add_argument("--seq", type=int, default=64, help="tokens per sequence (at most model.seq_len)")
+    chk.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> int:
@@ -301,13 +543,27 @@ def run(args) -> int:
 
     try:
         if args.direction == "import":
-            m = import_hf(Path(args.hf_dir), Path(args.out))
+            m = import_hf(Path(args.hf_dir), Path(args.out), args.untie)
+            tok = Path(args.out) / "tokenizer.json"
             print(f"meshfold: imported {args.hf_dir} ({m.n_layers} layers, dim {m.dim}) into {args.out}; "
-                  f"train from it with train.init_from = {args.out!r} and its [model] (see {args.out}/config.toml)")
+                  f"train from it with train.init_from = {args.out!r} and its [model] (see {args.out}/config.toml)"
+                  + ("" if tok.exists() else "; no tokenizer.json in the source: set data.tokenizer yourself"))
+        elif args.direction == "export":
+            m, family, copied = export_hf(Path(args.checkpoint), Path(args.out), DTYPES.get(args.dtype),
+                                          int(args.max_shard_gb * 2**30), args.arch,
+                                          Path(args.tokenizer) if args.tokenizer else None)
+            print(f"meshfold: exported {args.checkpoint} to {args.out} ({ARCHITECTURES[family]}, {m.n_layers} "
+                  f"layers" + (f", tokenizer: {', '.join(copied)})" if copied else ", no tokenizer found)"))
         else:
-            m = export_hf(Path(args.checkpoint), Path(args.out), DTYPES.get(args.dtype),
-                          int(args.max_shard_gb * 2**30))
-            print(f"meshfold: exported {args.checkpoint} to {args.out} (LlamaForCausalLM, {m.n_layers} layers)")
+            result = check_hf(Path(args.hf_dir), args.batch, args.seq, args.seed)
+            if args.json:
+                print(json.dumps(result))
+            else:
+                verdict = "ok" if result["ok"] else f"FAILED (above {CHECK_TOLERANCE:g})"
+                print(f"meshfold: {args.hf_dir} ({result['model_type']}): max |logit difference| against "
+                      f"transformers = {result['max_abs_diff']:.3g} on {args.batch}x{result['tokens'][1]} tokens, "
+                      f"float32: {verdict}")
+            return 0 if result["ok"] else 1
     except CheckpointError as err:
         print(f"meshfold: error: {err}", file=sys.stderr)
         return 2

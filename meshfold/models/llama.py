@@ -45,6 +45,54 @@ def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tens
     return angles.cos(), angles.sin()
 
 
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float64, head_dim/2) and the cos/sin scale of the model's RoPE,
+    following the published scaling rules (the ones Hugging Face checkpoints name):
+    ``linear`` (position interpolation), ``llama3`` (Llama 3.1: low frequencies divided by the
+    factor, high ones kept, a smooth ramp between), ``dynamic`` (NTK-aware base for
+    ``seq_len`` beyond the original context) and ``yarn`` (per-frequency ramp plus a
+    temperature on cos/sin)."""
+    d, theta, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
+    kind = cfg.rope_scaling
+    if kind == "dynamic":
+        seq = max(cfg.seq_len, cfg.rope_original_seq_len)
+        theta = theta * ((factor * seq / cfg.rope_original_seq_len) - (factor - 1)) ** (d / (d - 2))
+    inv_freq = 1.0 / theta ** exponents
+    scale = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / factor
+    elif kind == "llama3":
+        old = cfg.rope_original_seq_len
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        mixed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old / low, inv_freq / factor,
+                               torch.where(wavelen < old / high, inv_freq, mixed))
+    elif kind == "yarn":
+        old = cfg.rope_original_seq_len
+
+        def correction_dim(rotations: float) -> float:
+            return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+        hi = min(math.ceil(correction_dim(cfg.rope_beta_slow)), d - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by the factor
+        inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+        scale = cfg.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv_freq, scale
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq_len, head_dim/2] (float64) for positions 0..seq_len-1."""
+    inv_freq, scale = rope_frequencies(cfg)
+    angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos() * scale, angles.sin() * scale
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, seq, heads, head_dim]; cos/sin: [batch or 1, seq, head_dim/2]."""
     x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
@@ -85,29 +133,42 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention. ``head_dim`` may differ from dim/n_heads (Qwen3); q/k/v may
+    carry biases without the output projection (``qkv_bias``, Qwen2); ``qk_norm`` applies an
+    RMSNorm over each head's features of q and k before RoPE (Qwen3)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.use_rope = cfg.pos == "rope"
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CoreAttention()
 
     def forward(self, x, rope, positions=None, doc_ids=None):
-        bsz, seq, _ = x.shape
-        # -1 for the head count: tensor parallel leaves each rank a slice of the heads.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        out = self.attend(self.wq(x), self.wk(x), self.wv(x), rope, positions, doc_ids)
+        return self.wo(out)
+
+    def attend(self, q, k, v, rope, positions=None, doc_ids=None):
+        """Projected q/k/v [batch, seq, heads * head_dim] -> attention output of the same
+        layout: per-head q/k norm, RoPE, core attention. The head count is read from the
+        width (-1): tensor parallel leaves each rank a slice of the heads."""
+        bsz, seq, _ = q.shape
+        q, k, v = (t.view(bsz, seq, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
-        return self.wo(out.reshape(bsz, seq, -1))
+        return out.reshape(bsz, seq, -1)
 
 
 class FeedForward(nn.Module):
@@ -156,7 +217,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

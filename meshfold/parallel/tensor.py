@@ -12,6 +12,8 @@ attention wq               column (by query heads)         Shard(0)
 attention wk / wv          column (by kv heads) when       Shard(0), or Replicate (each rank uses
                            tp | n_kv_heads, else replicated  the one kv head its query heads need)
 attention wo               row (by heads)                  Shard(1), bias Replicate
+q/k biases                 with their weight's rows        as the weight (Shard(0) or Replicate)
+q_norm / k_norm (per head) none (applied to local heads)   Replicate, gradient summed over tp
 feed-forward w1 / w3       column (by hidden units)        Shard(0)
 feed-forward w2            row                             Shard(1), bias Replicate
 tok_embeddings, output     vocabulary rows                 Shard(0) (uneven when tp does not
@@ -51,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshfold.comm import ledger
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
-from meshfold.models.llama import Attention, FeedForward, RMSNorm, Transformer, apply_rotary
+from meshfold.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 SEQ_DIM = 1  # activations are [batch, seq, ...]
 
@@ -295,15 +297,8 @@ class TensorParallelAttention(Attention):
         tp = self.tp
         (wk, bk), (wv, bv) = self._kv(self.wk), self._kv(self.wv)
         q, k, v = column_linears(tp, x, [local(self.wq.weight), wk, wv], [local(self.wq.bias), bk, bv])
-        bsz, seq, _ = q.shape
-        q = q.view(bsz, seq, -1, self.head_dim)
-        k = k.view(bsz, seq, -1, self.head_dim)
-        v = v.view(bsz, seq, -1, self.head_dim)
-        if self.use_rope:
-            cos, sin = rope
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
-        out = tp.leave(F.linear(out.reshape(bsz, seq, -1), local(self.wo.weight)))
+        out = self.attend(q, k, v, rope, positions, doc_ids)  # this rank's heads (q/k norm, RoPE, core)
+        out = tp.leave(F.linear(out, local(self.wo.weight)))
         if self.wo.bias is not None:  # added once, after the reduction
             out = out + tp.replicated(self.wo.bias)
         return out
@@ -337,6 +332,19 @@ class TensorParallelRMSNorm(RMSNorm):
         xf = x.to(dtype)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.to(x.dtype) * self.tp.replicated(self.weight)
+
+
+class TensorParallelHeadNorm(RMSNorm):
+    """Per-head q/k RMSNorm (Qwen3) on this rank's heads: the weight is replicated, and each
+    rank's gradient covers only its own heads, so it is summed over tp (with or without sp)."""
+
+    tp: TensorParallelGroup
+
+    def forward(self, x):
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * self.tp.grad_sum(local(self.weight))
 
 
 class TensorParallelLayerNorm(nn.LayerNorm):
@@ -458,6 +466,10 @@ def _parallelize_attention(attn: Attention, tp: TensorParallelGroup) -> None:
         _distribute(lin, "bias", tp, place)
     _distribute(attn.wo, "weight", tp, Shard(1))
     _distribute(attn.wo, "bias", tp, Replicate())
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            _distribute(norm, "weight", tp, Replicate())
+            _swap_class(norm, TensorParallelHeadNorm, tp=tp)
     kv_rows = None
     if not split:
         head = tp.rank * attn.n_kv_heads // tp.size
