@@ -89,10 +89,11 @@ def test_dp_collectives_match_runtime(tmp_path, parallel, train):
     ({"tp": 2, "sp": True, "dp_shard": 2}, None, {}),  # sequence parallel: gathers, re-gathers, norms
     ({"tp": 2, "sp": True, "dp_shard": 2}, None, {"recompute": "full", "micro_batch": 2}),
     ({"cp": 2, "dp_shard": 2, "zero": 2}, None, {}),  # ring hops + positions/doc ids + work counter
+    ({"cp": 2, "cp_mode": "ulysses", "dp_shard": 2, "zero": 2}, None, {}),  # q, k, v, out all-to-alls (GQA)
     ({"pp": 2, "dp_shard": 2, "zero": 1}, None, {}),  # activations, loss and bubble statistics; dp
     ({"pp": 2, "dp_replicate": 2, "zero": 0, "pp_schedule": "interleaved", "pp_virtual_stages": 2},
      {"n_layers": 4}, {}),  # interleaved: stage 0 also sends gradients back from its second chunk
     ({"tp": 2, "sp": True, "pp": 2}, None, {}),  # rank 0 is stage 0: embedding, no output or loss
-], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
+], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "cp-ulysses", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
 def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, train):
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)

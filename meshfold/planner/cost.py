@@ -340,9 +340,11 @@ class CostModel:
         hkv = m.kv_heads * m.head_dim
         cp_fwd = cp_sent = 0.0
         if cp > 1 and cp_mode == "ulysses":
-            size = act * tokens * h / tp
-            cp_fwd = 4 * (self.ct("all_to_all", size, cp, tp) + call)
-            cp_sent = 8 * RING["all_to_all"](cp) * size  # q, k, v, out: forward and backward
+            size = act * tokens * h / tp  # q and the attention output
+            kv_size = act * tokens * hkv / min(tp, m.kv_heads)  # k and v (GQA: fewer heads)
+            cp_fwd = (2 * self.ct("all_to_all", size, cp, tp) + 2 * self.ct("all_to_all", kv_size, cp, tp)
+                      + 4 * call)
+            cp_sent = 4 * RING["all_to_all"](cp) * (size + kv_size)  # q, k, v, out: forward and backward
         elif cp > 1:
             kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
             alpha, beta = self.link(tp, cp)
