@@ -248,6 +248,8 @@ def test_tokenizer_travels_with_the_model(tmp_path):
     assert main(["convert", "export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (imported / "tokenizer.json").read_bytes()
     assert (out / "tokenizer_config.json").exists()
+    # Trained at 16 positions, published for 64: the export keeps the published context.
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 64
 
 
 # --------------------------------------------------------------------------- continued pre-training

@@ -142,7 +142,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(
         dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], seq_len=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        vocab_size=hf["vocab_size"], seq_len=seq_len, max_position=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias and model_type in ("llama", "mistral"), qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3", attn_head_dim=head_dim if head_dim != dim // heads else 0, **scaling,
@@ -170,8 +170,9 @@ def hf_family(m: ModelConfig, arch: str | None = None) -> str:
 def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
     """transformers' ``rope_scaling`` dict (None for plain RoPE) and max_position_embeddings."""
     kind = m.rope_scaling
+    longest = max(m.max_position, m.seq_len)  # a run at a shorter seq_len keeps the published context
     if kind == "none":
-        return None, m.seq_len
+        return None, longest
     scaling = {"rope_type": kind, "factor": m.rope_factor}
     if kind == "dynamic":  # transformers reads the original context from max_position_embeddings
         return scaling, m.rope_original_seq_len
@@ -183,7 +184,7 @@ def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
         scaling.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
         if m.rope_attention_factor:
             scaling["attention_factor"] = m.rope_attention_factor
-    return scaling, m.seq_len
+    return scaling, longest
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = None) -> dict:
