@@ -484,7 +484,7 @@ CHECK_TOLERANCE = 1e-4
 def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
     """Largest absolute logit difference between ``transformers`` and meshfold's import of
     ``hf_dir`` on the same random tokens, both in float32."""
-    from meshfold.models.llama import Transformer
+    from meshfold.models.llama import Transformer, rope_tables
 
     try:
         import transformers
@@ -492,9 +492,11 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
         raise ConfigError("convert check needs transformers: pip install transformers") from None
     hf_dir = Path(hf_dir)
     state, m = read_hf(hf_dir)
-    ours = Transformer(m)
-    ours.load_state_dict({k: v.float() for k, v in state.items()})
-    ours.float().eval()
+    with torch.device("meta"):  # no random init of billions of weights about to be replaced
+        ours = Transformer(m)
+    ours.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+    ours.rope_cos, ours.rope_sin = rope_tables(m)  # non-persistent buffers: not in the state dict
+    ours.eval()
     del state
     fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **fp32).eval()
