@@ -42,6 +42,7 @@ class ModelConfig:
     bias: bool = False
     pos: str = "rope"  # rope | learned
     # Hugging Face families (Llama 3.x, Qwen 2/2.5/3, Mistral): docs/hf.md.
+    max_position: int = 0  # the context the model is published for (HF max_position_embeddings); 0 = seq_len
     attn_head_dim: int = 0  # per-head width; 0 = dim / n_heads (Qwen3 sets it explicitly)
     qkv_bias: bool = False  # biases on the q/k/v projections only (Qwen2/2.5); `bias` puts them everywhere
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
@@ -379,6 +380,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "seq_len"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}")
+    if m.max_position < 0:
+        raise ConfigError(f"model.max_position must be >= 0 (0 = seq_len), got {m.max_position}")
     if m.attn_head_dim < 0:
         raise ConfigError(f"model.attn_head_dim must be >= 0 (0 = dim / n_heads), got {m.attn_head_dim}")
     if m.dim % m.n_heads and not m.attn_head_dim:

@@ -234,6 +234,8 @@ def test_tokenizer_travels_with_the_model(tmp_path):
 
     hf_model(tmp_path / "hf", "qwen3")
     _tokenizer_json(tmp_path / "hf")
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**source, "bos_token_id": 6, "eos_token_id": 7}))
     imported = tmp_path / "ours"
     assert main(["convert", "import", str(tmp_path / "hf"), str(imported)]) == 0
     assert (imported / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
@@ -248,6 +250,11 @@ def test_tokenizer_travels_with_the_model(tmp_path):
     assert main(["convert", "export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (imported / "tokenizer.json").read_bytes()
     assert (out / "tokenizer_config.json").exists()
+    # Trained at 16 positions, published for 64: the export keeps the published context,
+    # and the source's special token ids.
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["max_position_embeddings"] == 64
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (6, 7)
 
 
 # --------------------------------------------------------------------------- continued pre-training

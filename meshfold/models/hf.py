@@ -142,7 +142,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(
         dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], seq_len=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
+        vocab_size=hf["vocab_size"], seq_len=seq_len, max_position=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias and model_type in ("llama", "mistral"), qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3", attn_head_dim=head_dim if head_dim != dim // heads else 0, **scaling,
@@ -170,8 +170,9 @@ def hf_family(m: ModelConfig, arch: str | None = None) -> str:
 def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
     """transformers' ``rope_scaling`` dict (None for plain RoPE) and max_position_embeddings."""
     kind = m.rope_scaling
+    longest = max(m.max_position, m.seq_len)  # a run at a shorter seq_len keeps the published context
     if kind == "none":
-        return None, m.seq_len
+        return None, longest
     scaling = {"rope_type": kind, "factor": m.rope_factor}
     if kind == "dynamic":  # transformers reads the original context from max_position_embeddings
         return scaling, m.rope_original_seq_len
@@ -183,7 +184,7 @@ def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
         scaling.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
         if m.rope_attention_factor:
             scaling["attention_factor"] = m.rope_attention_factor
-    return scaling, m.seq_len
+    return scaling, longest
 
 
 def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = None) -> dict:
@@ -346,6 +347,8 @@ def read_checkpoint_model(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelCon
 # Files of a Hugging Face model folder that describe its tokenizer (copied both ways).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+SOURCE_CONFIG = "hf_config.json"  # the imported model's config.json, kept in the import
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # copied back into an export's config.json
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
@@ -366,9 +369,10 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
 
 
 def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: Path, source: str,
-                           tokenizer_from: Path | None = None) -> list[str]:
+                           source_dir: Path | None = None) -> list[str]:
     """A meshfold checkpoint folder holding only the model (what ``train.init_from`` reads)
-    and the source's tokenizer files, published atomically like training checkpoints.
+    and the source's tokenizer files and config.json (``source_dir``), published atomically
+    like training checkpoints.
     Returns the tokenizer files copied."""
     import torch.distributed.checkpoint as dcp
 
@@ -379,7 +383,9 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
-    copied = copy_tokenizer(tokenizer_from, tmp) if tokenizer_from is not None else []
+    copied = copy_tokenizer(source_dir, tmp) if source_dir is not None else []
+    if source_dir is not None and (source_dir / "config.json").is_file():
+        shutil.copyfile(source_dir / "config.json", tmp / SOURCE_CONFIG)  # token ids etc. for export
     cfg = Config(model=m)
     cfg.train.init_from = str(out)
     if "tokenizer.json" in copied:
@@ -416,31 +422,40 @@ def import_hf(hf_dir: Path, out: Path, untie: bool = False) -> ModelConfig:
     if untie and m.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"].clone()
         m = dataclasses.replace(m, tie_embeddings=False)
-    write_checkpoint_model(state, m, out, source=str(hf_dir), tokenizer_from=hf_dir)
+    write_checkpoint_model(state, m, out, source=str(hf_dir), source_dir=hf_dir)
     return m
 
 
-def _run_tokenizer(ckpt: Path) -> Path | None:
-    """Where a checkpoint's tokenizer is: its own files (an import), else the
-    ``data.tokenizer`` of the run that wrote it (RUN_DIR/checkpoints/step-N)."""
-    if (ckpt / "tokenizer.json").is_file():
-        return ckpt
-    run_config = ckpt.parent.parent / "config.toml"
+def _origins(ckpt: Path) -> tuple[list[Path], Path | None]:
+    """Where a checkpoint came from: the folders that may hold its source's Hugging Face
+    config (the checkpoint itself when it is an import, else its run's ``train.init_from``),
+    and its tokenizer (its own files, else its run's ``data.tokenizer``)."""
+    folders, tokenizer = [ckpt], None
+    run_config = ckpt.parent.parent / "config.toml"  # RUN_DIR/checkpoints/step-N
     if run_config.is_file():
         from meshfold.config import load_config
 
-        tok = load_config(run_config).data.tokenizer
-        if tok and Path(tok).expanduser().exists():
-            return Path(tok).expanduser()
-    return None
+        run = load_config(run_config)
+        if run.train.init_from:
+            folders.append(Path(run.train.init_from).expanduser())
+        tok = Path(run.data.tokenizer).expanduser() if run.data.tokenizer else None
+        tokenizer = tok if tok is not None and tok.exists() else None
+    if (ckpt / "tokenizer.json").is_file():
+        tokenizer = ckpt
+    return folders, tokenizer
 
 
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
               arch: str | None = None, tokenizer: Path | None = None) -> tuple[ModelConfig, str, list[str]]:
-    """Returns the model shape, the family written and the tokenizer files copied."""
+    """Returns the model shape, the family written and the tokenizer files copied. The
+    source model's bos/eos/pad token ids (from an import, directly or through the run's
+    ``train.init_from``) are written into ``config.json``."""
     ckpt = Path(ckpt)
+    if tokenizer is not None and not tokenizer.exists():
+        raise ConfigError(f"convert export: --tokenizer {tokenizer} does not exist")
     state, m = read_checkpoint_model(ckpt)
     family = hf_family(m, arch)  # refuse before writing anything
+    folders, found_tokenizer = _origins(ckpt)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     hf_state = to_hf(state, m)
@@ -448,10 +463,14 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(hf_state, out, max_shard_bytes)
     dt = next(iter(state.values())).dtype
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(m, dt, family), indent=1))
-    source = tokenizer if tokenizer is not None else _run_tokenizer(ckpt)
-    if tokenizer is not None and not tokenizer.exists():
-        raise ConfigError(f"convert export: --tokenizer {tokenizer} does not exist")
+    config = hf_config_from_model(m, dt, family)
+    for folder in folders:
+        if (folder / SOURCE_CONFIG).is_file():
+            source = json.loads((folder / SOURCE_CONFIG).read_text())
+            config.update({k: source[k] for k in TOKEN_IDS if source.get(k) is not None})
+            break
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    source = tokenizer if tokenizer is not None else found_tokenizer
     copied = copy_tokenizer(source, out) if source is not None else []
     return m, family, copied
 
@@ -483,7 +502,7 @@ CHECK_TOLERANCE = 1e-4
 def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
     """Largest absolute logit difference between ``transformers`` and meshfold's import of
     ``hf_dir`` on the same random tokens, both in float32."""
-    from meshfold.models.llama import Transformer
+    from meshfold.models.llama import Transformer, rope_tables
 
     try:
         import transformers
@@ -491,9 +510,11 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
         raise ConfigError("convert check needs transformers: pip install transformers") from None
     hf_dir = Path(hf_dir)
     state, m = read_hf(hf_dir)
-    ours = Transformer(m)
-    ours.load_state_dict({k: v.float() for k, v in state.items()})
-    ours.float().eval()
+    with torch.device("meta"):  # no random init of billions of weights about to be replaced
+        ours = Transformer(m)
+    ours.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+    ours.rope_cos, ours.rope_sin = rope_tables(m)  # non-persistent buffers: not in the state dict
+    ours.eval()
     del state
     fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **fp32).eval()

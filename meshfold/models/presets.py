@@ -12,10 +12,11 @@ import dataclasses
 from meshfold.config import ConfigError, ModelConfig
 
 _LLAMA3 = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)
-_LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                     rope_original_seq_len=8192)
-_QWEN2 = dict(vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True)
-_QWEN3 = dict(vocab_size=151936, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, attn_head_dim=128, qk_norm=True)
+_LLAMA31_ROPE = dict(max_position=131072, rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                     rope_high_freq_factor=4.0, rope_original_seq_len=8192)
+_QWEN2 = dict(vocab_size=151936, seq_len=4096, max_position=32768, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True)
+_QWEN3 = dict(vocab_size=151936, seq_len=4096, max_position=40960, rope_theta=1e6, norm_eps=1e-6, attn_head_dim=128,
+              qk_norm=True)
 
 PRESETS: dict[str, dict] = {
     # Tiny shapes for tests, the demo and CPU benchmarks.
@@ -60,7 +61,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, **_QWEN3),
     # Mistral 7B v0.3 (no sliding window; v0.1's 4096-token window is not supported).
     "mistral-7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
-                       seq_len=8192, rope_theta=1e6),
+                       seq_len=8192, max_position=32768, rope_theta=1e6),
     # GPT-3 (Brown et al. 2020): learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
     "gpt3-175b": dict(dim=12288, n_layers=96, n_heads=96, vocab_size=50257, seq_len=2048, norm="layernorm",
                       mlp="gelu", bias=True, pos="learned", tie_embeddings=True),
