@@ -152,18 +152,19 @@ def test_fp4_format_table():
 
 
 class _Spy:
-    """Wraps torch.distributed functions, counting calls (the real op still runs)."""
+    """Wraps torch.distributed functions, counting calls (the real op still runs). Paired
+    point-to-point goes out as one ``batch_isend_irecv``; each op in it is counted by kind."""
 
     COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                    "broadcast", "all_to_all", "all_to_all_single", "barrier", "reduce", "gather", "scatter",
                    "all_gather_object", "broadcast_object_list")
-    P2P = ("isend", "irecv", "send", "recv")
+    P2P = ("send", "recv")
 
     def __init__(self):
         import torch.distributed as dist
 
         self.dist, self.calls, self.saved = dist, [], {}
-        for name in self.COLLECTIVES + self.P2P:
+        for name in self.COLLECTIVES + self.P2P + ("batch_isend_irecv",):
             fn = getattr(dist, name)
             self.saved[name] = fn
             setattr(dist, name, self._wrap(name, fn))
@@ -171,6 +172,8 @@ class _Spy:
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
             self.calls.append(name)
+            if name == "batch_isend_irecv":
+                self.calls += ["isend" if op.op is self.dist.isend else "irecv" for op in args[0]]
             return fn(*args, **kwargs)
         return wrapper
 
@@ -225,6 +228,7 @@ def test_noloco_pairs_match_hand_computation_and_issue_no_collective():
         collectives = [c for c in r["calls"] if c in _Spy.COLLECTIVES]
         assert collectives == [], f"noloco issued collectives {collectives}"
         assert r["calls"].count("isend") == 2 and r["calls"].count("irecv") == 2
+        assert r["calls"].count("batch_isend_irecv") == 2  # each swap posted as one batch
     # gossip only: after two pairings the four workers still differ
     assert not torch.allclose(_flat(res[0]["snaps"][1]), _flat(res[1]["snaps"][1]))
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshfold import comm
 from meshfold.config import LowCommConfig
 from meshfold.lowcomm.codecs import build_codec
-from meshfold.comm import ledger
 
 
 class CompressionState:
@@ -37,14 +37,14 @@ def _hook(state: CompressionState, bucket):
     buf = bucket.buffer()
     if state.lc.onebit_adam:
         if state.optimizer is None or not state.optimizer.frozen:
-            ledger().record("dp", "all_reduce", buf.numel() * buf.element_size(), state.n)
-            dist.all_reduce(buf, group=state.group)
-            buf.div_(state.n)
-    else:
-        if bucket.index() == 0:
-            state.codec.step_begin()
-        named = [(state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-        state.codec.reduce(named)
+            work = comm.all_reduce(buf, state.group, "dp", async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0].div_(state.n))
+        return _done(buf)
+    if bucket.index() == 0:
+        state.codec.step_begin()
+    named = [(state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+
+    def written_back(_):
         # bucket.gradients() are views of the buffer, but copy back defensively.
         offset = 0
         for _, g in named:
@@ -52,6 +52,13 @@ def _hook(state: CompressionState, bucket):
             if view.data_ptr() != g.data_ptr():
                 view.copy_(g.reshape(-1))
             offset += g.numel()
+        return buf
+
+    # PowerSGD / L-GreCo: an unfinished future, the exchange overlaps the rest of backward.
+    return state.codec.reduce_async(named).then(written_back)
+
+
+def _done(buf: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut
