@@ -103,9 +103,9 @@ def _fp4_mean_reference(vectors: list[torch.Tensor], n: int) -> torch.Tensor:
     for v in vectors:
         padded = torch.zeros(size, dtype=torch.float64)
         padded[:numel] = v
-        total += fp4_dequantize(*fp4_quantize(padded))
+        total += fp4_dequantize(*fp4_quantize(padded), dtype=torch.float64)
     mean = total / n
-    return fp4_dequantize(*fp4_quantize(mean))[:numel]
+    return fp4_dequantize(*fp4_quantize(mean), dtype=torch.float64)[:numel]
 
 
 @pytest.mark.parametrize("coding", ["fixed", "deflate"])
