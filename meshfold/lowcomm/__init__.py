@@ -14,6 +14,8 @@ global_batch = W B sees exactly the same sequences step by step.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from meshfold.config import Config, ConfigError
@@ -190,6 +192,11 @@ class LowComm:
         shared, worker, rank = self._scopes()
         sharded, _, per_worker = self._layout()
         scopes = {k.split("/", 1)[0] for k in saved}
+        foreign = sorted(s for s in scopes if not _SCOPE.fullmatch(s))
+        if foreign:
+            raise ValueError(f"lowcomm: the checkpoint holds low-communication state in another format "
+                             f"({foreign[0]!r}, e.g. an older meshfold's pickled per-rank blob), which is not loaded; "
+                             f"start the low-communication state fresh from another checkpoint")
         saved_workers = {s.split(".")[0] for s in scopes if s.startswith("w")}
         if len(saved_workers) != (self.workers if self.workers > 1 else 0):
             raise ValueError(f"lowcomm: the checkpoint holds {len(saved_workers) or 1} worker(s)' state, this run has "
@@ -248,6 +255,7 @@ class LowComm:
 
 # ------------------------------------------------------------------ checkpoint helpers
 
+_SCOPE = re.compile(r"all|s\d+|w\d+(\.s\d+)?|r\d+")
 _EMPTY_DICT, _EMPTY_LIST = "__meshfold_empty_dict__", "__meshfold_empty_list__"
 
 

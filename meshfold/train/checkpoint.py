@@ -195,7 +195,7 @@ def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = N
 
 
 # ---------------------------------------------------------------------------- no pickle
-# DCP pickles its metadata (.metadata) and loads plain values with torch.load(weights_only=False):
+# DCP pickles its metadata (.metadata) and loads plain values with an unrestricted torch.load:
 # a checkpoint someone hands us could run code. meshfold writes the metadata again as JSON
 # and reads only that, and loads plain values with weights_only=True (tensors, numbers,
 # strings, lists, dicts), so a tampered file is refused, never executed.
@@ -296,13 +296,27 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as err:  # noqa: BLE001 - anything not plain data is refused
-            reason = str(err).splitlines()[0][:160] if str(err) else ""
-            raise CheckpointError(f"refusing {read_item.dest_index.fqn}: not plain data ({type(err).__name__}: "
-                                  f"{reason}); the file was tampered with or is foreign") from None
+            lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [type(err).__name__]
+            why = next((x for x in lines if "Unsupported global" in x), lines[0])[:120]
+            raise CheckpointError(f"refusing {read_item.dest_index.fqn}: not plain data ({why}); the checkpoint "
+                                  f"was tampered with or is foreign, nothing in it was run") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _safe_load(sd: dict, path: Path) -> None:
+    """``dcp.load`` through the JSON metadata and the weights-only planner; a refusal on
+    any rank comes out as its one-line ``CheckpointError`` (DCP wraps it per rank)."""
+    try:
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    except dcp.CheckpointException as err:
+        for failure in getattr(err, "failures", {}).values():
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, CheckpointError):
+                raise CheckpointError(f"{path}: {failure}") from None
+        raise
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -663,7 +677,7 @@ class Checkpointer:
         zero = self._zero_one()
         if zero is not None:
             sd["optim"] = {k: v for k, v in self._zero_one_template(meta_keys).items()}
-        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        _safe_load(sd, path)
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in tr.optimizer.param_groups]
         model = _whole_model(tr)
@@ -732,7 +746,7 @@ class Checkpointer:
         if _any_rank(error is not None):
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
         sd = {"model": self._model_state()}
-        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        _safe_load(sd, path)
         set_model_state_dict(_whole_model(self.trainer), sd["model"])
 
     def resume(self) -> int | None:
