@@ -447,3 +447,86 @@ def test_validation_set_is_the_same_for_workers_and_one_process(tmp_path):
     assert single is not None
     for got in per_worker:
         assert got == pytest.approx(single, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- checkpoint scopes
+
+def _stub(rank: int, codec=None, workers: int = 1):
+    """A LowComm holding only a codec (no Trainer): what its checkpoint methods need."""
+    from types import SimpleNamespace
+
+    from meshfold.lowcomm import LowComm
+
+    lc = LowComm.__new__(LowComm)
+    model = torch.nn.Linear(6, 8, bias=False, dtype=torch.float64)
+    lc.trainer = SimpleNamespace(model=model, optimizer=None, dims=None)
+    lc.workers, lc.rank, lc.outer = workers, rank, None
+    lc.compression = SimpleNamespace(codec=codec)
+    return lc
+
+
+def _powersgd_with_state(error: torch.Tensor, q: torch.Tensor):
+    from meshfold.lowcomm.codecs import PowerSGD
+
+    codec = PowerSGD(None, rank=2, seed=0)
+    codec.step = 5
+    codec.state = {"weight": {"error": error.clone(), "q": q.clone()}}
+    return codec
+
+
+def _save_stubs(stubs, folder) -> None:
+    """What DCP stores when these ranks save (keys shared by ranks are stored once)."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshfold.train.checkpoint import SafeWriter
+
+    merged = {}
+    for s in stubs:
+        merged.update(s.state_dict())
+    dcp.save({"extra.lowcomm": merged}, storage_writer=SafeWriter(str(folder)), no_dist=True)
+
+
+def _load_stub(stub, folder) -> None:
+    from meshfold.train.checkpoint import _safe_load, read_dcp_metadata
+
+    saved = read_dcp_metadata(folder).state_dict_metadata
+    prefix = "extra.lowcomm."
+    sd = {"extra.lowcomm": stub.load_template({k[len(prefix):]: v for k, v in saved.items()
+                                                if k.startswith(prefix)})}
+    _safe_load(sd, folder)
+    stub.load_state_dict(sd["extra.lowcomm"])
+
+
+def test_codec_state_reshards_to_another_data_parallel_size(tmp_path):
+    """Saved by 2 data-parallel ranks, loaded by 1: error feedback becomes the mean of the
+    two residuals (the error-feedback invariant only sees the mean), Q and the step are
+    shared, through a real DCP save and the no-pickle load path."""
+    g = torch.Generator().manual_seed(0)
+    errors = [torch.randn(8, 6, generator=g, dtype=torch.float64) for _ in range(2)]
+    q = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    _save_stubs([_stub(r, _powersgd_with_state(errors[r], q)) for r in range(2)], tmp_path / "ck")
+    from meshfold.lowcomm.codecs import PowerSGD
+
+    fresh = _stub(0, PowerSGD(None, rank=2, seed=0))
+    _load_stub(fresh, tmp_path / "ck")
+    state = fresh.compression.codec.state["weight"]
+    torch.testing.assert_close(state["error"], (errors[0] + errors[1]) / 2, rtol=0, atol=1e-15)
+    assert torch.equal(state["q"], q) and fresh.compression.codec.step == 5
+    # same size: each rank gets back exactly its own residual
+    _save_stubs([_stub(0, _powersgd_with_state(errors[0], q))], tmp_path / "one")
+    again = _stub(0, PowerSGD(None, rank=2, seed=0))
+    _load_stub(again, tmp_path / "one")
+    assert torch.equal(again.compression.codec.state["weight"]["error"], errors[0])
+
+
+def test_other_worker_count_and_old_format_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    stub = _stub(0, None)
+    md = SimpleNamespace(size=(3,), properties=SimpleNamespace(dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"resume with lowcomm\.workers = 2") as err:
+        stub.load_template({"w0/worker_replica/params/weight": md, "w1/worker_replica/params/weight": md})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="another format") as err:
+        stub.load_template({"rank0": SimpleNamespace()})  # the old pickled per-rank blob
+    assert "\n" not in str(err.value)
