@@ -4,9 +4,13 @@ DDP hands the hook one bucket of gradients (flat buffer plus per-parameter views
 hook runs the codec on the per-parameter views (PowerSGD and L-GreCo need the matrix
 shapes), writes the decoded group mean back into them and returns the buffer. The codec's
 step counter advances once per backward (on bucket 0, which DDP always reduces).
+PowerSGD and L-GreCo return an unfinished future (their work runs on the codec's
+communication thread while backward goes on; ``codecs.PowerSGD`` says why a thread);
+the other codecs reduce before returning.
 
 With ``lowcomm.onebit_adam`` the hook all-reduces in full precision during the 1-bit Adam
-warm-up and afterwards leaves gradients local: the optimizer then exchanges the 1-bit
+warm-up (asynchronously: the future completes when the all-reduce does) and afterwards
+leaves gradients local: the optimizer then exchanges the 1-bit
 compressed momentum itself (``onebit_adam.py``).
 
 FSDP (zero >= 2 with dp_shard > 1) reduce-scatters inside FSDP2 with no hook to replace the
