@@ -266,12 +266,6 @@ def test_registered_extra_state_round_trips(tmp_path):
 PACKAGE = Path(__file__).resolve().parent.parent / "meshfold"
 
 
-# Known, owned elsewhere, to be removed from this list when fixed: the Hugging Face export
-# reads a checkpoint's DCP metadata with DCP's reader (which unpickles .metadata); it sits
-# below train/ in the import order, so it cannot use checkpoint.SafeReader as is.
-KNOWN = {"meshfold/models/hf.py": ("read_metadata(", "dcp.load(")}
-
-
 def test_package_loads_nothing_with_pickle():
     """No pickle-based loading anywhere in the package: no ``weights_only=False``, torch.load
     only with weights_only=True, no pickle/dill/marshal loads, DCP metadata read only from
@@ -293,7 +287,7 @@ def test_package_loads_nothing_with_pickle():
             ok = (rel == "meshfold/train/checkpoint.py" and (
                 "def read_metadata(" in code or  # SafeReader's own JSON reader
                 ("dcp.load(" in code and "storage_reader=SafeReader" in code and "planner=SafeLoadPlanner" in code)))
-            if not ok and not any(m in code for m in KNOWN.get(rel, ())):
+            if not ok:
                 found.append(f"{rel}:{no}: {line.strip()}")
         for call in re.finditer(r"torch\.load\(", text):  # every torch.load names weights_only=True
             if "weights_only=True" not in text[call.end(): call.end() + 200].split(")\n")[0]:

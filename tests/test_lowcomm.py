@@ -497,13 +497,13 @@ def _save_stubs(stubs, folder) -> None:
 
 
 def _load_stub(stub, folder) -> None:
-    from meshfold.train.checkpoint import _safe_load, read_dcp_metadata
+    from meshfold.train.checkpoint import safe_load, read_dcp_metadata
 
     saved = read_dcp_metadata(folder).state_dict_metadata
     prefix = "extra.lowcomm."
     sd = {"extra.lowcomm": stub.load_template({k[len(prefix):]: v for k, v in saved.items()
                                                 if k.startswith(prefix)})}
-    _safe_load(sd, folder)
+    safe_load(sd, folder)
     stub.load_state_dict(sd["extra.lowcomm"])
 
 

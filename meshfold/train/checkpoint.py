@@ -114,7 +114,7 @@ def _any_rank(flag: bool, group=None) -> bool:
     if _world() == 1:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
-    comm.all_reduce(t, group, "ckpt", op="max")
+    comm.all_reduce(t, group or dist.group.WORLD, "ckpt", op="max")
     return bool(t.item())  # outside the step: a checkpoint decision every rank must share
 
 
@@ -306,11 +306,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def _safe_load(sd: dict, path: Path) -> None:
+def safe_load(sd: dict, path: Path, no_dist: bool = False) -> None:
     """``dcp.load`` through the JSON metadata and the weights-only planner; a refusal on
     any rank comes out as its one-line ``CheckpointError`` (DCP wraps it per rank)."""
     try:
-        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=no_dist)
     except dcp.CheckpointException as err:
         for failure in getattr(err, "failures", {}).values():
             failure = failure[0] if isinstance(failure, tuple) else failure
@@ -564,20 +564,22 @@ class Checkpointer:
             _log(f"saving step {step} failed ({_root_cause(err)}); the previous checkpoints are kept: "
                  f"{', '.join(good) or 'none yet'}")
 
-    def _publish(self, tmp: Path, step: int, agree: bool = True) -> bool:
-        """Rank 0: hash, write the manifest, rename into place, prune. All files are
-        written when this runs (DCP's save returns after every rank finished). ``agree``:
-        tell every rank the outcome (not from the async thread: no collectives there)."""
-        ok = True
-        if self.rank == 0:
-            try:
-                self._write_manifest(tmp, step)
-                publish(tmp, self.root / f"step-{step}")  # replaces a step saved before a rollback
-                self._prune()
-            except OSError as err:
-                self._failed(tmp, step, err)
-                ok = False
-        return not _any_rank(not ok) if agree else ok
+    def _publish(self, tmp: Path, step: int) -> bool:
+        """Rank 0: merge the ranks' hashes into the manifest, rename into place, prune. All
+        files are written when this runs (DCP's save returns after every rank finished).
+        No collective follows: the other ranks go on training (their part is done and
+        they return True); a rank 0 failure is logged by rank 0 and the previous
+        checkpoints stay, so nothing waits on rank 0's rename."""
+        if self.rank != 0:
+            return True
+        try:
+            self._write_manifest(tmp, step)
+            publish(tmp, self.root / f"step-{step}")  # replaces a step saved before a rollback
+            self._prune()
+        except OSError as err:
+            self._failed(tmp, step, err)
+            return False
+        return True
 
     def _write_manifest(self, tmp: Path, step: int) -> None:
         cfg = self.trainer.cfg.to_dict()
@@ -606,7 +608,7 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001
             self._failed(tmp, step, err)
             return False
-        return self._publish(tmp, step, agree=False)
+        return self._publish(tmp, step)
 
     def wait(self) -> None:
         """Block until an async save in flight is written and published."""
@@ -677,7 +679,7 @@ class Checkpointer:
         zero = self._zero_one()
         if zero is not None:
             sd["optim"] = {k: v for k, v in self._zero_one_template(meta_keys).items()}
-        _safe_load(sd, path)
+        safe_load(sd, path)
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in tr.optimizer.param_groups]
         model = _whole_model(tr)
@@ -746,7 +748,7 @@ class Checkpointer:
         if _any_rank(error is not None):
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
         sd = {"model": self._model_state()}
-        _safe_load(sd, path)
+        safe_load(sd, path)
         set_model_state_dict(_whole_model(self.trainer), sd["model"])
 
     def resume(self) -> int | None:
@@ -754,6 +756,7 @@ class Checkpointer:
         (``train.resume = auto``), else start from ``train.init_from`` if set."""
         t = self.trainer.cfg.train
         if t.resume == "auto":
+            _barrier()  # a save of this job still being published by rank 0 is listed by all or none
             path = self.find_latest()
             if path is not None:
                 step = self.load(path)
@@ -772,6 +775,7 @@ class Checkpointer:
         """Back to the newest good checkpoint, keeping the data position (the batches
         that produced non-finite values are not replayed). None if there is none."""
         self.wait()
+        _barrier()  # rank 0 has published the last save before anyone lists the folder
         path = self.find_latest()
         if path is None:
             return None
