@@ -259,3 +259,149 @@ def test_registered_extra_state_round_trips(tmp_path):
     again.checkpointer.register("outer", restored)
     assert again.checkpointer.resume() == 1
     assert restored.calls == 7 and torch.equal(restored.value, extra.value)
+
+
+# ---------------------------------------------------------------------------- no pickle
+
+PACKAGE = Path(__file__).resolve().parent.parent / "meshfold"
+
+
+def test_package_loads_nothing_with_pickle():
+    """No pickle-based loading anywhere in the package: no ``weights_only=False``, torch.load
+    only with weights_only=True, no pickle/dill/marshal loads, DCP metadata read only from
+    JSON (DCP's reader unpickles .metadata) and dcp.load only with the safe reader+planner
+    (DCP's default planner loads plain values with weights_only=False)."""
+    import re
+
+    banned = re.compile(r"weights_only\s*=\s*False|pickle\.loads?\(|Unpickler|^\s*(import|from) (c?pickle|dill)\b|"
+                        r"\bdill\b|cloudpickle|marshal\.loads?\(|read_metadata\(|dcp\.load\(")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE.parent))
+        text = path.read_text()
+        for no, line in enumerate(text.splitlines(), 1):
+            code = line.split("#", 1)[0]
+            hit = banned.search(code)
+            if not hit:
+                continue
+            ok = (rel == "meshfold/train/checkpoint.py" and (
+                "def read_metadata(" in code or  # SafeReader's own JSON reader
+                ("dcp.load(" in code and "storage_reader=SafeReader" in code and "planner=SafeLoadPlanner" in code)))
+            if not ok:
+                found.append(f"{rel}:{no}: {line.strip()}")
+        for call in re.finditer(r"torch\.load\(", text):  # every torch.load names weights_only=True
+            if "weights_only=True" not in text[call.end(): call.end() + 200].split(")\n")[0]:
+                found.append(f"{rel}: torch.load without weights_only=True")
+    assert not found, "pickle-based loading in the package:\n" + "\n".join(found)
+
+
+class _Exploit:
+    """Unpickling this runs code (what a tampered checkpoint would carry)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _tamper_plain_value(ckpt: Path, key: str, payload) -> None:
+    """Rewrite ``key`` (a plain value) to unpickle ``payload``, the way an attacker who
+    controls the folder would: new bytes appended to the data file, DCP's metadata
+    pointed at them and every hash in the manifest recomputed (so validation passes)."""
+    import io
+
+    meta = json.loads((ckpt / "dcp_metadata.json").read_text())
+    entry = next(s for s in meta["storage_data"] if s["fqn"] == key)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = ckpt / entry["path"]
+    entry["start"], entry["length"] = data.stat().st_size, len(buf.getvalue())
+    with data.open("ab") as f:
+        f.write(buf.getvalue())
+    (ckpt / "dcp_metadata.json").write_text(json.dumps(meta))
+    with (ckpt / ".metadata").open("wb") as f:  # and the pickled metadata DCP wrote: never read
+        torch.save(payload, f)
+    manifest = json.loads((ckpt / "meshfold.json").read_text())
+    from meshfold.train.checkpoint import _sha256
+
+    for name in manifest["files"]:
+        manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": _sha256(ckpt / name)}
+    (ckpt / "meshfold.json").write_text(json.dumps(manifest))
+
+
+def test_tampered_state_file_is_refused_never_executed(tmp_path):
+    from meshfold.train.trainer import Trainer
+
+    cfg = _cfg(tmp_path / "run")
+    tr = Trainer(from_dict(cfg))
+    extra = Counter()
+    tr.checkpointer.register("outer", extra)
+    tr.train_step()
+    tr.checkpointer.save()
+    ckpt = tmp_path / "run" / "checkpoints" / "step-1"
+    marker = tmp_path / "pwned"
+    _tamper_plain_value(ckpt, "extra.outer.calls", _Exploit(marker))
+    validate_checkpoint(ckpt)  # the attacker kept the manifest consistent
+    again = Trainer(from_dict(cfg))
+    again.checkpointer.register("outer", Counter())
+    with pytest.raises(CheckpointError) as err:
+        again.checkpointer.resume()
+    msg = str(err.value)
+    assert "refusing extra.outer.calls: not plain data" in msg and "\n" not in msg, msg
+    assert not marker.exists()  # nothing ran
+    # A plain value stays loadable (the refusal is about what the file holds, not its path).
+    _tamper_plain_value(ckpt, "extra.outer.calls", 11)
+    third = Trainer(from_dict(cfg))
+    restored = Counter()
+    third.checkpointer.register("outer", restored)
+    assert third.checkpointer.resume() == 1 and restored.calls == 11
+
+
+def _save_and_resume_hashes(run_dir: str) -> dict:
+    """Two ranks save, then resume: which files each rank hashed at save and at resume."""
+    import torch.distributed as dist
+
+    import meshfold.train.checkpoint as ckpt_mod
+    from meshfold.train.trainer import Trainer
+
+    hashed: list[str] = []
+    real = ckpt_mod._sha256
+
+    def counting(path):
+        hashed.append(Path(path).name)
+        return real(path)
+
+    ckpt_mod._sha256 = counting
+    try:
+        cfg = _cfg(run_dir, parallel={"dp_shard": 2})
+        tr = Trainer(from_dict(cfg))
+        tr.train_step()
+        tr.checkpointer.save()
+        at_save = sorted(hashed)
+        hashed.clear()
+        dist.barrier()
+        again = Trainer(from_dict(cfg))
+        assert again.checkpointer.resume() == 1
+        at_resume = sorted(hashed)
+    finally:
+        ckpt_mod._sha256 = real
+    return {"rank": dist.get_rank(), "save": at_save, "resume": at_resume}
+
+
+def test_each_rank_hashes_the_files_it_wrote(tmp_path):
+    res = run_on(2, _save_and_resume_hashes, str(tmp_path))
+    ckpt = tmp_path / "checkpoints" / "step-1"
+    files = set(json.loads((ckpt / "meshfold.json").read_text())["files"])
+    assert not list(ckpt.glob("*_sha256.json"))  # sidecars merged into the manifest
+    by_rank = {r["rank"]: r for r in res}
+    for rank in (0, 1):
+        mine = {f for f in files if f.startswith(f"__{rank}_")}
+        assert mine and mine <= set(by_rank[rank]["save"])  # a rank hashes what it wrote...
+        others = {f for f in files if f.startswith(f"__{1 - rank}_")}
+        assert not others & set(by_rank[rank]["save"])  # ...and nothing another rank wrote
+    # DCP's own metadata (written by the coordinator) is hashed by rank 0 alone.
+    assert set(by_rank[1]["save"]) == {f for f in files if f.startswith("__1_")}
+    # At resume the ranks split the files: disjoint shares covering everything.
+    shares = [set(by_rank[r]["resume"]) for r in (0, 1)]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == files

@@ -14,7 +14,7 @@ global_batch = W B sees exactly the same sequences step by step.
 
 from __future__ import annotations
 
-import io
+import re
 
 import torch
 
@@ -92,9 +92,17 @@ class LowComm:
                 out["topk_ratio"] = codec.current_ratio()
         return out
 
-    # Checkpoints: outer state (global copy, outer momentum, in-flight results) and codec
-    # error-feedback buffers differ per rank (shards, workers), so each rank stores its own
-    # serialized blob under its global rank; restoring needs the same world size and layout.
+    # Checkpoints (through DCP, like the rest of the run's state): a flat dict of tensors and
+    # plain values whose keys start with a *scope* saying who holds that value:
+    #   all/...        identical on every rank (outer state shared by the workers, PowerSGD's Q,
+    #                  counters): saved once, loads at any worker count and data-parallel size
+    #   s<j>/...       the same, when the model is sharded (FSDP/TP) inside a worker: shard j
+    #   w<i>/...       worker i's own model replica, inner optimizer, NoLoCo/CO2 local state
+    #   r<R>/...       rank R's error feedback (and DGC momentum)
+    # A checkpoint with a different number of workers, or a different sharding inside the
+    # workers, is refused with one line; error feedback saved at another data-parallel size
+    # loads as the mean of the saved ranks' residuals, which is all the error-feedback
+    # invariant (sum of what was sent + mean residual = sum of mean gradients) depends on.
     def local_state(self) -> dict:
         sd = {}
         if self.workers > 1:
@@ -113,7 +121,7 @@ class LowComm:
     def _replica_state(self) -> dict:
         """This rank's parameters and optimizer state. The checkpointer stores plain tensors
         once, as if every data-parallel copy were equal; across workers they are not (each
-        worker trains its own replica between outer steps), so each rank keeps its own."""
+        worker trains its own replica between outer steps), so each worker keeps its own."""
         from meshfold.lowcomm.outer import local_tensor
 
         opt = self.trainer.optimizer
@@ -146,17 +154,154 @@ class LowComm:
         if self.compression is not None and self.compression.codec is not None and "codec" in sd:
             self.compression.codec.load_state_dict(sd["codec"])
 
+    # -- scopes
+    def _layout(self) -> tuple[bool, int, int]:
+        """(model sharded inside the worker, this rank's position in its worker, ranks per worker)."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sharded = any(hasattr(p, "to_local") for _, p in self._named())
+        per_worker = world // max(1, self.workers)
+        return sharded, self.rank % per_worker, per_worker
+
+    def _scopes(self) -> tuple[str, str, str]:
+        sharded, inner, _ = self._layout()
+        worker = self.trainer.dims.rank("worker") if self.workers > 1 else 0
+        shared = f"s{inner}" if sharded else "all"
+        return shared, (f"w{worker}.s{inner}" if sharded else f"w{worker}"), f"r{self.rank}"
+
+    def _scope_of(self, key: str) -> str:
+        shared, worker, rank = self._scopes()
+        parts = key.split("/")
+        if parts[0] == "worker_replica":
+            return worker
+        if parts[0] == "outer":
+            per_worker = self.outer is not None and (self.outer.name == "noloco" or parts[1] == "start")
+            return worker if per_worker else shared
+        if parts[0] == "codec" and parts[1] == "state" and len(parts) > 3 and parts[3] in ("error", "momentum"):
+            return rank
+        return shared
+
     def state_dict(self) -> dict:
-        buf = io.BytesIO()
-        torch.save(self.local_state(), buf)
-        return {f"rank{self.rank}": buf.getvalue()}
+        return {f"{self._scope_of(k)}/{k}": v for k, v in flatten_state(self.local_state()).items()}
+
+    def load_template(self, saved: dict) -> dict:
+        """What this rank loads, from the checkpoint's DCP metadata (``saved``: key -> storage
+        metadata, keys without the ``extra.lowcomm.`` prefix): empty tensors of the saved
+        shapes on this rank's device, None for plain values. One-line refusals."""
+        shared, worker, rank = self._scopes()
+        sharded, _, per_worker = self._layout()
+        scopes = {k.split("/", 1)[0] for k in saved}
+        foreign = sorted(s for s in scopes if not _SCOPE.fullmatch(s))
+        if foreign:
+            raise ValueError(f"lowcomm: the checkpoint holds low-communication state in another format "
+                             f"({foreign[0]!r}, e.g. an older meshfold's pickled per-rank blob), which is not loaded; "
+                             f"start the low-communication state fresh from another checkpoint")
+        saved_workers = {s.split(".")[0] for s in scopes if s.startswith("w")}
+        if len(saved_workers) != (self.workers if self.workers > 1 else 0):
+            raise ValueError(f"lowcomm: the checkpoint holds {len(saved_workers) or 1} worker(s)' state, this run has "
+                             f"{self.workers}; each worker's own replica cannot be split or merged: resume with "
+                             f"lowcomm.workers = {len(saved_workers) or 1}")
+        saved_sharded = any(s.startswith("s") or ".s" in s for s in scopes)
+        if saved_sharded != sharded or (sharded and shared not in scopes):
+            raise ValueError("lowcomm: the outer state was saved with a different sharding of the model inside each "
+                             "worker (FSDP/TP); resume with the same [parallel] layout inside the workers")
+        ranks = sorted(int(s[1:]) for s in scopes if s.startswith("r"))
+        want = {shared, worker}
+        if ranks:
+            if len(ranks) == self._world() and rank in scopes:
+                want.add(rank)
+            elif sharded:
+                raise ValueError(f"lowcomm: error feedback was saved by {len(ranks)} ranks of a sharded model; "
+                                 f"resume with the same [parallel] layout")
+            else:
+                want |= {f"r{r}" for r in ranks}  # averaged in load_state_dict
+        device = self._device()
+        out = {}
+        for key, md in saved.items():
+            if key.split("/", 1)[0] not in want:
+                continue
+            size = getattr(md, "size", None)
+            if size is None:
+                out[key] = None
+            else:
+                out[key] = torch.empty(tuple(size), dtype=md.properties.dtype, device=device)
+        return out
 
     def load_state_dict(self, sd: dict) -> None:
-        blob = sd.get(f"rank{self.rank}")
-        if not blob:
-            raise ValueError(f"checkpoint has no low-communication state for rank {self.rank} "
-                             f"(saved with a different world size?)")
-        self.load_local_state(torch.load(io.BytesIO(blob), weights_only=False))
+        rank_scopes = {k.split("/", 1)[0] for k in sd if k.startswith("r")}
+        local: dict = {}
+        rank_parts: dict[str, list] = {}
+        for key, value in sd.items():
+            scope, rest = key.split("/", 1)
+            if len(rank_scopes) > 1 and scope in rank_scopes:
+                rank_parts.setdefault(rest, []).append(value)
+            else:
+                local[rest] = value
+        for rest, values in rank_parts.items():  # saved at another data-parallel size: the mean
+            local[rest] = torch.stack(values).mean(0) if torch.is_tensor(values[0]) else values[0]
+        self.load_local_state(unflatten_state(local))
+
+    def _world(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def _device(self) -> torch.device:
+        for _, p in self._named():
+            return p.device
+        return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ checkpoint helpers
+
+_SCOPE = re.compile(r"all|s\d+|w\d+(\.s\d+)?|r\d+")
+_EMPTY_DICT, _EMPTY_LIST = "__meshfold_empty_dict__", "__meshfold_empty_list__"
+
+
+def flatten_state(tree, prefix: str = "") -> dict:
+    """Nested dicts/lists/tuples -> {"a/b/#0": leaf}: one level of string keys that DCP
+    stores as they are (model names keep their dots); list items become "#i"; empty
+    containers become marker strings (DCP would drop them)."""
+    out = {}
+    if isinstance(tree, dict):
+        if not tree:
+            out[prefix.rstrip("/")] = _EMPTY_DICT
+        for k, v in tree.items():
+            k = str(k)
+            if "/" in k or k.startswith("#"):
+                raise ValueError(f"state key {k!r} cannot be stored (contains '/' or starts with '#')")
+            out.update(flatten_state(v, f"{prefix}{k}/"))
+    elif isinstance(tree, (list, tuple)):
+        if not tree:
+            out[prefix.rstrip("/")] = _EMPTY_LIST
+        for i, v in enumerate(tree):
+            out.update(flatten_state(v, f"{prefix}#{i}/"))
+    else:
+        out[prefix.rstrip("/")] = tree
+    return out
+
+
+def unflatten_state(flat: dict):
+    root: dict = {}
+    for key, value in flat.items():
+        node = root
+        parts = key.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        if isinstance(value, str) and value in (_EMPTY_DICT, _EMPTY_LIST):
+            value = {} if value == _EMPTY_DICT else []
+        node[parts[-1]] = value
+
+    def lists(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: lists(v) for k, v in node.items()}
+        if node and all(k.startswith("#") for k in node):
+            return [node[f"#{i}"] for i in range(len(node))]
+        return node
+
+    return lists(root)
 
 
 def outer_group(dims):

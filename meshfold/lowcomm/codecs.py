@@ -8,8 +8,9 @@ step's gradient, so nothing is lost over steps:
 
     compensated = g + e_old          sent(compensated) + e_new = compensated   (exactly)
 
-Each codec records the bytes this rank sends in the comm ledger under dim ``"dp"``, with the
-real sizes of what goes on the wire (packed bits, int32 indices, fp32 scales).
+Every collective goes through ``meshfold.comm``, which records the bytes this rank sends under
+dim ``"dp"`` (outer exchanges: ``"outer"``) from the real sizes of what goes on the wire
+(packed bits, int32 indices, fp32 scales).
 
 Codecs (docs/lowcomm.md has the equations):
   PowerSGD  rank-r P Q^T with warm-started Q and error feedback (Vogels et al. 2019)
@@ -25,11 +26,16 @@ from __future__ import annotations
 
 import math
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from meshfold.comm import ledger
+from meshfold import comm
+
+# Every buffer below is created on the device of the tensor being coded (``device=``), and
+# the arithmetic runs there in the tensor's own precision (at least fp32): no host round
+# trip, no float64 on the CPU. Only the optional deflate coding is host work by nature.
 
 # --------------------------------------------------------------------------- helpers
 
@@ -38,26 +44,32 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _all_reduce_mean(t: torch.Tensor, group) -> torch.Tensor:
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision the codecs compute in: the tensor's own, raised to fp32 for bf16/fp16."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _all_reduce_mean(t: torch.Tensor, group, dim: str = "dp") -> torch.Tensor:
     n = _world(group)
     if n > 1:
-        ledger().record("dp", "all_reduce", t.numel() * t.element_size(), n)
-        dist.all_reduce(t, group=group)
+        comm.all_reduce(t, group, dim)
         t.div_(n)
     return t
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """bool[N] -> uint8[ceil(N/8)], little-endian within a byte."""
-    n = bits.numel()
-    padded = torch.zeros(8 * math.ceil(n / 8), dtype=torch.uint8)
-    padded[:n] = bits.flatten().to(torch.uint8)
-    weights = (2 ** torch.arange(8, dtype=torch.uint8))
-    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
+    """bool[N] -> uint8[ceil(N/8)], little-endian within a byte (on ``bits``' device)."""
+    flat = bits.flatten().to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    weights = torch.ones(8, dtype=torch.uint8, device=bits.device) << torch.arange(8, dtype=torch.uint8,
+                                                                                  device=bits.device)
+    return (flat.view(-1, 8) * weights).sum(1, dtype=torch.int32).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = (packed.view(-1, 1) >> shifts) & 1
     return bits.flatten()[:n].bool()
 
@@ -66,28 +78,44 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 # FP4 "E3M0": 1 sign bit + 3 exponent bits, no mantissa. Code e=0 is zero, e=1..7 is
 # 2^(e-7) times the block scale (the block's max |x|), so magnitudes {0, 1/64, .., 1/2, 1}.
-FP4_LEVELS = torch.tensor([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], dtype=torch.float64)
+FP4_LEVELS = torch.tensor([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], dtype=torch.float64, device="cpu")
 FP4_BLOCK = 128  # elements sharing one fp32 scale (0.25 extra bits per element)
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fp4_tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels, midpoints) in ``dtype`` on ``device``, built once per pair (powers of two
+    and 1.5 x powers of two: exact in every float format)."""
+    key = (dtype, str(device))
+    if key not in _TABLES:
+        levels = torch.zeros(8, dtype=dtype, device=device)
+        levels[1:] = torch.exp2(torch.arange(-6, 1, dtype=dtype, device=device))
+        _TABLES[key] = (levels, (levels[1:] + levels[:-1]) / 2)
+    return _TABLES[key]
 
 
 def fp4_quantize(x: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """x (1-D, length a multiple of ``block``) -> (uint8 codes packed two per byte, fp32 scales).
-    Rounds each |x|/scale to the nearest level in linear distance (ties round up)."""
-    xb = x.double().view(-1, block)
+    Rounds each |x|/scale to the nearest level in linear distance (ties round up). Runs on
+    ``x``'s device in its precision (fp32 at least)."""
+    wd = _work_dtype(x.dtype)
+    xb = x.to(wd).view(-1, block)
     scale = xb.abs().amax(1).float()
-    safe = scale.double().clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+    safe = scale.to(wd).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
     r = (xb.abs() / safe).clamp(max=1.0)
-    mids = (FP4_LEVELS[1:] + FP4_LEVELS[:-1]) / 2
+    _, mids = _fp4_tables(wd, x.device)
     exp = torch.bucketize(r, mids, right=True).to(torch.uint8)  # 0..7
-    code = exp | ((xb < 0).to(torch.uint8) << 3)
-    code = code.flatten()
+    code = (exp | ((xb < 0).to(torch.uint8) << 3)).flatten()
     return (code[0::2] | (code[1::2] << 4)).contiguous(), scale
 
 
 def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK,
-                   dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Codes and scales back to values, in ``dtype`` (default: the scales' fp32)."""
+    dtype = dtype or scale.dtype
     code = torch.stack([packed & 0xF, packed >> 4], 1).flatten()
-    mag = FP4_LEVELS.to(dtype)[(code & 7).long()]
+    levels, _ = _fp4_tables(dtype, packed.device)
+    mag = levels[(code & 7).long()]
     sign = 1 - 2 * ((code >> 3) & 1).to(dtype)
     return (sign * mag).view(-1, block).mul_(scale.to(dtype).unsqueeze(1)).flatten()
 
@@ -97,108 +125,116 @@ def fp4_bytes(numel: int, block: int = FP4_BLOCK) -> int:
 
 
 def _padded_chunks(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """``x`` as float64, zero-padded to n equal chunks of whole FP4 blocks; the chunk length."""
+    """``x`` in its work precision on its device, zero-padded to n equal chunks of whole
+    FP4 blocks; the chunk length."""
     unit = FP4_BLOCK * n
-    padded = torch.zeros(unit * math.ceil(x.numel() / unit), dtype=torch.float64)
-    padded[:x.numel()] = x.double()
+    padded = torch.zeros(unit * math.ceil(x.numel() / unit), dtype=_work_dtype(x.dtype), device=x.device)
+    padded[:x.numel()] = x.flatten()
     return padded, padded.numel() // n
 
 
-def fp4_all_reduce_mean(x: torch.Tensor, group, dim: str | None = "outer") -> torch.Tensor:
+def _sum_chunks(decoded: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum of n equal chunks, added in rank order (the same order on every rank)."""
+    parts = decoded.view(n, -1)
+    total = parts[0].clone()
+    for r in range(1, n):
+        total += parts[r]
+    return total
+
+
+def fp4_all_reduce_mean(x: torch.Tensor, group, dim: str = "outer") -> torch.Tensor:
     """Mean of ``x`` (1-D, any float dtype) over ``group`` with only 4-bit data on the wire.
 
     Reduce-scatter phase: every rank quantises its vector, sends chunk j to rank j
-    (all-to-all); rank j dequantises the n chunks and sums them in float64. All-gather
-    phase: rank j re-quantises its summed chunk to 4 bits and all ranks gather the chunks.
-    Sends 2 (n-1)/n of the 4-bit size, i.e. 1/8 of an fp32 ring all-reduce (plus scales)."""
+    (all-to-all); rank j dequantises the n chunks and sums them in its work precision.
+    All-gather phase: rank j re-quantises its summed chunk to 4 bits and all ranks gather
+    the chunks. Sends 2 (n-1)/n of the 4-bit size, i.e. 1/8 of an fp32 ring all-reduce
+    (plus scales); the comm layer records the bytes under ``dim``."""
     n = _world(group)
     if n == 1:
         return x.clone()
     numel = x.numel()
     padded, chunk = _padded_chunks(x, n)
+    wd = padded.dtype
     codes, scales = fp4_quantize(padded)
     recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
-    dist.all_to_all_single(recv_codes, codes, group=group)
-    dist.all_to_all_single(recv_scales, scales, group=group)
-    if dim:
-        ledger().record(dim, "all_to_all", fp4_bytes(padded.numel()), n)
-    mine = torch.zeros(chunk, dtype=torch.float64)
-    cb, sb = chunk // 2, chunk // FP4_BLOCK
-    for r in range(n):  # sum in float64: the "higher precision" of the reduction
-        mine += fp4_dequantize(recv_codes[r * cb:(r + 1) * cb], recv_scales[r * sb:(r + 1) * sb])
-    mine /= n
+    comm.all_to_all_single(recv_codes, codes, group, dim)
+    comm.all_to_all_single(recv_scales, scales, group, dim)
+    mine = _sum_chunks(fp4_dequantize(recv_codes, recv_scales, dtype=wd), n) / n
     my_codes, my_scales = fp4_quantize(mine)
-    all_codes = torch.empty(cb * n, dtype=torch.uint8)
-    all_scales = torch.empty(sb * n, dtype=torch.float32)
-    dist.all_gather_into_tensor(all_codes, my_codes, group=group)
-    dist.all_gather_into_tensor(all_scales, my_scales, group=group)
-    if dim:
-        ledger().record(dim, "all_gather", fp4_bytes(padded.numel()), n)
-    return fp4_dequantize(all_codes, all_scales)[:numel].to(x.dtype)
+    all_codes = torch.empty(my_codes.numel() * n, dtype=torch.uint8, device=x.device)
+    all_scales = torch.empty(my_scales.numel() * n, dtype=torch.float32, device=x.device)
+    comm.all_gather_into_tensor(all_codes, my_codes, group, dim)
+    comm.all_gather_into_tensor(all_scales, my_scales, group, dim)
+    return fp4_dequantize(all_codes, all_scales, dtype=wd)[:numel].to(x.dtype)
 
 
+# Deflate is host work by nature (zlib): the codes cross to the host to be coded and the
+# coded bytes go back to the device before they reach a collective. It is an opt-in coding
+# for very slow links, where the link, not this copy, is the bottleneck.
 def _deflate(codes: torch.Tensor) -> torch.Tensor:
-    return torch.frombuffer(bytearray(zlib.compress(codes.numpy().tobytes(), 6)), dtype=torch.uint8)
+    raw = codes.cpu().numpy().tobytes()
+    return torch.frombuffer(bytearray(zlib.compress(raw, 6)), dtype=torch.uint8).to(codes.device)
 
 
 def _inflate(payload: torch.Tensor, nbytes: int) -> torch.Tensor:
-    raw = zlib.decompress(payload.numpy().tobytes())
+    raw = zlib.decompress(payload.cpu().numpy().tobytes())
     if len(raw) != nbytes:
         raise RuntimeError(f"deflated FP4 chunk decoded to {len(raw)} bytes, expected {nbytes}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(payload.device)
 
 
-def _all_to_all_varlen(payloads: list[torch.Tensor], group) -> tuple[list[torch.Tensor], int]:
+def _all_to_all_varlen(payloads: list[torch.Tensor], group, dim: str) -> tuple[list[torch.Tensor], int]:
     """uint8 payloads[j] to rank j, lengths vary (nothing is sent to oneself): the int64
     lengths first, then the bytes with uneven splits. Returns (what rank j sent us, own
     slot empty; bytes this rank sent, lengths included)."""
     me = dist.get_rank(group)
-    send_len = torch.tensor([0 if j == me else p.numel() for j, p in enumerate(payloads)], dtype=torch.int64)
+    device = payloads[0].device
+    lengths = [0 if j == me else p.numel() for j, p in enumerate(payloads)]
+    send_len = torch.tensor(lengths, dtype=torch.int64, device=device)
     recv_len = torch.empty_like(send_len)
-    dist.all_to_all_single(recv_len, send_len, group=group)
+    comm.all_to_all_single(recv_len, send_len, group, dim)
+    recv_sizes = recv_len.tolist()  # variable lengths: the one host read this coding needs
     send = torch.cat([p[:0] if j == me else p for j, p in enumerate(payloads)])
-    recv = torch.empty(int(recv_len.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_len.tolist(), input_split_sizes=send_len.tolist(),
-                           group=group)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    comm.all_to_all_single(recv, send, group, dim, out_splits=recv_sizes, in_splits=lengths)
     sent = send.numel() + send_len.element_size() * (len(payloads) - 1)
-    return list(recv.split(recv_len.tolist())), sent
+    return list(recv.split(recv_sizes)), sent
 
 
-def fp4_deflate_all_reduce_mean(x: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+def fp4_deflate_all_reduce_mean(x: torch.Tensor, group, dim: str = "outer") -> tuple[torch.Tensor, int]:
     """``fp4_all_reduce_mean`` with the packed 4-bit codes deflated (zlib, level 6) before
     they cross the link. Lossless, so the mean is bit-identical to the fixed-length
     exchange; the messages have variable length. Per phase, to each peer a rank sends an
     int64 length, its deflated codes for that peer and the matching fp32 block scales
     (raw). Returns (mean, bytes this rank sent): the sizes of the buffers handed to the
-    collectives, excluding only the empty slot to itself (the ledger's "bytes leaving")."""
+    collectives, excluding only the empty slot to itself (what the comm layer records)."""
     n = _world(group)
     if n == 1:
         return x.clone(), 0
     me = dist.get_rank(group)
     numel = x.numel()
     padded, chunk = _padded_chunks(x, n)
+    wd = padded.dtype
     cb, sb = chunk // 2, chunk // FP4_BLOCK
     codes, scales = fp4_quantize(padded)
     # Reduce-scatter phase: rank j gets chunk j of everyone's codes (deflated) and scales.
     payloads = [_deflate(codes[j * cb:(j + 1) * cb]) if j != me else codes[:0] for j in range(n)]
-    recv, sent = _all_to_all_varlen(payloads, group)
+    recv, sent = _all_to_all_varlen(payloads, group, dim)
     recv_scales = torch.empty_like(scales)
-    dist.all_to_all_single(recv_scales, scales, group=group)
+    comm.all_to_all_single(recv_scales, scales, group, dim)
     sent += scales.element_size() * sb * (n - 1)
-    mine = torch.zeros(chunk, dtype=torch.float64)
-    for r in range(n):  # sum in float64, as in the fixed-length exchange
-        rc = codes[me * cb:(me + 1) * cb] if r == me else _inflate(recv[r], cb)
-        mine += fp4_dequantize(rc, recv_scales[r * sb:(r + 1) * sb])
-    mine /= n
+    got = torch.cat([codes[me * cb:(me + 1) * cb] if r == me else _inflate(recv[r], cb) for r in range(n)])
+    mine = _sum_chunks(fp4_dequantize(got, recv_scales, dtype=wd), n) / n
     my_codes, my_scales = fp4_quantize(mine)
     # All-gather phase: my deflated chunk to every peer (an all-to-all of one payload).
     mine_z = _deflate(my_codes)
-    recv, sent_gather = _all_to_all_varlen([mine_z] * n, group)
-    all_scales = torch.empty(sb * n, dtype=torch.float32)
-    dist.all_gather_into_tensor(all_scales, my_scales, group=group)
+    recv, sent_gather = _all_to_all_varlen([mine_z] * n, group, dim)
+    all_scales = torch.empty(sb * n, dtype=torch.float32, device=x.device)
+    comm.all_gather_into_tensor(all_scales, my_scales, group, dim)
     sent += sent_gather + my_scales.numel() * my_scales.element_size() * (n - 1)
     all_codes = torch.cat([my_codes if r == me else _inflate(recv[r], cb) for r in range(n)])
-    return fp4_dequantize(all_codes, all_scales)[:numel].to(x.dtype), sent
+    return fp4_dequantize(all_codes, all_scales, dtype=wd)[:numel].to(x.dtype), sent
 
 
 # --------------------------------------------------------------------------- codecs
@@ -206,7 +242,10 @@ def fp4_deflate_all_reduce_mean(x: torch.Tensor, group) -> tuple[torch.Tensor, i
 
 class Codec:
     """Base: ``reduce(named)`` turns each local gradient into the group mean of what the
-    codec transmits. ``state`` maps names to error-feedback (and other) buffers."""
+    codec transmits. ``state`` maps names to error-feedback (and other) buffers.
+
+    ``reduce_async(named)`` returns a ``torch.futures.Future`` completed once the gradients
+    hold the mean (what a DDP communication hook returns); the base class reduces at once."""
 
     def __init__(self, group):
         self.group = group
@@ -221,7 +260,17 @@ class Codec:
     def reduce(self, named: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def reduce_async(self, named: list[tuple[str, torch.Tensor]]) -> torch.futures.Future:
+        self.reduce(named)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def wait(self) -> None:
+        """Block until every reduction handed to ``reduce_async`` has finished."""
+
     def state_dict(self) -> dict:
+        self.wait()
         return {"step": self.step, "state": {k: {n: t.clone() for n, t in v.items()} for k, v in self.state.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -251,13 +300,24 @@ class PowerSGD(Codec):
         M = G + E;  P = M Q;  P <- mean_ranks(P);  P <- orth(P);  Q = M^T P;
         Q <- mean_ranks(Q);  G_hat = P Q^T;  E <- M - G_hat
 
-    Vectors (biases, norms) and matrices where r (n + m) >= n m go uncompressed."""
+    Vectors (biases, norms) and matrices where r (n + m) >= n m go uncompressed, in the
+    same all-reduce as every P of the call: two all-reduces per call whatever the number
+    of matrices (one of the uncompressed tensors and all P, one of all Q).
+
+    ``reduce_async`` (the DDP hook's path) runs the call on one communication thread and
+    returns at once, so the exchange overlaps the rest of backward. One thread per codec
+    keeps every rank's collectives in the order the hook was called (DDP calls it in the
+    same bucket order on every rank), which is what gloo and NCCL match collectives by; a
+    ``then`` callback would issue the Q all-reduce from whichever thread completed the P
+    all-reduce, in completion order, which can differ between ranks."""
 
     def __init__(self, group, rank: int, seed: int = 0):
         super().__init__(group)
         self.rank = rank
         self.seed = seed
         self.ranks: dict[str, int] = {}  # per-layer rank override (L-GreCo)
+        self._thread: ThreadPoolExecutor | None = None
+        self._inflight: list = []
 
     def rank_of(self, name: str, shape) -> int:
         return self.ranks.get(name, self.rank)
@@ -268,42 +328,81 @@ class PowerSGD(Codec):
         n, m = _matrix(t).shape
         return r * (n + m) < n * m
 
+    def reduce_async(self, named) -> torch.futures.Future:
+        if self.n == 1:
+            return super().reduce_async(named)
+        if self._thread is None:
+            device = named[0][1].device if named else None
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="meshfold-powersgd",
+                                              initializer=_bind_device, initargs=(device,))
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def run():
+            try:
+                self.reduce(named)
+                fut.set_result(None)
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(err)
+
+        self._inflight = [f for f in self._inflight if not f.done()] + [self._thread.submit(run)]
+        return fut
+
+    def wait(self) -> None:
+        for f in self._inflight:
+            f.result()
+        self._inflight = []
+
     def reduce(self, named):
-        dense = []
+        if not named:
+            return
+        dense, mats = [], []
         for name, g in named:
             r = self.rank_of(name, g.shape)
-            if not self.compressible(g, r):
-                dense.append(g)
-                continue
-            self._power_step(name, g, r)
-        if dense:
-            flat = torch.cat([d.flatten() for d in dense])
+            (mats if self.compressible(g, r) else dense).append((name, g, r))
+        work = [self._power_begin(name, g, r) for name, g, r in mats]
+        # All uncompressed tensors and every P: one all-reduce.
+        flat = torch.cat([g.reshape(-1) for _, g, _ in dense] + [w["p"].reshape(-1) for w in work])
+        if flat.numel():
             _all_reduce_mean(flat, self.group)
-            offset = 0
-            for d in dense:
-                d.copy_(flat[offset: offset + d.numel()].view_as(d))
-                offset += d.numel()
+        parts = flat.split([g.numel() for _, g, _ in dense] + [w["p"].numel() for w in work])
+        for (_, g, _), part in zip(dense, parts):
+            g.copy_(part.view_as(g))
+        for w, part in zip(work, parts[len(dense):]):
+            w["p"] = _orthogonalize(part.view_as(w["p"]))
+            w["q"] = w["m"].t() @ w["p"]
+        if not work:
+            return
+        # Every Q: one all-reduce.
+        qflat = torch.cat([w["q"].reshape(-1) for w in work])
+        _all_reduce_mean(qflat, self.group)
+        for w, q in zip(work, qflat.split([w["q"].numel() for w in work])):
+            self._power_end(w, q.view_as(w["q"]))
 
-    def _power_step(self, name: str, g: torch.Tensor, r: int) -> None:
+    def _power_begin(self, name: str, g: torch.Tensor, r: int) -> dict:
         mat = _matrix(g)
-        n, m = mat.shape
+        m = mat.shape[1]
         err = self._buf(name, "error", mat)
-        mat_comp = mat + err
+        comp = mat + err
         slot = self.state.setdefault(name, {})
         q = slot.get("q")
         if q is None or q.shape != (m, r):
-            gen = torch.Generator().manual_seed(self.seed * 7919 + (hash_name(name) % 100003))
-            q = torch.randn(m, r, generator=gen, dtype=torch.float64).to(mat.dtype)
-            q = _orthogonalize(q)
-        p = mat_comp @ q
-        _all_reduce_mean(p, self.group)
-        p = _orthogonalize(p)
-        q = mat_comp.t() @ p
-        _all_reduce_mean(q, self.group)
-        approx = p @ q.t()
-        slot["q"] = q
-        slot["error"] = mat_comp - approx
-        mat.copy_(approx)
+            # Drawn on the host once (the same on every device), then moved.
+            gen = torch.Generator(device="cpu").manual_seed(self.seed * 7919 + (hash_name(name) % 100003))
+            q = torch.randn(m, r, generator=gen, dtype=torch.float64, device="cpu")
+            q = _orthogonalize(q.to(device=mat.device, dtype=mat.dtype))
+        return {"name": name, "mat": mat, "m": comp, "p": comp @ q}
+
+    def _power_end(self, w: dict, q: torch.Tensor) -> None:
+        approx = w["p"] @ q.t()
+        slot = self.state[w["name"]]
+        slot["q"] = q.clone()
+        slot["error"] = w["m"] - approx
+        w["mat"].copy_(approx)
+
+
+def _bind_device(device) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def hash_name(name: str) -> int:
@@ -322,8 +421,8 @@ class TopK(Codec):
         S = top-k(|v|);  send v[S];  v[S] <- 0;  u[S] <- 0   (momentum factor masking)
 
     Warm-up (DGC): the kept fraction decays exponentially from 25% to ``ratio`` over
-    ``warmup`` steps. Values (fp32 on the wire as the gradient's dtype) and int32 indices are
-    all-gathered; each rank sums the n sparse vectors and divides by n."""
+    ``warmup`` steps. Values (the gradient's dtype on the wire) and int32 indices are
+    all-gathered on the gradient's device; each rank sums the n sparse vectors there."""
 
     def __init__(self, group, ratio: float, momentum: float = 0.0, warmup: int = 0):
         super().__init__(group)
@@ -356,17 +455,15 @@ class TopK(Codec):
             flat.copy_(self._gather_sum(values, idx.to(torch.int32), flat.numel(), flat.dtype) / self.n)
 
     def _gather_sum(self, values, idx, numel, dtype) -> torch.Tensor:
-        out = torch.zeros(numel, dtype=dtype)
+        out = torch.zeros(numel, dtype=dtype, device=values.device)
         if self.n == 1:
             out[idx.long()] = values
             return out
-        all_v = [torch.empty_like(values) for _ in range(self.n)]
-        all_i = [torch.empty_like(idx) for _ in range(self.n)]
-        dist.all_gather(all_v, values, group=self.group)
-        dist.all_gather(all_i, idx, group=self.group)
-        size = values.numel() * values.element_size() + idx.numel() * idx.element_size()
-        ledger().record("dp", "all_gather", size * self.n, self.n)
-        for v, i in zip(all_v, all_i):
+        all_v = torch.empty(values.numel() * self.n, dtype=values.dtype, device=values.device)
+        all_i = torch.empty(idx.numel() * self.n, dtype=idx.dtype, device=idx.device)
+        comm.all_gather_into_tensor(all_v, values, self.group, "dp")
+        comm.all_gather_into_tensor(all_i, idx, self.group, "dp")
+        for v, i in zip(all_v.chunk(self.n), all_i.chunk(self.n)):  # rank order, as before
             out.index_add_(0, i.long(), v)
         return out
 
@@ -389,15 +486,13 @@ def sign_all_reduce_mean(name: str, x: torch.Tensor, error: torch.Tensor, group,
     error.copy_(comp - sign_decompress(bits, scale, comp.numel(), comp.dtype))
     if n == 1:
         return sign_decompress(bits, scale, comp.numel(), comp.dtype).view_as(x)
-    all_bits = torch.empty(bits.numel() * n, dtype=torch.uint8)
-    all_scales = torch.empty(n, dtype=torch.float32)
-    dist.all_gather_into_tensor(all_bits, bits, group=group)
-    dist.all_gather_into_tensor(all_scales, scale, group=group)
-    ledger().record("dp", "all_gather", (bits.numel() + 4) * n, n)
+    all_bits = torch.empty(bits.numel() * n, dtype=torch.uint8, device=bits.device)
+    all_scales = torch.empty(n, dtype=torch.float32, device=scale.device)
+    comm.all_gather_into_tensor(all_bits, bits, group, "dp")
+    comm.all_gather_into_tensor(all_scales, scale, group, "dp")
     total = torch.zeros_like(comp)
-    for r in range(n):
-        total += sign_decompress(all_bits[r * bits.numel():(r + 1) * bits.numel()], all_scales[r:r + 1],
-                                 comp.numel(), comp.dtype)
+    for r, chunk in enumerate(all_bits.chunk(n)):
+        total += sign_decompress(chunk, all_scales[r:r + 1], comp.numel(), comp.dtype)
     return (total / n).view_as(x)
 
 
@@ -413,11 +508,14 @@ class Sign(Codec):
 class LGreCo(PowerSGD):
     """PowerSGD whose rank is chosen per layer by L-GreCo's dynamic program.
 
-    Every ``every`` steps (and at the first step) each rank measures, for each matrix l and
-    candidate rank r in {1, 2, 4, .., 2 * default} plus "uncompressed", the error of the best
-    rank-r approximation of its compensated gradient, e(l, r) = sum_{i>r} sigma_i^2 (exact,
-    from an SVD), and the size s(l, r) = r (n_l + m_l) elements. The error table is averaged
-    over the group (so every rank solves the same problem), then
+    Every ``every`` steps (and at the first step; never in between) each rank estimates,
+    for each matrix l and candidate rank r in {1, 2, 4, .., 2 * default} plus
+    "uncompressed", the error of the best rank-r approximation of its compensated
+    gradient, e(l, r) = ||M||^2 - sum_{i<=r} sigma_i^2, and the size s(l, r) = r (n_l + m_l)
+    elements. The top singular values come from a seeded randomized range finder on the
+    gradient's device in its precision (exact when min(n, m) is small enough for a plain
+    SVD). The error table is averaged over the group in one all-reduce (so every rank
+    solves the same problem) and read to the host once; then
 
         minimise sum_l s(l, r_l)  subject to  sum_l e(l, r_l) <= budget * sum_l ||M_l||^2
 
@@ -442,39 +540,53 @@ class LGreCo(PowerSGD):
         super().load_state_dict(sd)
         self.ranks = dict(sd.get("ranks", {}))
 
+    def _top_sigma2(self, mat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squared top-k singular values, padded with zeros to k; ||mat||_F^2), on device."""
+        energy = mat.pow(2).sum()
+        n, m = mat.shape
+        if min(n, m) <= 4 * k:
+            s2 = torch.linalg.svdvals(mat) ** 2
+        else:  # randomized range finder with two power iterations (Halko et al. 2011)
+            gen = torch.Generator(device=mat.device).manual_seed(self.seed * 104729 + self.step)
+            omega = torch.randn(m, k + 8, generator=gen, dtype=mat.dtype, device=mat.device)
+            basis = _orthogonalize(mat @ omega)
+            for _ in range(2):
+                basis = _orthogonalize(mat @ _orthogonalize(mat.t() @ basis))
+            s2 = torch.linalg.svdvals(basis.t() @ mat) ** 2
+        out = torch.zeros(k, dtype=mat.dtype, device=mat.device)
+        out[:min(k, s2.numel())] = s2[:k]
+        return out, energy
+
     def choose_ranks(self, named) -> None:
         mats = [(name, g) for name, g in named if g.ndim >= 2]
         if not mats:
             return
-        options: list[list[tuple[int, int]]] = []  # per layer: (rank or -1 = dense, size)
-        errors = []
-        energies = []
+        kmax = max(self.candidates)
+        sizes, rows = [], []  # per layer: the options' (rank or -1 = dense, size); error row
         for name, g in mats:
             err = self.state.get(name, {}).get("error")
-            mat = _matrix(g) + (err if err is not None else 0)
+            mat = _matrix(g).to(_work_dtype(g.dtype))
+            if err is not None:
+                mat = mat + err
             n, m = mat.shape
-            sigma2 = torch.linalg.svdvals(mat.double()) ** 2
-            row_opts, row_err = [], []
-            for r in self.candidates:
-                if r * (n + m) < n * m:
-                    row_opts.append((r, r * (n + m)))
-                    row_err.append(float(sigma2[r:].sum()))
-            row_opts.append((-1, n * m))
-            row_err.append(0.0)
-            options.append(row_opts)
-            errors.append(row_err)
-            energies.append(float(sigma2.sum()))
-        width = max(len(r) for r in errors)
-        table = torch.zeros(len(errors) + 1, width, dtype=torch.float64)
-        for i, row in enumerate(errors):
-            table[i, :len(row)] = torch.tensor(row)
-        table[-1, 0] = sum(energies)
+            s2, energy = self._top_sigma2(mat, kmax)
+            kept = torch.cumsum(s2, 0)
+            opts = [(r, r * (n + m)) for r in self.candidates if r * (n + m) < n * m]
+            idx = torch.tensor([r - 1 for r, _ in opts], dtype=torch.long, device=mat.device)
+            row = torch.cat([(energy - kept[idx]).clamp(min=0), torch.zeros(1, dtype=mat.dtype, device=mat.device),
+                             energy.reshape(1)])
+            sizes.append(opts + [(-1, n * m)])
+            rows.append(row)
+        width = max(r.numel() for r in rows)
+        table = torch.zeros(len(rows), width, dtype=rows[0].dtype, device=rows[0].device)
+        for i, row in enumerate(rows):
+            table[i, :row.numel()] = row
         _all_reduce_mean(table, self.group)
-        limit = self.budget * float(table[-1, 0])
-        choice = knapsack_min_size([[s for _, s in opts] for opts in options],
-                                   [table[i, :len(opts)].tolist() for i, opts in enumerate(options)],
-                                   limit, self.bins)
-        for (name, _), opts, c in zip(mats, options, choice):
+        host = table.cpu().tolist()  # one small read every ``every`` steps
+        limit = self.budget * sum(host[i][len(opts)] for i, opts in enumerate(sizes))
+        choice = knapsack_min_size([[s for _, s in opts] for opts in sizes],
+                                   [host[i][:len(opts)] for i, opts in enumerate(sizes)], limit, self.bins)
+        for (name, _), opts, c in zip(mats, sizes, choice):
             r = opts[c][0]
             self.ranks[name] = 0 if r == -1 else r  # 0: not compressible -> dense all-reduce
 

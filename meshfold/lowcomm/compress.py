@@ -4,9 +4,13 @@ DDP hands the hook one bucket of gradients (flat buffer plus per-parameter views
 hook runs the codec on the per-parameter views (PowerSGD and L-GreCo need the matrix
 shapes), writes the decoded group mean back into them and returns the buffer. The codec's
 step counter advances once per backward (on bucket 0, which DDP always reduces).
+PowerSGD and L-GreCo return an unfinished future (their work runs on the codec's
+communication thread while backward goes on; ``codecs.PowerSGD`` says why a thread);
+the other codecs reduce before returning.
 
 With ``lowcomm.onebit_adam`` the hook all-reduces in full precision during the 1-bit Adam
-warm-up and afterwards leaves gradients local: the optimizer then exchanges the 1-bit
+warm-up (asynchronously: the future completes when the all-reduce does) and afterwards
+leaves gradients local: the optimizer then exchanges the 1-bit
 compressed momentum itself (``onebit_adam.py``).
 
 FSDP (zero >= 2 with dp_shard > 1) reduce-scatters inside FSDP2 with no hook to replace the
@@ -18,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshfold import comm
 from meshfold.config import LowCommConfig
 from meshfold.lowcomm.codecs import build_codec
-from meshfold.comm import ledger
 
 
 class CompressionState:
@@ -37,14 +41,14 @@ def _hook(state: CompressionState, bucket):
     buf = bucket.buffer()
     if state.lc.onebit_adam:
         if state.optimizer is None or not state.optimizer.frozen:
-            ledger().record("dp", "all_reduce", buf.numel() * buf.element_size(), state.n)
-            dist.all_reduce(buf, group=state.group)
-            buf.div_(state.n)
-    else:
-        if bucket.index() == 0:
-            state.codec.step_begin()
-        named = [(state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-        state.codec.reduce(named)
+            work = comm.all_reduce(buf, state.group, "dp", async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0].div_(state.n))
+        return _done(buf)
+    if bucket.index() == 0:
+        state.codec.step_begin()
+    named = [(state.names[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+
+    def written_back(_):
         # bucket.gradients() are views of the buffer, but copy back defensively.
         offset = 0
         for _, g in named:
@@ -52,6 +56,13 @@ def _hook(state: CompressionState, bucket):
             if view.data_ptr() != g.data_ptr():
                 view.copy_(g.reshape(-1))
             offset += g.numel()
+        return buf
+
+    # PowerSGD / L-GreCo: an unfinished future, the exchange overlaps the rest of backward.
+    return state.codec.reduce_async(named).then(written_back)
+
+
+def _done(buf: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut

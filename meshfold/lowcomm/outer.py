@@ -17,24 +17,20 @@ every inner optimizer step (step counts from 1) and returns per-step metrics fie
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from meshfold.comm import ledger
+from meshfold import comm
 from meshfold.config import LowCommConfig
-from meshfold.lowcomm.codecs import FP4_BLOCK, fp4_all_reduce_mean, fp4_bytes, fp4_deflate_all_reduce_mean
+from meshfold.lowcomm.codecs import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
 
 
-def _record_coded(result):
-    """The mean of an outer exchange; a deflate-coded one comes as (mean, bytes this rank
-    sent), known only once coded, so its bytes are recorded here."""
-    if isinstance(result, tuple):
-        result, sent = result
-        ledger().add_sent("outer", sent)
-    return result
+def _mean_of(result):
+    """The mean of an outer exchange (a deflate-coded one comes as (mean, bytes sent); the
+    comm layer has already recorded those bytes)."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -53,7 +49,7 @@ class FlatView:
     @torch.no_grad()
     def read(self) -> torch.Tensor:
         if not self.params:
-            return torch.zeros(0)
+            return torch.zeros(0, device="cpu")
         return torch.cat([local_tensor(p).detach().reshape(-1) for p in self.params]).clone()
 
     @torch.no_grad()
@@ -94,8 +90,7 @@ class OuterOptimizer:
     def all_reduce_mean(self, x: torch.Tensor, async_op: bool = False):
         if self.workers == 1:
             return None
-        ledger().record("outer", "all_reduce", x.numel() * x.element_size(), self.workers)
-        work = dist.all_reduce(x, group=self.group, async_op=async_op)
+        work = comm.all_reduce(x, self.group, "outer", async_op=async_op)
         if not async_op:
             x.div_(self.workers)
         return work
@@ -192,19 +187,15 @@ class StreamingDiLoCo(OuterOptimizer):
         n = self.workers
         if n == 1:
             return delta
-        padded = FP4_BLOCK * n * math.ceil(delta.numel() / (FP4_BLOCK * n))
+        # On the background thread (its own group, see lowcomm.outer_group); the comm layer
+        # records the bytes when they are sent.
         if self.lc.quant_bits == 4 and self.lc.quant_coding == "deflate":
-            # Message lengths are known only once coded: the bytes are recorded when the
-            # result is applied (apply), from what was actually handed to the collectives.
-            return self.executor.submit(fp4_deflate_all_reduce_mean, delta, self.group)
+            return self.executor.submit(fp4_deflate_all_reduce_mean, delta, self.group, "outer")
         if self.lc.quant_bits == 4:
-            ledger().record("outer", "all_to_all", fp4_bytes(padded), n)
-            ledger().record("outer", "all_gather", fp4_bytes(padded), n)
-            return self.executor.submit(fp4_all_reduce_mean, delta, self.group, None)
-        ledger().record("outer", "all_reduce", delta.numel() * delta.element_size(), n)
+            return self.executor.submit(fp4_all_reduce_mean, delta, self.group, "outer")
 
         def full_precision(x=delta):
-            dist.all_reduce(x, group=self.group)
+            comm.all_reduce(x, self.group, "outer")
             return x.div_(n)
 
         return self.executor.submit(full_precision)
@@ -225,7 +216,7 @@ class StreamingDiLoCo(OuterOptimizer):
         return out
 
     def apply(self, p: int, result, mix: bool = True) -> None:
-        delta = _record_coded(result.result() if isinstance(result, Future) else result)
+        delta = _mean_of(result.result() if isinstance(result, Future) else result)
         del self.pending[p]
         self.nesterov(p, delta)
         alpha = self.lc.mixing if mix else 0.0
@@ -241,7 +232,7 @@ class StreamingDiLoCo(OuterOptimizer):
         # Keep the schedule: wait for the results, store them with their due step.
         for p, (due, result) in list(self.pending.items()):
             if isinstance(result, Future):
-                self.pending[p] = (due, _record_coded(result.result()))
+                self.pending[p] = (due, _mean_of(result.result()))
 
     def extra_state(self) -> dict:
         return {"pending": {p: (due, r.clone()) for p, (due, r) in self.pending.items()}}
@@ -276,12 +267,10 @@ class NoLoCo(OuterOptimizer):
         return perm[mate] if mate < len(perm) else None
 
     def exchange(self, payload: torch.Tensor, peer: int) -> torch.Tensor:
+        """Model-sized swap with the peer: send and receive posted together (one batch),
+        so the two workers, both sending first, cannot deadlock on NCCL."""
         other = torch.empty_like(payload)
-        peer_global = dist.get_global_rank(self.group, peer)
-        reqs = [dist.isend(payload, peer_global, group=self.group), dist.irecv(other, peer_global, group=self.group)]
-        for r in reqs:
-            r.wait()
-        ledger().record("outer", "send", payload.numel() * payload.element_size(), 2)
+        comm.wait_all(comm.exchange([(payload, peer)], [(other, peer)], self.group, "outer"))
         return other
 
     def after_step(self, step: int) -> dict:
@@ -348,7 +337,7 @@ class CO2(OuterOptimizer):
         m.mul_(mu).add_(avg)
         sq = m.double().pow(2).sum()
         if self.norm_group is not None and _group_size(self.norm_group) > 1:
-            dist.all_reduce(sq, group=self.norm_group)  # inside the worker: shards of one model
+            comm.all_reduce(sq, self.norm_group, "dp")  # inside the worker: shards of one model
         norm = float(sq.sqrt())
         self.last_norm = norm
         self.clipped = c > 0 and norm > c

@@ -328,19 +328,17 @@ def write_safetensors(state: dict[str, torch.Tensor], folder: Path, max_shard_by
 def read_checkpoint_model(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """Full (unsharded) model tensors of a meshfold checkpoint, in one process, and the
     model shape from its manifest. The checkpoint is validated first."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from meshfold.train.checkpoint import validate_checkpoint
+    from meshfold.train.checkpoint import read_dcp_metadata, safe_load, validate_checkpoint
 
     manifest = validate_checkpoint(ckpt)
     m = ModelConfig(**manifest["model"])
-    meta = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    model = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+    meta = read_dcp_metadata(ckpt).state_dict_metadata  # JSON, never the pickled .metadata
+    model = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype, device="cpu")
              for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     sd = {"model": model}
-    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    safe_load(sd, ckpt, no_dist=True)
     return sd["model"], m
 
 
@@ -377,12 +375,12 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     import torch.distributed.checkpoint as dcp
 
     from meshfold.config import dump_toml, Config
-    from meshfold.train.checkpoint import publish, write_manifest
+    from meshfold.train.checkpoint import SafeWriter, publish, write_manifest
 
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
+    dcp.save({"model": state}, storage_writer=SafeWriter(str(tmp)), no_dist=True)  # + dcp_metadata.json
     copied = copy_tokenizer(source_dir, tmp) if source_dir is not None else []
     if source_dir is not None and (source_dir / "config.json").is_file():
         shutil.copyfile(source_dir / "config.json", tmp / SOURCE_CONFIG)  # token ids etc. for export

@@ -16,15 +16,20 @@ What a checkpoint holds (``RUN_DIR/checkpoints/step-N/``, written with
   e.g. the low-communication outer optimizer).
 - ``meshfold.json`` (the manifest): step, layout, model shape, and size + SHA-256 of every
   file. A checkpoint is *published* only once complete: DCP writes into
-  ``checkpoints/.tmp-step-N``; rank 0 hashes the files, writes the manifest, fsyncs and
-  renames the folder to ``step-N`` (one atomic ``rename``). Older checkpoints are removed
-  only after a newer one is published, so a failed save (full disk) never costs the last
-  good one.
+  ``checkpoints/.tmp-step-N``; each rank hashes the files it wrote as soon as they are
+  written (all ranks in parallel, ``SafeWriter``); rank 0 merges those hashes into the
+  manifest, fsyncs and renames the folder to ``step-N`` (one atomic ``rename``). Older
+  checkpoints are removed only after a newer one is published, so a failed save (full
+  disk) never costs the last good one.
+- ``dcp_metadata.json``: DCP's metadata as JSON. Loading reads this, never the pickled
+  ``.metadata``, and loads plain values with ``torch.load(weights_only=True)``: nothing in
+  a checkpoint is unpickled, so a tampered file is refused with one line, never executed.
 
-On resume (``train.resume = auto``) rank 0 walks the published checkpoints newest first
-and takes the first that passes validation (manifest present, every file with the
-recorded size and hash, every model tensor with this model's shape); each one skipped is
-reported with what is wrong. All ranks then load the chosen step.
+On resume (``train.resume = auto``) every rank walks the published checkpoints newest
+first: it checks every file's size, hashes its share of the files (rank k: every n-th
+from the k-th) and checks its own model tensors' shapes; the first checkpoint no rank
+objects to is loaded by all. Each one skipped is reported (by the rank that found the
+fault) with what is wrong.
 """
 
 from __future__ import annotations
@@ -43,8 +48,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,7 +71,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from meshfold import comm
+
 MANIFEST = "meshfold.json"
+DCP_JSON = "dcp_metadata.json"  # DCP's metadata as JSON: what loading reads (never the pickled .metadata)
+HASHES = "_sha256.json"  # per-rank sidecar "__<rank>_sha256.json", merged into the manifest
 FORMAT_VERSION = 1
 # Optimizer flags that describe the implementation, not the state: keep this run's.
 _IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -73,18 +93,29 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if _world() > 1:
+        comm.barrier()
 
 
-def _broadcast(value: Any) -> Any:
-    """Rank 0's value on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _flag_device() -> torch.device:
+    """Where the default group's small flags live: the GPU under NCCL, else the host."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _any_rank(flag: bool, group=None) -> bool:
+    """True on every rank if it is True on any (one max all-reduce of a device flag)."""
+    if _world() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
+    comm.all_reduce(t, group or dist.group.WORLD, "ckpt", op="max")
+    return bool(t.item())  # outside the step: a checkpoint decision every rank must share
 
 
 def step_of(path: Path) -> int | None:
@@ -124,9 +155,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = None) -> dict:
+def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = None,
+                        share: tuple[int, int] = (0, 1)) -> dict:
     """The manifest of ``path`` if it is complete, intact and (given ``expected_shapes``,
-    key -> global shape) fits this model; else ``CheckpointError`` saying what is wrong."""
+    key -> global shape) fits this model; else ``CheckpointError`` saying what is wrong.
+    ``share`` = (k, n): hash only every n-th file from the k-th (the ranks of a resume split
+    the hashing between them); sizes are checked for every file."""
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
         raise CheckpointError(f"{path}: no {MANIFEST} (partial or foreign checkpoint)")
@@ -135,7 +169,8 @@ def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = N
         files = manifest["files"]
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"{path}: {MANIFEST} is unreadable ({err})") from None
-    for name, info in files.items():
+    k, n = share
+    for i, (name, info) in enumerate(sorted(files.items())):
         f = path / name
         if not f.exists():
             raise CheckpointError(f"{path}: file {name} is missing")
@@ -143,13 +178,10 @@ def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = N
         if size != info["bytes"]:
             raise CheckpointError(f"{path}: file {name} has {size} bytes, the manifest says {info['bytes']} "
                                   f"(truncated or overwritten)")
-        if _sha256(f) != info["sha256"]:
+        if i % n == k and _sha256(f) != info["sha256"]:
             raise CheckpointError(f"{path}: file {name} does not match its SHA-256 (corrupted bytes)")
     if expected_shapes:
-        try:
-            meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        except Exception as err:  # noqa: BLE001 - any unreadable metadata is a bad checkpoint
-            raise CheckpointError(f"{path}: DCP metadata unreadable ({type(err).__name__}: {err})") from None
+        meta = read_dcp_metadata(path).state_dict_metadata
         for key, shape in expected_shapes.items():
             got = meta.get(key)
             if got is None:
@@ -160,6 +192,140 @@ def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = N
                     f"model; check the [model] section against {path / MANIFEST}"
                 )
     return manifest
+
+
+# ---------------------------------------------------------------------------- no pickle
+# DCP pickles its metadata (.metadata) and loads plain values with an unrestricted torch.load:
+# a checkpoint someone hands us could run code. meshfold writes the metadata again as JSON
+# and reads only that, and loads plain values with weights_only=True (tensors, numbers,
+# strings, lists, dicts), so a tampered file is refused, never executed.
+
+_LAYOUTS = {str(x): x for x in (torch.strided, torch.sparse_coo)}
+_MEMORY = {str(x): x for x in (torch.contiguous_format, torch.channels_last, torch.preserve_format)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"{DCP_JSON}: unknown dtype {name!r}")
+    return value
+
+
+def metadata_to_json(md: Metadata) -> dict:
+    entries = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            p = m.properties
+            entries[fqn] = {"tensor": {
+                "dtype": str(p.dtype), "layout": str(p.layout), "requires_grad": p.requires_grad,
+                "memory_format": str(p.memory_format), "pin_memory": p.pin_memory, "size": list(m.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}}
+        else:
+            entries[fqn] = {"bytes": {}}
+    storage = [{"fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset), "index": idx.index,
+                "path": info.relative_path, "start": info.offset, "length": info.length,
+                "transforms": None if info.transform_descriptors is None else list(info.transform_descriptors)}
+               for idx, info in (md.storage_data or {}).items()]
+    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
+    return {"version": md.version, "state_dict_metadata": entries, "storage_data": storage,
+            "planner_data": {k: list(v) for k, v in planner.items()}}
+
+
+def metadata_from_json(data: dict) -> Metadata:
+    entries = {}
+    for fqn, e in data["state_dict_metadata"].items():
+        if "tensor" in e:
+            t = e["tensor"]
+            props = TensorProperties(dtype=_dtype(t["dtype"]), layout=_LAYOUTS[t["layout"]],
+                                     requires_grad=bool(t["requires_grad"]),
+                                     memory_format=_MEMORY[t["memory_format"]], pin_memory=bool(t["pin_memory"]))
+            entries[fqn] = TensorStorageMetadata(props, torch.Size(t["size"]),
+                                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(z))
+                                                  for o, z in t["chunks"]])
+        else:
+            entries[fqn] = BytesStorageMetadata()
+    storage = {}
+    for s in data["storage_data"]:
+        idx = MetadataIndex(s["fqn"], None if s["offset"] is None else torch.Size(s["offset"]), s["index"])
+        storage[idx] = _StorageInfo(str(s["path"]), int(s["start"]), int(s["length"]), s["transforms"])
+    return Metadata(state_dict_metadata=entries, storage_data=storage, version=data.get("version"),
+                    planner_data={k: tuple(v) for k, v in data.get("planner_data", {}).items()},
+                    storage_meta=StorageMeta())
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    f = Path(path) / DCP_JSON
+    if not f.exists():
+        raise CheckpointError(f"{path}: no {DCP_JSON} (saved by an older meshfold; its pickled .metadata is not "
+                              f"read)")
+    try:
+        return metadata_from_json(json.loads(f.read_text()))
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: {DCP_JSON} is unreadable ({type(err).__name__}: {err})") from None
+
+
+class SafeWriter(FileSystemWriter):
+    """DCP's file writer, plus: each rank hashes the files it wrote, right after writing
+    them (all ranks in parallel), into ``__<rank>_sha256.json``; the coordinator also
+    writes the metadata as JSON."""
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        results = fut.wait()
+        names = sorted({r.storage_data.relative_path for r in results})
+        hashes = {n: {"bytes": (Path(self.path) / n).stat().st_size, "sha256": _sha256(Path(self.path) / n)}
+                  for n in names}
+        prefix = plan.storage_data.prefix  # "__<rank>_"
+        _write_json(Path(self.path) / f"{prefix.rstrip('_')}{HASHES}", hashes)
+        return fut
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)
+        _write_json(Path(self.path) / DCP_JSON, metadata_to_json(metadata))
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return read_dcp_metadata(Path(self.path))
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Plain values (counters, config, the sampler position) with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - anything not plain data is refused
+            lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [type(err).__name__]
+            why = next((x for x in lines if "Unsupported global" in x), lines[0])[:120]
+            raise CheckpointError(f"refusing {read_item.dest_index.fqn}: not plain data ({why}); the checkpoint "
+                                  f"was tampered with or is foreign, nothing in it was run") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_load(sd: dict, path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` through the JSON metadata and the weights-only planner; a refusal on
+    any rank comes out as its one-line ``CheckpointError`` (DCP wraps it per rank)."""
+    try:
+        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except dcp.CheckpointException as err:
+        for failure in getattr(err, "failures", {}).values():
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, CheckpointError):
+                raise CheckpointError(f"{path}: {failure}") from None
+        raise
+
+
+def _write_json(path: Path, data: dict) -> None:
+    part = path.with_name(path.name + ".part")
+    with part.open("w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(part, path)
 
 
 def _root_cause(err: BaseException) -> str:
@@ -176,11 +342,19 @@ def _root_cause(err: BaseException) -> str:
 
 def write_manifest(folder: Path, info: dict) -> None:
     """Write ``meshfold.json`` into a finished checkpoint folder: ``info`` plus the size and
-    SHA-256 of every file, fsynced, through a rename (a reader sees all of it or nothing)."""
+    SHA-256 of every file, fsynced, through a rename (a reader sees all of it or nothing).
+    The data files were hashed by the ranks that wrote them (``SafeWriter``): their
+    sidecars are merged here and removed; only the few files with no sidecar entry (DCP's
+    metadata) are hashed now."""
     files = {}
+    sidecars = sorted(folder.glob(f"*{HASHES}"))
+    for side in sidecars:
+        files.update(json.loads(side.read_text()))
     for f in sorted(folder.iterdir()):
-        if f.is_file() and f.name != MANIFEST and not f.name.endswith(".part"):
+        if (f.is_file() and f.name != MANIFEST and f.name not in files and not f.name.endswith(".part")
+                and f not in sidecars):
             files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    files = dict(sorted(files.items()))
     manifest = {"format": FORMAT_VERSION, **info, "time": time.time(), "files": files}
     part = folder / (MANIFEST + ".part")
     with part.open("w") as f:
@@ -188,6 +362,8 @@ def write_manifest(folder: Path, info: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(part, folder / MANIFEST)
+    for side in sidecars:
+        side.unlink()
     _fsync_dir(folder)
 
 
@@ -343,14 +519,9 @@ class Checkpointer:
         return sd
 
     def expected_shapes(self) -> dict[str, tuple]:
-        """Global shape of every model tensor, over all ranks (pipeline stages hold
-        different layers): what a checkpoint must contain to be loaded here."""
-        mine = {f"model.{k}": tuple(v.shape) for k, v in self._model_state().items() if torch.is_tensor(v)}
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return mine
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return {k: v for shapes in everyone for k, v in shapes.items()}
+        """Global shape of every model tensor this rank holds (pipeline stages hold
+        different layers; every rank checks its own): what a checkpoint must contain."""
+        return {f"model.{k}": tuple(v.shape) for k, v in self._model_state().items() if torch.is_tensor(v)}
 
     # ------------------------------------------------------------------ saving
 
@@ -380,7 +551,7 @@ class Checkpointer:
                 # plain DCP save on the background thread, over the spare group.
                 self._pending = self._publisher.submit(self._save_async, _stage(sd, self._staging), tmp, step)
                 return True
-            dcp.save(sd, checkpoint_id=str(tmp))
+            dcp.save(sd, storage_writer=SafeWriter(str(tmp)))
         except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - a failed save must not end training
             self._failed(tmp, step, err)
             return False
@@ -393,20 +564,22 @@ class Checkpointer:
             _log(f"saving step {step} failed ({_root_cause(err)}); the previous checkpoints are kept: "
                  f"{', '.join(good) or 'none yet'}")
 
-    def _publish(self, tmp: Path, step: int, agree: bool = True) -> bool:
-        """Rank 0: hash, write the manifest, rename into place, prune. All files are
-        written when this runs (DCP's save returns after every rank finished). ``agree``:
-        tell every rank the outcome (not from the async thread: no collectives there)."""
-        ok = True
-        if self.rank == 0:
-            try:
-                self._write_manifest(tmp, step)
-                publish(tmp, self.root / f"step-{step}")  # replaces a step saved before a rollback
-                self._prune()
-            except OSError as err:
-                self._failed(tmp, step, err)
-                ok = False
-        return bool(_broadcast(ok)) if agree else ok
+    def _publish(self, tmp: Path, step: int) -> bool:
+        """Rank 0: merge the ranks' hashes into the manifest, rename into place, prune. All
+        files are written when this runs (DCP's save returns after every rank finished).
+        No collective follows: the other ranks go on training (their part is done and
+        they return True); a rank 0 failure is logged by rank 0 and the previous
+        checkpoints stay, so nothing waits on rank 0's rename."""
+        if self.rank != 0:
+            return True
+        try:
+            self._write_manifest(tmp, step)
+            publish(tmp, self.root / f"step-{step}")  # replaces a step saved before a rollback
+            self._prune()
+        except OSError as err:
+            self._failed(tmp, step, err)
+            return False
+        return True
 
     def _write_manifest(self, tmp: Path, step: int) -> None:
         cfg = self.trainer.cfg.to_dict()
@@ -431,11 +604,11 @@ class Checkpointer:
     def _save_async(self, staged: dict, tmp: Path, step: int) -> bool:
         """Background thread: write every rank's files, then publish (rank 0)."""
         try:
-            dcp.save(staged, checkpoint_id=str(tmp), process_group=self._group)
+            dcp.save(staged, storage_writer=SafeWriter(str(tmp)), process_group=self._group)
         except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001
             self._failed(tmp, step, err)
             return False
-        return self._publish(tmp, step, agree=False)
+        return self._publish(tmp, step)
 
     def wait(self) -> None:
         """Block until an async save in flight is written and published."""
@@ -458,29 +631,32 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
+    def _validate_everywhere(self, path: Path) -> str | None:
+        """Every rank checks the sizes, hashes its share of the files and checks its own
+        tensors' shapes, in parallel; all agree. Returns this rank's error (None if it found
+        none) and raises nothing; ``_any_rank`` says whether any rank found one."""
+        try:
+            validate_checkpoint(path, self.expected_shapes(), share=(self.rank, _world()))
+        except CheckpointError as err:
+            return str(err)
+        return None
+
     def find_latest(self) -> Path | None:
-        """Rank 0 picks the newest checkpoint that validates (reporting every one it
-        skips); every rank gets the same answer."""
-        if not published(self.root):  # the common fresh start: no collectives at all
-            return None  # (every rank sees the same run directory: a shared filesystem)
-        choice = None
-        shapes = self.expected_shapes()
-        if self.rank == 0:
-            for path in published(self.root):
-                try:
-                    validate_checkpoint(path, shapes)
-                except CheckpointError as err:
-                    _log(f"skipping {path.name}: {err}")
-                    continue
-                choice = str(path)
-                break
-        choice = _broadcast(choice)
-        return Path(choice) if choice else None
+        """The newest checkpoint that validates on every rank (each one skipped is reported
+        by the rank that found the fault); every rank gets the same answer."""
+        for path in published(self.root):  # every rank lists the same shared run directory
+            error = self._validate_everywhere(path)
+            if error:
+                _log(f"skipping {path.name}: {error}" + (f" (found by rank {self.rank})" if _world() > 1 else ""))
+            if not _any_rank(error is not None):
+                return path
+        return None
 
     def load(self, path: Path, restore_sampler: bool = True, strict_extras: bool = False) -> int:
         """Load every piece of state from ``path`` into the trainer; returns its step."""
         tr = self.trainer
-        meta_keys = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        saved = read_dcp_metadata(path).state_dict_metadata
+        meta_keys = set(saved)
         sd = self.state_dict()
         # Keys this rank may ask for: its own RNG if the checkpoint has it, extras present.
         sd.pop(f"rng.rank{self.rank}")
@@ -492,10 +668,18 @@ class Checkpointer:
                     raise CheckpointError(f"{path}: has no state for {name!r}")
                 _log(f"{path.name} has no state for {name!r}; it starts fresh")
                 sd.pop(f"extra.{name}")
+            elif hasattr(self.extras[name], "load_template"):
+                # What to load comes from the checkpoint (state created lazily, other layouts).
+                prefix = f"extra.{name}."
+                try:
+                    sd[f"extra.{name}"] = self.extras[name].load_template(
+                        {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
+                except ValueError as err:
+                    raise CheckpointError(f"{path}: {err}") from None
         zero = self._zero_one()
         if zero is not None:
             sd["optim"] = {k: v for k, v in self._zero_one_template(meta_keys).items()}
-        dcp.load(sd, checkpoint_id=str(path))
+        safe_load(sd, path)
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in tr.optimizer.param_groups]
         model = _whole_model(tr)
@@ -560,18 +744,11 @@ class Checkpointer:
 
     def load_model_only(self, path: Path) -> None:
         """``train.init_from``: parameters only (e.g. a converted Hugging Face model)."""
-        shapes = self.expected_shapes()
-        error = None
-        if self.rank == 0:
-            try:
-                validate_checkpoint(path, shapes)
-            except CheckpointError as err:
-                error = str(err)
-        error = _broadcast(error)
-        if error:
-            raise CheckpointError(f"train.init_from: {error}")
+        error = self._validate_everywhere(path)
+        if _any_rank(error is not None):
+            raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
         sd = {"model": self._model_state()}
-        dcp.load(sd, checkpoint_id=str(path))
+        safe_load(sd, path)
         set_model_state_dict(_whole_model(self.trainer), sd["model"])
 
     def resume(self) -> int | None:
@@ -579,6 +756,7 @@ class Checkpointer:
         (``train.resume = auto``), else start from ``train.init_from`` if set."""
         t = self.trainer.cfg.train
         if t.resume == "auto":
+            _barrier()  # a save of this job still being published by rank 0 is listed by all or none
             path = self.find_latest()
             if path is not None:
                 step = self.load(path)
@@ -597,6 +775,7 @@ class Checkpointer:
         """Back to the newest good checkpoint, keeping the data position (the batches
         that produced non-finite values are not replayed). None if there is none."""
         self.wait()
+        _barrier()  # rank 0 has published the last save before anyone lists the folder
         path = self.find_latest()
         if path is None:
             return None
