@@ -1,0 +1,215 @@
+"""``meshfold prepare SOURCE... --tokenizer TOK --out DIR [--workers N]``: tokenise corpora
+once into a prepared dataset (format: ``data/prepared.py``).
+
+Streaming end to end: documents are read one at a time (``data/sources.py``), sent in
+chunks to tokeniser worker processes (at most a few chunks in flight, so memory is flat
+in corpus size), and written in order into shards of about ``--shard-tokens`` tokens.
+Every finished shard is recorded in the manifest at once; an interrupted run is resumed
+by running the same command again: finished shards are kept, the documents they hold are
+skipped unread by the tokeniser, and the half-written shard (a temporary file) is redone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from meshfold.config import ConfigError
+from meshfold.data.prepared import (DTYPES, FORMAT, MANIFEST, TOKENIZER, VERSION, ShardWriter, atomic_write_bytes,
+                                    read_manifest, token_dtype, write_manifest)
+from meshfold.data.sources import source_units, unit_digest, unit_docs
+from meshfold.data.tokenizer import EOS, PAD, load_tokenizer, special_id, tokenizer_sha256
+
+DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
+CHUNK_DOCS = 256  # documents per task sent to a worker
+
+# --------------------------------------------------------------------------- workers
+
+_TOK: Tokenizer | None = None
+_EOS = 0
+_DTYPE = "uint16"
+
+
+def _init_worker(tok_json: str, eos: int, dtype: str) -> None:
+    global _TOK, _EOS, _DTYPE
+    _TOK, _EOS, _DTYPE = Tokenizer.from_str(tok_json), eos, dtype
+
+
+def _encode(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of every document each followed by EOS, their lengths)."""
+    encoded = _TOK.encode_batch(docs)  # as tokenize_corpus: the tokenizer's own specials (a BOS) kept
+    lengths = np.fromiter((len(e.ids) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    out = np.empty(int(lengths.sum()), dtype=DTYPES[_DTYPE])
+    pos = 0
+    for e, n in zip(encoded, lengths.tolist()):
+        out[pos: pos + n - 1] = e.ids
+        out[pos + n - 1] = _EOS
+        pos += n
+    return out, lengths
+
+
+def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk = []
+    for d in docs:
+        chunk.append(d)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encoded_stream(chunks: Iterator[list[str]], tok: Tokenizer, eos: int, dtype: str, workers: int):
+    """Encoded chunks in input order; ``workers`` > 1 tokenises in that many processes
+    with at most 2 chunks per worker in flight (back-pressure: flat memory)."""
+    if workers <= 1:
+        _init_worker(tok.to_str(), eos, dtype)
+        for chunk in chunks:
+            yield _encode(chunk)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_str(), eos, dtype)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _source_records(units: list[Path]) -> list[dict]:
+    return [{"path": str(u), "bytes": sum(f.stat().st_size for f in u.rglob("*") if f.is_file()) if u.is_dir()
+             else u.stat().st_size, "sha256": unit_digest(u)} for u in units]
+
+
+def _start(out: Path, base: dict) -> dict:
+    """A new manifest, or the one of an interrupted run of the same inputs to resume."""
+    if (out / MANIFEST).is_file():
+        m = read_manifest(out)
+        same = all(m.get(k) == base[k] for k in ("tokenizer_sha256", "sources", "text_field", "dtype"))
+        if not same:
+            what = "finished" if m.get("complete") else "partly prepared"
+            raise ConfigError(f"--out {out} holds a {what} dataset from other sources, tokenizer or text field; "
+                              f"choose a new --out (nothing there was changed)")
+        for stray in out.glob(".shard-*.tmp"):  # the shard an interruption cut short
+            stray.unlink()
+        return m
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not a prepared dataset; choose a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return {**base, "shards": [], "tokens": 0, "docs": 0, "complete": False}
+
+
+def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, workers: int = 1,
+            text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True,
+            max_docs: int = 0, _stop_after_shards: int = 0) -> dict:
+    """Prepare ``sources`` into ``out``; returns the manifest. Running it again on a
+    finished folder does nothing; on an interrupted one, it resumes."""
+    if not sources:
+        raise ConfigError("give at least one SOURCE (a text file, folder, .jsonl, .parquet or saved HF dataset)")
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if shard_tokens < 1:
+        raise ConfigError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    vocab = tok.get_vocab_size()
+    eos, pad = special_id(tok, EOS), special_id(tok, PAD)
+    dtype = token_dtype(vocab)
+    units = [u for s in sources for u in source_units(s)]
+    out = Path(out).expanduser()
+    base = {"format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": vocab, "eos_id": eos,
+            "pad_id": pad, "tokenizer_sha256": tokenizer_sha256(tok), "text_field": text_field,
+            "max_docs": max_docs, "sources": _source_records(units)}
+    m = _start(out, base)
+    if m["complete"]:
+        return m
+    atomic_write_bytes(out / TOKENIZER, tok.to_str().encode())
+    write_manifest(out, m)
+
+    done_docs = sum(s["docs"] for s in m["shards"])
+    docs = (d for u in units for d in unit_docs(u, text_field))
+    if max_docs:
+        docs = (d for i, d in zip(range(max_docs), docs))
+    for _ in range(done_docs):  # what finished shards hold: read past, not tokenised again
+        next(docs, None)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="tok", unit_scale=True, desc=f"prepare -> {out.name}", file=sys.stderr,
+                   initial=m["tokens"], mininterval=1.0)
+    writer = None
+    try:
+        for tokens, lengths in _encoded_stream(_chunks(docs, CHUNK_DOCS), tok, eos, dtype, workers):
+            if writer is None:
+                writer = ShardWriter(out, f"shard-{len(m['shards']):05d}", dtype)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            writer.add([tokens[bounds[i]: bounds[i + 1]] for i in range(len(lengths))])
+            if bar is not None:
+                bar.update(len(tokens))
+            if writer.tokens >= shard_tokens:
+                _publish(out, m, writer.finish())
+                writer = None
+                if _stop_after_shards and len(m["shards"]) >= _stop_after_shards:  # tests: an interruption
+                    return m
+        if writer is not None and writer.docs:
+            _publish(out, m, writer.finish())
+            writer = None
+    finally:
+        if writer is not None:
+            writer.abandon()
+        if bar is not None:
+            bar.close()
+    if m["docs"] == 0:
+        raise ConfigError(f"the sources {sources} hold no non-empty documents (text field {text_field!r})")
+    m["complete"] = True
+    write_manifest(out, m)
+    return m
+
+
+def _publish(out: Path, m: dict, shard: dict) -> None:
+    m["shards"].append(shard)
+    m["tokens"] += shard["tokens"]
+    m["docs"] += shard["docs"]
+    write_manifest(out, m)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenise corpora once into a sharded, memory-mapped dataset")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="text file or folder, .jsonl, .parquet, or a Hugging Face dataset saved to disk")
+    p.add_argument("--tokenizer", required=True, metavar="TOK",
+                   help="a tokenizer.json, or a model directory holding one")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (resumed if interrupted)")
+    p.add_argument("--workers", type=int, default=1, help="tokeniser processes (default 1)")
+    p.add_argument("--text-field", default="text", help="JSONL field / column holding the text (default text)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
+    p.add_argument("--max-docs", type=int, default=0, help="stop after this many documents (0 = all)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    start = time.perf_counter()
+    m = prepare(args.sources, args.tokenizer, args.out, args.workers, args.text_field, args.shard_tokens,
+                progress=not args.quiet, max_docs=args.max_docs)
+    secs = time.perf_counter() - start
+    print(f"meshfold: prepared {m['docs']} documents, {m['tokens']} tokens ({m['dtype']}) in "
+          f"{len(m['shards'])} shard(s) at {args.out} ({secs:.1f} s); train with --set data.source={args.out}")
+    return 0
