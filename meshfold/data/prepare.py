@@ -155,17 +155,23 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
     writer = None
     try:
         for tokens, lengths in _encoded_stream(_chunks(docs, CHUNK_DOCS), tok, eos, dtype, workers):
-            if writer is None:
-                writer = ShardWriter(out, f"shard-{len(m['shards']):05d}", dtype)
             bounds = np.concatenate([[0], np.cumsum(lengths)])
-            writer.add([tokens[bounds[i]: bounds[i + 1]] for i in range(len(lengths))])
+            first = 0
+            while first < len(lengths):  # documents whole; a shard closes once it holds shard_tokens
+                if writer is None:
+                    writer = ShardWriter(out, f"shard-{len(m['shards']):05d}", dtype)
+                room = shard_tokens - writer.tokens
+                last = min(int(np.searchsorted(bounds, bounds[first] + room, side="left")), len(lengths))
+                last = max(last, first + 1)
+                writer.add([tokens[bounds[i]: bounds[i + 1]] for i in range(first, last)])
+                first = last
+                if writer.tokens >= shard_tokens:
+                    _publish(out, m, writer.finish())
+                    writer = None
+                    if _stop_after_shards and len(m["shards"]) >= _stop_after_shards:  # tests: an interruption
+                        return m
             if bar is not None:
                 bar.update(len(tokens))
-            if writer.tokens >= shard_tokens:
-                _publish(out, m, writer.finish())
-                writer = None
-                if _stop_after_shards and len(m["shards"]) >= _stop_after_shards:  # tests: an interruption
-                    return m
         if writer is not None and writer.docs:
             _publish(out, m, writer.finish())
             writer = None
