@@ -320,3 +320,21 @@ def test_corpus_reads_across_shards(prepared):
     sub = corpus.subset(range(3, 40))
     np.testing.assert_array_equal(sub.read(0, 100), whole[corpus.offsets[3]: corpus.offsets[3] + 100])
     assert sub.n_docs == 37 and os.path.basename(str(prepared["both"])) == "both"
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)}
+    vocab["<|endoftext|>"] = 70_000
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    docs = ["w1 w69999 w65536 w5", "w65535 w65537"]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    m = prepare([str(tmp_path / "d.jsonl")], tok, tmp_path / "out", progress=False)
+    assert m["dtype"] == "uint32" and m["eos_id"] == 70_000
+    corpus, _ = prepared_corpus(tmp_path / "out", None, 70_001)
+    np.testing.assert_array_equal(corpus.read(0, corpus.n_tokens),
+                                  [1, 69999, 65536, 5, 70000, 65535, 65537, 70000])
+    with pytest.raises(ConfigError, match="model.vocab_size >= 70001"):
+        prepared_corpus(tmp_path / "out", None, 65536)
