@@ -5,8 +5,9 @@ Streaming end to end: documents are read one at a time (``data/sources.py``), se
 chunks to tokeniser worker processes (at most a few chunks in flight, so memory is flat
 in corpus size), and written in order into shards of about ``--shard-tokens`` tokens.
 Every finished shard is recorded in the manifest at once; an interrupted run is resumed
-by running the same command again: finished shards are kept, the documents they hold are
-skipped unread by the tokeniser, and the half-written shard (a temporary file) is redone.
+by running the same command again: finished shards are kept, reading restarts after the
+last document they hold (each shard records where: file index, document index in it), and
+the half-written shard (a temporary file) is redone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -56,35 +58,49 @@ def _encode(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return out, lengths
 
 
-def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk = []
-    for d in docs:
-        chunk.append(d)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def _chunks(docs: Iterable[tuple[tuple[int, int], str]], size: int) -> Iterator[tuple[list, list[str]]]:
+    """(positions, texts) in chunks of ``size`` documents."""
+    pos, texts = [], []
+    for p, d in docs:
+        pos.append(p)
+        texts.append(d)
+        if len(texts) == size:
+            yield pos, texts
+            pos, texts = [], []
+    if texts:
+        yield pos, texts
 
 
-def _encoded_stream(chunks: Iterator[list[str]], tok: Tokenizer, eos: int, dtype: str, workers: int):
-    """Encoded chunks in input order; ``workers`` > 1 tokenises in that many processes
-    with at most 2 chunks per worker in flight (back-pressure: flat memory)."""
+def _encoded_stream(chunks: Iterator[tuple[list, list[str]]], tok: Tokenizer, eos: int, dtype: str, workers: int):
+    """(positions, tokens, lengths) per chunk, in input order; ``workers`` > 1 tokenises in
+    that many processes with at most 2 chunks per worker in flight (back-pressure: flat
+    memory). Only the texts travel to the workers."""
     if workers <= 1:
         _init_worker(tok.to_str(), eos, dtype)
-        for chunk in chunks:
-            yield _encode(chunk)
+        for pos, texts in chunks:
+            yield (pos, *_encode(texts))
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_str(), eos, dtype)) as pool:
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode, (chunk,)))
+        for pos, texts in chunks:
+            pending.append((pos, pool.apply_async(_encode, (texts,))))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                pos0, res = pending.popleft()
+                yield (pos0, *res.get())
         while pending:
-            yield pending.popleft().get()
+            pos0, res = pending.popleft()
+            yield (pos0, *res.get())
+
+
+def _documents(units: list[Path], field: str, start: tuple[int, int]) -> Iterator[tuple[tuple[int, int], str]]:
+    """((unit, index in unit), text) from position ``start`` on: files before it are not
+    opened, documents before it in its file are read past."""
+    for u in range(start[0], len(units)):
+        skip = start[1] if u == start[0] else 0
+        for k, doc in enumerate(islice(unit_docs(units[u], field), skip, None), skip):
+            yield (u, k), doc
 
 
 # --------------------------------------------------------------------------- driver
@@ -139,12 +155,11 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
     atomic_write_bytes(out / TOKENIZER, tok.to_str().encode())
     write_manifest(out, m)
 
-    done_docs = sum(s["docs"] for s in m["shards"])
-    docs = (d for u in units for d in unit_docs(u, text_field))
+    # Resume after the last finished shard's last document (not read again, not tokenised).
+    start = tuple(m["shards"][-1]["next"]) if m["shards"] else (0, 0)
+    docs = _documents(units, text_field, start)
     if max_docs:
-        docs = (d for i, d in zip(range(max_docs), docs))
-    for _ in range(done_docs):  # what finished shards hold: read past, not tokenised again
-        next(docs, None)
+        docs = islice(docs, max(max_docs - m["docs"], 0))
 
     bar = None
     if progress:
@@ -154,7 +169,7 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
                    initial=m["tokens"], mininterval=1.0)
     writer = None
     try:
-        for tokens, lengths in _encoded_stream(_chunks(docs, CHUNK_DOCS), tok, eos, dtype, workers):
+        for pos, tokens, lengths in _encoded_stream(_chunks(docs, CHUNK_DOCS), tok, eos, dtype, workers):
             bounds = np.concatenate([[0], np.cumsum(lengths)])
             first = 0
             while first < len(lengths):  # documents whole; a shard closes once it holds shard_tokens
@@ -165,15 +180,16 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
                 last = max(last, first + 1)
                 writer.add([tokens[bounds[i]: bounds[i + 1]] for i in range(first, last)])
                 first = last
+                nxt = [pos[last - 1][0], pos[last - 1][1] + 1]  # where the next shard's documents start
                 if writer.tokens >= shard_tokens:
-                    _publish(out, m, writer.finish())
+                    _publish(out, m, {**writer.finish(), "next": nxt})
                     writer = None
                     if _stop_after_shards and len(m["shards"]) >= _stop_after_shards:  # tests: an interruption
                         return m
             if bar is not None:
                 bar.update(len(tokens))
         if writer is not None and writer.docs:
-            _publish(out, m, writer.finish())
+            _publish(out, m, {**writer.finish(), "next": nxt})
             writer = None
     finally:
         if writer is not None:

@@ -14,7 +14,8 @@ A prepared dataset is a folder (written by ``meshfold prepare``; any tool may wr
 ``manifest.json``: ``{"format": "meshfold-prepared", "version": 1, "dtype": "uint16",
 "vocab_size", "eos_id", "pad_id", "tokenizer_sha256" (sha256 of tokenizer.json's bytes),
 "tokens", "docs", "complete" (false while ``prepare`` is still running), "shards": [{"name",
-"tokens", "docs", "sha256" (of the .bin)}], "sources": [{"path", "bytes", "sha256"}],
+"tokens", "docs", "sha256" (of the .bin), "next" (writers' resume point: [source file
+index, document index in it] after the shard's last document)}], "sources": [{"path", "bytes", "sha256"}],
 "text_field"}``. Only shards listed in the manifest exist for readers; a shard is written
 under a temporary name and renamed into place when whole, so an interrupted writer never
 leaves a partial shard a reader could take.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +134,15 @@ class Shard:
     offsets: np.ndarray  # memmap (or array), docs + 1 entries
 
 
+def _random_access(arr: np.memmap) -> np.memmap:
+    """Training reads short windows at random places: tell the kernel not to read ahead
+    (a fault would otherwise pull in up to megabytes around each window)."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return arr
+
+
 def open_shards(folder: str | Path, manifest: dict | None = None, verify: bool = False) -> list[Shard]:
     """Memory-map every shard of a prepared dataset, checking sizes and offsets' end points
     (``verify``: also every shard's sha256). A problem is one line naming the file."""
@@ -154,8 +165,8 @@ def open_shards(folder: str | Path, manifest: dict | None = None, verify: bool =
                                   f"or corrupt; re-run `meshfold prepare` into a new folder")
         if s["tokens"] == 0:
             continue
-        tokens = np.memmap(bin_path, dtype=dtype, mode="r")
-        offsets = np.memmap(idx_path, dtype=OFFSET_DTYPE, mode="r")
+        tokens = _random_access(np.memmap(bin_path, dtype=dtype, mode="r"))
+        offsets = _random_access(np.memmap(idx_path, dtype=OFFSET_DTYPE, mode="r"))
         if offsets[0] != 0 or offsets[-1] != s["tokens"] or tokens[-1] != m["eos_id"]:
             raise ConfigError(f"{idx_path}: document offsets do not match {bin_path.name}: the shard is corrupt; "
                               f"re-run `meshfold prepare` into a new folder")
