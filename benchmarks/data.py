@@ -16,7 +16,7 @@ background prefetch. All in one run, so the ratios compare like with like.
    after it (VmRSS, and its anonymous part RssAnon: the process's own memory, without the
    mapped file pages the kernel can drop), with their differences (goal: <= 3 s and
    <= 100 MB apart).
-3. Prefetch. 20 steps on the large dataset with data.prefetch = 0 and = 2: mean step
+3. Prefetch. 10 steps on the large dataset with data.prefetch = 0 and = 2: mean step
    time and mean data_wait_s (time the step waited for its batch).
 
     .venv/bin/python benchmarks/data.py [--copies 2] [--large-tokens 100000000]
@@ -115,7 +115,7 @@ from meshfold.config import load_config
 from meshfold.train.trainer import Trainer
 cfg = load_config("configs/debug.toml", [f"data.source={sys.argv[1]}", "train.progress=false", "train.steps=20",
                   "train.tensorboard=false", f"train.run_dir={sys.argv[2]}", f"data.prefetch={sys.argv[3]}",
-                  "model.seq_len=256", "train.global_batch=32", "model.vocab_size=4096"])
+                  "model.seq_len=128", "train.global_batch=16", "model.vocab_size=4096"])
 t_import = time.perf_counter()
 tr = Trainer(cfg)
 tr.train_step()
@@ -154,7 +154,7 @@ def startup(work: Path, small: int, large: int, repeats: int) -> None:
     for r in range(repeats):  # alternate so machine noise hits both
         for name, src in sets.items():
             res[name].append(probe(src, work / f"run-{name}-{r}", 2, 0))
-    print("\n## training start-up on prepared datasets (debug model, seq_len 256, global batch 32)")
+    print("\n## training start-up on prepared datasets (debug model, seq_len 128, global batch 16)")
     med = {}
     for name, runs in res.items():
         med[name] = [statistics.median(x[k] for x in runs) for k in ("first_step_s", "rss", "anon")]
@@ -164,9 +164,9 @@ def startup(work: Path, small: int, large: int, repeats: int) -> None:
     print(f"difference large - small: {med['large'][0] - med['small'][0]:+.2f} s, RSS "
           f"{(med['large'][1] - med['small'][1]) / 2**20:+.1f} MiB, anonymous "
           f"{(med['large'][2] - med['small'][2]) / 2**20:+.1f} MiB  (goal: <= 3 s, <= 100 MB)")
-    print("\n## step time vs data time, large dataset, 20 steps")
+    print("\n## step time vs data time, large dataset, 10 steps")
     for prefetch in (0, 2):
-        x = probe(sets["large"], work / f"run-pf{prefetch}", prefetch, 20)
+        x = probe(sets["large"], work / f"run-pf{prefetch}", prefetch, 10)
         print(f"data.prefetch={prefetch}: mean step {1e3 * statistics.mean(x['steps']):7.2f} ms, "
               f"mean wait for data {1e3 * statistics.mean(x['waits']):6.3f} ms")
 

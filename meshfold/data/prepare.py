@@ -80,9 +80,17 @@ def _encoded_stream(chunks: Iterator[tuple[list, list[str]]], tok: Tokenizer, eo
         for pos, texts in chunks:
             yield (pos, *_encode(texts))
         return
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_str(), eos, dtype)) as pool:
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process (inherited at spawn)
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_str(), eos, dtype))
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM")
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+    with pool:
         pending: deque = deque()
         for pos, texts in chunks:
             pending.append((pos, pool.apply_async(_encode, (texts,))))
