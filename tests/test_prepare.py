@@ -13,7 +13,7 @@ import torch
 
 from meshfold.cli import main
 from meshfold.config import ConfigError, DataConfig, from_dict
-from meshfold.data.dataset import (SequenceDataset, TokenizedCorpus, build_data, make_sampler, prepared_corpus,
+from meshfold.data.dataset import (SequenceDataset, build_data, make_sampler, prepared_corpus,
                                    rank_slice, tokenize_corpus)
 from meshfold.data.loader import peek
 from meshfold.data.mixture import MixtureSampler

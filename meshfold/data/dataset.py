@@ -300,7 +300,8 @@ def cached_prepared(cfg: DataConfig, vocab_size: int) -> Path:
     return final
 
 
-def split_corpus(corpus: Corpus, cfg: DataConfig, seq_len: int, name: str) -> tuple[SequenceDataset, SequenceDataset | None]:
+def split_corpus(corpus: Corpus, cfg: DataConfig, seq_len: int,
+                 name: str) -> tuple[SequenceDataset, SequenceDataset | None]:
     """The last ``data.val_docs`` documents (at most a tenth) are held out for validation."""
     n_val = min(cfg.val_docs, corpus.n_docs // 10)
     train = SequenceDataset(corpus.subset(range(0, corpus.n_docs - n_val)), seq_len, cfg.pack, name)

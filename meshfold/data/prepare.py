@@ -31,7 +31,8 @@ from meshfold.data.sources import source_units, unit_digest, unit_docs
 from meshfold.data.tokenizer import EOS, PAD, load_tokenizer, special_id, tokenizer_sha256
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
-CHUNK_DOCS = 256  # documents per task sent to a worker
+CHUNK_DOCS = 1024  # at most this many documents per task sent to a worker,
+CHUNK_CHARS = 1 << 20  # and about this much text (tasks of similar cost, whatever the documents' sizes)
 
 # --------------------------------------------------------------------------- workers
 
@@ -58,15 +59,17 @@ def _encode(docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return out, lengths
 
 
-def _chunks(docs: Iterable[tuple[tuple[int, int], str]], size: int) -> Iterator[tuple[list, list[str]]]:
-    """(positions, texts) in chunks of ``size`` documents."""
-    pos, texts = [], []
+def _chunks(docs: Iterable[tuple[tuple[int, int], str]], size: int,
+            chars: int = CHUNK_CHARS) -> Iterator[tuple[list, list[str]]]:
+    """(positions, texts) in chunks of at most ``size`` documents or about ``chars`` characters."""
+    pos, texts, n = [], [], 0
     for p, d in docs:
         pos.append(p)
         texts.append(d)
-        if len(texts) == size:
+        n += len(d)
+        if len(texts) == size or n >= chars:
             yield pos, texts
-            pos, texts = [], []
+            pos, texts, n = [], [], 0
     if texts:
         yield pos, texts
 
