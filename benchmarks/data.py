@@ -21,7 +21,8 @@ background prefetch. All in one run, so the ratios compare like with like.
 3. Prefetch. 10 steps on the large dataset with data.prefetch = 0 and = 2: mean step
    time and mean data_wait_s (time the step waited for its batch).
 
-    .venv/bin/python benchmarks/data.py [--copies 2] [--large-tokens 100000000]
+    .venv/bin/python benchmarks/data.py [--copies 2] [--large-tokens 100000000] [--repeats 3]
+                                        [--parts throughput startup]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from meshfold.data.sources import default_corpus_files, load_documents  # noqa: 
 from meshfold.data.tokenizer import train_bpe, tokenizer_sha256  # noqa: E402
 
 
-def throughput(work: Path, copies: int) -> None:
+def throughput(work: Path, copies: int, repeats: int) -> None:
     corpus = work / "corpus"
     for c in range(copies):
         d = corpus / f"copy{c}"
@@ -60,21 +61,31 @@ def throughput(work: Path, copies: int) -> None:
     nbytes = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
     tok = train_bpe(load_documents(DataConfig(source=str(corpus / "copy0"))), 4096)
     tok.save(str(work / "tokenizer.json"))
-    rows = []
-    t = time.perf_counter()
-    tc = tokenize_corpus(load_documents(DataConfig(source=str(corpus))), tok, str(work / "cache"))
-    base = time.perf_counter() - t
-    rows.append(("in-memory, 1 process (today)", base, tc.n_tokens, tc.n_docs))
-    for workers in (1, 2):
-        out = work / f"prep{workers}"
+    methods = ["in-memory, 1 process (today)", "meshfold prepare --workers 1", "meshfold prepare --workers 2"]
+    secs: dict[str, list[float]] = {k: [] for k in methods}
+    counts = {}
+    for r in range(repeats):  # rounds of all three, so machine noise hits each alike
         t = time.perf_counter()
-        m = prepare([str(corpus)], str(work / "tokenizer.json"), out, workers=workers, progress=False)
-        rows.append((f"meshfold prepare --workers {workers}", time.perf_counter() - t, m["tokens"], m["docs"]))
-    print(f"\n## prepare throughput: {nbytes / 1e6:.1f} MB of text, {rows[0][3]} documents, vocab 4096")
-    print(f"{'method':34s} {'s':>7s} {'MB/s':>7s} {'Mtok/s':>7s} {'docs/s':>8s} {'vs today':>9s}")
-    for name, secs, tokens, docs in rows:
-        print(f"{name:34s} {secs:7.2f} {nbytes / 1e6 / secs:7.2f} {tokens / 1e6 / secs:7.3f} {docs / secs:8.0f} "
-              f"{base / secs:8.2f}x")
+        tc = tokenize_corpus(load_documents(DataConfig(source=str(corpus))), tok, str(work / f"cache{r}"))
+        secs[methods[0]].append(time.perf_counter() - t)
+        counts[methods[0]] = (tc.n_tokens, tc.n_docs)
+        del tc
+        for workers in (1, 2):
+            out = work / f"prep{workers}-{r}"
+            t = time.perf_counter()
+            m = prepare([str(corpus)], str(work / "tokenizer.json"), out, workers=workers, progress=False)
+            secs[methods[workers]].append(time.perf_counter() - t)
+            counts[methods[workers]] = (m["tokens"], m["docs"])
+            shutil.rmtree(out)
+    base = statistics.median(secs[methods[0]])
+    print(f"\n## prepare throughput: {nbytes / 1e6:.1f} MB of text, {counts[methods[0]][1]} documents, vocab 4096, "
+          f"median of {repeats} rounds")
+    print(f"{'method':34s} {'s':>7s} {'MB/s':>7s} {'Mtok/s':>7s} {'docs/s':>8s} {'vs today':>9s}  all rounds (s)")
+    for name in methods:
+        sec = statistics.median(secs[name])
+        tokens, docs = counts[name]
+        print(f"{name:34s} {sec:7.2f} {nbytes / 1e6 / sec:7.2f} {tokens / 1e6 / sec:7.3f} {docs / sec:8.0f} "
+              f"{base / sec:8.2f}x  {', '.join(f'{x:.1f}' for x in secs[name])}")
 
 
 def synthetic_prepared(out: Path, tokens: int, seed: int = 0, shard_tokens: int = 1 << 26) -> None:
@@ -187,13 +198,18 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=2)
     ap.add_argument("--small-tokens", type=int, default=2_000_000)
     ap.add_argument("--large-tokens", type=int, default=100_000_000)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", nargs="+", default=["throughput", "startup"], choices=["throughput", "startup"])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshfold-data-bench-") as tmp:
         work = Path(tmp)
         os.environ["MESHFOLD_CACHE"] = str(work / "cache")
-        throughput(work, args.copies)
-        startup(work, args.small_tokens, args.large_tokens, args.repeats)
+        if "throughput" in args.parts:
+            throughput(work, args.copies, args.repeats)
+        if "startup" in args.parts:
+            if not (work / "tokenizer.json").exists():
+                train_bpe(load_documents(DataConfig()), 4096).save(str(work / "tokenizer.json"))
+            startup(work, args.small_tokens, args.large_tokens, args.repeats)
 
 
 if __name__ == "__main__":
