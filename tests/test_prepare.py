@@ -338,3 +338,51 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path):
                                   [1, 69999, 65536, 5, 70000, 65535, 65537, 70000])
     with pytest.raises(ConfigError, match="model.vocab_size >= 70001"):
         prepared_corpus(tmp_path / "out", None, 65536)
+
+
+def test_prepare_killed_mid_run_resumes_to_the_same_bytes(corpus_files, tmp_path):
+    """A real SIGKILL while shards are being written, then the same command again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    raw, out = corpus_files["root"], tmp_path / "killed"
+    cmd = [sys.executable, "-m", "meshfold", "prepare", str(raw / "a.jsonl"), str(raw / "b"), "--tokenizer",
+           corpus_files["tokfile"], "--out", str(out), "--shard-tokens", "50000", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if len(read_manifest(out)["shards"]) >= 2:
+                break
+        except (ConfigError, FileNotFoundError):
+            pass
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    m = read_manifest(out)
+    kept = {s["name"]: (out / f"{s['name']}.bin").stat().st_ino for s in m["shards"]}
+    assert main(cmd[3:]) == 0
+    ref = tmp_path / "ref"
+    prepare([str(raw / "a.jsonl"), str(raw / "b")], corpus_files["tokfile"], ref, shard_tokens=50000, progress=False)
+    assert _shard_bytes(out) == _shard_bytes(ref) and read_manifest(out)["complete"]
+    assert all((out / f"{n}.bin").stat().st_ino == ino for n, ino in kept.items())  # not rewritten
+
+
+def test_parquet_and_saved_hf_dataset_prepare_like_jsonl(corpus_files, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = corpus_files["docs"][:12]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs))
+    pq.write_table(pa.table({"body": docs}), tmp_path / "d.parquet", row_group_size=5)
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "hf"))
+    outs = []
+    for name in ("d.jsonl", "d.parquet", "hf"):
+        out = tmp_path / f"out-{name}"
+        m = prepare([str(tmp_path / name)], corpus_files["tokfile"], out, text_field="body", progress=False)
+        assert m["docs"] == 12
+        outs.append(_shard_bytes(out))
+    assert outs[0] == outs[1] == outs[2]
