@@ -22,6 +22,8 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
 from meshfold.config import ConfigError
@@ -172,12 +174,7 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
     if max_docs:
         docs = islice(docs, max(max_docs - m["docs"], 0))
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=None, unit="tok", unit_scale=True, desc=f"prepare -> {out.name}", file=sys.stderr,
-                   initial=m["tokens"], mininterval=1.0)
+    bar = _Progress(out.name, m["tokens"], m["docs"]) if progress else None
     writer = None
     try:
         for pos, tokens, lengths in _encoded_stream(_chunks(docs, CHUNK_DOCS), tok, eos, dtype, workers):
@@ -198,7 +195,7 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
                     if _stop_after_shards and len(m["shards"]) >= _stop_after_shards:  # tests: an interruption
                         return m
             if bar is not None:
-                bar.update(len(tokens))
+                bar.update(len(tokens), len(lengths))
         if writer is not None and writer.docs:
             _publish(out, m, {**writer.finish(), "next": nxt})
             writer = None
@@ -212,6 +209,28 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
     m["complete"] = True
     write_manifest(out, m)
     return m
+
+
+class _Progress:
+    """One live line on stderr (a terminal, or MESHFOLD_PROGRESS=1): tokens, documents, tokens/s."""
+
+    def __init__(self, name: str, tokens: int, docs: int):
+        console = Console(file=sys.stderr)
+        self.bar = Progress(TextColumn(f"[bold]prepare[/] {name}"), TextColumn("{task.fields[info]}"),
+                            TimeElapsedColumn(), console=console,
+                            disable=not console.is_terminal and not os.environ.get("MESHFOLD_PROGRESS"))
+        self.tokens, self.docs, self.new, self.start = tokens, docs, 0, time.perf_counter()
+        self.task = self.bar.add_task("prepare", total=None, info="")
+        self.bar.start()
+
+    def update(self, tokens: int, docs: int) -> None:
+        self.tokens, self.docs, self.new = self.tokens + tokens, self.docs + docs, self.new + tokens
+        rate = self.new / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.update(self.task, info=f"{self.tokens / 1e6:,.2f}M tokens  {self.docs:,} docs  "
+                                        f"{rate / 1e6:,.2f}M tokens/s")
+
+    def close(self) -> None:
+        self.bar.stop()
 
 
 def _publish(out: Path, m: dict, shard: dict) -> None:
