@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "plot": "meshfold.cli",
     "timeline": "meshfold.parallel.timeline",
     "calibrate-cost": "meshfold.data.cost_calibration",
+    "prepare": "meshfold.data.prepare",
     "convert": "meshfold.models.hf",
     "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.planner.cli",
     "netlab": "meshfold.lowcomm.cli",

@@ -175,7 +175,10 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "default"  # default | path to file/folder/.jsonl/.parquet/HF dataset dir
+    source: str = "default"  # default | a prepared dataset (meshfold prepare) | file/folder/.jsonl/.parquet/HF dataset dir
+    mix_sources: list = field(default_factory=list)  # prepared datasets mixed by mix_weights (overrides source)
+    mix_weights: list = field(default_factory=list)  # one positive weight per mix_sources entry
+    prefetch: int = 2  # batches prepared ahead in a background thread (0 = in the step)
     tokenizer: str = ""  # "" = train a byte-level BPE on the corpus and cache it
     pack: bool = True
     doc_mask: bool = True  # with pack: attention never crosses a document boundary
@@ -512,6 +515,24 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
     if t.global_batch < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {t.global_batch}")
+    d = cfg.data
+    if d.mix_sources:
+        if len(d.mix_weights) != len(d.mix_sources):
+            raise ConfigError(f"data.mix_weights has {len(d.mix_weights)} entries but data.mix_sources has "
+                              f"{len(d.mix_sources)}; give one weight per source")
+        for w in d.mix_weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0 and math.isfinite(w)):
+                raise ConfigError(f"data.mix_weights = {d.mix_weights}: every weight must be a positive number")
+        for src in d.mix_sources:
+            if not (Path(str(src)).expanduser() / "manifest.json").is_file():
+                raise ConfigError(f"data.mix_sources: {src!r} is not a prepared dataset; make it with "
+                                  f"`meshfold prepare SOURCE --tokenizer TOK --out {src}`")
+        if d.balance != "none":
+            raise ConfigError("data.mix_sources works with data.balance = none only; drop one of them")
+        if cfg.lowcomm.method != "none" and cfg.lowcomm.workers > 1:
+            raise ConfigError("data.mix_sources does not support lowcomm.workers > 1 yet; use one worker")
+    if d.prefetch < 0:
+        raise ConfigError(f"data.prefetch must be >= 0, got {d.prefetch}")
     if cfg.data.balance != "none":
         from meshfold.data.balanced_loader import validate_balance
 

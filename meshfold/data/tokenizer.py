@@ -1,5 +1,6 @@
 """Byte-level BPE tokenizers from Hugging Face ``tokenizers``: trained on the corpus and
-cached by content hash, or loaded from a given ``tokenizer.json``."""
+cached by content hash, or loaded from a given ``tokenizer.json`` (or a model directory
+holding one: ``load_tokenizer``, shared with the Hugging Face import)."""
 
 from __future__ import annotations
 
@@ -54,15 +55,41 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def load_tokenizer(path: str | Path, key: str = "--tokenizer") -> Tokenizer:
+    """A Hugging Face ``tokenizers`` file: ``path`` is a tokenizer.json or a directory
+    holding one (a model directory). Errors are one line naming ``key``."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        if not (file / "tokenizer.json").is_file():
+            raise ConfigError(f"{key} = {str(path)!r} is a directory without tokenizer.json; give a tokenizer.json "
+                              f"or a model directory holding one")
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise ConfigError(f"{key} = {str(path)!r} does not exist; give a tokenizer.json or a directory holding one")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception for a bad file
+        raise ConfigError(f"{key} = {str(path)!r}: not a Hugging Face tokenizer.json ({err})") from None
+
+
+def tokenizer_sha256(tok: Tokenizer) -> str:
+    """Identity of a tokenizer: sha256 of its canonical JSON (``Tokenizer.to_str``)."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def check_vocab(tok_vocab: int, vocab_size: int) -> None:
+    if tok_vocab > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tok_vocab} tokens but model.vocab_size = {vocab_size}; "
+            f"set model.vocab_size >= {tok_vocab}"
+        )
+
+
 def get_tokenizer(path: str, docs: list[str], vocab_size: int, cache_dir: str = "") -> Tokenizer:
-    """``path`` names a tokenizer.json, or is empty to train (once, then cached) on ``docs``."""
+    """``path`` names a tokenizer.json (or a directory holding one), or is empty to train
+    (once, then cached) on ``docs``."""
     if path:
-        file = Path(path).expanduser()
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        if not file.exists():
-            raise ConfigError(f"data.tokenizer = {path!r} does not exist; give a tokenizer.json or leave it empty")
-        tok = Tokenizer.from_file(str(file))
+        tok = load_tokenizer(path, "data.tokenizer")
     else:
         cached = cache_root(cache_dir) / f"bpe-{corpus_digest(docs)}-{vocab_size}.json"
         if cached.exists():
@@ -70,11 +97,7 @@ def get_tokenizer(path: str, docs: list[str], vocab_size: int, cache_dir: str = 
         else:
             tok = train_bpe(docs, vocab_size)
             atomic_write_text(cached, tok.to_str())
-    if tok.get_vocab_size() > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size = {vocab_size}; "
-            f"set model.vocab_size >= {tok.get_vocab_size()}"
-        )
+    check_vocab(tok.get_vocab_size(), vocab_size)
     return tok
 
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
-from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, rank_slice
+from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
+from meshfold.data.loader import Prefetcher, peek
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.models.moe import moe_aux_loss, moe_end_step
@@ -81,7 +82,8 @@ class Trainer:
         self.barrier()
         if self.rank != 0:
             self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
-        self.sampler = GlobalBatchSampler(len(self.data.train), t.global_batch, t.seed)
+        self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
+        self.prefetcher = Prefetcher(self.make_local_batch, cfg.data.prefetch, self.device)  # data.prefetch ahead
         self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
         # data.balance: whole documents assigned to dp ranks / micro-batches by cost (data/balanced_loader.py).
         self.balancer = None
@@ -154,10 +156,19 @@ class Trainer:
             self.step_metrics.update(self.balancer.step_metrics())
             return batch
         global_indices = self.sampler.next()
+        upcoming = peek(self.sampler, self.cfg.data.prefetch) if self.cfg.data.prefetch else []
+        batch = self.prefetcher.get(global_indices, upcoming)
+        self.step_metrics["data_wait_s"] = self.prefetcher.wait_s
+        if hasattr(self.sampler, "source_counts"):  # a mixture: tokens drawn from each source so far
+            self.step_metrics["data_tokens"] = {k: v * self.cfg.model.seq_len
+                                                for k, v in self.sampler.source_counts().items()}
+        return batch
+
+    def make_local_batch(self, global_indices) -> dict[str, torch.Tensor]:
+        """This rank's slice of a global batch, on the host (runs in the prefetch thread)."""
         local = rank_slice(global_indices, self.dims.rank("dp"), self.dims.size("dp"))
         batch = self.data.train.batch(local)
-        batch = shard_for_context_parallel(batch, self.cfg, self.dims)  # cp: this rank's slice + positions
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return shard_for_context_parallel(batch, self.cfg, self.dims)  # cp: this rank's slice + positions
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         if self.pipeline is not None:
@@ -291,6 +302,7 @@ class Trainer:
                 self.fault.after_step()  # NaN-guard rollback
                 self.checkpointer.maybe_save()
         finally:
+            self.prefetcher.close()
             logger.close()
             self.checkpointer.close()
             self.fault.close()

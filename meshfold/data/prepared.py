@@ -1,0 +1,181 @@
+"""The prepared-dataset format: tokenised documents in memory-mappable shards.
+
+A prepared dataset is a folder (written by ``meshfold prepare``; any tool may write it)::
+
+    manifest.json      what is there (below); written last, atomically
+    tokenizer.json     the Hugging Face ``tokenizers`` file the tokens come from
+    shard-00000.bin    tokens, little-endian uint16 (vocabulary <= 65536) or uint32:
+                       documents back to back, each ending with the EOS token
+    shard-00000.idx    little-endian int64, docs + 1 document offsets into the shard's
+                       tokens: document d is tokens[idx[d]:idx[d+1]]; idx[0] = 0 and
+                       idx[-1] = the shard's token count
+    shard-00001.bin ...
+
+``manifest.json``: ``{"format": "meshfold-prepared", "version": 1, "dtype": "uint16",
+"vocab_size", "eos_id", "pad_id", "tokenizer_sha256" (sha256 of tokenizer.json's bytes),
+"tokens", "docs", "complete" (false while ``prepare`` is still running), "shards": [{"name",
+"tokens", "docs", "sha256" (of the .bin), "next" (writers' resume point: [source file
+index, document index in it] after the shard's last document)}], "sources": [{"path", "bytes", "sha256"}],
+"text_field"}``. Only shards listed in the manifest exist for readers; a shard is written
+under a temporary name and renamed into place when whole, so an interrupted writer never
+leaves a partial shard a reader could take.
+
+Reading costs O(shards) memory and time: every file is memory-mapped, sizes and the
+offsets' end points are checked, nothing is read whole (``verify`` hashes everything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshfold.config import ConfigError
+
+FORMAT = "meshfold-prepared"
+VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+OFFSET_DTYPE = np.dtype("<i8")
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_prepared(path: str | Path) -> bool:
+    return (Path(path).expanduser() / MANIFEST).is_file()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    atomic_write_bytes(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+def read_manifest(folder: str | Path) -> dict:
+    folder = Path(folder).expanduser()
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ConfigError(f"{folder} is not a prepared dataset (no {MANIFEST}); make one with `meshfold prepare`")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err.msg}); re-run `meshfold prepare` into a new folder") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise ConfigError(f"{path}: format {m.get('format')!r} version {m.get('version')!r}; this meshfold reads "
+                          f"{FORMAT!r} version {VERSION}")
+    return m
+
+
+class ShardWriter:
+    """Writes one shard under temporary names; ``finish`` renames it into place."""
+
+    def __init__(self, folder: Path, name: str, dtype: str):
+        self.folder, self.name, self.dtype = folder, name, DTYPES[dtype]
+        self.tmp_bin = folder / f".{name}.bin.tmp"
+        self.fh = self.tmp_bin.open("wb")
+        self.hash = hashlib.sha256()
+        self.offsets = [0]
+
+    @property
+    def tokens(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def docs(self) -> int:
+        return len(self.offsets) - 1
+
+    def add(self, docs: list[np.ndarray]) -> None:
+        """Documents, each already ending with EOS."""
+        for d in docs:
+            self.offsets.append(self.offsets[-1] + len(d))
+        data = np.concatenate(docs).astype(self.dtype).tobytes() if docs else b""
+        self.fh.write(data)
+        self.hash.update(data)
+
+    def finish(self) -> dict:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        atomic_write_bytes(self.folder / f"{self.name}.idx", np.asarray(self.offsets, dtype=OFFSET_DTYPE).tobytes())
+        os.replace(self.tmp_bin, self.folder / f"{self.name}.bin")
+        return {"name": self.name, "tokens": self.tokens, "docs": self.docs, "sha256": self.hash.hexdigest()}
+
+    def abandon(self) -> None:
+        self.fh.close()
+        self.tmp_bin.unlink(missing_ok=True)
+
+
+@dataclass
+class Shard:
+    tokens: np.ndarray  # memmap (or array), one entry per token
+    offsets: np.ndarray  # memmap (or array), docs + 1 entries
+
+
+def _random_access(arr: np.memmap) -> np.memmap:
+    """Training reads short windows at random places: tell the kernel not to read ahead
+    (a fault would otherwise pull in up to megabytes around each window)."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return arr
+
+
+def open_shards(folder: str | Path, manifest: dict | None = None, verify: bool = False) -> list[Shard]:
+    """Memory-map every shard of a prepared dataset, checking sizes and offsets' end points
+    (``verify``: also every shard's sha256). A problem is one line naming the file."""
+    folder = Path(folder).expanduser()
+    m = manifest or read_manifest(folder)
+    if not m.get("complete", False):
+        raise ConfigError(f"{folder}: `meshfold prepare` has not finished here; run it again to complete it")
+    dtype = DTYPES.get(m.get("dtype"))
+    if dtype is None:
+        raise ConfigError(f"{folder / MANIFEST}: dtype {m.get('dtype')!r}; expected one of {sorted(DTYPES)}")
+    shards = []
+    for s in m["shards"]:
+        bin_path, idx_path = folder / f"{s['name']}.bin", folder / f"{s['name']}.idx"
+        for path, want in ((bin_path, s["tokens"] * dtype.itemsize), (idx_path, (s["docs"] + 1) * 8)):
+            if not path.is_file():
+                raise ConfigError(f"{path} is missing; the dataset is damaged: re-run `meshfold prepare`")
+            size = path.stat().st_size
+            if size != want:
+                raise ConfigError(f"{path} has {size} bytes but the manifest says {want}: the shard is truncated "
+                                  f"or corrupt; re-run `meshfold prepare` into a new folder")
+        if s["tokens"] == 0:
+            continue
+        tokens = _random_access(np.memmap(bin_path, dtype=dtype, mode="r"))
+        offsets = _random_access(np.memmap(idx_path, dtype=OFFSET_DTYPE, mode="r"))
+        if offsets[0] != 0 or offsets[-1] != s["tokens"] or tokens[-1] != m["eos_id"]:
+            raise ConfigError(f"{idx_path}: document offsets do not match {bin_path.name}: the shard is corrupt; "
+                              f"re-run `meshfold prepare` into a new folder")
+        if verify:
+            if file_sha256(bin_path) != s["sha256"]:
+                raise ConfigError(f"{bin_path}: sha256 differs from the manifest: the shard is corrupt")
+            if np.any(np.diff(offsets) <= 0):
+                raise ConfigError(f"{idx_path}: document offsets are not increasing: the shard is corrupt")
+        shards.append(Shard(tokens, offsets))
+    if not shards:
+        raise ConfigError(f"{folder}: the prepared dataset holds no tokens")
+    return shards
