@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.mesh import ParallelDims
 
@@ -41,7 +42,15 @@ def uses_fsdp(dims: ParallelDims) -> bool:
 
 
 def uses_ddp(dims: ParallelDims) -> bool:
+    """Replicated gradients averaged over dp_cp (zero 0 and 1)."""
     return not uses_fsdp(dims) and dims.size("dp_cp") > 1
+
+
+def uses_grad_reducer(dims: ParallelDims) -> bool:
+    """DDP cannot wrap tensor-parallel DTensor parameters, and cannot follow a pipeline
+    schedule's interleaved forwards and backwards: those layouts reduce gradients with
+    ``GradReducer`` (once per step) instead."""
+    return uses_ddp(dims) and (dims.enabled("tp") or dims.enabled("pp"))
 
 
 def _local_bytes(params) -> int:
@@ -122,6 +131,92 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, lowcomm=None) -> nn.Module:
     return ddp
 
 
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+class GradReducer:
+    """Once-per-step gradient averaging over ``dp_cp`` for the layouts DDP cannot wrap
+    (Megatron's tp x pp x dp with zero 0/1). Parameters go in flat buckets (~25 MB, in
+    reverse registration order, roughly the order backward produces them). When the
+    reducer is armed (the step's last micro-batch), a bucket's all-reduce is launched
+    asynchronously as soon as every gradient in it has been accumulated, so it overlaps the
+    rest of backward; ``finish`` launches what is left, waits and writes the averages back.
+    Unarmed backwards (earlier micro-batches) only accumulate: no traffic."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, n: int,
+                 bucket_bytes: int = 25 * 2**20):
+        self.group, self.n = group, n
+        params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        size = bucket_bytes + 1
+        for p in reversed(params):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            nbytes = local.numel() * local.element_size()
+            if size + nbytes > bucket_bytes or local.dtype != self.buckets[-1][0].dtype:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.armed = False
+        self._left: list[int] = []
+        self._works: dict[int, tuple] = {}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce buckets as they complete."""
+        self.armed = True
+        self._left = [len(b) for b in self.buckets]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        i = self.bucket_of[id(p)]
+        self._left[i] -= 1
+        if self._left[i] == 0:
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        if i in self._works:
+            return
+        params = [p for p in self.buckets[i] if p.grad is not None]
+        if not params:
+            self._works[i] = (None, [], None)
+            return
+        flat = torch.cat([_local_grad(p).reshape(-1) for p in params])
+        flat.div_(self.n)
+        work = comm.all_reduce(flat, self.group, "dp", async_op=True)
+        self._works[i] = (work, params, flat)
+
+    def finish(self) -> None:
+        """Launch buckets not yet reduced (unused parameters, unarmed runs), wait, write back."""
+        for i in range(len(self.buckets)):
+            self._launch(i)
+        for work, params, flat in self._works.values():
+            if work is None:
+                continue
+            work.wait()
+            offset = 0
+            for p in params:
+                g = _local_grad(p)
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._works.clear()
+        self.armed = False
+
+
+def attach_grad_reducer(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    model.grad_reducer = GradReducer(list(model.parameters()), dims.group("dp_cp"), dims.size("dp_cp"))
+    return model
+
+
+def grad_reducers(model: nn.Module) -> list[GradReducer]:
+    return [m.grad_reducer for m in model.modules() if isinstance(getattr(m, "grad_reducer", None), GradReducer)]
+
+
 def fsdp_policies(train) -> tuple[MixedPrecisionPolicy, object | None]:
     """FSDP2 mixed precision and offload from ``[train]``: with ``dtype = bfloat16`` the
     all-gathered compute copies are bf16 while the sharded fp32 master weights stay in
@@ -146,6 +241,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, of
     if uses_fsdp(dims):
         return apply_fsdp(model, dims, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp_policy,
                           offload_policy=offload_policy)
+    if uses_grad_reducer(dims):
+        return attach_grad_reducer(model, dims)
     if uses_ddp(dims):
         return apply_ddp(model, dims, lowcomm)
     return model

@@ -13,6 +13,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.config import TrainConfig
 from meshfold.mesh import ParallelDims
@@ -63,6 +64,79 @@ class ZeroOneOptimizer(ZeroRedundancyOptimizer):
         return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """ZeRO-1 for layouts whose parameters are DTensors or pipeline stages (Megatron's
+    distributed optimizer, whole-parameter granularity): gradients arrive already averaged
+    (``GradReducer``, once per step); each of the n ranks of ``group`` owns a subset of the
+    parameters (greedy by local size, as ``ZeroRedundancyOptimizer`` partitions), keeps
+    Adam state for those only and updates them; then one all-gather of a flat buffer
+    (each rank's owned parameters packed into an equal-size segment) hands every rank the
+    updated values. ``param_groups`` still list every parameter, so schedulers work."""
+
+    def __init__(self, groups: list[dict], group: dist.ProcessGroup, **adam_kwargs):
+        super().__init__(groups, dict(adam_kwargs, weight_decay=0.0))
+        self.group = group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        sizes = [0] * self.n
+        self.owned: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        for p in sorted(params, key=lambda q: -_local(q).numel()):
+            r = min(range(self.n), key=lambda i: sizes[i])
+            self.owned[r].append(p)
+            sizes[r] += _local(p).numel()
+        order = {id(p): i for i, p in enumerate(params)}
+        for lst in self.owned:  # model order inside a segment
+            lst.sort(key=lambda q: order[id(q)])
+        self.segment = max(sizes)
+        dtypes = {_local(p).dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO-1 with tensor/pipeline parallel needs one parameter dtype, got {dtypes}")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        mine = {id(p) for p in self.owned[self.rank]}
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [p for p in g["params"] if id(p) in mine]} for g in self.param_groups]
+        self.optim = torch.optim.AdamW([g for g in inner_groups if g["params"]] or [{"params": []}], **adam_kwargs)
+        self._inner_of = [i for i, g in enumerate(inner_groups) if g["params"]]
+        self.device = _local(params[0]).device if params else torch.device("cpu")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for inner, outer in zip(self.optim.param_groups, self._inner_of):
+            for k, v in self.param_groups[outer].items():
+                if k != "params":
+                    inner[k] = v
+        if self.optim.param_groups and self.optim.param_groups[0]["params"]:
+            self.optim.step()
+        flat = torch.zeros(self.n * self.segment, dtype=self.dtype, device=self.device)
+        mine = flat.narrow(0, self.rank * self.segment, self.segment)
+        offset = 0
+        for p in self.owned[self.rank]:
+            t = _local(p).reshape(-1)
+            mine[offset: offset + t.numel()].copy_(t)
+            offset += t.numel()
+        comm.all_gather_into_tensor(flat, mine.clone(), self.group, "dp")
+        for r in range(self.n):
+            if r == self.rank:
+                continue
+            offset = r * self.segment
+            for p in self.owned[r]:
+                t = _local(p)
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+
 class HostOffloadAdamW(torch.optim.AdamW):
     """Optimizer-state offload (ZeRO-Offload style): fp32 master copies of this rank's
     parameters (or their local shards) and all Adam state live in host memory; each step
@@ -105,9 +179,14 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
-                    zero_one: bool = False) -> torch.optim.Optimizer:
+                    zero_one: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
+    """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tp/pp
+    layouts, whose gradients a ``GradReducer`` averages) over ZeroRedundancyOptimizer (DDP)."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = _adamw_kwargs(cfg, device_type)
+    if zero_one and sharded:
+        kwargs.pop("fused", None)
+        return ShardedAdamW(groups, dims.group("dp_shard_cp"), **kwargs)
     if zero_one:
         kwargs.pop("fused", None)
         return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)

@@ -31,7 +31,7 @@ from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
 from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
-from meshfold.parallel.data import uses_ddp
+from meshfold.parallel.data import grad_reducers, uses_ddp, uses_fsdp, uses_grad_reducer
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -96,6 +96,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.model, t, self.dims, self.device.type,
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
+            sharded=uses_grad_reducer(self.dims),
         )
         self.scheduler = build_scheduler(self.optimizer, t)
         self.loss_fn = cross_entropy_sum
@@ -192,15 +193,33 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last or not uses_ddp(self.dims) else self.model.no_sync()
-            with sync:
+            with self.grad_sync(last):
                 with self.activation_counter(first=i == 0) as counted:
                     loss = self.forward_loss(mb)
                 if counted is not None:
                     self.step_metrics["activation_bytes"] = counted.bytes
                 (loss * scale.to(loss.dtype) + self.moe_aux(len(micro))).backward()
             loss_sum += loss.detach().double()
+        for reducer in grad_reducers(self.model):
+            reducer.finish()
         return loss_sum
+
+    def grad_sync(self, last: bool):
+        """Data-parallel gradients are reduced once per step, in the last micro-batch's
+        backward: DDP's no_sync before it; FSDP2 keeps unsharded gradients (and, ZeRO-2,
+        unsharded parameters) between micro-batches and reduce-scatters once;
+        ``GradReducer`` (tp/pp with zero 0/1) is armed for the last backward only."""
+        if uses_fsdp(self.dims):
+            self.model.set_requires_gradient_sync(last)
+            if self.cfg.parallel.zero == 2:
+                self.model.set_reshard_after_backward(last)
+            return contextlib.nullcontext()
+        if last:
+            for reducer in grad_reducers(self.model):
+                reducer.arm()
+        if last or not uses_ddp(self.dims) or uses_grad_reducer(self.dims):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def activation_counter(self, first: bool):
         """Count the bytes autograd saves for backward on the first micro-batch of a step
