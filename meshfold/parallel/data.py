@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshfold import comm
@@ -53,14 +54,6 @@ def uses_grad_reducer(dims: ParallelDims) -> bool:
     return uses_ddp(dims) and (dims.enabled("tp") or dims.enabled("pp"))
 
 
-def _local_bytes(params) -> int:
-    total = 0
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
-
-
 def shard_blocks(model: nn.Module):
     """The submodules FSDP wraps one by one: every transformer block (or expert group)."""
     layers = getattr(model, "layers", None)
@@ -79,33 +72,38 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     return model
 
 
-def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward: bool) -> None:
-    """Record FSDP2's collectives in the ledger: an all-gather when a sharded module runs
-    forward, another for its backward if it was resharded (ZeRO-3, non-root), and a
-    reduce-scatter (plus the HSDP all-reduce) of its gradients in backward."""
-    fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    owned: dict[nn.Module, int] = {}
-    for m in fsdp_modules:
-        inner = {id(p) for c in m.modules() if c is not m and isinstance(c, FSDPModule) for p in c.parameters()}
-        owned[m] = _local_bytes(p for p in m.parameters() if id(p) not in inner)
+class _CountedAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, issued through the communication layer (which checks the
+    tensors and records the bytes): what is counted is what FSDP2 actually sends."""
 
-    for m in fsdp_modules:
-        shard_bytes = owned[m]
-        regather = reshard_after_forward and m is not root
-        # A module sharded over its own group (experts over edp, parallel/expert.py) says so.
-        n_shard, n_rep = getattr(m, "fsdp_group_sizes", (dims.size("dp_shard_cp"), dims.size("dp_replicate")))
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return comm.all_gather_into_tensor(output_tensor, input_tensor, group, "dp", async_op=async_op)
 
-        def forward_hook(_mod, _args, shard_bytes=shard_bytes, regather=regather, n_shard=n_shard, n_rep=n_rep):
-            if not torch.is_grad_enabled():
-                ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
-                return
-            for _ in range(2 if regather else 1):
-                ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
-            # Gradient reduction of this module happens in the backward this forward implies.
-            ledger().record("dp", "reduce_scatter", shard_bytes * n_shard, n_shard)
-            ledger().record("dp", "all_reduce", shard_bytes, n_rep)
 
-        m.register_forward_pre_hook(forward_hook)
+class _CountedReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter (its op may be a pre-multiplied sum, which the communication
+    layer's string ops do not name): checked and recorded there, issued as FSDP2 would."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        comm.check_tensors([output_tensor, input_tensor], group, "reduce_scatter")
+        ledger().record("dp", "reduce_scatter", input_tensor.numel() * input_tensor.element_size(),
+                        dist.get_world_size(group))
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True) -> None:
+    """Route every FSDP2 module's all-gathers and reduce-scatters through the communication
+    layer, and record the HSDP all-reduce of the reduced shard (FSDP2 calls the hook on its
+    output), so ``comm_bytes["dp"]`` is measured, micro-batch accumulation included."""
+    for m in root.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        _, n_rep = getattr(m, "fsdp_group_sizes", (dims.size("dp_shard_cp"), dims.size("dp_replicate")))
+        m.set_custom_all_gather(_CountedAllGather())
+        m.set_custom_reduce_scatter(_CountedReduceScatter())
+        if n_rep > 1:
+            m.set_all_reduce_hook(
+                lambda out, n=n_rep: ledger().record("dp", "all_reduce", out.numel() * out.element_size(), n))
 
 
 def _counting_allreduce_hook(group: dist.ProcessGroup):
