@@ -346,6 +346,9 @@ class Pipeline:
         # micro-batches still compute; with FSDP the chunk syncs only in that action.
         self.reducers = [grad_reducers(c) for c in chunks]
         self.fsdp = uses_fsdp(dims)
+        # zbv under FSDP2 (two root chunks per rank, V order) deadlocks on gloo when the
+        # chunks' syncs are deferred; it keeps FSDP2's per-micro-batch reduction for now.
+        self.defer_fsdp_sync = self.fsdp and self.schedule != "zbv"
         self.zero = p.zero
         # Split backward (B then W) only where torch's split works: not through FSDP's hooks.
         self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
@@ -498,6 +501,8 @@ class Pipeline:
         for c, part in enumerate(self.model.chunks):
             on = chunk == "all" or chunk == c
             if self.fsdp:
+                if not self.defer_fsdp_sync:
+                    continue
                 if chunk is None or on:
                     part.set_requires_gradient_sync(on)
                     if self.zero == 2:
