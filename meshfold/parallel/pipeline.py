@@ -96,11 +96,13 @@ def stage_split(cfg: Config) -> tuple[list[int], str]:
     return balanced_split(cfg.model, n), "balanced by cost"
 
 
-def build_stage(cfg: Config, split: list[int], stage: int) -> Transformer:
-    """The full model with everything outside ``stage`` deleted, initialised by name."""
+def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False) -> Transformer:
+    """The full model with everything outside ``stage`` deleted, initialised by name (or,
+    ``meta``, left on the meta device for ``parallelize`` to shard and materialise)."""
     first = sum(split[:stage])
     keep = {str(i) for i in range(first, first + split[stage])}
-    model = Transformer(cfg.model)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
     for key in [k for k in model.layers.keys() if k not in keep]:
         del model.layers[key]
     if stage > 0:
@@ -109,7 +111,9 @@ def build_stage(cfg: Config, split: list[int], stage: int) -> Transformer:
     if stage < len(split) - 1:
         model.norm = None
         model.output = None
-    init_weights(model, cfg.model, cfg.train.seed)
+    if not meta:
+        model.to_empty(device="cpu")
+        init_weights(model, cfg.model, cfg.train.seed)
     return model
 
 
@@ -336,8 +340,8 @@ class Pipeline:
         self.group = dims.group("pp")
         chunks = []
         for s in self.stages:
-            stage = build_stage(cfg, self.split, s).to(device=trainer.device, dtype=trainer.param_dtype)
-            chunks.append(unwrap(parallelize(stage, cfg, dims)))
+            stage = build_stage(cfg, self.split, s, meta=True).to(dtype=trainer.param_dtype)
+            chunks.append(unwrap(parallelize(stage, cfg, dims, trainer.device)))
         self.model = PipelineModel(chunks)
         trainer.model_parts = chunks  # checkpoints save each chunk under the full model's names
         # Without FSDP, data-parallel gradients are averaged by each chunk's GradReducer

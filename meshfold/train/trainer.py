@@ -26,7 +26,7 @@ from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, rank_slice
 from meshfold.mesh import ParallelDims, build_mesh
-from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
@@ -134,14 +134,15 @@ class Trainer:
 
             self.pipeline = Pipeline(self)
             return self.pipeline.model
-        model = Transformer(self.cfg.model)
-        init_weights(model, self.cfg.model, self.cfg.train.seed)
-        model.to(device=self.device, dtype=self.param_dtype)
+        # Built on the meta device: parallelize shards it there and allocates only this
+        # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
+        with torch.device("meta"):
+            model = Transformer(self.cfg.model).to(dtype=self.param_dtype)
         if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
             from meshfold.models.varlen_attention import use_varlen_attention
 
             use_varlen_attention(model, self.balancer.spread)
-        return parallelize(model, self.cfg, self.dims)
+        return parallelize(model, self.cfg, self.dims, self.device)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
