@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, rank_slice
@@ -287,8 +288,30 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
 
+    def build_report(self) -> dict:
+        """This rank's share of the model as built (max over ranks): parameter count and
+        bytes, and the process's peak resident memory so far."""
+        import resource
+
+        numel = nbytes = 0
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            numel += local.numel()
+            nbytes += local.numel() * local.element_size()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        stats = torch.tensor([numel, nbytes, rss], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.world > 1:
+            comm.all_reduce(stats, None, "world", op="max")  # start-up, not a step
+        return {"params_per_rank": int(stats[0]), "param_bytes_per_rank": int(stats[1]),
+                "peak_rss_bytes": int(stats[2]), "world": self.world}
+
     def fit(self) -> list[float]:
         t = self.cfg.train
+        if t.steps == 0:  # build, report, exit (a check that the layout fits)
+            report = self.build_report()
+            if self.rank == 0:
+                print("meshfold: built: " + ", ".join(f"{k} {v}" for k, v in report.items()), flush=True)
+            return []
         self.checkpointer.resume()  # train.resume / train.init_from; sets self.step
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
