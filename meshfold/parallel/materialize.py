@@ -18,13 +18,33 @@ against the local tensor's.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.config import ModelConfig
 from meshfold.models.llama import init_buffers, init_value
+
+
+def build_on_meta(make: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
+    """``make()`` on the meta device, in ``dtype``. Under a FakeTensorMode (``meshfold
+    dry-run``) the model is built as fake tensors instead, which need no materialisation
+    (fake tensors cannot be swapped by ``to``/``to_empty``, so the dtype is set as the
+    default while building)."""
+    if detect_fake_mode() is None:
+        with torch.device("meta"):
+            return make().to(dtype=dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return make()
+    finally:
+        torch.set_default_dtype(prev)
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -45,6 +45,7 @@ from torch import nn
 from meshfold.comm import ledger
 from meshfold.config import Config, ConfigError
 from meshfold.models.llama import Transformer, init_weights
+from meshfold.parallel.materialize import build_on_meta
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 TIMELINE_FILE = "pipeline_timeline.jsonl"
@@ -96,13 +97,13 @@ def stage_split(cfg: Config) -> tuple[list[int], str]:
     return balanced_split(cfg.model, n), "balanced by cost"
 
 
-def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False) -> Transformer:
+def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False,
+                dtype: torch.dtype = torch.float32) -> Transformer:
     """The full model with everything outside ``stage`` deleted, initialised by name (or,
     ``meta``, left on the meta device for ``parallelize`` to shard and materialise)."""
     first = sum(split[:stage])
     keep = {str(i) for i in range(first, first + split[stage])}
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
+    model = build_on_meta(lambda: Transformer(cfg.model), dtype)
     for key in [k for k in model.layers.keys() if k not in keep]:
         del model.layers[key]
     if stage > 0:
@@ -340,7 +341,7 @@ class Pipeline:
         self.group = dims.group("pp")
         chunks = []
         for s in self.stages:
-            stage = build_stage(cfg, self.split, s, meta=True).to(dtype=trainer.param_dtype)
+            stage = build_stage(cfg, self.split, s, meta=True, dtype=trainer.param_dtype)
             chunks.append(unwrap(parallelize(stage, cfg, dims, trainer.device)))
         self.model = PipelineModel(chunks)
         trainer.model_parts = chunks  # checkpoints save each chunk under the full model's names

@@ -33,6 +33,7 @@ from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
 from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
 from meshfold.parallel.data import grad_reducers, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.materialize import build_on_meta
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -137,8 +138,7 @@ class Trainer:
             return self.pipeline.model
         # Built on the meta device: parallelize shards it there and allocates only this
         # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
-        with torch.device("meta"):
-            model = Transformer(self.cfg.model).to(dtype=self.param_dtype)
+        model = build_on_meta(lambda: Transformer(self.cfg.model), self.param_dtype)
         if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
             from meshfold.models.varlen_attention import use_varlen_attention
 
