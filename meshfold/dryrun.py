@@ -32,13 +32,17 @@ Next to it, the planner's prediction for the same layout (``planner/cost.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import multiprocessing
+import os
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -46,6 +50,7 @@ from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
 from meshfold.mesh import build_mesh
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
+from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, inflight_microbatches
@@ -132,17 +137,53 @@ def _optimizer_bytes(opt) -> int:
 
 
 def representative_ranks(cfg: Config, world: int) -> list[int]:
-    """Coordinate 0 on every dimension but pp, one rank per stage (see the module doc)."""
-    p = validate(dataclasses.replace(cfg), world).parallel
-    return [s * (world // (cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1)) // p.pp
-            for s in range(p.pp)]
+    """Coordinate 0 on every dimension but pp, one rank per distinct pipeline-rank shape
+    (the layer counts of its chunks, and whether it holds the embedding or the output);
+    see the module doc."""
+    p = cfg.parallel
+    per_stage = world // (cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1) // p.pp
+    if p.pp == 1:
+        return [0]
+    split, _ = stage_split(cfg)
+    last = len(split) - 1
+    seen, ranks = set(), []
+    for r in range(p.pp):
+        stages = [stage_of(p.pp_schedule, p.pp, r, c) for c in range(chunks_per_rank(p.pp_schedule,
+                                                                                       p.pp_virtual_stages))]
+        shape = tuple((split[s], s == 0, s == last) for s in stages)
+        if shape not in seen:
+            seen.add(shape)
+            ranks.append(r * per_stage)
+    return ranks
+
+
+@contextlib.contextmanager
+def _real_mesh_tensors():
+    """DeviceMesh computes its rank tables with tensor ops (FSDP2 over tensor-parallel
+    DTensors joins two meshes); under the fake mode those would become fake tensors with no
+    values. Run them for real."""
+    original, init = DeviceMesh.mesh, DeviceMesh.__init__
+
+    def mesh(self):
+        with unset_fake_temporarily():
+            return original.fget(self)
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.mesh, DeviceMesh.__init__ = property(mesh), real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh, DeviceMesh.__init__ = original, init
 
 
 def simulate_rank(cfg: Config, world: int, rank: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         reset_ledger()
-        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors():
             warnings.simplefilter("ignore")
             return DryTrainer(dataclasses.replace(cfg)).dry_step()
     finally:
@@ -167,7 +208,11 @@ def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
     start = time.perf_counter()
     cfg = validate(cfg, world)
     ranks = representative_ranks(cfg, world)
-    per_rank = {r: simulate_rank(cfg, world, r) for r in ranks}
+    # One fresh process per simulated rank: torch caches meshes and groups per process.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(len(ranks), max(1, os.cpu_count() or 1))) as pool:
+        results = pool.starmap(simulate_rank, [(cfg, world, r) for r in ranks])
+    per_rank = dict(zip(ranks, results))
     runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
     runtime["collectives"] = per_rank[0]["collectives"]
     runtime["ranks"] = {str(r): v for r, v in per_rank.items()}

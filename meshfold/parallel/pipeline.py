@@ -337,7 +337,9 @@ class Pipeline:
             owners = [rank_chunk_of_stage(self.schedule, self.pp, s)[0] for s in range(self.n_stages)]
             print(describe_split(cfg.model, self.split, owners, source), flush=True)
         # Global ranks of the pp peers of this rank (same coordinates on every other dim).
-        self.peers = dims["pp"].mesh.flatten().tolist() if dims.distributed else [0]
+        # (The group's rank list, not the mesh tensor: no tensor ops, so dry-run's fake
+        # tensors can build stages too; pp ranks ascend with the stage index.)
+        self.peers = dist.get_process_group_ranks(dims.group("pp")) if dims.distributed else [0]
         self.group = dims.group("pp")
         chunks = []
         for s in self.stages:
