@@ -101,28 +101,47 @@ class DryTrainer(Trainer):
         batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
         return shard_for_context_parallel(batch, self.cfg, self.dims)
 
-    def dry_step(self) -> dict:
-        self.ledger.pop_step()  # building is not a step
-        micro = self.micro_batches(self.fake_batch())
+    def _step(self, micro: list[dict]) -> tuple[dict, float]:
+        """One optimizer step over ``micro``: (collectives, activation bytes)."""
         tokens = torch.tensor(self.cfg.train.global_batch * self.cfg.model.seq_len)
         if self.pipeline is not None:
             with count_saved_activations(self.model) as counted:
                 self.forward_backward(micro, tokens)
             p = self.cfg.parallel
-            inflight = inflight_microbatches(p.pp_schedule, p.pp, len(micro), p.pp_virtual_stages)
+            inflight = inflight_microbatches(p.pp_schedule, p.pp, self.n_micro, p.pp_virtual_stages)
             activations = counted.bytes / len(micro) * inflight
         else:
             self.forward_backward(micro, tokens)
             activations = self.step_metrics.get("activation_bytes", 0)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
-        grads = sum(_local_bytes(p.grad) for p in params)
+        self.grad_bytes = sum(_local_bytes(p.grad) for p in params)
         self.optimizer.step()
-        out = {"param_bytes": sum(_local_bytes(p) for p in self.model.parameters()),
-               "grad_bytes": grads, "optimizer_bytes": _optimizer_bytes(self.optimizer),
-               "activation_bytes": int(activations), "collectives": self.ledger.pop_step_collectives()}
         self.optimizer.zero_grad(set_to_none=True)
-        return out
+        return self.ledger.pop_step_collectives(), activations
+
+    def dry_step(self) -> dict:
+        """Every micro-batch has the same shapes, so a step's collectives are affine in the
+        micro-batch count m (per-micro-batch traffic plus once-per-step reductions): two
+        short steps with m1 < m2 micro-batches give the count and bytes for the real m
+        exactly, at the cost of m1 + m2 micro-batches instead of m."""
+        self.ledger.pop_step()  # building is not a step
+        micro = self.micro_batches(self.fake_batch())
+        self.n_micro = m = len(micro)
+        p = self.cfg.parallel
+        unit = p.pp if p.pp > 1 and p.pp_schedule == "interleaved" else 1
+        if m <= 2 * unit:
+            coll, activations = self._step(micro)
+        else:
+            c1, activations = self._step(micro[:unit])
+            c2, _ = self._step(micro[:2 * unit])
+            k = (m - unit) / unit
+            coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0)
+                                                                    - c1.get(d, {}).get(f, 0))))
+                        for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
+        return {"param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
+                "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
+                "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -210,7 +229,7 @@ def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
     ranks = representative_ranks(cfg, world)
     # One fresh process per simulated rank: torch caches meshes and groups per process.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(len(ranks), max(1, os.cpu_count() or 1))) as pool:
+    with ctx.Pool(min(len(ranks), max(1, os.cpu_count() or 1)), maxtasksperchild=1) as pool:
         results = pool.starmap(simulate_rank, [(cfg, world, r) for r in ranks])
     per_rank = dict(zip(ranks, results))
     runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}

@@ -69,72 +69,82 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedAdamW(torch.optim.Optimizer):
-    """ZeRO-1 for layouts whose parameters are DTensors or pipeline stages (Megatron's
-    distributed optimizer, whole-parameter granularity): gradients arrive already averaged
-    (``GradReducer``, once per step); each of the n ranks of ``group`` owns a subset of the
-    parameters (greedy by local size, as ``ZeroRedundancyOptimizer`` partitions), keeps
-    Adam state for those only and updates them; then one all-gather of a flat buffer
-    (each rank's owned parameters packed into an equal-size segment) hands every rank the
-    updated values. ``param_groups`` still list every parameter, so schedulers work."""
+    """ZeRO-1 for layouts whose parameters are DTensors or pipeline stages: Megatron-LM's
+    distributed optimizer. Gradients arrive already averaged (``GradReducer``, once per
+    step). This rank's local parameter pieces, laid end to end, form one flat range of
+    ``total`` elements cut into n equal segments (element granularity, so no rank holds
+    more than ceil(total/n) elements of Adam state however uneven the parameters are);
+    rank r keeps Adam state for segment r only, as views into the parameters it covers,
+    updates them, and one all-gather of the segments hands every rank the updated values.
+    ``param_groups`` still list every parameter, so schedulers work."""
 
     def __init__(self, groups: list[dict], group: dist.ProcessGroup, **adam_kwargs):
         super().__init__(groups, dict(adam_kwargs, weight_decay=0.0))
         self.group = group
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        params = [p for g in self.param_groups for p in g["params"]]
-        sizes = [0] * self.n
-        self.owned: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
-        for p in sorted(params, key=lambda q: -_local(q).numel()):
-            r = min(range(self.n), key=lambda i: sizes[i])
-            self.owned[r].append(p)
-            sizes[r] += _local(p).numel()
-        order = {id(p): i for i, p in enumerate(params)}
-        for lst in self.owned:  # model order inside a segment
-            lst.sort(key=lambda q: order[id(q)])
-        self.segment = max(sizes)
-        dtypes = {_local(p).dtype for p in params}
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        dtypes = {_local(p).dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO-1 with tensor/pipeline parallel needs one parameter dtype, got {dtypes}")
         self.dtype = dtypes.pop() if dtypes else torch.float32
-        mine = {id(p) for p in self.owned[self.rank]}
-        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": [p for p in g["params"] if id(p) in mine]} for g in self.param_groups]
-        self.optim = torch.optim.AdamW([g for g in inner_groups if g["params"]] or [{"params": []}], **adam_kwargs)
-        self._inner_of = [i for i, g in enumerate(inner_groups) if g["params"]]
-        self.device = _local(params[0]).device if params else torch.device("cpu")
+        self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
+        total = sum(_local(p).numel() for p in self.params)
+        self.segment = max(1, math.ceil(total / self.n))
+        lo, hi = self.rank * self.segment, (self.rank + 1) * self.segment
+        # (param, start, stop) of the pieces this rank updates, in flat order.
+        self.pieces: list[tuple[torch.Tensor, int, int]] = []
+        inner_groups = []
+        offset = 0
+        for g in self.param_groups:
+            views = []
+            for p in g["params"]:
+                numel = _local(p).numel()
+                a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
+                if a < b:
+                    self.pieces.append((p, a, b))
+                    views.append(_local(p).detach().view(-1)[a:b])
+                offset += numel
+            if views:
+                inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
+        self._views = [v for g in inner_groups for v in g["params"]]
+        self._inner_of = [i for i, g in enumerate(self.param_groups)
+                          if any(self._owns(p) for p in g["params"])]
+        self.optim = torch.optim.AdamW(inner_groups, **adam_kwargs) if inner_groups else None
+
+    def _owns(self, p) -> bool:
+        return any(q is p for q, _, _ in self.pieces)
 
     @torch.no_grad()
     def step(self, closure=None):
-        for inner, outer in zip(self.optim.param_groups, self._inner_of):
-            for k, v in self.param_groups[outer].items():
-                if k != "params":
-                    inner[k] = v
-        if self.optim.param_groups and self.optim.param_groups[0]["params"]:
+        if self.optim is not None:
+            for inner, outer in zip(self.optim.param_groups, self._inner_of):
+                for k, v in self.param_groups[outer].items():
+                    if k != "params":
+                        inner[k] = v
+            for view, (p, a, b) in zip(self._views, self.pieces):
+                view.grad = None if p.grad is None else _local(p.grad).reshape(-1)[a:b]
             self.optim.step()
         flat = torch.zeros(self.n * self.segment, dtype=self.dtype, device=self.device)
         mine = flat.narrow(0, self.rank * self.segment, self.segment)
         offset = 0
-        for p in self.owned[self.rank]:
-            t = _local(p).reshape(-1)
-            mine[offset: offset + t.numel()].copy_(t)
-            offset += t.numel()
+        for view in self._views:
+            mine[offset: offset + view.numel()].copy_(view)
+            offset += view.numel()
         comm.all_gather_into_tensor(flat, mine.clone(), self.group, "dp")
-        for r in range(self.n):
-            if r == self.rank:
-                continue
-            offset = r * self.segment
-            for p in self.owned[r]:
-                t = _local(p)
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+        for view in self._views:
+            view.grad = None
 
     def zero_grad(self, set_to_none: bool = True):
-        for g in self.param_groups:
-            for p in g["params"]:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
