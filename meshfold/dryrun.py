@@ -88,9 +88,17 @@ class DryTrainer(Trainer):
             from meshfold.parallel.loss import vocab_parallel_loss
 
             self.loss_fn = vocab_parallel_loss(self.dims, cfg)
-        if self.pipeline is not None:  # timing and timeline need real values: not simulated
-            self.pipeline._record_bubble = lambda *a, **k: None
+        if self.pipeline is not None:  # timings and the timeline need real values
+            self.pipeline._record_bubble = self._pipeline_stats_exchange
             self.pipeline._log_events = lambda *a, **k: None
+
+    def _pipeline_stats_exchange(self, events, span, m) -> None:
+        """What ``Pipeline._record_bubble`` sends (its per-stage timings), without the values."""
+        pipe = self.pipeline
+        stats = torch.zeros(2 * pipe.pp, dtype=torch.float64)
+        if pipe.group is not None:
+            dist.all_reduce(stats, group=pipe.group)
+            self.ledger.record("pp", "all_reduce", stats.numel() * 8, pipe.pp)
 
     def fake_batch(self) -> dict[str, torch.Tensor]:
         from meshfold.parallel.context import shard_for_context_parallel
