@@ -82,7 +82,7 @@ class DryTrainer(Trainer):
         self.optimizer = build_optimizer(
             self.model, t, self.dims, "cpu",
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
-            sharded=uses_grad_reducer(self.dims))
+            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
         self.loss_fn = cross_entropy_sum
         if self.dims.distributed and self.dims.enabled("tp"):
             from meshfold.parallel.loss import vocab_parallel_loss

@@ -190,8 +190,9 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
                     zero_one: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
-    """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tp/pp
-    layouts, whose gradients a ``GradReducer`` averages) over ZeroRedundancyOptimizer (DDP)."""
+    """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tensor
+    parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
+    ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages; checkpointable)."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = _adamw_kwargs(cfg, device_type)
     if zero_one and sharded:

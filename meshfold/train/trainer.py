@@ -98,7 +98,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.model, t, self.dims, self.device.type,
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
-            sharded=uses_grad_reducer(self.dims),
+            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
         )
         self.scheduler = build_scheduler(self.optimizer, t)
         self.loss_fn = cross_entropy_sum
