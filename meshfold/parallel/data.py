@@ -5,15 +5,22 @@ What ``parallel.zero`` means here, with n = dp_shard (x cp) ranks sharing a shar
 =====  ==============================  ===================================  ========================================
 zero   memory per rank (model states)  communication per step               mechanism
 =====  ==============================  ===================================  ========================================
-0      params + grads + optimizer      all-reduce grads (2(n-1)/n * G)      torch DDP (bucketed, overlapped)
-1      params + grads + optimizer/n    all-reduce grads, then each rank      DDP + ZeroRedundancyOptimizer: each
-                                       broadcasts the params it updated     rank owns whole parameters' Adam state
-2      params + grads/n + optimizer/n  per micro-batch: all-gather params   FSDP2 ``fully_shard`` with
-       (params stay gathered from      once, reduce-scatter grads            ``reshard_after_forward=False``
-       forward to backward)
-3      (params + grads + optimizer)/n  all-gather params in forward and     FSDP2 ``fully_shard`` with
-                                       again in backward, reduce-scatter    ``reshard_after_forward=True``
+0      params + grads + optimizer      all-reduce grads (2(n-1)/n * G)      torch DDP (bucketed, overlapped); with
+                                                                            tp or pp: ``GradReducer`` below
+1      params + grads + optimizer/n    all-reduce grads, then one gather    DDP + ZeroRedundancyOptimizer; with tp:
+                                       of the updated params                ``GradReducer`` + ``ShardedAdamW``
+2      params/n + grads/n + optim/n    all-gather params once, reduce-     FSDP2 ``fully_shard`` with
+       between steps; unsharded        scatter grads once (last micro-      ``reshard_after_forward=False``; no
+       params + grads while a step     batch)                               sync/reshard before the last backward
+       accumulates
+3      (params + grads + optimizer)/n  all-gather params in every micro-    FSDP2 ``fully_shard`` with
+       (+ unsharded grads while        batch's forward and backward,        ``reshard_after_forward=True``; no
+       accumulating)                   reduce-scatter grads once            sync before the last backward
 =====  ==============================  ===================================  ========================================
+
+Every data-parallel reduction happens once per optimizer step, in the last micro-batch's
+backward (see ``Trainer.grad_sync`` and the pipeline's per-chunk arming), so dp bytes per
+step do not depend on the micro-batch count for zero 0-2.
 
 With ``dp_replicate`` > 1 and zero >= 2 FSDP2 runs as HSDP on the 2-D mesh
 (dp_replicate, dp_shard_cp): shards within a group, all-reduce of shard gradients across
