@@ -47,9 +47,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshfold.comm import ledger, reset_ledger
-from meshfold.config import Config, load_config, validate
+from meshfold.config import Config, ConfigError, load_config, validate
 from meshfold.mesh import build_mesh
+from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
+from meshfold.parallel.loss import vocab_parallel_loss
 from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
@@ -85,8 +87,6 @@ class DryTrainer(Trainer):
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
         self.loss_fn = cross_entropy_sum
         if self.dims.distributed and self.dims.enabled("tp"):
-            from meshfold.parallel.loss import vocab_parallel_loss
-
             self.loss_fn = vocab_parallel_loss(self.dims, cfg)
         if self.pipeline is not None:  # timings and the timeline need real values
             self.pipeline._record_bubble = self._pipeline_stats_exchange
@@ -101,8 +101,6 @@ class DryTrainer(Trainer):
             self.ledger.record("pp", "all_reduce", stats.numel() * 8, pipe.pp)
 
     def fake_batch(self) -> dict[str, torch.Tensor]:
-        from meshfold.parallel.context import shard_for_context_parallel
-
         p, m = self.cfg.parallel, self.cfg.model
         local = self.cfg.train.global_batch // p.dp
         tokens = torch.randint(0, m.vocab_size, (local, m.seq_len + 1))
@@ -266,8 +264,6 @@ def _gib(x) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshfold.config import ConfigError
-
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     cfg = load_config(args.config, args.set)

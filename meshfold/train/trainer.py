@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -291,8 +292,6 @@ class Trainer:
     def build_report(self) -> dict:
         """This rank's share of the model as built (max over ranks): parameter count and
         bytes, and the process's peak resident memory so far."""
-        import resource
-
         numel = nbytes = 0
         for p in self.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
