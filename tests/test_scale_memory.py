@@ -26,3 +26,15 @@ def test_llama3_1b_on_two_processes_zero3(tmp_path):
     for r in reports:
         assert abs(r["param_bytes_per_rank"] - full / 2) < 0.01 * full
         assert r["peak_rss_bytes"] <= full / 2 + 1.5 * GIB, r
+
+
+def test_zero_steps_builds_reports_and_exits(tmp_path, capsys):
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(tiny_config(str(tmp_path), train={"steps": 0})))
+    assert trainer.fit() == []
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in trainer.model.parameters())
+    assert f"params_per_rank {n}," in out and f"param_bytes_per_rank {n * 8}," in out
+    assert not (tmp_path / "metrics.jsonl").exists()
