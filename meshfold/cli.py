@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "convert": "meshfold.models.hf",
     "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.planner.cli",
     "netlab": "meshfold.lowcomm.cli",
+    "dry-run": "meshfold.dryrun",
 }
 
 

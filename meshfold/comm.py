@@ -46,11 +46,13 @@ class CommError(RuntimeError):
 
 
 class CommLedger:
-    """Bytes this rank sent, per mesh dimension: this step's and the run's."""
+    """Bytes this rank sent, per mesh dimension: this step's and the run's; and how many
+    calls carried them this step (``step_calls``: one per collective or per send)."""
 
     def __init__(self):
         self.step: dict[str, float] = defaultdict(float)
         self.total: dict[str, float] = defaultdict(float)
+        self.step_calls: dict[str, int] = defaultdict(int)
 
     def record(self, dim: str, op: str, size_bytes: float, group_size: int) -> None:
         if group_size <= 1 or size_bytes <= 0:
@@ -61,10 +63,18 @@ class CommLedger:
         """Record bytes already known to be sent (point-to-point, variable all-to-all)."""
         self.step[dim] += sent_bytes
         self.total[dim] += sent_bytes
+        self.step_calls[dim] += 1
 
     def pop_step(self) -> dict[str, int]:
         out = {k: int(round(v)) for k, v in sorted(self.step.items())}
         self.step.clear()
+        self.step_calls.clear()
+        return out
+
+    def pop_step_collectives(self) -> dict[str, dict[str, int]]:
+        """This step's ``{dim: {"count", "bytes"}}``, then a new step."""
+        out = {k: {"count": self.step_calls[k], "bytes": int(round(v))} for k, v in sorted(self.step.items())}
+        self.pop_step()
         return out
 
 

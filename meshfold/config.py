@@ -572,12 +572,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                 f"parallel.zero = 0 replicates everything but parallel.dp_shard = {p.dp_shard}; "
                 f"set parallel.zero to 1, 2 or 3, or use parallel.dp_replicate = {p.dp} with dp_shard = 1"
             )
-        # Tensor-parallel parameters are DTensors: only FSDP2 (zero 2/3 over dp_shard*cp) composes.
-        if p.tp > 1 and p.dp * p.cp > 1 and (p.zero < 2 or p.dp_shard * p.cp == 1):
+        if p.tp > 1 and p.zero == 1 and p.dp_shard * p.cp > 1 and t.checkpoint_every:
             raise ConfigError(
-                f"parallel.tp = {p.tp} composes with sharded data parallel only (parallel.zero = 2 or 3 and "
-                f"dp_shard*cp > 1), not with DDP/ZeRO-1 (zero = {p.zero}, dp_shard = {p.dp_shard}); "
-                f"set parallel.zero = 3 and move the data-parallel degree to parallel.dp_shard"
+                f"parallel.tp = {p.tp} with parallel.zero = 1 (the flat distributed optimizer) cannot save "
+                "checkpoints yet; set train.checkpoint_every = 0, or parallel.zero to 0, 2 or 3"
             )
         if t.offload == "params" and (p.zero < 2 or p.dp_shard * p.cp == 1):
             raise ConfigError(

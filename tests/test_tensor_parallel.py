@@ -181,8 +181,6 @@ def test_comm_bytes_in_metrics(sp, tmp_path):
     ({"n_heads": 6, "dim": 48, "n_kv_heads": 0}, {"tp": 4}, 4, "model.n_heads = 6 is not divisible by parallel.tp"),
     ({"n_heads": 12, "n_kv_heads": 4, "dim": 96}, {"tp": 6}, 6, "model.n_kv_heads = 4 and parallel.tp = 6"),
     ({"seq_len": 18}, {"tp": 4, "sp": True}, 4, "parallel.sp needs model.seq_len = 18"),
-    ({}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1}, 4, "parallel.tp = 2 composes with sharded data parallel"),
-    ({}, {"tp": 2, "dp_shard": 2, "zero": 1}, 4, "parallel.tp = 2 composes with sharded data parallel"),
 ])
 def test_impossible_layouts_fail_in_one_line(model, parallel, world, needle, tmp_path):
     cfg = from_dict(tiny_config(str(tmp_path), model=model, parallel=parallel))

@@ -278,9 +278,22 @@ def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> tor
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Initialise every parameter of an unsharded model (or pipeline stage) in place."""
+    """Initialise every parameter of an unsharded model (or pipeline stage) in place.
+    (Sharded models built on the meta device: ``meshfold.parallel.materialize``.)"""
     for name, param in model.named_parameters():
         param.copy_(init_value(name, param.shape, cfg, seed).to(param.dtype))
+    init_buffers(model, cfg)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module, cfg: ModelConfig) -> None:
+    """Recompute the buffers (rotary tables, MoE routing biases) in place: after a model
+    built on the meta device is given storage, they hold garbage."""
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            cos, sin = rope_tables(cfg)  # with the model's RoPE scaling
+            module.rope_cos.copy_(cos.to(module.rope_cos.dtype))
+            module.rope_sin.copy_(sin.to(module.rope_sin.dtype))
     for name, buf in model.named_buffers():
         if name.endswith("expert_bias"):
             buf.zero_()

@@ -5,6 +5,9 @@ layers first, context parallel swaps the core attention, expert parallel shards 
 experts, then activation recomputation and compilation wrap blocks, and data parallel
 (DDP / FSDP2) wraps last so it shards whatever the earlier steps produced. Pipeline
 parallel splits the model into stages before any of this (see ``pipeline.py``).
+
+A model built on the ``meta`` device is materialised here (``materialize.py``): after
+FSDP2 has sharded it, or before DDP / the gradient reducer, which need real tensors.
 """
 
 from __future__ import annotations
@@ -13,11 +16,20 @@ from torch import nn
 
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
-from meshfold.parallel.data import apply_data_parallel
+import torch
+
+from meshfold.parallel.data import apply_data_parallel, uses_fsdp
+from meshfold.parallel.materialize import is_meta, materialize
 from meshfold.parallel.recompute import apply_compile, apply_recompute
 
 
-def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims) -> nn.Module:
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device | None = None) -> nn.Module:
+    """``device``: where a meta-built model's local shards are allocated."""
+    meta = is_meta(model)
+
+    def init(m: nn.Module) -> nn.Module:
+        return materialize(m, cfg.model, cfg.train.seed, device or torch.device("cpu")) if meta else m
+
     if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
         from meshfold.parallel.tensor import parallelize_tensor
 
@@ -35,5 +47,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims) -> nn.Module:
     if cfg.train.compile:
         apply_compile(model)
     if not dims.distributed:
-        return model
-    return apply_data_parallel(model, dims, lowcomm=cfg.lowcomm, train=cfg.train)
+        return init(model)
+    if uses_fsdp(dims):
+        return init(apply_data_parallel(model, dims, lowcomm=cfg.lowcomm, train=cfg.train))
+    return apply_data_parallel(init(model), dims, lowcomm=cfg.lowcomm, train=cfg.train)

@@ -5,15 +5,22 @@ What ``parallel.zero`` means here, with n = dp_shard (x cp) ranks sharing a shar
 =====  ==============================  ===================================  ========================================
 zero   memory per rank (model states)  communication per step               mechanism
 =====  ==============================  ===================================  ========================================
-0      params + grads + optimizer      all-reduce grads (2(n-1)/n * G)      torch DDP (bucketed, overlapped)
-1      params + grads + optimizer/n    all-reduce grads, then each rank      DDP + ZeroRedundancyOptimizer: each
-                                       broadcasts the params it updated     rank owns whole parameters' Adam state
-2      params + grads/n + optimizer/n  per micro-batch: all-gather params   FSDP2 ``fully_shard`` with
-       (params stay gathered from      once, reduce-scatter grads            ``reshard_after_forward=False``
-       forward to backward)
-3      (params + grads + optimizer)/n  all-gather params in forward and     FSDP2 ``fully_shard`` with
-                                       again in backward, reduce-scatter    ``reshard_after_forward=True``
+0      params + grads + optimizer      all-reduce grads (2(n-1)/n * G)      torch DDP (bucketed, overlapped); with
+                                                                            tp or pp: ``GradReducer`` below
+1      params + grads + optimizer/n    all-reduce grads, then one gather    DDP + ZeroRedundancyOptimizer; with tp:
+                                       of the updated params                ``GradReducer`` + ``ShardedAdamW``
+2      params/n + grads/n + optim/n    all-gather params once, reduce-     FSDP2 ``fully_shard`` with
+       between steps; unsharded        scatter grads once (last micro-      ``reshard_after_forward=False``; no
+       params + grads while a step     batch)                               sync/reshard before the last backward
+       accumulates
+3      (params + grads + optimizer)/n  all-gather params in every micro-    FSDP2 ``fully_shard`` with
+       (+ unsharded grads while        batch's forward and backward,        ``reshard_after_forward=True``; no
+       accumulating)                   reduce-scatter grads once            sync before the last backward
 =====  ==============================  ===================================  ========================================
+
+Every data-parallel reduction happens once per optimizer step, in the last micro-batch's
+backward (see ``Trainer.grad_sync`` and the pipeline's per-chunk arming), so dp bytes per
+step do not depend on the micro-batch count for zero 0-2.
 
 With ``dp_replicate`` > 1 and zero >= 2 FSDP2 runs as HSDP on the 2-D mesh
 (dp_replicate, dp_shard_cp): shards within a group, all-reduce of shard gradients across
@@ -30,8 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.mesh import ParallelDims
 
@@ -41,15 +50,15 @@ def uses_fsdp(dims: ParallelDims) -> bool:
 
 
 def uses_ddp(dims: ParallelDims) -> bool:
+    """Replicated gradients averaged over dp_cp (zero 0 and 1)."""
     return not uses_fsdp(dims) and dims.size("dp_cp") > 1
 
 
-def _local_bytes(params) -> int:
-    total = 0
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
+def uses_grad_reducer(dims: ParallelDims) -> bool:
+    """DDP cannot wrap tensor-parallel DTensor parameters, and cannot follow a pipeline
+    schedule's interleaved forwards and backwards: those layouts reduce gradients with
+    ``GradReducer`` (once per step) instead."""
+    return uses_ddp(dims) and (dims.enabled("tp") or dims.enabled("pp"))
 
 
 def shard_blocks(model: nn.Module):
@@ -70,33 +79,38 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     return model
 
 
-def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward: bool) -> None:
-    """Record FSDP2's collectives in the ledger: an all-gather when a sharded module runs
-    forward, another for its backward if it was resharded (ZeRO-3, non-root), and a
-    reduce-scatter (plus the HSDP all-reduce) of its gradients in backward."""
-    fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    owned: dict[nn.Module, int] = {}
-    for m in fsdp_modules:
-        inner = {id(p) for c in m.modules() if c is not m and isinstance(c, FSDPModule) for p in c.parameters()}
-        owned[m] = _local_bytes(p for p in m.parameters() if id(p) not in inner)
+class _CountedAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, issued through the communication layer (which checks the
+    tensors and records the bytes): what is counted is what FSDP2 actually sends."""
 
-    for m in fsdp_modules:
-        shard_bytes = owned[m]
-        regather = reshard_after_forward and m is not root
-        # A module sharded over its own group (experts over edp, parallel/expert.py) says so.
-        n_shard, n_rep = getattr(m, "fsdp_group_sizes", (dims.size("dp_shard_cp"), dims.size("dp_replicate")))
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return comm.all_gather_into_tensor(output_tensor, input_tensor, group, "dp", async_op=async_op)
 
-        def forward_hook(_mod, _args, shard_bytes=shard_bytes, regather=regather, n_shard=n_shard, n_rep=n_rep):
-            if not torch.is_grad_enabled():
-                ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
-                return
-            for _ in range(2 if regather else 1):
-                ledger().record("dp", "all_gather", shard_bytes * n_shard, n_shard)
-            # Gradient reduction of this module happens in the backward this forward implies.
-            ledger().record("dp", "reduce_scatter", shard_bytes * n_shard, n_shard)
-            ledger().record("dp", "all_reduce", shard_bytes, n_rep)
 
-        m.register_forward_pre_hook(forward_hook)
+class _CountedReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter (its op may be a pre-multiplied sum, which the communication
+    layer's string ops do not name): checked and recorded there, issued as FSDP2 would."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        comm.check_tensors([output_tensor, input_tensor], group, "reduce_scatter")
+        ledger().record("dp", "reduce_scatter", input_tensor.numel() * input_tensor.element_size(),
+                        dist.get_world_size(group))
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True) -> None:
+    """Route every FSDP2 module's all-gathers and reduce-scatters through the communication
+    layer, and record the HSDP all-reduce of the reduced shard (FSDP2 calls the hook on its
+    output), so ``comm_bytes["dp"]`` is measured, micro-batch accumulation included."""
+    for m in root.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        _, n_rep = getattr(m, "fsdp_group_sizes", (dims.size("dp_shard_cp"), dims.size("dp_replicate")))
+        m.set_custom_all_gather(_CountedAllGather())
+        m.set_custom_reduce_scatter(_CountedReduceScatter())
+        if n_rep > 1:
+            m.set_all_reduce_hook(
+                lambda out, n=n_rep: ledger().record("dp", "all_reduce", out.numel() * out.element_size(), n))
 
 
 def _counting_allreduce_hook(group: dist.ProcessGroup):
@@ -120,6 +134,92 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, lowcomm=None) -> nn.Module:
     if lowcomm is None or not install_compression(ddp, group, lowcomm):
         ddp.register_comm_hook(None, _counting_allreduce_hook(group))
     return ddp
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+class GradReducer:
+    """Once-per-step gradient averaging over ``dp_cp`` for the layouts DDP cannot wrap
+    (Megatron's tp x pp x dp with zero 0/1). Parameters go in flat buckets (~25 MB, in
+    reverse registration order, roughly the order backward produces them). When the
+    reducer is armed (the step's last micro-batch), a bucket's all-reduce is launched
+    asynchronously as soon as every gradient in it has been accumulated, so it overlaps the
+    rest of backward; ``finish`` launches what is left, waits and writes the averages back.
+    Unarmed backwards (earlier micro-batches) only accumulate: no traffic."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, n: int,
+                 bucket_bytes: int = 25 * 2**20):
+        self.group, self.n = group, n
+        params = [p for p in params if p.requires_grad]
+        self.buckets: list[list[nn.Parameter]] = []
+        size = bucket_bytes + 1
+        for p in reversed(params):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            nbytes = local.numel() * local.element_size()
+            if size + nbytes > bucket_bytes or local.dtype != self.buckets[-1][0].dtype:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.armed = False
+        self._left: list[int] = []
+        self._works: dict[int, tuple] = {}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce buckets as they complete."""
+        self.armed = True
+        self._left = [len(b) for b in self.buckets]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        i = self.bucket_of[id(p)]
+        self._left[i] -= 1
+        if self._left[i] == 0:
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        if i in self._works:
+            return
+        params = [p for p in self.buckets[i] if p.grad is not None]
+        if not params:
+            self._works[i] = (None, [], None)
+            return
+        flat = torch.cat([_local_grad(p).reshape(-1) for p in params])
+        flat.div_(self.n)
+        work = comm.all_reduce(flat, self.group, "dp", async_op=True)
+        self._works[i] = (work, params, flat)
+
+    def finish(self) -> None:
+        """Launch buckets not yet reduced (unused parameters, unarmed runs), wait, write back."""
+        for i in range(len(self.buckets)):
+            self._launch(i)
+        for work, params, flat in self._works.values():
+            if work is None:
+                continue
+            work.wait()
+            offset = 0
+            for p in params:
+                g = _local_grad(p)
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._works.clear()
+        self.armed = False
+
+
+def attach_grad_reducer(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    model.grad_reducer = GradReducer(list(model.parameters()), dims.group("dp_cp"), dims.size("dp_cp"))
+    return model
+
+
+def grad_reducers(model: nn.Module) -> list[GradReducer]:
+    return [m.grad_reducer for m in model.modules() if isinstance(getattr(m, "grad_reducer", None), GradReducer)]
 
 
 def fsdp_policies(train) -> tuple[MixedPrecisionPolicy, object | None]:
@@ -146,6 +246,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, of
     if uses_fsdp(dims):
         return apply_fsdp(model, dims, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp_policy,
                           offload_policy=offload_policy)
+    if uses_grad_reducer(dims):
+        return attach_grad_reducer(model, dims)
     if uses_ddp(dims):
         return apply_ddp(model, dims, lowcomm)
     return model

@@ -54,9 +54,8 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, idx, mine, valid = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0], device=g.device)
-        g[rows[mine], idx[mine]] -= 1.0
+        # - onehot(y) on the rank owning y; a scatter, not boolean indexing (no host sync).
+        g = softmax.scatter_add(-1, idx.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
         g = g * (valid.to(g.dtype) * grad.to(g.dtype)).unsqueeze(-1)
         return g.to(ctx.in_dtype).view(ctx.shape), None, None, None
 

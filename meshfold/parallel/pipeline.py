@@ -45,6 +45,7 @@ from torch import nn
 from meshfold.comm import ledger
 from meshfold.config import Config, ConfigError
 from meshfold.models.llama import Transformer, init_weights
+from meshfold.parallel.materialize import build_on_meta
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 TIMELINE_FILE = "pipeline_timeline.jsonl"
@@ -96,11 +97,13 @@ def stage_split(cfg: Config) -> tuple[list[int], str]:
     return balanced_split(cfg.model, n), "balanced by cost"
 
 
-def build_stage(cfg: Config, split: list[int], stage: int) -> Transformer:
-    """The full model with everything outside ``stage`` deleted, initialised by name."""
+def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """The full model with everything outside ``stage`` deleted, initialised by name (or,
+    ``meta``, left on the meta device for ``parallelize`` to shard and materialise)."""
     first = sum(split[:stage])
     keep = {str(i) for i in range(first, first + split[stage])}
-    model = Transformer(cfg.model)
+    model = build_on_meta(lambda: Transformer(cfg.model), dtype)
     for key in [k for k in model.layers.keys() if k not in keep]:
         del model.layers[key]
     if stage > 0:
@@ -109,7 +112,9 @@ def build_stage(cfg: Config, split: list[int], stage: int) -> Transformer:
     if stage < len(split) - 1:
         model.norm = None
         model.output = None
-    init_weights(model, cfg.model, cfg.train.seed)
+    if not meta:
+        model.to_empty(device="cpu")
+        init_weights(model, cfg.model, cfg.train.seed)
     return model
 
 
@@ -316,7 +321,7 @@ class Pipeline:
 
     def __init__(self, trainer):
         from meshfold.parallel import parallelize
-        from meshfold.parallel.data import unwrap, uses_ddp, uses_fsdp
+        from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
         from meshfold.parallel.stage_balance import describe_split
 
         self.trainer = trainer
@@ -332,17 +337,26 @@ class Pipeline:
             owners = [rank_chunk_of_stage(self.schedule, self.pp, s)[0] for s in range(self.n_stages)]
             print(describe_split(cfg.model, self.split, owners, source), flush=True)
         # Global ranks of the pp peers of this rank (same coordinates on every other dim).
-        self.peers = dims["pp"].mesh.flatten().tolist() if dims.distributed else [0]
+        # (The group's rank list, not the mesh tensor: no tensor ops, so dry-run's fake
+        # tensors can build stages too; pp ranks ascend with the stage index.)
+        self.peers = dist.get_process_group_ranks(dims.group("pp")) if dims.distributed else [0]
         self.group = dims.group("pp")
         chunks = []
         for s in self.stages:
-            stage = build_stage(cfg, self.split, s).to(device=trainer.device, dtype=trainer.param_dtype)
-            chunks.append(unwrap(parallelize(stage, cfg, dims)))
+            stage = build_stage(cfg, self.split, s, meta=True, dtype=trainer.param_dtype)
+            chunks.append(unwrap(parallelize(stage, cfg, dims, trainer.device)))
         self.model = PipelineModel(chunks)
         trainer.model_parts = chunks  # checkpoints save each chunk under the full model's names
-        # Without FSDP, data-parallel gradients are averaged here after the schedule
-        # (DDP cannot follow micro-batches whose forwards and backwards interleave).
-        self.manual_dp = uses_ddp(dims)
+        # Without FSDP, data-parallel gradients are averaged by each chunk's GradReducer
+        # (parallel/data.py; DDP cannot follow interleaved forwards and backwards), armed
+        # for the chunk's last backward action so its buckets go out while other chunks and
+        # micro-batches still compute; with FSDP the chunk syncs only in that action.
+        self.reducers = [grad_reducers(c) for c in chunks]
+        self.fsdp = uses_fsdp(dims)
+        # zbv under FSDP2 (two root chunks per rank, V order) deadlocks on gloo when the
+        # chunks' syncs are deferred; it keeps FSDP2's per-micro-batch reduction for now.
+        self.defer_fsdp_sync = self.fsdp and self.schedule != "zbv"
+        self.zero = p.zero
         # Split backward (B then W) only where torch's split works: not through FSDP's hooks.
         self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
         self.orders = {}
@@ -406,9 +420,16 @@ class Pipeline:
         wgrad: dict[tuple[int, int], list] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
         events = []
+        last_grad_action = {}
+        for i, a in enumerate(order):
+            if a.kind != "F":
+                last_grad_action[a.chunk] = i
+        self._set_grad_sync(None)
         self._barrier()
         t0 = time.perf_counter()
-        for a in order:
+        for i, a in enumerate(order):
+            if last_grad_action.get(a.chunk) == i:
+                self._set_grad_sync(a.chunk)
             s = self.stages[a.chunk]
             mb = micro[a.mb]
             shape = self._act_shape(mb)
@@ -456,8 +477,10 @@ class Pipeline:
             work.wait()
         span = time.perf_counter() - t0
         self.pending, self.local = [], {}
-        if self.manual_dp:
-            self._average_dp_grads()
+        for reducers in self.reducers:
+            for reducer in reducers:
+                reducer.finish()
+        self._set_grad_sync("all")
         self._record_bubble(events, span, m)
         self._log_events()
         # The loss lives on the last stage; every pp rank returns the same sum.
@@ -478,20 +501,22 @@ class Pipeline:
         if self.group is not None:
             dist.barrier(group=self.group)
 
-    def _average_dp_grads(self) -> None:
-        dims = self.trainer.dims
-        group, n = dims.group("dp_cp"), dims.size("dp_cp")
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        ledger().record("dp", "all_reduce", flat.numel() * flat.element_size(), n)
-        flat /= n
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+    def _set_grad_sync(self, chunk) -> None:
+        """None: no chunk reduces (start of the schedule); an index: that chunk's next
+        backward action is its last of the step, so it reduces there; "all": back to
+        syncing everywhere (evaluation, other callers)."""
+        for c, part in enumerate(self.model.chunks):
+            on = chunk == "all" or chunk == c
+            if self.fsdp:
+                if not self.defer_fsdp_sync:
+                    continue
+                if chunk is None or on:
+                    part.set_requires_gradient_sync(on)
+                    if self.zero == 2:
+                        part.set_reshard_after_backward(on)
+            elif on and chunk != "all":
+                for reducer in self.reducers[c]:
+                    reducer.arm()
 
     def _record_bubble(self, events: list[dict], span: float, m: int) -> None:
         """bubble of stage r = 1 - busy_r / makespan, makespan = the slowest rank's span

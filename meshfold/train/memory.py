@@ -15,12 +15,17 @@ import torch
 from torch import nn
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage (views share it); valid for fake tensors too (dry-run)."""
+    return t.untyped_storage()._cdata
+
+
 class SavedActivationCounter:
     def __init__(self, model: nn.Module | None = None):
         self.param_storages = set()
         if model is not None:
             # DTensor parameters (FSDP2, tensor parallel): their local shard's storage.
-            self.param_storages = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            self.param_storages = {_storage_key(p.to_local() if hasattr(p, "to_local") else p)
                                    for p in model.parameters()}
         self.seen: set[int] = set()
         self.bytes = 0
@@ -29,7 +34,7 @@ class SavedActivationCounter:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = _storage_key(t)
         if ptr in self.param_storages or ptr in self.seen:
             return
         self.seen.add(ptr)

@@ -13,6 +13,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.config import TrainConfig
 from meshfold.mesh import ParallelDims
@@ -63,6 +64,89 @@ class ZeroOneOptimizer(ZeroRedundancyOptimizer):
         return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """ZeRO-1 for layouts whose parameters are DTensors or pipeline stages: Megatron-LM's
+    distributed optimizer. Gradients arrive already averaged (``GradReducer``, once per
+    step). This rank's local parameter pieces, laid end to end, form one flat range of
+    ``total`` elements cut into n equal segments (element granularity, so no rank holds
+    more than ceil(total/n) elements of Adam state however uneven the parameters are);
+    rank r keeps Adam state for segment r only, as views into the parameters it covers,
+    updates them, and one all-gather of the segments hands every rank the updated values.
+    ``param_groups`` still list every parameter, so schedulers work."""
+
+    def __init__(self, groups: list[dict], group: dist.ProcessGroup, **adam_kwargs):
+        super().__init__(groups, dict(adam_kwargs, weight_decay=0.0))
+        self.group = group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        dtypes = {_local(p).dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO-1 with tensor/pipeline parallel needs one parameter dtype, got {dtypes}")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
+        total = sum(_local(p).numel() for p in self.params)
+        self.segment = max(1, math.ceil(total / self.n))
+        lo, hi = self.rank * self.segment, (self.rank + 1) * self.segment
+        # (param, start, stop) of the pieces this rank updates, in flat order.
+        self.pieces: list[tuple[torch.Tensor, int, int]] = []
+        inner_groups = []
+        offset = 0
+        for g in self.param_groups:
+            views = []
+            for p in g["params"]:
+                numel = _local(p).numel()
+                a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
+                if a < b:
+                    self.pieces.append((p, a, b))
+                    views.append(_local(p).detach().view(-1)[a:b])
+                offset += numel
+            if views:
+                inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
+        self._views = [v for g in inner_groups for v in g["params"]]
+        self._inner_of = [i for i, g in enumerate(self.param_groups)
+                          if any(self._owns(p) for p in g["params"])]
+        self.optim = torch.optim.AdamW(inner_groups, **adam_kwargs) if inner_groups else None
+
+    def _owns(self, p) -> bool:
+        return any(q is p for q, _, _ in self.pieces)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.optim is not None:
+            for inner, outer in zip(self.optim.param_groups, self._inner_of):
+                for k, v in self.param_groups[outer].items():
+                    if k != "params":
+                        inner[k] = v
+            for view, (p, a, b) in zip(self._views, self.pieces):
+                view.grad = None if p.grad is None else _local(p.grad).reshape(-1)[a:b]
+            self.optim.step()
+        flat = torch.zeros(self.n * self.segment, dtype=self.dtype, device=self.device)
+        mine = flat.narrow(0, self.rank * self.segment, self.segment)
+        offset = 0
+        for view in self._views:
+            mine[offset: offset + view.numel()].copy_(view)
+            offset += view.numel()
+        comm.all_gather_into_tensor(flat, mine.clone(), self.group, "dp")
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+        for view in self._views:
+            view.grad = None
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
 class HostOffloadAdamW(torch.optim.AdamW):
     """Optimizer-state offload (ZeRO-Offload style): fp32 master copies of this rank's
     parameters (or their local shards) and all Adam state live in host memory; each step
@@ -105,9 +189,15 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
-                    zero_one: bool = False) -> torch.optim.Optimizer:
+                    zero_one: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
+    """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tensor
+    parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
+    ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages; checkpointable)."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = _adamw_kwargs(cfg, device_type)
+    if zero_one and sharded:
+        kwargs.pop("fused", None)
+        return ShardedAdamW(groups, dims.group("dp_shard_cp"), **kwargs)
     if zero_one:
         kwargs.pop("fused", None)
         return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)

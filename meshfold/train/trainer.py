@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -22,17 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.mesh import ParallelDims, build_mesh
-from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel import parallelize
 from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
-from meshfold.parallel.data import uses_ddp
+from meshfold.parallel.data import grad_reducers, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.materialize import build_on_meta
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -98,6 +101,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.model, t, self.dims, self.device.type,
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
+            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
         )
         self.scheduler = build_scheduler(self.optimizer, t)
         self.loss_fn = cross_entropy_sum
@@ -135,14 +139,14 @@ class Trainer:
 
             self.pipeline = Pipeline(self)
             return self.pipeline.model
-        model = Transformer(self.cfg.model)
-        init_weights(model, self.cfg.model, self.cfg.train.seed)
-        model.to(device=self.device, dtype=self.param_dtype)
+        # Built on the meta device: parallelize shards it there and allocates only this
+        # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
+        model = build_on_meta(lambda: Transformer(self.cfg.model), self.param_dtype)
         if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
             from meshfold.models.varlen_attention import use_varlen_attention
 
             use_varlen_attention(model, self.balancer.spread)
-        return parallelize(model, self.cfg, self.dims)
+        return parallelize(model, self.cfg, self.dims, self.device)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
@@ -203,15 +207,33 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last or not uses_ddp(self.dims) else self.model.no_sync()
-            with sync:
+            with self.grad_sync(last):
                 with self.activation_counter(first=i == 0) as counted:
                     loss = self.forward_loss(mb)
                 if counted is not None:
                     self.step_metrics["activation_bytes"] = counted.bytes
                 (loss * scale.to(loss.dtype) + self.moe_aux(len(micro))).backward()
             loss_sum += loss.detach().double()
+        for reducer in grad_reducers(self.model):
+            reducer.finish()
         return loss_sum
+
+    def grad_sync(self, last: bool):
+        """Data-parallel gradients are reduced once per step, in the last micro-batch's
+        backward: DDP's no_sync before it; FSDP2 keeps unsharded gradients (and, ZeRO-2,
+        unsharded parameters) between micro-batches and reduce-scatters once;
+        ``GradReducer`` (tp/pp with zero 0/1) is armed for the last backward only."""
+        if uses_fsdp(self.dims):
+            self.model.set_requires_gradient_sync(last)
+            if self.cfg.parallel.zero == 2:
+                self.model.set_reshard_after_backward(last)
+            return contextlib.nullcontext()
+        if last:
+            for reducer in grad_reducers(self.model):
+                reducer.arm()
+        if last or not uses_ddp(self.dims) or uses_grad_reducer(self.dims):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def activation_counter(self, first: bool):
         """Count the bytes autograd saves for backward on the first micro-batch of a step
@@ -278,8 +300,28 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
 
+    def build_report(self) -> dict:
+        """This rank's share of the model as built (max over ranks): parameter count and
+        bytes, and the process's peak resident memory so far."""
+        numel = nbytes = 0
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            numel += local.numel()
+            nbytes += local.numel() * local.element_size()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        stats = torch.tensor([numel, nbytes, rss], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.world > 1:
+            comm.all_reduce(stats, None, "world", op="max")  # start-up, not a step
+        return {"params_per_rank": int(stats[0]), "param_bytes_per_rank": int(stats[1]),
+                "peak_rss_bytes": int(stats[2]), "world": self.world}
+
     def fit(self) -> list[float]:
         t = self.cfg.train
+        if t.steps == 0:  # build, report, exit (a check that the layout fits)
+            report = self.build_report()
+            if self.rank == 0:
+                print("meshfold: built: " + ", ".join(f"{k} {v}" for k, v in report.items()), flush=True)
+            return []
         self.checkpointer.resume()  # train.resume / train.init_from; sets self.step
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,

@@ -1,0 +1,287 @@
+"""``meshfold dry-run CONFIG --world N``: check a layout at any scale on this machine.
+
+For a few representative ranks of an N-rank job, one after the other in this process:
+torch's ``fake`` process-group backend stands in for the N ranks (collectives return at
+once, nothing is sent), and a ``FakeTensorMode`` stands in for memory (tensors carry
+shapes, dtypes and devices but no data). The real code then runs unchanged: the config is
+validated as ``train`` validates it, the mesh is built, the model is built and
+parallelised (tensor, pipeline, expert, FSDP/HSDP, DDP-style reducers) exactly as a real
+rank builds it, and one training step runs (forward and backward over every micro-batch,
+the gradient-norm reduction, the optimizer step). What that rank would hold and send is
+then read off:
+
+- ``param_bytes`` / ``grad_bytes``: the local pieces of its parameters and gradients
+  after the step's backward;
+- ``optimizer_bytes``: the optimizer state it created (ZeRO-1 ranks only their part);
+- ``activation_bytes``: what autograd saves for backward in one micro-batch (counted with
+  the same saved-tensor hooks as ``metrics.jsonl``); with pipeline parallel, the per-micro-
+  batch bytes of this rank's chunks times the micro-batches its schedule keeps in flight;
+- ``collectives``: ``{dim: {"count", "bytes"}}`` of the step, as the communication layer
+  (meshfold/comm.py) records them.
+
+Which ranks: ranks that differ only in their tensor, data or context coordinate hold
+pieces of the same stage of the same size (torch.chunk gives the first coordinates the
+larger piece when a dimension does not divide), and send the same collectives; only the
+pipeline stage changes what a rank holds. So rank ``s * N / pp`` (coordinate 0 on every
+other dimension) is simulated for every stage ``s``, and the report takes the maximum over
+them; N ranks never need to exist.
+
+Next to it, the planner's prediction for the same layout (``planner/cost.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import multiprocessing
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from meshfold.comm import ledger, reset_ledger
+from meshfold.config import Config, ConfigError, load_config, validate
+from meshfold.mesh import build_mesh
+from meshfold.parallel.context import shard_for_context_parallel
+from meshfold.parallel.data import uses_ddp, uses_grad_reducer
+from meshfold.parallel.loss import vocab_parallel_loss
+from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
+from meshfold.planner.cli import layout_from_config, workload_from_config
+from meshfold.planner.cluster import load_cluster
+from meshfold.planner.cost import CostModel, inflight_microbatches
+from meshfold.train.memory import count_saved_activations
+from meshfold.train.optim import build_optimizer, grad_norm
+from meshfold.train.trainer import Trainer, cross_entropy_sum, resolve_dtypes
+
+FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+
+
+class DryTrainer(Trainer):
+    """The parts of a ``Trainer`` that build and step the model; no data, checkpoints,
+    metrics or fault handling (those do not change what a rank holds or sends)."""
+
+    def __init__(self, cfg: Config):
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.cfg = cfg = validate(cfg, self.world)
+        t = cfg.train
+        self.device = torch.device("cpu")
+        self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
+        workers = cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1
+        with unset_fake_temporarily():  # the mesh holds real rank tables
+            self.dims = build_mesh(cfg.parallel, workers, "cpu")
+        self.balancer, self.use_doc_mask, self.pipeline = None, False, None
+        self.ledger = ledger()
+        self.step_metrics, self.step, self.capture_grads = {}, 0, False
+        self.grad_reducers = self.dims.size("dp_cp")
+        self.model = self.build_model()
+        self.optimizer = build_optimizer(
+            self.model, t, self.dims, "cpu",
+            zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
+            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
+        self.loss_fn = cross_entropy_sum
+        if self.dims.distributed and self.dims.enabled("tp"):
+            self.loss_fn = vocab_parallel_loss(self.dims, cfg)
+        if self.pipeline is not None:  # timings and the timeline need real values
+            self.pipeline._record_bubble = self._pipeline_stats_exchange
+            self.pipeline._log_events = lambda *a, **k: None
+
+    def _pipeline_stats_exchange(self, events, span, m) -> None:
+        """What ``Pipeline._record_bubble`` sends (its per-stage timings), without the values."""
+        pipe = self.pipeline
+        stats = torch.zeros(2 * pipe.pp, dtype=torch.float64)
+        if pipe.group is not None:
+            dist.all_reduce(stats, group=pipe.group)
+            self.ledger.record("pp", "all_reduce", stats.numel() * 8, pipe.pp)
+
+    def fake_batch(self) -> dict[str, torch.Tensor]:
+        p, m = self.cfg.parallel, self.cfg.model
+        local = self.cfg.train.global_batch // p.dp
+        tokens = torch.randint(0, m.vocab_size, (local, m.seq_len + 1))
+        batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
+        return shard_for_context_parallel(batch, self.cfg, self.dims)
+
+    def _step(self, micro: list[dict]) -> tuple[dict, float]:
+        """One optimizer step over ``micro``: (collectives, activation bytes)."""
+        tokens = torch.tensor(self.cfg.train.global_batch * self.cfg.model.seq_len)
+        if self.pipeline is not None:
+            with count_saved_activations(self.model) as counted:
+                self.forward_backward(micro, tokens)
+            p = self.cfg.parallel
+            inflight = inflight_microbatches(p.pp_schedule, p.pp, self.n_micro, p.pp_virtual_stages)
+            activations = counted.bytes / len(micro) * inflight
+        else:
+            self.forward_backward(micro, tokens)
+            activations = self.step_metrics.get("activation_bytes", 0)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
+        self.grad_bytes = sum(_local_bytes(p.grad) for p in params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.ledger.pop_step_collectives(), activations
+
+    def dry_step(self) -> dict:
+        """Every micro-batch has the same shapes, so a step's collectives are affine in the
+        micro-batch count m (per-micro-batch traffic plus once-per-step reductions): two
+        short steps with m1 < m2 micro-batches give the count and bytes for the real m
+        exactly, at the cost of m1 + m2 micro-batches instead of m."""
+        self.ledger.pop_step()  # building is not a step
+        micro = self.micro_batches(self.fake_batch())
+        self.n_micro = m = len(micro)
+        p = self.cfg.parallel
+        unit = p.pp if p.pp > 1 and p.pp_schedule == "interleaved" else 1
+        if m <= 2 * unit:
+            coll, activations = self._step(micro)
+        else:
+            c1, activations = self._step(micro[:unit])
+            c2, _ = self._step(micro[:2 * unit])
+            k = (m - unit) / unit
+            coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0)
+                                                                    - c1.get(d, {}).get(f, 0))))
+                        for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
+        return {"param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
+                "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
+                "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _optimizer_bytes(opt) -> int:
+    inner = getattr(opt, "optim", None)  # ZeRO-1: the rank's own optimizer
+    states = list(opt.state.values()) + (list(inner.state.values()) if inner is not None else [])
+    return sum(_local_bytes(v) for s in states for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+
+
+def representative_ranks(cfg: Config, world: int) -> list[int]:
+    """Coordinate 0 on every dimension but pp, one rank per distinct pipeline-rank shape
+    (the layer counts of its chunks, and whether it holds the embedding or the output);
+    see the module doc."""
+    p = cfg.parallel
+    per_stage = world // (cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1) // p.pp
+    if p.pp == 1:
+        return [0]
+    split, _ = stage_split(cfg)
+    last = len(split) - 1
+    seen, ranks = set(), []
+    for r in range(p.pp):
+        stages = [stage_of(p.pp_schedule, p.pp, r, c) for c in range(chunks_per_rank(p.pp_schedule,
+                                                                                       p.pp_virtual_stages))]
+        shape = tuple((split[s], s == 0, s == last) for s in stages)
+        if shape not in seen:
+            seen.add(shape)
+            ranks.append(r * per_stage)
+    return ranks
+
+
+@contextlib.contextmanager
+def _real_mesh_tensors():
+    """DeviceMesh computes its rank tables with tensor ops (FSDP2 over tensor-parallel
+    DTensors joins two meshes); under the fake mode those would become fake tensors with no
+    values. Run them for real."""
+    original, init = DeviceMesh.mesh, DeviceMesh.__init__
+
+    def mesh(self):
+        with unset_fake_temporarily():
+            return original.fget(self)
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.mesh, DeviceMesh.__init__ = property(mesh), real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh, DeviceMesh.__init__ = original, init
+
+
+def simulate_rank(cfg: Config, world: int, rank: int) -> dict:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        reset_ledger()
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors():
+            warnings.simplefilter("ignore")
+            return DryTrainer(dataclasses.replace(cfg)).dry_step()
+    finally:
+        dist.destroy_process_group()
+
+
+def planner_prediction(cfg: Config, world: int, cluster_spec: str) -> dict:
+    """The planner's Estimate for this layout: the fields it has (nothing is made up)."""
+    cluster = load_cluster(cluster_spec, devices=world)
+    est = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, world))
+    names = {"param_bytes": "params", "grad_bytes": "grads", "optimizer_bytes": "optimizer",
+             "activation_bytes": "activations"}
+    out = {k: int(est.memory[v]) if v in est.memory else None for k, v in names.items()}
+    counts = getattr(est, "comm_counts", None) or {}  # per-dim call counts, when the planner has them
+    out["collectives"] = {d: ({"count": counts[d]} if d in counts else {}) | {"bytes": int(round(b))}
+                          for d, b in sorted(est.comm_bytes.items())}
+    out["step_time_s"], out["peak_mem_bytes"] = est.step_time_s, int(est.peak_mem_bytes)
+    return out
+
+
+def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
+    start = time.perf_counter()
+    cfg = validate(cfg, world)
+    ranks = representative_ranks(cfg, world)
+    # One fresh process per simulated rank: torch caches meshes and groups per process.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(len(ranks), max(1, os.cpu_count() or 1)), maxtasksperchild=1) as pool:
+        results = pool.starmap(simulate_rank, [(cfg, world, r) for r in ranks])
+    per_rank = dict(zip(ranks, results))
+    runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
+    runtime["collectives"] = per_rank[0]["collectives"]
+    runtime["ranks"] = {str(r): v for r, v in per_rank.items()}
+    layout = dataclasses.asdict(layout_from_config(cfg, world))
+    return {"world": world, "layout": layout, "runtime": runtime,
+            "planner": planner_prediction(cfg, world, cluster), "seconds": round(time.perf_counter() - start, 2)}
+
+
+# --------------------------------------------------------------------------- cli
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("dry-run", help="build and step a layout for N ranks on this machine (fake ranks, "
+                                       "fake tensors): memory per rank and collectives, next to the planner's")
+    p.add_argument("config")
+    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs) to simulate")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--cluster", default="h100", help="planner cluster preset or TOML (default h100)")
+    p.add_argument("--json", action="store_true")
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:,.4f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world < 1:
+        raise ConfigError(f"--world must be >= 1, got {args.world}")
+    cfg = load_config(args.config, args.set)
+    cfg.data.balance = "none"  # data placement does not change memory or collectives
+    out = dry_run(cfg, args.world, args.cluster)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    rt, pl = out["runtime"], out["planner"]
+    print(f"dry-run: {args.world} ranks, layout {out['layout']}; simulated ranks {list(rt['ranks'])} "
+          f"in {out['seconds']} s")
+    print(f"{'per rank (max), GiB':24s} {'runtime':>12s} {'planner':>12s}")
+    for f in FIELDS:
+        print(f"{f:24s} {_gib(rt[f]):>12s} {_gib(pl[f]):>12s}")
+    print(f"{'collectives per step':24s} {'runtime count':>14s} {'runtime GiB':>12s} {'planner count':>14s} "
+          f"{'planner GiB':>12s}")
+    for d in sorted(set(rt["collectives"]) | set(pl["collectives"])):
+        r, p = rt["collectives"].get(d, {}), pl["collectives"].get(d, {})
+        print(f"{d:24s} {r.get('count', '-')!s:>14s} {_gib(r.get('bytes')):>12s} {p.get('count', '-')!s:>14s} "
+              f"{_gib(p.get('bytes')):>12s}")
+    return 0
