@@ -655,7 +655,8 @@ class CostModel:
             if n_rep > 1:
                 add("dp", modules, RING["all_reduce"](n_rep) * P0 * wr / n_shard)
         elif n_all > 1:
-            add("dp", buckets(P0 * gb), RING["all_reduce"](n_all) * P0 * gb)
+            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
+            add("dp", chunks * buckets(P0 * gb / chunks), RING["all_reduce"](n_all) * P0 * gb)
             if L.zero == 1 and n_shard > 1:
                 add("dp", buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
