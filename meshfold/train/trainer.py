@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, rank_slice
@@ -144,7 +145,7 @@ class Trainer:
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
-            dist.barrier()
+            comm.barrier()
 
     # ------------------------------------------------------------------ one step
 
@@ -170,7 +171,7 @@ class Trainer:
 
     def all_reduce_sum(self, value: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
         if self.dims.distributed and self.dims.size(dim) > 1:
-            dist.all_reduce(value, group=self.dims.group(dim))
+            comm.all_reduce(value, self.dims.group(dim), dim)
         return value
 
     def autocast(self):
@@ -216,7 +217,17 @@ class Trainer:
         aux = moe_aux_loss(self.model)
         return 0.0 if aux is None else aux * (self.grad_reducers / n_micro)
 
+    def strict_scope(self):
+        """Strict mode (MESHFOLD_STRICT=1, the test suite): tensors created without device=
+        inside the step are tracked as host tensors, refused by the comm layer as NCCL would
+        (meshfold/comm.py). Not under torch.compile, which traces through the mode."""
+        return comm.strict_scope(enabled=not self.cfg.train.compile)
+
     def train_step(self) -> float:
+        with self.strict_scope():
+            return self._train_step()
+
+    def _train_step(self) -> float:
         batch = self.local_batch()
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())
         loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens)
@@ -241,6 +252,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        with self.strict_scope():
+            return self._evaluate()
+
+    def _evaluate(self) -> float | None:
         if self.data.val is None:
             return None
         t = self.cfg.train
