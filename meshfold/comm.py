@@ -111,8 +111,11 @@ _HOST_MARK = "_meshfold_host"
 _FACTORIES = frozenset(f for f in (
     torch.tensor, torch.as_tensor, torch.from_numpy, torch.zeros, torch.ones, torch.empty, torch.full,
     torch.arange, torch.linspace, torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint,
-    torch.randperm, torch.empty_strided, torch.scalar_tensor, torch.tril_indices, torch.triu_indices,
-    getattr(torch, "frombuffer", None)) if f is not None)
+    torch.randperm, torch.empty_strided, torch.scalar_tensor, torch.tril_indices, torch.triu_indices)
+    if f is not None)
+# Always host, and invisible to function modes (they take no tensor): wrapped while a
+# HostTensorMode is active.
+_HOST_ONLY = ("from_numpy", "frombuffer")
 
 
 def is_host_marked(t) -> bool:
@@ -154,10 +157,26 @@ class HostTensorMode(TorchFunctionMode):
     """Marks tensors that would be on the host on a GPU run, whatever the device here.
 
     A tensor made by a factory without ``device=`` is marked; an operation whose tensor
-    inputs are all marked (ignoring none) gives marked results (``x * 2``, ``torch.cat``,
+    inputs are all marked gives marked results (mixed with a device tensor, CUDA either
+    computes on the device, for a host scalar, or refuses) (``x * 2``, ``torch.cat``,
     ``.double()``, ``.detach()``...); ``.cpu()`` marks a copy; ``.to(device)`` returns an
     unmarked copy, as a move to the GPU would. In-place operations keep their target's
-    state. ``check_tensors`` refuses marked tensors."""
+    state. ``check_tensors`` refuses marked tensors. ``torch.from_numpy``/``frombuffer``,
+    which function modes do not see, are wrapped to mark their result while it is active."""
+
+    def __enter__(self):
+        self._saved = {}
+        for name in _HOST_ONLY:
+            fn = getattr(torch, name, None)
+            if fn is not None and not getattr(fn, "_meshfold_marks", False):
+                self._saved[name] = fn
+                setattr(torch, name, _marking(fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(torch, name, fn)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -182,11 +201,22 @@ class HostTensorMode(TorchFunctionMode):
         for t in _tensors_in(args, kwargs):
             if is_host_marked(t):
                 marked = True
-            elif t.dim() > 0:
+            else:
                 unmarked = True
         if marked and not unmarked and out is not None:
             _mark(out)
         return out
+
+
+def _marking(fn):
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        _mark(out)
+        return out
+
+    marked._meshfold_marks = True
+    return marked
 
 
 def strict_scope(enabled: bool = True):
