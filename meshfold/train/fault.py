@@ -212,6 +212,12 @@ class FaultMonitor:
         """After the step is logged: roll back if too many non-finite steps in a row."""
         self._maybe_rollback()
 
+    def persistent(self, late: set[int]) -> list[int]:
+        """Record this check's late ranks; name those late now and in at least PERSIST of
+        the last WINDOW checks (one hiccup on a shared host is never a straggler)."""
+        self.late_history.append(late)
+        return [r for r in sorted(late) if sum(r in h for h in self.late_history) >= PERSIST]
+
     def _straggler_check(self, elapsed: float) -> None:
         mine = (self.tracker.stamps, elapsed, self.tracker.wait_s)
         gathered = comm.all_gather_object(mine)
@@ -222,9 +228,7 @@ class FaultMonitor:
         lag = straggler_lag(stamps)
         median = statistics.median(step_s)
         late = {r for r, x in enumerate(lag) if x > max(self.margin * median, MIN_LAG_S)}
-        self.late_history.append(late)
-        # Named only for lag that persists: late in PERSIST of the last WINDOW checks, and now.
-        slow = [r for r in sorted(late) if sum(r in h for h in self.late_history) >= PERSIST]
+        slow = self.persistent(late)
         self.trainer.step_metrics["straggler"] = {"ranks": slow, "late": sorted(late),
                                                   "lag_s": [round(x, 4) for x in lag],
                                                   "wait_s": [round(x, 4) for x in wait_s]}
