@@ -28,3 +28,31 @@ def test_schedule_matches_one_process_under_strict_mode(schedule, pp, micro, ref
                 "pp_virtual_stages": 2 if schedule == "interleaved" else 1}
     got = run_on(pp, train_collect, tiny_config(str(tmp_path), model=MODEL, parallel=parallel, train=TRAIN))[0]
     assert_runs_match(reference, got)
+
+
+def _pp_bytes(cfg_dict: dict) -> dict | None:
+    import torch.distributed as dist
+
+    from meshfold.config import from_dict
+    from meshfold.train.trainer import Trainer
+
+    tr = Trainer(from_dict(cfg_dict))
+    tr.train_step()
+    sent = tr.ledger.pop_step().get("pp", 0)
+    return {"pp": sent, "rank": dist.get_rank()}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_activations_and_gradients_travel_in_the_compute_dtype(schedule, tmp_path):
+    # Under bf16 autocast (fp32 parameters) a stage sends bf16: half the bytes of the same
+    # run in fp32. The step's one pp all-gather of float64 loss/timings adds 4 x 8 bytes
+    # x (pp - 1) = 32 bytes either way.
+    parallel = {"dp_shard": -1, "pp": 2, "pp_schedule": schedule, "pp_microbatches": 2}
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = tiny_config(str(tmp_path / dtype), model=MODEL, parallel=parallel,
+                          train={"steps": 1, "dtype": dtype, "device": "cpu"})
+        got[dtype] = run_on(2, _pp_bytes, cfg)
+    for r in range(2):
+        fp32, bf16 = got["float32"][r]["pp"] - 32, got["bfloat16"][r]["pp"] - 32
+        assert fp32 > 0 and bf16 * 2 == fp32, (r, fp32, bf16)

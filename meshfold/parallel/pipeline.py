@@ -550,9 +550,11 @@ class Pipeline:
         return self.trainer.autocast_dtype or self.trainer.param_dtype
 
     def _post(self, sends: list[tuple[int, Message]], recvs: list[tuple[int, Message]],
-              out: dict[Message, torch.Tensor], micro: list[dict]) -> list:
+              out: dict[Message, torch.Tensor], micro: list[dict]) -> None:
         """One ``comm.exchange``: the given sends (tensors from ``out``) and fresh receive
-        buffers (into ``self.inbox``); no tags, FIFO per peer pair."""
+        buffers (into ``self.inbox``); no tags, FIFO per peer pair. A receive is later
+        waited on alone where the backend gives one work per operation (gloo), else with
+        its whole batch (NCCL's grouped call: one work)."""
         tr = self.trainer
         send_ops = [(out.pop(msg), peer) for peer, msg in sends]
         recv_ops = []
@@ -561,14 +563,16 @@ class Pipeline:
             self.inbox[msg] = buf
             recv_ops.append((buf, peer))
         works = comm.exchange(send_ops, recv_ops, self.group, "pp")
+        per_op = len(works) == len(send_ops) + len(recv_ops)
+        for j, (_, msg) in enumerate(recvs):
+            self.recv_works[msg] = [works[len(send_ops) + j]] if per_op else works
         self.inflight.append((works, send_ops))  # send buffers stay alive until waited on
-        return works
 
-    def _take(self, msg: Message, works: list | None) -> torch.Tensor:
-        """The received tensor for ``msg`` (waiting on its batch) or the local hand-over."""
+    def _take(self, msg: Message) -> torch.Tensor:
+        """The received tensor for ``msg`` (waiting on its receive) or the local hand-over."""
         if msg in self.local:
             return self.local.pop(msg)
-        comm.wait_all(works)
+        comm.wait_all(self.recv_works.pop(msg))
         return self.inbox.pop(msg)
 
     # ---------------------------------------------------------------- one step
@@ -598,9 +602,8 @@ class Pipeline:
         m = len(micro)
         order = self.orders_for(m)
         plan = self.orders[m][1][self.rank]
-        self.local, self.inbox, self.inflight = {}, {}, []
+        self.local, self.inbox, self.inflight, self.recv_works = {}, {}, [], {}
         outbox: dict[Message, torch.Tensor] = {}
-        batch_works: list[list] = []
         saved: dict[tuple[int, int], tuple] = {}
         wgrad: dict[tuple[int, int], list] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
@@ -608,17 +611,15 @@ class Pipeline:
         # No barrier: every rank starts when it is ready; the bubble is measured against
         # the wall clock (one host, or NTP-synchronised hosts).
         wall0, t0 = time.time(), time.perf_counter()
-        batch_works.append(self._post(*plan.batches[0], outbox, micro))
+        self._post(*plan.batches[0], outbox, micro)
         for i, a in enumerate(order):
             s = self.stages[a.chunk]
             mb = micro[a.mb]
-            need = plan.needs[i]
-            works = batch_works[need[0]] if need is not None else None
             if a.kind == "F":
                 if s == 0:
                     x = mb["inputs"]
                 else:
-                    x = self._take(("act", s, a.mb), works).to(tr.param_dtype).requires_grad_(True)
+                    x = self._take(("act", s, a.mb)).to(tr.param_dtype).requires_grad_(True)
                 start = time.perf_counter()
                 out = self._forward(a.chunk, x, mb)
                 aux = self._moe_aux(a.chunk, m)
@@ -632,7 +633,7 @@ class Pipeline:
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
                 x, out, aux = saved.pop((a.chunk, a.mb))
-                grad = None if s == self.n_stages - 1 else self._take(("grad", s, a.mb), works).to(out.dtype)
+                grad = None if s == self.n_stages - 1 else self._take(("grad", s, a.mb)).to(out.dtype)
                 start = time.perf_counter()
                 outs, grads = [out], [torch.ones_like(out) if grad is None else grad]
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
@@ -653,11 +654,11 @@ class Pipeline:
                     stage_backward_weight(self.model.chunks[a.chunk].parameters(), groups)
             events.append({"stage": self.rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
                            "start": start - t0, "end": time.perf_counter() - t0})
-            batch_works.append(self._post(*plan.batches[i + 1], outbox, micro))
+            self._post(*plan.batches[i + 1], outbox, micro)
         for works, _ in self.inflight:
             comm.wait_all(works)
         span = time.perf_counter() - t0
-        self.inflight, self.local, self.inbox = [], {}, {}
+        self.inflight, self.local, self.inbox, self.recv_works = [], {}, {}, {}
         if self.manual_dp:
             self._average_dp_grads()
         return self._reduce_step(loss_sum, events, wall0, span, m)
@@ -763,7 +764,7 @@ class Pipeline:
         rank. Each rank receives a stage's input only after sending every output of the
         stages before it, so the chain 0 -> 1 -> ... cannot deadlock (docs/pipeline.md)."""
         tr = self.trainer
-        self.local, self.inbox, self.inflight = {}, {}, []
+        self.local, self.inbox, self.inflight, self.recv_works = {}, {}, [], {}
         outbox: dict[Message, torch.Tensor] = {}
         loss = torch.zeros((), dtype=torch.float64, device=tr.device)
         for c, s in sorted(enumerate(self.stages), key=lambda cs: cs[1]):
@@ -771,8 +772,9 @@ class Pipeline:
                 x = batch["inputs"]
             else:
                 msg = ("act", s, 0)
-                works = None if msg in self.local else self._post([], [(self._owner(s - 1), msg)], outbox, [batch])
-                x = self._take(msg, works).to(tr.param_dtype)
+                if msg not in self.local:
+                    self._post([], [(self._owner(s - 1), msg)], outbox, [batch])
+                x = self._take(msg).to(tr.param_dtype)
             out = self._forward(c, x, batch)
             if s == self.n_stages - 1:
                 loss += tr.loss_fn(out, batch["labels"]).double()
