@@ -11,7 +11,17 @@ functions, which keep NCCL's rules whatever the backend:
   so two neighbours that both send first cannot deadlock.
 
 The layer is also the one place that counts traffic: every call names the mesh dimension
-it runs over and records, in the per-step ledger, the bytes this rank sends.
+it runs over and records, in the per-step ledger, the bytes this rank sends; and the one
+place that times collectives (``timer()``: the call in flight for timeout messages, entry
+stamps for straggler detection), so nothing patches ``torch.distributed``.
+
+Strict mode (``MESHFOLD_STRICT=1``, set for the whole test suite by ``tests/conftest.py``)
+makes gloo fail where NCCL would although the tests compute on the host: inside
+``strict_scope()`` (the trainer's step and evaluation) every tensor created without
+``device=`` is marked as a host tensor and the mark follows it through every operation
+until it is moved with ``.to(device)``; a marked tensor reaching this layer is a
+``CommError`` naming the call. Tagged point-to-point calls are refused outright
+(``install_strict_p2p_guard``). docs/communication.md has the rules and the mechanism.
 
 Byte convention (the same the planner's alpha-beta model uses): bytes a rank sends under
 the bandwidth-optimal ring algorithm for each collective over a group of n ranks holding
@@ -27,11 +37,17 @@ the bandwidth-optimal ring algorithm for each collective over a group of n ranks
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -92,6 +108,159 @@ def reset_ledger() -> CommLedger:
     return _LEDGER
 
 
+# ---------------------------------------------------------------------------- strict mode
+
+
+def strict() -> bool:
+    """Strict mode: gloo made to fail where NCCL would (``MESHFOLD_STRICT=1``)."""
+    return os.environ.get("MESHFOLD_STRICT", "") not in ("", "0")
+
+
+_HOST_MARK = "_meshfold_host"
+# Factories that put their result on the default device (the host) unless given ``device=``.
+_FACTORIES = frozenset(f for f in (
+    torch.tensor, torch.as_tensor, torch.from_numpy, torch.zeros, torch.ones, torch.empty, torch.full,
+    torch.arange, torch.linspace, torch.logspace, torch.eye, torch.rand, torch.randn, torch.randint,
+    torch.randperm, torch.empty_strided, torch.scalar_tensor, torch.tril_indices, torch.triu_indices)
+    if f is not None)
+# Always host, and invisible to function modes (they take no tensor): wrapped while a
+# HostTensorMode is active.
+_HOST_ONLY = ("from_numpy", "frombuffer")
+
+
+def is_host_marked(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.__dict__.get(_HOST_MARK, False)
+
+
+def _mark(out) -> None:
+    if isinstance(out, torch.Tensor):
+        out.__dict__[_HOST_MARK] = True
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                o.__dict__[_HOST_MARK] = True
+
+
+def _tensors_in(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _target_device(args, kwargs):
+    """The device a ``Tensor.to`` call moves to, or None for a dtype-only cast."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    for a in args[1:]:
+        if isinstance(a, (torch.device, str, int)) and not isinstance(a, bool):
+            return a
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+class HostTensorMode(TorchFunctionMode):
+    """Marks tensors that would be on the host on a GPU run, whatever the device here.
+
+    A tensor made by a factory without ``device=`` is marked; an operation whose tensor
+    inputs are all marked gives marked results (mixed with a device tensor, CUDA either
+    computes on the device, for a host scalar, or refuses) (``x * 2``, ``torch.cat``,
+    ``.double()``, ``.detach()``...); ``.cpu()`` marks a copy; ``.to(device)`` returns an
+    unmarked copy, as a move to the GPU would. In-place operations keep their target's
+    state. ``check_tensors`` refuses marked tensors. ``torch.from_numpy``/``frombuffer``,
+    which function modes do not see, are wrapped to mark their result while it is active."""
+
+    def __enter__(self):
+        self._saved = {}
+        for name in _HOST_ONLY:
+            fn = getattr(torch, name, None)
+            if fn is not None and not getattr(fn, "_meshfold_marks", False):
+                self._saved[name] = fn
+                setattr(torch, name, _marking(fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(torch, name, fn)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES:
+            out = func(*args, **kwargs)
+            if kwargs.get("device") is None:
+                _mark(out)
+            return out
+        if func is torch.Tensor.to and is_host_marked(args[0]) and _target_device(args, kwargs) is not None:
+            return func(*args, **{**kwargs, "copy": True})  # a move makes a new tensor on the GPU
+        if func is torch.Tensor.cpu:
+            out = func(*args, **kwargs)
+            out = out.clone() if out is args[0] else out
+            _mark(out)
+            return out
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if "out" in kwargs or name == "__setitem__" or name.startswith("__i") or (
+                name.endswith("_") and not name.endswith("__")):
+            return out  # in place: the target keeps its device
+        marked = unmarked = False
+        for t in _tensors_in(args, kwargs):
+            if is_host_marked(t):
+                marked = True
+            else:
+                unmarked = True
+        if marked and not unmarked and out is not None:
+            _mark(out)
+        return out
+
+
+def _marking(fn):
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        _mark(out)
+        return out
+
+    marked._meshfold_marks = True
+    return marked
+
+
+def strict_scope(enabled: bool = True):
+    """Where a step runs: in strict mode, tensors created without ``device=`` are tracked
+    as host tensors (``HostTensorMode``); otherwise nothing."""
+    if not (enabled and strict()):
+        return contextlib.nullcontext()
+    return HostTensorMode()
+
+
+def install_strict_p2p_guard() -> None:
+    """Strict mode: refuse tagged ``torch.distributed`` point-to-point calls (NCCL ignores
+    tags, so code whose matching depends on them is wrong there). A test-harness guard
+    installed by the strict pool workers and the launcher, never in normal runs."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("send", "recv", "isend", "irecv"):
+        fn = getattr(c10d, name)
+        if getattr(fn, "_meshfold_strict", False):
+            continue
+
+        def guarded(*args, _fn=fn, _name=name, **kwargs):
+            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
+            if tag:
+                raise CommError(f"strict mode: {_name}(tag={tag}) from {_caller()}: NCCL ignores tags and "
+                                "matches messages in issue order per peer pair; use meshfold.comm.exchange")
+            return _fn(*args, **kwargs)
+
+        guarded = functools.wraps(fn)(guarded)
+        guarded._meshfold_strict = True
+        setattr(c10d, name, guarded)
+        setattr(dist, name, guarded)
+
+
 # ---------------------------------------------------------------------------- checks
 
 
@@ -115,10 +284,111 @@ def check_tensors(tensors: Sequence[torch.Tensor], group, what: str) -> None:
         if t.device.type != expected:
             raise CommError(f"{what}: tensor on {t.device} handed to a {dist.get_backend(group)} "
                             f"group, which needs {expected} tensors; create it on the compute device")
+        if is_host_marked(t):
+            raise CommError(f"{what} called from {_caller()}: strict mode: a host tensor (created without "
+                            f"device=, or derived only from such tensors) reached a collective; NCCL refuses "
+                            f"it. Create it with device= the compute device or move it with .to(device)")
 
 
 def _size(group) -> int:
     return dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def _caller() -> str:
+    """file:line (function) of the nearest caller outside this module and torch."""
+    frame = sys._getframe(1)
+    skip = (__file__, contextlib.__file__)
+    while frame is not None and (frame.f_code.co_filename in skip
+                                 or f"{os.sep}torch{os.sep}" in frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    short = path.split(f"{os.sep}meshfold{os.sep}", 1)[-1] if "meshfold" in path else os.path.basename(path)
+    return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+class CommTimer:
+    """What this process's collectives are doing: the synchronous call in flight and the
+    last one issued (for timeout messages), and while ``recording`` each collective's
+    (group ranks, sequence number in that group, wall-clock entry time) and the time spent
+    blocked in synchronous calls, for straggler detection (train/fault.py)."""
+
+    def __init__(self):
+        self.inflight: tuple[str, tuple, str, float] | None = None
+        self.last_issued: tuple[str, tuple, str, float] | None = None
+        self.recording = False
+        self.stamps: list[tuple[tuple, int, float]] = []
+        self.seq: dict[tuple, int] = defaultdict(int)
+        self.wait_s = 0.0
+        self._ranks: dict[int, tuple] = {}
+
+    def reset(self, recording: bool) -> None:
+        self.recording = recording
+        self.inflight = None
+        self.stamps, self.seq, self.wait_s = [], defaultdict(int), 0.0
+
+    def ranks_of(self, group) -> tuple:
+        if group is None:
+            return ("world",)
+        key = id(group)
+        if key not in self._ranks:
+            try:
+                self._ranks[key] = (group, tuple(dist.get_process_group_ranks(group)))
+            except Exception:  # noqa: BLE001 - e.g. a rank outside the group
+                self._ranks[key] = (group, ("?",))
+        return self._ranks[key][1]
+
+    @contextlib.contextmanager
+    def call(self, name: str, group, async_op: bool, collective: bool = True):
+        """Around one call. Collectives (every rank of the group calls them in the same
+        order) are stamped; point-to-point only named. An exception leaves ``inflight``
+        naming the call."""
+        ranks = self.ranks_of(group)
+        start = time.time()
+        op = (name, ranks, _caller(), start)
+        self.last_issued = op
+        if self.recording and collective:
+            self.seq[ranks] += 1
+            self.stamps.append((ranks, self.seq[ranks], start))
+        if async_op:
+            yield
+            return
+        self.inflight = op
+        yield
+        self.inflight = None
+        self.wait_s += time.time() - start
+
+
+_TIMER = CommTimer()
+
+
+def timer() -> CommTimer:
+    """The process-wide collective timer."""
+    return _TIMER
+
+
+class _TimedWork:
+    """An asynchronous work whose ``wait`` is timed and named like a synchronous call, and
+    safe to wait on twice (a gloo receive waited on again would wait for a new message)."""
+
+    def __init__(self, work, name: str, group):
+        self.work, self.name, self.group = work, name, group
+        self.done = False
+
+    def wait(self, *args, **kwargs):
+        if self.done:
+            return True
+        with _TIMER.call(f"wait({self.name})", self.group, async_op=False, collective=False):
+            out = self.work.wait(*args, **kwargs)
+        self.done = True
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.work, attr)
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -127,21 +397,24 @@ def _size(group) -> int:
 def all_reduce(t: torch.Tensor, group, dim: str, op: str = "sum", async_op: bool = False):
     check_tensors([t], group, "all_reduce")
     ledger().record(dim, "all_reduce", _nbytes(t), _size(group))
-    return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
+    with _TIMER.call("all_reduce", group, async_op):
+        return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, async_op: bool = False):
     """Concatenate every rank's ``t`` along dim 0 into ``out``."""
     check_tensors([out, t], group, "all_gather")
     ledger().record(dim, "all_gather", _nbytes(out), _size(group))
-    return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+    with _TIMER.call("all_gather_into_tensor", group, async_op):
+        return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, op: str = "sum",
                           async_op: bool = False):
     check_tensors([out, t], group, "reduce_scatter")
     ledger().record(dim, "reduce_scatter", _nbytes(t), _size(group))
-    return dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=group, async_op=async_op)
+    with _TIMER.call("reduce_scatter_tensor", group, async_op):
+        return dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group, dim: str,
@@ -155,19 +428,57 @@ def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group, dim: str,
     else:
         row = _nbytes(t) // max(t.shape[0], 1) if t.dim() else t.element_size()
         ledger().add_sent(dim, (sum(in_splits) - in_splits[dist.get_rank(group)]) * row)
-    return dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                  group=group, async_op=async_op)
+    with _TIMER.call("all_to_all_single", group, async_op):
+        return dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                      group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, async_op: bool = False):
     check_tensors([t], group, "broadcast")
     ledger().record(dim, "broadcast", _nbytes(t), _size(group))
-    return dist.broadcast(t, src=dist.get_global_rank(group, src_group_rank), group=group, async_op=async_op)
+    src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
+    with _TIMER.call("broadcast", group, async_op):
+        return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 
 def barrier(group=None) -> None:
     """Only outside the step's hot path (start-up, checkpoints, shut-down)."""
-    dist.barrier(group=group)
+    with _TIMER.call("barrier", group, async_op=False):
+        dist.barrier(group=group)
+
+
+def monitored_barrier(group, timeout, wait_all_ranks: bool = True) -> None:
+    """gloo's barrier that names the ranks that did not arrive (fault diagnosis only)."""
+    dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+# Object collectives pickle Python objects through host memory: start-up, metrics and
+# test inspection only, never a step's tensors.
+
+
+def all_gather_object(obj, group=None, dim: str = "meta") -> list:
+    """Every rank's ``obj``, in group rank order."""
+    out = [None] * dist.get_world_size(group)
+    with _TIMER.call("all_gather_object", group, async_op=False):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj, group=None, dst_group_rank: int = 0) -> list | None:
+    """Every rank's ``obj`` on group rank ``dst_group_rank`` (None elsewhere)."""
+    me = dist.get_rank(group)
+    out = [None] * dist.get_world_size(group) if me == dst_group_rank else None
+    with _TIMER.call("gather_object", group, async_op=False):
+        dist.gather_object(obj, out, group=group, group_dst=dst_group_rank)
+    return out
+
+
+def broadcast_object(obj, src_group_rank: int = 0, group=None):
+    """``obj`` of group rank ``src_group_rank``, on every rank."""
+    box = [obj]
+    with _TIMER.call("broadcast_object_list", group, async_op=False):
+        dist.broadcast_object_list(box, group=group, group_src=src_group_rank)
+    return box[0]
 
 
 # ---------------------------------------------------------------------------- point to point
@@ -189,7 +500,9 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
         ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group))
     for t, peer in recvs:
         ops.append(dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group))
-    return dist.batch_isend_irecv(ops)
+    with _TIMER.call("exchange", group, async_op=True, collective=False):
+        works = dist.batch_isend_irecv(ops)
+    return [_TimedWork(w, "exchange", group) for w in works]
 
 
 def wait_all(works: Sequence) -> None:

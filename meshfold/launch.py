@@ -12,6 +12,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from meshfold import comm
+
 
 def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -24,6 +26,8 @@ def env_world_size() -> int:
 def init_distributed(timeout_s: float = 600.0) -> None:
     if dist.is_initialized() or env_world_size() == 1:
         return
+    if comm.strict():  # MESHFOLD_STRICT=1: tagged p2p refused, as NCCL would mis-match it
+        comm.install_strict_p2p_guard()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -45,7 +49,7 @@ def shutdown_distributed(clean: bool = True) -> None:
     if dist.is_initialized():
         try:
             if clean:
-                dist.barrier()
+                comm.barrier()
         finally:
             dist.destroy_process_group()
 

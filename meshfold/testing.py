@@ -37,9 +37,13 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
     import torch
     import torch.distributed as dist
 
+    from meshfold import comm
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    if comm.strict():  # MESHFOLD_STRICT=1 (tests/conftest.py), inherited from the parent's environment
+        comm.install_strict_p2p_guard()
     while True:
         task = tasks.get()
         if task is None:
@@ -54,7 +58,7 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
             results.put((rank, True, out))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
 
 

@@ -102,8 +102,14 @@ def slow_rank_run(cfg_dict: dict, slow_rank: int, sleep_s: float) -> dict | None
     from meshfold.train.trainer import Trainer
 
     tr = Trainer(from_dict(cfg_dict))
-    if dist.get_rank() == slow_rank:
-        tr.model.register_forward_pre_hook(lambda *_: time.sleep(sleep_s))
+    if dist.get_rank() == slow_rank:  # a slow input pipeline: late into the step's first collective
+        load = tr.local_batch
+
+        def slow_batch():
+            time.sleep(sleep_s)
+            return load()
+
+        tr.local_batch = slow_batch
     reports = []
     while tr.step < cfg_dict["train"]["steps"]:
         with tr.fault.step():
@@ -118,18 +124,35 @@ def slow_rank_run(cfg_dict: dict, slow_rank: int, sleep_s: float) -> dict | None
 @pytest.mark.parametrize("parallel", [{"dp_replicate": 2, "dp_shard": 1, "zero": 0}, {"dp_shard": 2, "zero": 3}],
                          ids=["ddp", "fsdp"])
 def test_slow_rank_is_named(tmp_path, parallel):
-    # Rank 1 sleeps 0.4 s at the start of every forward: every 3 steps the detector names it,
-    # and only it (rank 0's lag stays far below the 20% margin). (Not step 2: DDP rebuilds its
-    # buckets there with a collective issued from C++, which the tracker cannot stamp.)
-    cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 6, "straggler_every": 3})
+    # Rank 1 loads every batch 0.4 s late, so it enters the step's first collective (timed
+    # by the comm layer) late. Checks run every 3 steps; a rank is named only once it was
+    # late in 2 of the last 3 checks: not at the first check, then at the next two, and
+    # only it (rank 0's lag stays far below the 20% margin).
+    cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 9, "straggler_every": 3})
     reports, line = run_on(2, slow_rank_run, cfg, 1, 0.4)[0]
-    assert len(reports) == 2
-    for r in reports:
+    assert len(reports) == 3
+    assert 1 in reports[0]["late"] and reports[0]["ranks"] == [], reports[0]  # one late check names nobody
+    for r in reports[1:]:
         assert 1 in r["ranks"] and r["lag_s"][1] > 0.3, r
     # Rank 0 is not named when it is not late. (On an overloaded machine the OS can stall
     # rank 0 for seconds; the detector then rightly names it too, so ask this of one report.)
-    assert any(r["ranks"] == [1] and r["lag_s"][0] < 0.1 for r in reports), reports
-    assert line.startswith("straggler at step 6: rank 1 (peers waited"), line
+    assert any(r["ranks"] == [1] and r["lag_s"][0] < 0.1 for r in reports[1:]), reports
+    assert line.startswith("straggler at step 9: rank 1 (peers waited"), line
+
+
+def test_one_late_check_names_nobody():
+    # A single hiccup (late in one check out of three) is never reported; lag persisting is.
+    from types import SimpleNamespace
+
+    from meshfold.train.fault import PERSIST, WINDOW, FaultMonitor
+
+    tr = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(
+        nan_guard_rollback=0, straggler_every=1, straggler_margin=0.2, collective_timeout_s=60)),
+        rank=0, world=1, step=0, step_metrics={})
+    mon = FaultMonitor(tr)
+    assert (PERSIST, WINDOW) == (2, 3)
+    named = [mon.persistent(late) for late in ({1}, set(), set(), {1}, set(), {1}, {1}, {0, 1})]
+    assert named == [[], [], [], [], [], [1], [1], [1]]
 
 
 def test_straggler_lag_counts_back_to_back_lateness_once():

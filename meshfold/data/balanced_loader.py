@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshfold import comm
 from meshfold.config import ConfigError
 from meshfold.data.balance import CostModel, StepPlan, plan_step
 from meshfold.data.packing import DocumentPieces, packed_row
@@ -90,7 +91,7 @@ class BalancedBatches:
     def __init__(self, pieces: DocumentPieces, cost: CostModel, n_ranks: int, rank: int, n_micro: int,
                  micro_cap: int, tokens_per_step: int, seed: int, method: str = "greedy",
                  tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False,
-                 seq_cp_max: int = 1, cp_groups: dict | None = None):
+                 seq_cp_max: int = 1, cp_groups: dict | None = None, device: torch.device | str = "cpu"):
         from meshfold.parallel.per_sequence_cp import SpreadContext
 
         self.pieces, self.cost = pieces, cost
@@ -99,6 +100,7 @@ class BalancedBatches:
         self.n_ranks, self.rank, self.n_micro, self.micro_cap = n_ranks, rank, n_micro, micro_cap
         self.method, self.tolerance, self.time_limit = method, tolerance, time_limit
         self.broadcast = broadcast and dist.is_initialized() and dist.get_world_size() > 1
+        self.device = torch.device(device)  # where the plan broadcast runs (NCCL: the GPU)
         self.sampler = PieceBatchSampler(pieces.lengths, pieces.doc_pieces, tokens_per_step, seed)
         self.last_plan: StepPlan | None = None
 
@@ -107,13 +109,11 @@ class BalancedBatches:
             return self.plan_spread(ids)
         plan = plan_step(self.pieces.lengths[ids], self.cost, self.n_ranks, self.n_micro, self.micro_cap,
                          self.method, self.tolerance, self.time_limit)
-        if self.broadcast:
-            from meshfold.comm import ledger
-
-            both = torch.from_numpy(np.stack([plan.rank, plan.micro])).contiguous()
-            dist.broadcast(both, src=0)
-            ledger().record("data", "broadcast", both.numel() * both.element_size(), dist.get_world_size())
-            plan.rank, plan.micro = both[0].numpy().copy(), both[1].numpy().copy()
+        if self.broadcast:  # the exact solver stops at a time limit: rank 0's plan is the plan
+            both = torch.from_numpy(np.stack([plan.rank, plan.micro])).to(self.device)
+            comm.broadcast(both, 0, None, "data")
+            both = both.cpu().numpy()  # the batch is assembled on the host from the plan
+            plan.rank, plan.micro = both[0].copy(), both[1].copy()
         return plan
 
     def plan_spread(self, ids: np.ndarray) -> StepPlan:
@@ -209,7 +209,7 @@ def from_trainer(trainer) -> BalancedBatches:
         pieces, cost, n_ranks=dp, rank=trainer.dims.rank("dp"), n_micro=local // micro,
         micro_cap=d.max_tokens or 2 * micro * m.seq_len, tokens_per_step=t.global_batch * m.seq_len,
         seed=t.seed, method=d.balance, tolerance=d.balance_tolerance, time_limit=d.balance_time_limit_s,
-        broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups,
+        broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups, device=trainer.device,
     )
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshfold import comm
 from meshfold.config import Config, ModelConfig
 from meshfold.data.balance import CostModel
 
@@ -131,21 +132,22 @@ def cost_model_for(cfg: Config, device: torch.device, dtype: torch.dtype) -> Cos
     if d.cost_a or d.cost_b:
         return CostModel(d.cost_a, d.cost_b)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    ab = torch.zeros(2, dtype=torch.float64)
+    ab = torch.zeros(2, dtype=torch.float64, device=device)
     if not distributed or dist.get_rank() == 0:
         path = _cache_file(cfg, device, dtype)
         if path.exists():
             got = json.loads(path.read_text())
-            ab = torch.tensor([got["a"], got["b"]], dtype=torch.float64)
+            ab = torch.tensor([got["a"], got["b"]], dtype=torch.float64, device=device)
         else:
             fit = measure_cost(cfg.model, device, dtype)
-            ab = torch.tensor([fit.a, fit.b], dtype=torch.float64)
+            ab = torch.tensor([fit.a, fit.b], dtype=torch.float64, device=device)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths,
                                         "seconds": fit.seconds}))
     if distributed:
-        dist.broadcast(ab, src=0)
-    return CostModel(float(ab[0]), float(ab[1]))
+        comm.broadcast(ab, 0, None, "data")
+    a, b = ab.tolist()  # once, at start-up
+    return CostModel(a, b)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -34,7 +34,7 @@ class _VocabParallelCE(torch.autograd.Function):
         chunk = z.shape[-1]
         # Global max (a constant shift, so no gradient flows through it).
         zmax = z.max(dim=-1).values
-        tp.all_reduce_(zmax, op=torch.distributed.ReduceOp.MAX)
+        tp.all_reduce_(zmax, op="max")
         z = z - zmax.unsqueeze(-1)
         exp = z.exp()
         idx = labels - vocab_start

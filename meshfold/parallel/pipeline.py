@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from meshfold.comm import ledger
+from meshfold import comm
 from meshfold.config import Config, ConfigError
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.materialize import build_on_meta
@@ -303,6 +304,197 @@ def theoretical_bubble(schedule: str, pp: int, virtual: int, m: int) -> float:
     return sum(fr.values()) / len(fr)
 
 
+
+# --------------------------------------------------------------------------- exchange plan
+#
+# NCCL matches point-to-point messages in issue order per (sender, receiver) pair; tags
+# mean nothing. So every rank derives, from every rank's order, the sequence of messages
+# on each channel (the sender's issue order) and posts its receives in exactly that order:
+# matching needs no tag, and an activation can never meet a gradient's receive.
+# docs/pipeline.md gives the argument; ``check_exchange`` replays it.
+
+Message = tuple[str, int, int]  # (kind "act" | "grad", destination stage, micro-batch)
+
+
+def action_messages(schedule: str, pp: int, n_stages: int, rank: int,
+                    a: Action) -> tuple[tuple[int, Message] | None, tuple[int, Message] | None]:
+    """(peer rank, message) that ``a`` needs before it runs and that it sends after it
+    runs (None when nothing); a peer equal to ``rank`` is a hand-over inside the rank."""
+    s = stage_of(schedule, pp, rank, a.chunk)
+
+    def owner(stage: int) -> int:
+        return rank_chunk_of_stage(schedule, pp, stage)[0]
+
+    need = send = None
+    if a.kind == "F":
+        if s > 0:
+            need = (owner(s - 1), ("act", s, a.mb))
+        if s < n_stages - 1:
+            send = (owner(s + 1), ("act", s + 1, a.mb))
+    elif a.kind == "B":
+        if s < n_stages - 1:
+            need = (owner(s + 1), ("grad", s, a.mb))
+        if s > 0:
+            send = (owner(s - 1), ("grad", s - 1, a.mb))
+    return need, send
+
+
+@dataclass
+class ExchangePlan:
+    """One rank's point-to-point traffic for one step. ``batches[k]`` is posted as one
+    ``comm.exchange`` before action k (k = 0) or right after action k-1 finished: the sends
+    action k-1 produced plus receives, in channel order, posted no later than just before
+    the action that needs them. ``needs[k]``: (batch, message) action k waits for, or None."""
+
+    batches: list[tuple[list[tuple[int, Message]], list[tuple[int, Message]]]]
+    needs: list[tuple[int, Message] | None]
+
+
+def _channels(schedule: str, orders: list[list[Action]], n_stages: int) -> dict[tuple[int, int], list[Message]]:
+    """(src, dst) -> the messages src sends dst, in src's issue order."""
+    channel: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for r, order in enumerate(orders):
+        for a in order:
+            _, send = action_messages(schedule, len(orders), n_stages, r, a)
+            if send is not None and send[0] != r:
+                channel[(r, send[0])].append(send[1])
+    return channel
+
+
+def _n_stages(schedule: str, orders: list[list[Action]]) -> int:
+    return 2 * len(orders) if schedule == "zbv" else len(orders) * (max(a.chunk for o in orders for a in o) + 1)
+
+
+def _build_plan(schedule: str, orders: list[list[Action]], early: dict) -> list[ExchangePlan]:
+    """Receives go out in the batch just before the action that needs them, or earlier
+    where ``early[(rank, src, index on the channel)]`` says; FIFO order kept per channel."""
+    pp, n_stages = len(orders), _n_stages(schedule, orders)
+    channel = _channels(schedule, orders, n_stages)
+    plans = []
+    for r, order in enumerate(orders):
+        batches: list[tuple[list, list]] = [([], []) for _ in range(len(order) + 1)]
+        at: dict[tuple[int, int], int] = {}  # (src, index) -> batch
+        for i, a in enumerate(order):
+            need, send = action_messages(schedule, pp, n_stages, r, a)
+            if send is not None and send[0] != r:
+                batches[i + 1][0].append(send)
+            if need is not None and need[0] != r:
+                src, msg = need
+                at[(src, channel[(src, r)].index(msg))] = i
+        for (src, idx), b in list(at.items()):
+            at[(src, idx)] = min(b, early.get((r, src, idx), b))
+        for (src, dst), chan in channel.items():  # FIFO: no receive after a later one on its channel
+            if dst != r:
+                continue
+            for idx in range(len(chan) - 2, -1, -1):
+                at[(src, idx)] = min(at[(src, idx)], at[(src, idx + 1)])
+        for (src, idx), b in sorted(at.items(), key=lambda kv: (kv[1], kv[0][1])):
+            batches[b][1].append((src, channel[(src, r)][idx]))
+        needs = []
+        for i, a in enumerate(order):
+            need, _ = action_messages(schedule, pp, n_stages, r, a)
+            if need is None or need[0] == r:
+                needs.append(None)
+                continue
+            src, msg = need
+            needs.append((at[(src, channel[(src, r)].index(msg))], msg))
+        plans.append(ExchangePlan(batches, needs))
+    return plans
+
+
+def _replay(schedule: str, orders: list[list[Action]], plans: list[ExchangePlan]):
+    """Replay plans under NCCL's rules; None when every rank finishes, else the sends that
+    block (rank, batch, peer, index on the channel) with their receive not yet posted.
+
+    Model (conservative, as NCCL runs grouped p2p on one stream per communicator): each
+    rank's batches run one after another, batch k starting once batch k-1 completed; an
+    operation completes once its partner (same position on the same channel) is in a
+    started batch; a batch completes when all its operations have. A rank runs action k
+    once the batch holding the receive it needs has completed, then posts batch k+1."""
+    pp = len(orders)
+    where: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # (op, src, dst, index) -> (rank, batch)
+    label: dict[tuple[str, int, int, int], Message] = {}
+    for r, plan in enumerate(plans):
+        count: dict[tuple[str, int], int] = defaultdict(int)
+        for b, (sends, recvs) in enumerate(plan.batches):
+            for peer, msg in sends:
+                key = ("send", r, peer, count[("send", peer)])
+                count[("send", peer)] += 1
+                where[key], label[key] = (r, b), msg
+            for peer, msg in recvs:
+                key = ("recv", peer, r, count[("recv", peer)])
+                count[("recv", peer)] += 1
+                where[key], label[key] = (r, b), msg
+    for (kind, src, dst, idx), msg in label.items():
+        other = ("recv" if kind == "send" else "send", src, dst, idx)
+        if label.get(other) != msg:
+            raise RuntimeError(f"{schedule}: message {idx} from rank {src} to {dst} is {msg} on one side and "
+                               f"{label.get(other)} on the other")
+    ops_of: dict[tuple[int, int], list] = defaultdict(list)
+    for key, rb in where.items():
+        ops_of[rb].append(key)
+    posted, complete, pc = [1] * pp, [0] * pp, [0] * pp  # batch 0 goes out before the first action
+    while True:
+        moved = False
+        for r in range(pp):
+            while complete[r] < posted[r]:
+                ok = True
+                for kind, src, dst, idx in ops_of[(r, complete[r])]:
+                    pr, pb = where[("recv" if kind == "send" else "send", src, dst, idx)]
+                    if not (pb < posted[pr] and pb <= complete[pr]):
+                        ok = False
+                        break
+                if not ok:
+                    break
+                complete[r] += 1
+                moved = True
+        for r in range(pp):
+            while pc[r] < len(orders[r]):
+                need = plans[r].needs[pc[r]]
+                if need is not None and complete[r] <= need[0]:
+                    break
+                pc[r] += 1
+                posted[r] = pc[r] + 1
+                moved = True
+        if all(pc[r] == len(orders[r]) and complete[r] == posted[r] for r in range(pp)):
+            return None
+        if not moved:
+            blocked = []
+            for r in range(pp):
+                if complete[r] < posted[r]:
+                    for kind, src, dst, idx in ops_of[(r, complete[r])]:
+                        pr, pb = where[("recv" if kind == "send" else "send", src, dst, idx)]
+                        if kind == "send" and pb >= posted[pr]:
+                            blocked.append((dst, src, idx, posted[pr] - 1))
+            return blocked or [("stuck", [orders[r][pc[r]] if pc[r] < len(orders[r]) else None
+                                          for r in range(pp)], complete, posted)]
+
+
+def exchange_plan(schedule: str, orders: list[list[Action]]) -> list[ExchangePlan]:
+    """Every rank's exchange batches for these orders, checked deadlock-free under NCCL's
+    rules (``_replay``). A receive goes out with the previous action's sends, before the
+    action that needs it runs; where a sender would
+    block on a receive its peer posts too late, that receive moves into the peer's
+    latest batch at that point, and the replay runs again (interleaved needs this)."""
+    early: dict = {}
+    for _ in range(10 * sum(len(o) for o in orders) + 10):
+        plans = _build_plan(schedule, orders, early)
+        blocked = _replay(schedule, orders, plans)
+        if blocked is None:
+            return plans
+        changed = False
+        for item in blocked:
+            if item[0] == "stuck":
+                break
+            rank, src, idx, batch = item
+            if early.get((rank, src, idx), 1 << 30) > batch:
+                early[(rank, src, idx)] = batch
+                changed = True
+        if not changed:
+            raise RuntimeError(f"{schedule}: no deadlock-free exchange found; replay stopped at {blocked}")
+    raise RuntimeError(f"{schedule}: exchange planning did not converge")
+
+
 # --------------------------------------------------------------------------- execution
 
 
@@ -316,8 +508,6 @@ class PipelineModel(nn.Module):
 
 class Pipeline:
     """Builds this rank's stages and runs the schedule for a trainer."""
-
-    TAG = {"act": 1, "grad": 2}
 
     def __init__(self, trainer):
         from meshfold.parallel import parallelize
@@ -336,10 +526,6 @@ class Pipeline:
         if trainer.rank == 0:
             owners = [rank_chunk_of_stage(self.schedule, self.pp, s)[0] for s in range(self.n_stages)]
             print(describe_split(cfg.model, self.split, owners, source), flush=True)
-        # Global ranks of the pp peers of this rank (same coordinates on every other dim).
-        # (The group's rank list, not the mesh tensor: no tensor ops, so dry-run's fake
-        # tensors can build stages too; pp ranks ascend with the stage index.)
-        self.peers = dist.get_process_group_ranks(dims.group("pp")) if dims.distributed else [0]
         self.group = dims.group("pp")
         chunks = []
         for s in self.stages:
@@ -364,31 +550,40 @@ class Pipeline:
 
     # ---------------------------------------------------------------- p2p
 
-    def _peer(self, stage: int) -> tuple[int, int]:
-        """(global rank, chunk) holding ``stage``."""
-        r, c = rank_chunk_of_stage(self.schedule, self.pp, stage)
-        return self.peers[r], c
+    def _owner(self, stage: int) -> int:
+        """pp rank holding ``stage``."""
+        return rank_chunk_of_stage(self.schedule, self.pp, stage)[0]
 
-    def _tag(self, kind: str, stage: int, mb: int) -> int:
-        return (self.TAG[kind] * 1024 + stage) * 4096 + mb
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """Activations and gradients travel in the compute dtype (bf16 under autocast)."""
+        return self.trainer.autocast_dtype or self.trainer.param_dtype
 
-    def _send(self, tensor: torch.Tensor, kind: str, to_stage: int, mb: int) -> None:
-        dst, _ = self._peer(to_stage)
-        if dst == dist.get_rank():
-            self.local[(kind, to_stage, mb)] = tensor
-            return
-        tensor = tensor.contiguous()
-        self.pending.append((dist.isend(tensor, dst=dst, tag=self._tag(kind, to_stage, mb)), tensor))
-        ledger().add_sent("pp", tensor.numel() * tensor.element_size())
+    def _post(self, sends: list[tuple[int, Message]], recvs: list[tuple[int, Message]],
+              out: dict[Message, torch.Tensor], micro: list[dict]) -> None:
+        """One ``comm.exchange``: the given sends (tensors from ``out``) and fresh receive
+        buffers (into ``self.inbox``); no tags, FIFO per peer pair. A receive is later
+        waited on alone where the backend gives one work per operation (gloo), else with
+        its whole batch (NCCL's grouped call: one work)."""
+        tr = self.trainer
+        send_ops = [(out.pop(msg), peer) for peer, msg in sends]
+        recv_ops = []
+        for peer, msg in recvs:
+            buf = torch.empty(self._act_shape(micro[msg[2]]), dtype=self.wire_dtype, device=tr.device)
+            self.inbox[msg] = buf
+            recv_ops.append((buf, peer))
+        works = comm.exchange(send_ops, recv_ops, self.group, "pp")
+        per_op = len(works) == len(send_ops) + len(recv_ops)
+        for j, (_, msg) in enumerate(recvs):
+            self.recv_works[msg] = [works[len(send_ops) + j]] if per_op else works
+        self.inflight.append((works, send_ops))  # send buffers stay alive until waited on
 
-    def _recv(self, kind: str, stage: int, mb: int, shape) -> torch.Tensor:
-        src_stage = stage - 1 if kind == "act" else stage + 1
-        src, _ = self._peer(src_stage)
-        if src == dist.get_rank():
-            return self.local.pop((kind, stage, mb))
-        buf = torch.empty(shape, dtype=self.trainer.param_dtype, device=self.trainer.device)
-        dist.recv(buf, src=src, tag=self._tag(kind, stage, mb))
-        return buf
+    def _take(self, msg: Message) -> torch.Tensor:
+        """The received tensor for ``msg`` (waiting on its receive) or the local hand-over."""
+        if msg in self.local:
+            return self.local.pop(msg)
+        comm.wait_all(self.recv_works.pop(msg))
+        return self.inbox.pop(msg)
 
     # ---------------------------------------------------------------- one step
 
@@ -401,8 +596,9 @@ class Pipeline:
 
     def orders_for(self, m: int) -> list[Action]:
         if m not in self.orders:
-            self.orders[m] = schedule_actions(self.schedule, self.pp, self.virtual, m)
-        return self.orders[m][self.rank]
+            orders = schedule_actions(self.schedule, self.pp, self.virtual, m)
+            self.orders[m] = (orders, exchange_plan(self.schedule, orders))
+        return self.orders[m][0][self.rank]
 
     def _forward(self, chunk: int, x: torch.Tensor, mb: dict) -> torch.Tensor:
         tr = self.trainer
@@ -415,7 +611,9 @@ class Pipeline:
         scale = tr.grad_reducers / global_tokens.clamp(min=1)
         m = len(micro)
         order = self.orders_for(m)
-        self.local, self.pending = {}, []
+        plan = self.orders[m][1][self.rank]
+        self.local, self.inbox, self.inflight, self.recv_works = {}, {}, [], {}
+        outbox: dict[Message, torch.Tensor] = {}
         saved: dict[tuple[int, int], tuple] = {}
         wgrad: dict[tuple[int, int], list] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
@@ -425,16 +623,20 @@ class Pipeline:
             if a.kind != "F":
                 last_grad_action[a.chunk] = i
         self._set_grad_sync(None)
-        self._barrier()
-        t0 = time.perf_counter()
+        # No barrier: every rank starts when it is ready; the bubble is measured against
+        # the wall clock (one host, or NTP-synchronised hosts).
+        wall0, t0 = time.time(), time.perf_counter()
+        self._post(*plan.batches[0], outbox, micro)
         for i, a in enumerate(order):
             if last_grad_action.get(a.chunk) == i:
                 self._set_grad_sync(a.chunk)
             s = self.stages[a.chunk]
             mb = micro[a.mb]
-            shape = self._act_shape(mb)
             if a.kind == "F":
-                x = mb["inputs"] if s == 0 else self._recv("act", s, a.mb, shape).requires_grad_(True)
+                if s == 0:
+                    x = mb["inputs"]
+                else:
+                    x = self._take(("act", s, a.mb)).to(tr.param_dtype).requires_grad_(True)
                 start = time.perf_counter()
                 out = self._forward(a.chunk, x, mb)
                 aux = self._moe_aux(a.chunk, m)
@@ -444,50 +646,79 @@ class Pipeline:
                     out = loss * scale.to(loss.dtype)
                 else:
                     out = out.to(tr.param_dtype)
-                    self._send(out.detach(), "act", s + 1, a.mb)
+                    self._hand_over(outbox, ("act", s + 1, a.mb), out.detach())
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
                 x, out, aux = saved.pop((a.chunk, a.mb))
-                grad = None if s == self.n_stages - 1 else self._recv("grad", s, a.mb, shape)
+                grad = None if s == self.n_stages - 1 else self._take(("grad", s, a.mb)).to(out.dtype)
                 start = time.perf_counter()
                 outs, grads = [out], [torch.ones_like(out) if grad is None else grad]
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
                 if self.split_backward and s > 0:
-                    from torch.distributed.pipelining._backward import stage_backward_input
-
                     _, groups = stage_backward_input(outs, grads, [x], self.model.chunks[a.chunk].parameters())
                     wgrad[(a.chunk, a.mb)] = groups
                 else:
                     torch.autograd.backward(outs, grads)
                 if s > 0:
-                    self._send(x.grad, "grad", s - 1, a.mb)
+                    self._hand_over(outbox, ("grad", s - 1, a.mb), x.grad)
                 del x, out, aux
             else:
                 start = time.perf_counter()
-                from torch.distributed.pipelining._backward import stage_backward_weight
-
                 groups = wgrad.pop((a.chunk, a.mb), None)
                 if groups is not None:
                     stage_backward_weight(self.model.chunks[a.chunk].parameters(), groups)
             events.append({"stage": self.rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
                            "start": start - t0, "end": time.perf_counter() - t0})
-        for work, _ in self.pending:
-            work.wait()
+            self._post(*plan.batches[i + 1], outbox, micro)
+        for works, _ in self.inflight:
+            comm.wait_all(works)
         span = time.perf_counter() - t0
-        self.pending, self.local = [], {}
+        self.inflight, self.local, self.inbox, self.recv_works = [], {}, {}, {}
         for reducers in self.reducers:
             for reducer in reducers:
                 reducer.finish()
         self._set_grad_sync("all")
-        self._record_bubble(events, span, m)
+        return self._reduce_step(loss_sum, events, wall0, span, m)
+
+    def _hand_over(self, outbox: dict, msg: Message, tensor: torch.Tensor) -> None:
+        """A stage output (or input gradient) for ``msg``: kept for a stage on this rank,
+        else queued, in the compute dtype, for the next batch's sends."""
+        if self._owner(msg[1]) == self.rank:
+            self.local[msg] = tensor
+        else:
+            outbox[msg] = tensor.to(self.wire_dtype).contiguous()
+
+    def _reduce_step(self, loss_sum: torch.Tensor, events: list[dict], wall0: float, span: float,
+                     m: int) -> torch.Tensor:
+        """One all-gather over pp carries the loss (it lives on the last stage) and the
+        timings: per rank [loss sum, busy seconds, wall-clock start, wall-clock end]."""
+        tr = self.trainer
+        busy = sum(e["end"] - e["start"] for e in events)
+        mine = torch.stack([loss_sum, torch.full_like(loss_sum, busy), torch.full_like(loss_sum, wall0),
+                            torch.full_like(loss_sum, wall0 + span)])
+        every = torch.empty(4 * self.pp, dtype=torch.float64, device=tr.device)
+        comm.all_gather_into_tensor(every, mine, self.group, "pp")
+        every = every.view(self.pp, 4)
+        stats = every[:, 1:].tolist()  # the step's one host read of pipeline timings (metrics)
+        begin, end = min(r[1] for r in stats), max(r[2] for r in stats)
+        makespan = end - begin
+        offset = wall0 - begin  # events on the common clock, from the earliest rank's start
+        for e in events:
+            e["start"] += offset
+            e["end"] += offset
+        per_stage = [max(0.0, 1.0 - r[0] / makespan) if makespan > 0 else 0.0 for r in stats]
+        self.last_bubble = per_stage
+        self.events = events
+        tr.step_metrics.update({
+            "bubble_frac": sum(per_stage) / len(per_stage),
+            "bubble_frac_stages": [round(b, 4) for b in per_stage],
+            "bubble_theory": theoretical_bubble(self.schedule, self.pp, self.virtual, m),
+            "pp_microbatches": m,
+        })
         self._log_events()
-        # The loss lives on the last stage; every pp rank returns the same sum.
-        if dist.is_initialized() and self.pp > 1:
-            dist.all_reduce(loss_sum, group=self.group)
-            ledger().record("pp", "all_reduce", 8, self.pp)
-        return loss_sum
+        return every[:, 0].sum()
 
     def _moe_aux(self, chunk: int, m: int) -> torch.Tensor | None:
         """This chunk's MoE auxiliary losses for the micro-batch just run, scaled like the
@@ -496,10 +727,6 @@ class Pipeline:
 
         aux = moe_aux_loss(self.model.chunks[chunk])
         return None if aux is None else aux * (self.trainer.grad_reducers / m)
-
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
 
     def _set_grad_sync(self, chunk) -> None:
         """None: no chunk reduces (start of the schedule); an index: that chunk's next
@@ -517,26 +744,6 @@ class Pipeline:
             elif on and chunk != "all":
                 for reducer in self.reducers[c]:
                     reducer.arm()
-
-    def _record_bubble(self, events: list[dict], span: float, m: int) -> None:
-        """bubble of stage r = 1 - busy_r / makespan, makespan = the slowest rank's span
-        from the common barrier. Per-rank numbers travel to every pp rank."""
-        busy = sum(e["end"] - e["start"] for e in events)
-        stats = torch.zeros(2 * self.pp, dtype=torch.float64)
-        stats[self.rank], stats[self.pp + self.rank] = busy, span
-        if self.group is not None:
-            dist.all_reduce(stats, group=self.group)
-            ledger().record("pp", "all_reduce", stats.numel() * 8, self.pp)
-        busy_all, makespan = stats[: self.pp], float(stats[self.pp:].max())
-        per_stage = [max(0.0, 1.0 - float(b) / makespan) if makespan > 0 else 0.0 for b in busy_all]
-        self.last_bubble = per_stage
-        self.events = events
-        self.trainer.step_metrics.update({
-            "bubble_frac": sum(per_stage) / len(per_stage),
-            "bubble_frac_stages": [round(b, 4) for b in per_stage],
-            "bubble_theory": theoretical_bubble(self.schedule, self.pp, self.virtual, m),
-            "pp_microbatches": m,
-        })
 
     def micro_batches(self, batch: dict) -> list[dict]:
         """Split this rank's batch into the schedule's micro-batches: ``pp_microbatches``,
@@ -568,8 +775,7 @@ class Pipeline:
         """This step's events of every pp rank, on pp rank 0 (None elsewhere)."""
         if self.group is None:
             return self.events
-        out = [None] * self.pp if self.rank == 0 else None
-        dist.gather_object(self.events, out, group=self.group, group_dst=0)
+        out = comm.gather_object(self.events, self.group, 0)
         return [e for evs in out for e in evs] if out is not None else None
 
     # ---------------------------------------------------------------- eval, inspection
@@ -577,22 +783,33 @@ class Pipeline:
     @torch.no_grad()
     def forward_loss_sum(self, batch: dict) -> torch.Tensor:
         """Forward of one batch through all stages in stage order; the loss sum on every pp
-        rank. Sends are asynchronous, so visiting stages in global order cannot deadlock."""
-        self.local, self.pending = {}, []
-        loss = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
-        shape = self._act_shape(batch)
+        rank. Each rank receives a stage's input only after sending every output of the
+        stages before it, so the chain 0 -> 1 -> ... cannot deadlock (docs/pipeline.md)."""
+        tr = self.trainer
+        self.local, self.inbox, self.inflight, self.recv_works = {}, {}, [], {}
+        outbox: dict[Message, torch.Tensor] = {}
+        loss = torch.zeros((), dtype=torch.float64, device=tr.device)
         for c, s in sorted(enumerate(self.stages), key=lambda cs: cs[1]):
-            x = batch["inputs"] if s == 0 else self._recv("act", s, 0, shape)
+            if s == 0:
+                x = batch["inputs"]
+            else:
+                msg = ("act", s, 0)
+                if msg not in self.local:
+                    self._post([], [(self._owner(s - 1), msg)], outbox, [batch])
+                x = self._take(msg).to(tr.param_dtype)
             out = self._forward(c, x, batch)
             if s == self.n_stages - 1:
-                loss += self.trainer.loss_fn(out, batch["labels"]).double()
+                loss += tr.loss_fn(out, batch["labels"]).double()
             else:
-                self._send(out.to(self.trainer.param_dtype), "act", s + 1, 0)
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
+                msg = ("act", s + 1, 0)
+                self._hand_over(outbox, msg, out.to(tr.param_dtype))
+                if msg in outbox:
+                    self._post([(self._owner(s + 1), msg)], [], outbox, [batch])
+        for works, _ in self.inflight:
+            comm.wait_all(works)
+        self.inflight = []
         if self.group is not None:
-            dist.all_reduce(loss, group=self.group)
+            comm.all_reduce(loss, self.group, "pp")
         return loss
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -607,8 +824,7 @@ class Pipeline:
                 mine[name] = full.detach().clone().cpu()
         if self.group is None:
             return mine
-        out = [None] * self.pp if self.rank == 0 else None
-        dist.gather_object(mine, out, group=self.group, group_dst=0)
+        out = comm.gather_object(mine, self.group, 0)
         if out is None:
             return {}
         merged = {}

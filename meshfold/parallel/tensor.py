@@ -50,16 +50,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.comm import ledger
+from meshfold import comm
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 SEQ_DIM = 1  # activations are [batch, seq, ...]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -87,23 +83,20 @@ class TensorParallelGroup:
         return cls(dims["tp"], dims.group("tp"), dims.size("tp"), dims.rank("tp"), dims.parallel.sp)
 
     # -- raw collectives (no autograd)
-    def all_reduce_(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        ledger().record("tp", "all_reduce", _nbytes(t), self.size)
-        dist.all_reduce(t, op=op, group=self.group)
+    def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        comm.all_reduce(t, self.group, "tp", op=op)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.movedim(dim, 0).contiguous()
         out = t.new_empty((self.size * t.shape[0],) + t.shape[1:])
-        ledger().record("tp", "all_gather", _nbytes(out), self.size)
-        dist.all_gather_into_tensor(out, t, group=self.group)
+        comm.all_gather_into_tensor(out, t, self.group, "tp")
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.movedim(dim, 0).contiguous()
         out = t.new_empty((t.shape[0] // self.size,) + t.shape[1:])
-        ledger().record("tp", "reduce_scatter", _nbytes(t), self.size)
-        dist.reduce_scatter_tensor(out, t, group=self.group)
+        comm.reduce_scatter_tensor(out, t, self.group, "tp")
         return out.movedim(0, dim).contiguous()
 
     # -- Megatron's conjugate operators (autograd)

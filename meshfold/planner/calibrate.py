@@ -45,6 +45,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from meshfold import comm
 from meshfold.planner.cluster import Cluster, Device, cluster_to_toml
 
 
@@ -84,14 +85,14 @@ def _measure(rank: int, world: int, port: int, out) -> None:
         fn()
         samples = []
         for _ in range(reps):
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
     def barrier_time(fn):
-        dist.barrier()
+        comm.barrier()
         return _timeit(fn)
 
     # Compute: forward+backward of one real transformer block at three widths, all ranks
@@ -145,19 +146,18 @@ def _measure(rank: int, world: int, port: int, out) -> None:
             del trainer
     # all-reduce over everyone: latency and bandwidth
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
-        t = torch.zeros(size)
+        t = torch.zeros(size, device="cpu")  # these workers run gloo on the host
         samples = []
         for _ in range(10 if size > 2 else 50):
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
+            comm.all_reduce(t, None, "calibrate")
             samples.append(time.perf_counter() - t0)
         res[f"ar_{size * 4}"] = min(samples)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, res)
+    gathered = comm.all_gather_object(res)
     if rank == 0:
         out.put(gathered)
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
 
 
@@ -192,16 +192,16 @@ def busy_collective_costs(world: int, rank: int, compute, iters: int = 30, round
                 group = dist.new_group(list(range(start, start + size)))
                 if start <= rank < start + size:
                     groups[size] = group
-    buf = torch.zeros(1024)
+    buf = torch.zeros(1024, device="cpu")
 
     def loop(group_size):
-        dist.barrier()
+        comm.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             compute()
             if group_size:
-                dist.all_reduce(buf, group=groups[group_size])
-        dist.barrier()
+                comm.all_reduce(buf, groups[group_size], "calibrate")
+        comm.barrier()
         return (time.perf_counter() - t0) / iters
 
     samples: dict[str, list] = {}

@@ -10,23 +10,27 @@ NaN/Inf guard
     batches that blew up are not replayed.
 
 Straggler detection (C4 / MegaScale style)
-    Every collective issued through ``torch.distributed`` from Python (the trainer's own,
-    FSDP2's all-gathers and reduce-scatters, the DDP comm hook's all-reduces, pipeline
-    sends) is stamped with the wall-clock time this rank *entered* it. Every
-    ``train.straggler_every`` steps the stamps of that step are gathered; for every
-    collective (matched by group and sequence number) a rank's lateness is how much later
-    it entered than the earliest rank. The lag a rank adds is the sum of the increases of
-    its lateness along each group's sequence (so a late rank issuing several back-to-back
-    asynchronous collectives counts once). A rank whose lag exceeds
-    ``train.straggler_margin`` x the median step time (and 50 ms) is named in the log and in
-    ``metrics.jsonl`` (``straggler``). Time spent blocked inside synchronous collectives is
-    reported per rank too (``wait``). Needs a common clock (one host, or NTP-synchronised
-    hosts: offsets well below the margin).
+    The communication layer (``meshfold.comm.timer()``) stamps every collective that goes
+    through it (all of meshfold's: the trainer's reductions, the DDP comm hook, tensor,
+    context, expert and pipeline parallel) with the wall-clock time this rank *entered* it;
+    nothing patches ``torch.distributed``. Every ``train.straggler_every`` steps the stamps
+    of that step are gathered; for every collective (matched by group and sequence number)
+    a rank's lateness is how much later it entered than the earliest rank. The lag a rank
+    adds is the sum of the increases of its lateness along each group's sequence (so a late
+    rank issuing several back-to-back asynchronous collectives counts once). A rank is
+    *late* in a check when its lag exceeds ``train.straggler_margin`` x the median step
+    time (and 50 ms); it is *named* (log line, ``straggler`` in ``metrics.jsonl``) only when
+    it was late in at least ``PERSIST`` of the last ``WINDOW`` checks, so one scheduler
+    hiccup on a shared host is never reported. Time blocked in synchronous collectives is
+    reported per rank too (``wait_s``). Collectives torch issues itself (FSDP2's all-gathers
+    and reduce-scatters) are not stamped: their lag shows at the next meshfold collective.
+    Needs a common clock (one host, or NTP-synchronised hosts: offsets well below the
+    margin).
 
 Collective timeout
     Every process group gets ``train.collective_timeout_s`` as its timeout. When a
     collective times out, this rank names itself, the operation in flight (name, ranks,
-    caller) and, from a ``monitored_barrier`` on a spare group, which ranks do not respond,
+    caller, from the communication layer's record) and, from a ``monitored_barrier`` on a spare group, which ranks do not respond,
     and raises ``CollectiveTimeoutError``: the CLI prints it and exits non-zero, the
     launcher stops the job. A watchdog thread ends the process with the same kind of message
     if a step outlives the timeout by a wide grace without any timeout firing.
@@ -35,8 +39,6 @@ Collective timeout
 from __future__ import annotations
 
 import datetime
-import functools
-import inspect
 import math
 import os
 import re
@@ -44,19 +46,16 @@ import statistics
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch.distributed as dist
 
+from meshfold import comm
 from meshfold.comm import ledger
 
-# torch.distributed functions stamped by the tracker (all the ones parallel code calls).
-TRACKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-           "reduce_scatter_tensor", "reduce_scatter_single",
-           "broadcast", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
-           "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list")
 MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
 MIN_LAG_S = 0.05  # lags below this are scheduler/logging noise, never reported
+WINDOW, PERSIST = 3, 2  # a rank is named when late in PERSIST of the last WINDOW straggler checks
 
 _BROKEN = False  # set when a collective timed out: the group cannot be trusted at shutdown
 
@@ -81,100 +80,7 @@ def _log(message: str) -> None:
     print(f"meshfold: {message}", file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------------- tracker
-
-
-class CollectiveTracker:
-    """Per-process record of collectives: the one in flight (for timeout messages) and,
-    while ``recording``, each call's (group, sequence number, entry time, blocking time)."""
-
-    def __init__(self):
-        self.inflight: tuple[str, tuple, str, float] | None = None
-        self.last_issued: tuple[str, tuple, str, float] | None = None
-        self.recording = False
-        self.stamps: list[tuple[tuple, int, float]] = []
-        self.seq: dict[tuple, int] = defaultdict(int)
-        self.wait_s = 0.0
-        self._ranks: dict[int, tuple] = {}
-
-    def reset(self, recording: bool) -> None:
-        self.recording = recording
-        self.inflight = None
-        self.stamps, self.seq, self.wait_s = [], defaultdict(int), 0.0
-
-    def ranks_of(self, group) -> tuple:
-        if group is None:
-            return ("world",)
-        key = id(group)
-        if key not in self._ranks:
-            try:
-                self._ranks[key] = (group, tuple(dist.get_process_group_ranks(group)))
-            except Exception:  # noqa: BLE001 - e.g. a rank outside the group
-                self._ranks[key] = (group, ("?",))
-        return self._ranks[key][1]
-
-    def call(self, name, fn, sig, args, kwargs):
-        try:
-            bound = sig.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            bound = {}
-        ranks = self.ranks_of(bound.get("group"))
-        async_op = bool(bound.get("async_op", False)) or name in ("isend", "irecv")
-        start = time.time()
-        op = (name, ranks, _caller(), start)
-        self.last_issued = op
-        if self.recording:
-            self.seq[ranks] += 1
-            self.stamps.append((ranks, self.seq[ranks], start))
-        if async_op:
-            return fn(*args, **kwargs)
-        self.inflight = op
-        out = fn(*args, **kwargs)  # on an exception ``inflight`` keeps naming this call
-        self.inflight = None
-        self.wait_s += time.time() - start
-        return out
-
-
-def _caller() -> str:
-    """file:line of the nearest caller outside torch (cheap: walks a few frames)."""
-    frame = sys._getframe(3)
-    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    path = frame.f_code.co_filename
-    short = path.split(f"{os.sep}meshfold{os.sep}", 1)[-1] if "meshfold" in path else os.path.basename(path)
-    return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
-
-
-_TRACKER: CollectiveTracker | None = None
-
-
-def tracker() -> CollectiveTracker:
-    """Install the stamping wrappers on ``torch.distributed`` once per process."""
-    global _TRACKER
-    if _TRACKER is None:
-        _TRACKER = CollectiveTracker()
-        for name in TRACKED:
-            fn = getattr(dist, name, None)
-            if fn is None or getattr(fn, "_meshfold_tracked", False):
-                continue
-            setattr(dist, name, _wrap(name, fn))
-    return _TRACKER
-
-
-def _wrap(name, fn):
-    sig = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def tracked(*args, **kwargs):
-        t = _TRACKER
-        if t is None:
-            return fn(*args, **kwargs)
-        return t.call(name, fn, sig, args, kwargs)
-
-    tracked._meshfold_tracked = True
-    return tracked
+# --------------------------------------------------------------------------- lag
 
 
 def straggler_lag(stamps_by_rank: list[list[tuple[tuple, int, float]]]) -> list[float]:
@@ -223,8 +129,9 @@ class FaultMonitor:
         self.tracker = None
         self._probe_group = None
         self._step_started: float | None = None
+        self.late_history: deque[set[int]] = deque(maxlen=WINDOW)
         if self.world > 1 and dist.is_initialized():
-            self.tracker = tracker()
+            self.tracker = comm.timer()
             self._set_timeouts()
             # A spare group for naming unresponsive ranks after a timeout.
             self._probe_group = dist.new_group(backend="gloo",
@@ -305,23 +212,30 @@ class FaultMonitor:
         """After the step is logged: roll back if too many non-finite steps in a row."""
         self._maybe_rollback()
 
+    def persistent(self, late: set[int]) -> list[int]:
+        """Record this check's late ranks; name those late now and in at least PERSIST of
+        the last WINDOW checks (one hiccup on a shared host is never a straggler)."""
+        self.late_history.append(late)
+        return [r for r in sorted(late) if sum(r in h for h in self.late_history) >= PERSIST]
+
     def _straggler_check(self, elapsed: float) -> None:
         mine = (self.tracker.stamps, elapsed, self.tracker.wait_s)
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, mine)
+        gathered = comm.all_gather_object(mine)
         ledger().record("fault", "all_gather", sum(len(g[0]) for g in gathered) * 48, self.world)
         stamps = [g[0] for g in gathered]
         step_s = [g[1] for g in gathered]
         wait_s = [g[2] for g in gathered]
         lag = straggler_lag(stamps)
         median = statistics.median(step_s)
-        slow = [r for r, x in enumerate(lag) if x > max(self.margin * median, MIN_LAG_S)]
-        self.trainer.step_metrics["straggler"] = {"ranks": slow, "lag_s": [round(x, 4) for x in lag],
+        late = {r for r, x in enumerate(lag) if x > max(self.margin * median, MIN_LAG_S)}
+        slow = self.persistent(late)
+        self.trainer.step_metrics["straggler"] = {"ranks": slow, "late": sorted(late),
+                                                  "lag_s": [round(x, 4) for x in lag],
                                                   "wait_s": [round(x, 4) for x in wait_s]}
         if slow and self.rank == 0:
             named = ", ".join(f"rank {r} (peers waited {lag[r]:.3f} s for it)" for r in slow)
             self.last_report = (f"straggler at step {self.trainer.step}: {named}; more than train.straggler_margin = "
-                 f"{self.margin} of the {median:.3f} s step. Lag by rank: "
+                 f"{self.margin} of the {median:.3f} s step in {PERSIST} of the last {WINDOW} checks. Lag by rank: "
                  f"{[round(x, 3) for x in lag]}; time blocked in collectives by rank: "
                  f"{[round(x, 3) for x in wait_s]}")
             _log(self.last_report)
@@ -349,7 +263,7 @@ class FaultMonitor:
             return "unknown"
         probe = datetime.timedelta(seconds=max(1.0, min(10.0, self.timeout_s / 2)))
         try:
-            dist.monitored_barrier(group=self._probe_group, timeout=probe, wait_all_ranks=True)
+            comm.monitored_barrier(self._probe_group, probe, wait_all_ranks=True)
         except RuntimeError as err:
             found = re.search(r"[Rr]anks? ([\d, ]+) failed", str(err))
             if found:

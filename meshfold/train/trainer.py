@@ -150,7 +150,7 @@ class Trainer:
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
-            dist.barrier()
+            comm.barrier()
 
     # ------------------------------------------------------------------ one step
 
@@ -185,7 +185,7 @@ class Trainer:
 
     def all_reduce_sum(self, value: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
         if self.dims.distributed and self.dims.size(dim) > 1:
-            dist.all_reduce(value, group=self.dims.group(dim))
+            comm.all_reduce(value, self.dims.group(dim), dim)
         return value
 
     def autocast(self):
@@ -249,7 +249,17 @@ class Trainer:
         aux = moe_aux_loss(self.model)
         return 0.0 if aux is None else aux * (self.grad_reducers / n_micro)
 
+    def strict_scope(self):
+        """Strict mode (MESHFOLD_STRICT=1, the test suite): tensors created without device=
+        inside the step are tracked as host tensors, refused by the comm layer as NCCL would
+        (meshfold/comm.py). Not under torch.compile, which traces through the mode."""
+        return comm.strict_scope(enabled=not self.cfg.train.compile)
+
     def train_step(self) -> float:
+        with self.strict_scope():
+            return self._train_step()
+
+    def _train_step(self) -> float:
         batch = self.local_batch()
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())
         loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens)
@@ -274,6 +284,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        with self.strict_scope():
+            return self._evaluate()
+
+    def _evaluate(self) -> float | None:
         if self.data.val is None:
             return None
         t = self.cfg.train
