@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from meshfold import comm
 from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, ConfigError, load_config, validate
 from meshfold.mesh import build_mesh
@@ -89,16 +90,17 @@ class DryTrainer(Trainer):
         if self.dims.distributed and self.dims.enabled("tp"):
             self.loss_fn = vocab_parallel_loss(self.dims, cfg)
         if self.pipeline is not None:  # timings and the timeline need real values
-            self.pipeline._record_bubble = self._pipeline_stats_exchange
+            self.pipeline._reduce_step = self._pipeline_step_reduction
             self.pipeline._log_events = lambda *a, **k: None
 
-    def _pipeline_stats_exchange(self, events, span, m) -> None:
-        """What ``Pipeline._record_bubble`` sends (its per-stage timings), without the values."""
+    def _pipeline_step_reduction(self, loss_sum, events, wall0, span, m):
+        """What ``Pipeline._reduce_step`` sends (loss sum and timings, one all-gather over pp),
+        without reading the values on the host (they are fake)."""
         pipe = self.pipeline
-        stats = torch.zeros(2 * pipe.pp, dtype=torch.float64)
-        if pipe.group is not None:
-            dist.all_reduce(stats, group=pipe.group)
-            self.ledger.record("pp", "all_reduce", stats.numel() * 8, pipe.pp)
+        mine = torch.zeros(4, dtype=torch.float64, device=loss_sum.device)
+        every = torch.zeros(4 * pipe.pp, dtype=torch.float64, device=loss_sum.device)
+        comm.all_gather_into_tensor(every, mine, pipe.group, "pp")
+        return every.view(pipe.pp, 4)[:, 0].sum()
 
     def fake_batch(self) -> dict[str, torch.Tensor]:
         p, m = self.cfg.parallel, self.cfg.model
@@ -109,16 +111,19 @@ class DryTrainer(Trainer):
 
     def _step(self, micro: list[dict]) -> tuple[dict, float]:
         """One optimizer step over ``micro``: (collectives, activation bytes)."""
-        tokens = torch.tensor(self.cfg.train.global_batch * self.cfg.model.seq_len)
+        # the step's scalar reductions, as Trainer.train_step issues them: token count, then loss
+        tokens = self.all_reduce_sum(torch.tensor(self.cfg.train.global_batch * self.cfg.model.seq_len,
+                                                  device=self.device))
         if self.pipeline is not None:
             with count_saved_activations(self.model) as counted:
-                self.forward_backward(micro, tokens)
+                loss_sum = self.forward_backward(micro, tokens)
             p = self.cfg.parallel
             inflight = inflight_microbatches(p.pp_schedule, p.pp, self.n_micro, p.pp_virtual_stages)
             activations = counted.bytes / len(micro) * inflight
         else:
-            self.forward_backward(micro, tokens)
+            loss_sum = self.forward_backward(micro, tokens)
             activations = self.step_metrics.get("activation_bytes", 0)
+        self.all_reduce_sum(loss_sum)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
         self.grad_bytes = sum(_local_bytes(p.grad) for p in params)
