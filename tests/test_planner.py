@@ -186,9 +186,9 @@ def test_data_parallel_traffic_is_once_per_step():
     # the dp bytes follow comm.py's ring convention: DDP all-reduce of fp32 gradients
     e = est(0, 8)
     assert e.collectives["dp"]["bytes"] == pytest.approx(2 * 7 / 8 * e.param_bytes)
-    # pipeline: 1F1B stage 0 sends one activation per micro-batch, plus two reductions over pp
+    # pipeline: 1F1B stage 0 sends one activation per micro-batch, plus one all-gather over pp
     p = cm.estimate(Layout(dp_replicate=4, zero=0, tp=2, pp=2, micro_batch=4))
-    assert p.collectives["pp"]["count"] == 64 // 4 // 4 + 2
+    assert p.collectives["pp"]["count"] == 64 // 4 // 4 + 1
 
 
 def test_footprint_from_config():
@@ -203,7 +203,7 @@ def test_footprint_from_config():
     params = sum(v for k, v in out.items() if k in ("param_bytes", "optimizer_bytes")) / 12  # fp32 + Adam m, v
     assert 8.0e9 / 128 < params < 8.1e9 / 128  # Llama 3 8B, sharded 128 ways
     assert out["grad_bytes"] == pytest.approx(16 * out["param_bytes"], rel=1e-9)  # unsharded while accumulating
-    assert set(out["collectives"]) == {"dp", "tp"}
+    assert set(out["collectives"]) == {"dp", "dp_cp", "tp"}
     for entry in out["collectives"].values():
         assert isinstance(entry["count"], int) and entry["count"] > 0 and entry["bytes"] > 0
     with pytest.raises(ConfigError):

@@ -64,7 +64,9 @@ def _compare(parallel: dict, model: dict | None = None, train: dict | None = Non
     cfg = tiny_config(str(tmp_path / "run"), **sections)
     measured = run_on(world, _one_step_ledger, cfg)[0]
     predicted = _predicted(cfg, world)
-    if _fsdp(parallel):  # FSDP2's dp bytes are hook-recorded here, not measured
+    if _fsdp(parallel) and parallel.get("zero", 3) == 3:
+        # ZeRO-3: FSDP2 also re-gathers the root module (embedding, final norm, output) in
+        # backward, which the planner does not price yet; ZeRO-2 dp traffic is compared.
         measured.pop("dp", None)
         predicted.pop("dp", None)
     assert set(predicted) == set(measured), (predicted, measured)

@@ -623,8 +623,8 @@ class CostModel:
         communication ledger names them: ``{dim: {"count": calls, "bytes": sent}}``, bytes
         in ``meshfold/comm.py``'s ring convention (FACTORS), one count per collective call
         or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
-        also the last stage). Not counted: the step's scalar reductions (token count, loss,
-        gradient norm), which the trainer issues outside the dimensions below."""
+        also the last stage). ``dp_cp``: the step's two scalar all-reduces over data x context
+        ranks (global token count, loss sum). Not counted: the gradient-norm reduction."""
         w, m = self.w, self.w.model
         pb, gb, _, act = DTYPE_BYTES[w.dtype]
         tp, pp, cp = L.tp, L.pp, L.cp
@@ -659,6 +659,8 @@ class CostModel:
             add("dp", chunks * buckets(P0 * gb / chunks), RING["all_reduce"](n_all) * P0 * gb)
             if L.zero == 1 and n_shard > 1:
                 add("dp", buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
+        if n_all > 1:  # Trainer.train_step: token count (int64) and loss sum (float64)
+            add("dp_cp", 2, 2 * RING["all_reduce"](n_all) * 8)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             calls, sent = T["tp_layer"]
@@ -674,7 +676,8 @@ class CostModel:
             else:
                 sends = 2 * chunks - 1  # every chunk sends forward; all but stage 0 backward
             add("pp", n_micro * sends, n_micro * sends * T["p2p_bytes"])
-            add("pp", 2, RING["all_reduce"](pp) * (8 + 16 * pp))
+            # one all-gather of [loss sum, busy, start, end] (float64) per pp rank
+            add("pp", 1, RING["all_gather"](pp) * 32 * pp)
         # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
         if cp > 1:
