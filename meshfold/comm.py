@@ -23,6 +23,10 @@ until it is moved with ``.to(device)``; a marked tensor reaching this layer is a
 ``CommError`` naming the call. Tagged point-to-point calls are refused outright
 (``install_strict_p2p_guard``). docs/communication.md has the rules and the mechanism.
 
+A call may pass ``dim=None`` for a control scalar (the trainer's token count and loss sum:
+8 bytes each per step), which is checked and timed but not counted as traffic, as the
+planner's model does not count it either.
+
 Byte convention (the same the planner's alpha-beta model uses): bytes a rank sends under
 the bandwidth-optimal ring algorithm for each collective over a group of n ranks holding
 ``size`` bytes in total (all-reduce, all-gather output, reduce-scatter input):
@@ -70,8 +74,8 @@ class CommLedger:
         self.total: dict[str, float] = defaultdict(float)
         self.step_calls: dict[str, int] = defaultdict(int)
 
-    def record(self, dim: str, op: str, size_bytes: float, group_size: int) -> None:
-        if group_size <= 1 or size_bytes <= 0:
+    def record(self, dim: str | None, op: str, size_bytes: float, group_size: int) -> None:
+        if dim is None or group_size <= 1 or size_bytes <= 0:  # None: a control scalar, not traffic
             return
         self.add_sent(dim, FACTORS[op](group_size) * size_bytes)
 

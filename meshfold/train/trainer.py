@@ -185,7 +185,7 @@ class Trainer:
 
     def all_reduce_sum(self, value: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
         if self.dims.distributed and self.dims.size(dim) > 1:
-            comm.all_reduce(value, self.dims.group(dim), dim)
+            comm.all_reduce(value, self.dims.group(dim), None)  # control scalars: not counted as traffic
         return value
 
     def autocast(self):
