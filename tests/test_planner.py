@@ -203,7 +203,7 @@ def test_footprint_from_config():
     params = sum(v for k, v in out.items() if k in ("param_bytes", "optimizer_bytes")) / 12  # fp32 + Adam m, v
     assert 8.0e9 / 128 < params < 8.1e9 / 128  # Llama 3 8B, sharded 128 ways
     assert out["grad_bytes"] == pytest.approx(16 * out["param_bytes"], rel=1e-9)  # unsharded while accumulating
-    assert set(out["collectives"]) == {"dp", "dp_cp", "tp"}
+    assert set(out["collectives"]) == {"dp", "tp"}
     for entry in out["collectives"].values():
         assert isinstance(entry["count"], int) and entry["count"] > 0 and entry["bytes"] > 0
     with pytest.raises(ConfigError):

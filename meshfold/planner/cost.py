@@ -623,8 +623,8 @@ class CostModel:
         communication ledger names them: ``{dim: {"count": calls, "bytes": sent}}``, bytes
         in ``meshfold/comm.py``'s ring convention (FACTORS), one count per collective call
         or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
-        also the last stage). ``dp_cp``: the step's two scalar all-reduces over data x context
-        ranks (global token count, loss sum). Not counted: the gradient-norm reduction."""
+        also the last stage). Not counted (as the runtime's ledger does not count them:
+        ``dim=None`` in comm.py): the step's control scalars (token count, loss sum, gradient norm)."""
         w, m = self.w, self.w.model
         pb, gb, _, act = DTYPE_BYTES[w.dtype]
         tp, pp, cp = L.tp, L.pp, L.cp
@@ -659,8 +659,6 @@ class CostModel:
             add("dp", chunks * buckets(P0 * gb / chunks), RING["all_reduce"](n_all) * P0 * gb)
             if L.zero == 1 and n_shard > 1:
                 add("dp", buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
-        if n_all > 1:  # Trainer.train_step: token count (int64) and loss sum (float64)
-            add("dp_cp", 2, 2 * RING["all_reduce"](n_all) * 8)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             calls, sent = T["tp_layer"]
