@@ -57,12 +57,9 @@ class VarlenCoreAttention(nn.Module):
             pieces: dict[int, torch.Tensor] = {}
             for start, length, doc in spans:
                 if doc in spread:  # spans are in the canonical order every group member shares
-                    from meshfold.parallel.per_sequence_cp import ring_attention
-
-                    plan, meta = spread[doc]
                     sl = slice(start, start + length)
-                    pieces[start] = ring_attention(q[row: row + 1, sl], k[row: row + 1, sl], v[row: row + 1, sl],
-                                                   plan, meta)[0]
+                    pieces[start] = self.spread.attend(doc, q[row: row + 1, sl], k[row: row + 1, sl],
+                                                       v[row: row + 1, sl])[0]
                 else:
                     by_len[length].append(start)
             for length, starts in by_len.items():
