@@ -64,8 +64,43 @@ def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     return t if grad_scale == 1.0 else _ScaleGrad.apply(t, grad_scale)
 
 
+def grouped_gemm_supported(x: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs here: CPU fp32/bf16/fp16, CUDA bf16 on sm90+ (torch 2.13)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype if autocast is on (grouped GEMM is not on autocast's list)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert (``counts`` [E] rows each, a device tensor) times
+    their expert's weight w [E, out, in]^T -> [N, out].
+
+    Grouped GEMM (one kernel, ``offsets`` = int32 cumulative counts) where supported; else
+    a padded batched matmul [E, max count, in] (float64 references, GPUs before sm90)."""
+    if offsets is not None:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    E = w.shape[0]
+    cap = int(counts.max()) if x.shape[0] else 0  # the fallback's one host read
+    start = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=x.shape[0])
+    slot = torch.arange(x.shape[0], device=x.device) - start[expert]
+    padded = x.new_zeros(E, cap, x.shape[1]).index_put((expert, slot), x)
+    return torch.bmm(padded, w.transpose(-2, -1))[expert, slot]
+
+
 class GroupedExperts(nn.Module):
-    """E expert MLPs stored as stacked weights [E, out, in], run group by group on tokens
+    """E expert MLPs stored as stacked weights [E, out, in], run as grouped GEMMs on tokens
     already sorted by expert. Under expert parallel each rank holds a slice of the experts."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu"):
@@ -77,18 +112,18 @@ class GroupedExperts(nn.Module):
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: [sum(counts), dim], rows grouped by (local) expert; counts: rows per expert."""
-        w1, w2 = _local(self.w1, self.grad_scale), _local(self.w2, self.grad_scale)
-        w3 = _local(self.w3, self.grad_scale) if self.w3 is not None else None
-        outs = []
-        # Every expert runs, even on zero rows, so each weight gets a (zero) gradient on every
-        # rank: sharded-gradient reductions then see the same tensors everywhere.
-        for e, chunk in enumerate(torch.split(x, counts)):
-            h = chunk @ w1[e].t()
-            h = F.silu(h) * (chunk @ w3[e].t()) if w3 is not None else F.gelu(h, approximate="tanh")
-            outs.append(h @ w2[e].t())
-        return torch.cat(outs)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert
+        (a device tensor: no host read). Every expert's weights join the graph, so each gets
+        a (possibly zero) gradient on every rank."""
+        dtype = _compute_dtype(x)
+        x = x.to(dtype)
+        w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
+        w3 = _local(self.w3, self.grad_scale).to(dtype) if self.w3 is not None else None
+        offsets = torch.cumsum(counts, 0).to(torch.int32) if grouped_gemm_supported(x) else None
+        h = grouped_linear(x, w1, counts, offsets)
+        h = F.silu(h) * grouped_linear(x, w3, counts, offsets) if w3 is not None else F.gelu(h, approximate="tanh")
+        return grouped_linear(h, w2, counts, offsets)
 
 
 def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -105,7 +140,7 @@ class LocalDispatcher(nn.Module):
     def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=n_experts).tolist()
+        counts = torch.bincount(expert, minlength=n_experts)
         y = experts(x[token[order]], counts)
         return combine(x, token[order], y, weight[order])
 

@@ -28,24 +28,20 @@ all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from meshfold.comm import ledger
+from meshfold.comm import all_reduce, all_to_all_single
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.models.moe import MoE, combine, moe_layers
 
 
-def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, rank: int) -> torch.Tensor:
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    row = math.prod(x.shape[1:]) * x.element_size()
-    ledger().add_sent("ep", (sum(in_splits) - in_splits[rank]) * row)  # bytes leaving this rank
+    all_to_all_single(out, x.contiguous(), group, "ep", out_splits=out_splits, in_splits=in_splits)
     return out
 
 
@@ -53,19 +49,22 @@ class AllToAll(torch.autograd.Function):
     """all_to_all_single with variable splits; its backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, rank):
-        ctx.args = (out_splits, in_splits, group, rank)
-        return _a2a(x, out_splits, in_splits, group, rank)
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.args = (out_splits, in_splits, group)
+        return _a2a(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, group, rank = ctx.args
-        return _a2a(grad, in_splits, out_splits, group, rank), None, None, None, None
+        out_splits, in_splits, group = ctx.args
+        return _a2a(grad, in_splits, out_splits, group), None, None, None
 
 
 class AllToAllDispatcher(nn.Module):
     """Dispatch (token, expert) assignments to the ranks owning the experts, run the local
-    experts grouped, send the results back, weight them and add them per token."""
+    experts grouped, send the results back, weight them and add them per token.
+
+    The per-expert counts are exchanged on the device; the variable all-to-all needs its
+    split sizes on the host, read once per forward (both directions in one transfer)."""
 
     def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int):
         super().__init__()
@@ -77,29 +76,28 @@ class AllToAllDispatcher(nn.Module):
         counts = torch.bincount(expert, minlength=n_experts)  # [E], experts of rank j contiguous
         # Tell every rank how many rows it gets for each of its experts: recv[src, e_local].
         recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
-        ledger().add_sent("ep", (P - 1) * local_e * counts.element_size())
+        all_to_all_single(recv, counts, self.group, "ep")
         recv = recv.view(P, local_e)
-        send_splits = counts.view(P, local_e).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
-        rows = AllToAll.apply(x[token[order]], recv_splits, send_splits, self.group, self.ep_rank)
+        splits = torch.stack([counts.view(P, local_e).sum(1), recv.sum(1)]).tolist()  # the one host read
+        send_splits, recv_splits = splits
+        rows = AllToAll.apply(x[token[order]], recv_splits, send_splits, self.group)
 
         # Rows arrive grouped by source rank, then expert; the experts want expert, then source.
-        chunks = torch.split(torch.arange(rows.shape[0], device=x.device), recv.flatten().tolist())
-        by_expert = torch.cat([chunks[src * local_e + e] for e in range(local_e) for src in range(P)])
-        y = experts(rows[by_expert], recv.sum(0).tolist())
+        local_expert = torch.arange(P * local_e, device=x.device) % local_e
+        row_expert = torch.repeat_interleave(local_expert, recv.flatten(), output_size=rows.shape[0])
+        by_expert = torch.argsort(row_expert, stable=True)
+        y = experts(rows[by_expert], recv.sum(0))
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
-        y = AllToAll.apply(y[back], send_splits, recv_splits, self.group, self.ep_rank)
+        y = AllToAll.apply(y[back], send_splits, recv_splits, self.group)
         return combine(x, token[order], y, weight[order])
 
 
 def _stats_reducer(group: dist.ProcessGroup, n: int):
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
-        dist.all_reduce(stats, group=group)
         # Runs over the data x context ranks, so it is data-parallel traffic; "ep" is the all-to-all.
-        ledger().record("dp", "all_reduce", stats.numel() * stats.element_size(), n)
+        all_reduce(stats, group, "dp")
         return stats
 
     return reduce
