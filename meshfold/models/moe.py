@@ -232,8 +232,8 @@ class MoE(nn.Module):
             f, n_tokens = self._replay.pop(0)
         else:
             counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(torch.float64)
-            extra = torch.tensor([float(idx.shape[0]), float((~keep).sum())], dtype=torch.float64,
-                                 device=idx.device)
+            extra = torch.stack([torch.full((), idx.shape[0], dtype=torch.float64, device=idx.device),
+                                 (~keep).sum().to(torch.float64)])  # on the device: no host read
             stats = torch.cat([counts, extra])
             if self.reduce_stats is not None:
                 stats = self.reduce_stats(stats)
