@@ -75,6 +75,15 @@ def grouped_gemm_supported(x: torch.Tensor) -> bool:
     return False
 
 
+def expert_kernel(x: torch.Tensor, choice: str = "auto") -> str:
+    """"grouped_mm" (one grouped GEMM, no host read) where the device has it, else
+    "padded_bmm" (a batched matmul over experts padded to the largest group: float64
+    references, GPUs before sm90; one host read of that size)."""
+    if choice != "auto":
+        return choice
+    return "grouped_mm" if grouped_gemm_supported(x) else "padded_bmm"
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The autocast dtype if autocast is on (grouped GEMM is not on autocast's list)."""
     if torch.is_autocast_enabled(x.device.type):
@@ -82,21 +91,32 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """Rows of x [N, in] grouped by expert (``counts`` [E] rows each, a device tensor) times
-    their expert's weight w [E, out, in]^T -> [N, out].
+class _Groups:
+    """How rows map onto the kernel: offsets for the grouped GEMM (rows sorted by expert), or
+    the (expert, slot) of every row in the padded [E, cap, .] layout (any row order)."""
 
-    Grouped GEMM (one kernel, ``offsets`` = int32 cumulative counts) where supported; else
-    a padded batched matmul [E, max count, in] (float64 references, GPUs before sm90)."""
-    if offsets is not None:
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-    E = w.shape[0]
-    cap = int(counts.max()) if x.shape[0] else 0  # the fallback's one host read
-    start = torch.cumsum(counts, 0) - counts
-    expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=x.shape[0])
-    slot = torch.arange(x.shape[0], device=x.device) - start[expert]
-    padded = x.new_zeros(E, cap, x.shape[1]).index_put((expert, slot), x)
-    return torch.bmm(padded, w.transpose(-2, -1))[expert, slot]
+    def __init__(self, counts: torch.Tensor, rows: int, kernel: str, expert: torch.Tensor | None = None):
+        self.kernel = kernel
+        if kernel == "grouped_mm":
+            self.offsets = torch.cumsum(counts, 0).to(torch.int32)
+            return
+        E = counts.shape[0]
+        self.E, self.cap = E, (int(counts.max()) if rows else 0)  # the padded path's one host read
+        if expert is None:  # rows sorted by expert
+            start = torch.cumsum(counts, 0) - counts
+            self.expert = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=rows)
+            self.slot = torch.arange(rows, device=counts.device) - start[self.expert]
+        else:  # unsorted: a row's slot is the number of earlier rows of its expert (no sort)
+            self.expert = expert
+            self.slot = (F.one_hot(expert, E).cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]."""
+    if groups.kernel == "grouped_mm":
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=groups.offsets)
+    padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
+    return torch.bmm(padded, w.transpose(-2, -1))[groups.expert, groups.slot]
 
 
 class GroupedExperts(nn.Module):
@@ -111,19 +131,24 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
+        self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert
-        (a device tensor: no host read). Every expert's weights join the graph, so each gets
-        a (possibly zero) gradient on every rank."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: _Groups | None = None) -> torch.Tensor:
+        """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert,
+        a device tensor (``groups``: a precomputed layout, then rows may be in any order).
+        Every expert's weights join the graph, so each gets a (possibly zero) gradient on
+        every rank."""
         dtype = _compute_dtype(x)
         x = x.to(dtype)
         w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
-        w3 = _local(self.w3, self.grad_scale).to(dtype) if self.w3 is not None else None
-        offsets = torch.cumsum(counts, 0).to(torch.int32) if grouped_gemm_supported(x) else None
-        h = grouped_linear(x, w1, counts, offsets)
-        h = F.silu(h) * grouped_linear(x, w3, counts, offsets) if w3 is not None else F.gelu(h, approximate="tanh")
-        return grouped_linear(h, w2, counts, offsets)
+        if groups is None:
+            groups = _Groups(counts, x.shape[0], expert_kernel(x, self.kernel))
+        if self.w3 is None:
+            return grouped_linear(F.gelu(grouped_linear(x, w1, groups), approximate="tanh"), w2, groups)
+        # w1 and w3 in one GEMM: twice the columns per expert, better use of small matmuls.
+        w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
+        h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
+        return grouped_linear(F.silu(h1) * h3, w2, groups)
 
 
 def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -135,12 +160,17 @@ def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch
 
 
 class LocalDispatcher(nn.Module):
-    """All experts on this rank: sort assignments by expert, run the groups, weight and add."""
+    """All experts on this rank: group the assignments by expert (a sort for the grouped
+    GEMM; none for the padded kernel, which places rows by slot), run, weight and add."""
 
     def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
-        order = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=n_experts)
+        kernel = expert_kernel(x.to(_compute_dtype(x)), experts.kernel)
+        if kernel == "padded_bmm":
+            y = experts(x[token], counts, _Groups(counts, token.shape[0], kernel, expert))
+            return combine(x, token, y, weight)
+        order = torch.argsort(expert, stable=True)
         y = experts(x[token[order]], counts)
         return combine(x, token[order], y, weight[order])
 
