@@ -196,6 +196,7 @@ def _baseline_context(rev: str):
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:meshfold/parallel/context.py"],
                          capture_output=True, text=True, check=True).stdout
     mod = types.ModuleType("meshfold_context_baseline")
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up
     exec(compile(src, "context_baseline.py", "exec"), mod.__dict__)
     return mod
 
