@@ -38,6 +38,8 @@ LAYOUTS = [
     pytest.param(4, {"dp_shard": 4, "ep": 4}, id="ep4"),
     pytest.param(4, {"dp_shard": 4, "ep": 2, "zero": 2}, id="ep2-folded-on-dp_shard4-zero2"),
     pytest.param(4, {"dp_shard": 2, "tp": 2, "ep": 2}, id="ep2xtp2"),
+    # ep 1: the experts are split over the tp ranks (each computes half of them).
+    pytest.param(4, {"dp_shard": 2, "tp": 2}, id="tp2-experts-split"),
     pytest.param(4, {"dp_shard": 2, "cp": 2, "ep": 4}, id="ep4-folded-on-dp_shard2xcp2"),
     # HSDP for the dense part; the experts' FSDP group (edp) spans the replicas.
     pytest.param(4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, id="ep2-hsdp2x2"),

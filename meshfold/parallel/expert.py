@@ -11,8 +11,10 @@ neighbouring dp_shard/cp ranks:
   ``fully_shard`` group inside the block), so expert weights are sharded R ways in all;
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
   the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped;
-* with tp > 1 every tp rank runs the same MoE computation on the same (replicated) tokens,
-  in its own ep group: expert weights are not tensor-split (expert tp = 1).
+* with tp > 1, ep = 1 and FSDP2 (zero >= 2) the experts are split over the tp ranks
+  (``TensorParallelExpertDispatcher``): each tp rank computes its slice of the experts for
+  the (replicated) tokens and the partial outputs are summed over tp; with ep > 1 as well,
+  every tp rank runs the same MoE computation in its own ep group (expert tp = 1).
 
 Gradients: every rank scales its loss by R (see the trainer), and an expert's gradient
 collects, through the backward all-to-all, the contributions of all tokens of its ep group;
@@ -37,6 +39,8 @@ from meshfold.comm import all_reduce, all_to_all_single
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.models.moe import MoE, combine, moe_layers
+from meshfold.parallel.data import uses_fsdp
+from meshfold.parallel.tensor import TensorParallelGroup, _distribute, shard_range
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -93,6 +97,37 @@ class AllToAllDispatcher(nn.Module):
         return combine(x, token[order], y, weight[order])
 
 
+class TensorParallelExpertDispatcher(nn.Module):
+    """tp > 1 without ep: every tp rank holds the same tokens; tp rank r computes only its
+    slice [start, stop) of the experts for all of them, and the partial outputs are summed
+    over tp (Megatron's f/g pair: inputs and gates enter with an all-reduce in backward, the
+    output leaves with an all-reduce in forward). No expert FLOP is done twice."""
+
+    def __init__(self, tp: TensorParallelGroup, start: int, stop: int):
+        super().__init__()
+        self.tp, self.start, self.stop = tp, start, stop
+
+    def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
+        x, weight = self.tp.grad_sum(x), self.tp.grad_sum(weight)
+        n_local = self.stop - self.start
+        local = (expert >= self.start) & (expert < self.stop)
+        key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
+        counts = torch.bincount(key, minlength=n_local + 1)[:n_local]
+        order = torch.argsort(key, stable=True)[: int(local.sum())]  # host read: this rank's row count
+        y = experts(x[token[order]], counts)
+        return self.tp.leave(combine(x, token[order], y, weight[order]))
+
+
+def split_experts_over_tp(model: nn.Module, dims: ParallelDims) -> None:
+    """Shard every MoE layer's experts over the tp ranks (DTensor ``Shard(0)`` on the tp mesh)."""
+    tp = TensorParallelGroup.from_dims(dims)
+    for _, moe in moe_layers(model):
+        start, stop = shard_range(moe.n_experts, tp.size, tp.rank)
+        for name, _ in list(moe.experts.named_parameters(recurse=False)):
+            _distribute(moe.experts, name, tp, Shard(0))
+        moe.dispatcher = TensorParallelExpertDispatcher(tp, start, stop)
+
+
 def _stats_reducer(group: dist.ProcessGroup, n: int):
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
@@ -131,6 +166,10 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         for _, moe in layers:
             moe.reduce_stats = reduce
     if dims.parallel.ep == 1:
+        # Needs FSDP2 (it turns the remaining plain parameters into DTensors too); without it
+        # the tp ranks keep computing every expert (the optimizer cannot mix the two kinds).
+        if dims.size("tp") > 1 and uses_fsdp(dims):
+            split_experts_over_tp(model, dims)
         return model
 
     from torch.distributed.fsdp import fully_shard
