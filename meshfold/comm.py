@@ -501,9 +501,9 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
     ops = []
     for t, peer in sends:
         ledger().add_sent(dim, _nbytes(t))
-        ops.append(dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group))
+        ops.append(dist.P2POp(dist.distributed_c10d.isend, t, dist.get_global_rank(group, peer), group))
     for t, peer in recvs:
-        ops.append(dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group))
+        ops.append(dist.P2POp(dist.distributed_c10d.irecv, t, dist.get_global_rank(group, peer), group))
     with _TIMER.call("exchange", group, async_op=True, collective=False):
         works = dist.batch_isend_irecv(ops)
     return [_TimedWork(w, "exchange", group) for w in works]

@@ -64,8 +64,63 @@ def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     return t if grad_scale == 1.0 else _ScaleGrad.apply(t, grad_scale)
 
 
+def grouped_gemm_supported(x: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs here: CPU fp32/bf16/fp16, CUDA bf16 on sm90+ (torch 2.13)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+def expert_kernel(x: torch.Tensor, choice: str = "auto") -> str:
+    """"grouped_mm" (one grouped GEMM, no host read) where the device has it, else
+    "padded_bmm" (a batched matmul over experts padded to the largest group: float64
+    references, GPUs before sm90; one host read of that size)."""
+    if choice != "auto":
+        return choice
+    return "grouped_mm" if grouped_gemm_supported(x) else "padded_bmm"
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype if autocast is on (grouped GEMM is not on autocast's list)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _Groups:
+    """How rows map onto the kernel: offsets for the grouped GEMM (rows sorted by expert), or
+    the (expert, slot) of every row in the padded [E, cap, .] layout (any row order)."""
+
+    def __init__(self, counts: torch.Tensor, rows: int, kernel: str, expert: torch.Tensor | None = None):
+        self.kernel = kernel
+        if kernel == "grouped_mm":
+            self.offsets = torch.cumsum(counts, 0).to(torch.int32)
+            return
+        E = counts.shape[0]
+        self.E, self.cap = E, (int(counts.max()) if rows else 0)  # the padded path's one host read
+        if expert is None:  # rows sorted by expert
+            start = torch.cumsum(counts, 0) - counts
+            self.expert = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=rows)
+            self.slot = torch.arange(rows, device=counts.device) - start[self.expert]
+        else:  # unsorted: a row's slot is the number of earlier rows of its expert (no sort)
+            self.expert = expert
+            self.slot = (F.one_hot(expert, E).cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]."""
+    if groups.kernel == "grouped_mm":
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=groups.offsets)
+    padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
+    return torch.bmm(padded, w.transpose(-2, -1))[groups.expert, groups.slot]
+
+
 class GroupedExperts(nn.Module):
-    """E expert MLPs stored as stacked weights [E, out, in], run group by group on tokens
+    """E expert MLPs stored as stacked weights [E, out, in], run as grouped GEMMs on tokens
     already sorted by expert. Under expert parallel each rank holds a slice of the experts."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu"):
@@ -76,19 +131,24 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
+        self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: [sum(counts), dim], rows grouped by (local) expert; counts: rows per expert."""
-        w1, w2 = _local(self.w1, self.grad_scale), _local(self.w2, self.grad_scale)
-        w3 = _local(self.w3, self.grad_scale) if self.w3 is not None else None
-        outs = []
-        # Every expert runs, even on zero rows, so each weight gets a (zero) gradient on every
-        # rank: sharded-gradient reductions then see the same tensors everywhere.
-        for e, chunk in enumerate(torch.split(x, counts)):
-            h = chunk @ w1[e].t()
-            h = F.silu(h) * (chunk @ w3[e].t()) if w3 is not None else F.gelu(h, approximate="tanh")
-            outs.append(h @ w2[e].t())
-        return torch.cat(outs)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: _Groups | None = None) -> torch.Tensor:
+        """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert,
+        a device tensor (``groups``: a precomputed layout, then rows may be in any order).
+        Every expert's weights join the graph, so each gets a (possibly zero) gradient on
+        every rank."""
+        dtype = _compute_dtype(x)
+        x = x.to(dtype)
+        w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
+        if groups is None:
+            groups = _Groups(counts, x.shape[0], expert_kernel(x, self.kernel))
+        if self.w3 is None:
+            return grouped_linear(F.gelu(grouped_linear(x, w1, groups), approximate="tanh"), w2, groups)
+        # w1 and w3 in one GEMM: twice the columns per expert, better use of small matmuls.
+        w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
+        h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
+        return grouped_linear(F.silu(h1) * h3, w2, groups)
 
 
 def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,12 +160,17 @@ def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch
 
 
 class LocalDispatcher(nn.Module):
-    """All experts on this rank: sort assignments by expert, run the groups, weight and add."""
+    """All experts on this rank: group the assignments by expert (a sort for the grouped
+    GEMM; none for the padded kernel, which places rows by slot), run, weight and add."""
 
     def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
+        counts = torch.bincount(expert, minlength=n_experts)
+        kernel = expert_kernel(x.to(_compute_dtype(x)), experts.kernel)
+        if kernel == "padded_bmm":
+            y = experts(x[token], counts, _Groups(counts, token.shape[0], kernel, expert))
+            return combine(x, token, y, weight)
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=n_experts).tolist()
         y = experts(x[token[order]], counts)
         return combine(x, token[order], y, weight[order])
 
@@ -197,8 +262,8 @@ class MoE(nn.Module):
             f, n_tokens = self._replay.pop(0)
         else:
             counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(torch.float64)
-            extra = torch.tensor([float(idx.shape[0]), float((~keep).sum())], dtype=torch.float64,
-                                 device=idx.device)
+            extra = torch.stack([torch.full((), idx.shape[0], dtype=torch.float64, device=idx.device),
+                                 (~keep).sum().to(torch.float64)])  # on the device: no host read
             stats = torch.cat([counts, extra])
             if self.reduce_stats is not None:
                 stats = self.reduce_stats(stats)

@@ -2,23 +2,23 @@
 
 With documents packed back to back in one row, a dense masked attention still pays for
 the full T x T score matrix, so its cost depends on the row length, not on the
-documents in it. This module runs causal attention on each document's span separately,
-so a row of documents l_1..l_n costs sum_i l_i^2 (what flash-attention's varlen kernels
-do on GPUs) and the cost model W(l) = a l^2 + b l holds. Spans of equal length are
-batched into one call. The result equals ``CoreAttention`` with document masks when each
-document is contiguous and its positions count up from its start (``packing.packed_row``).
+documents in it. This module runs attention only where documents are: query tiles attend
+to the key window from their document's start (``attention_ops.document_attention``,
+batched fused SDPA calls with a tile-sized mask, no per-row or per-document loop), so a
+row of documents l_1..l_n costs about sum_i l_i^2 plus one tile per query tile, and the
+cost model W(l) = a l^2 + b l holds. The result equals ``CoreAttention`` with document
+masks when each document is contiguous (``packing.packed_row``).
 
 Swapped in from outside (``use_varlen_attention``), like context parallel swaps its own.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models.attention_ops import document_attention
 from meshfold.models.llama import Attention, CoreAttention
 
 
@@ -39,9 +39,10 @@ class VarlenCoreAttention(nn.Module):
     rank is a share of a document spread over several ranks go to ring attention over
     their group instead."""
 
-    def __init__(self, spread=None):
+    def __init__(self, spread=None, tile: int = 256):
         super().__init__()
         self.spread = spread
+        self.tile = tile  # query tile of document_attention (256 measured fastest on CPU at seq 4096)
 
     def forward(self, q, k, v, positions=None, doc_ids=None):
         gqa = q.shape[2] != k.shape[2]
@@ -49,32 +50,27 @@ class VarlenCoreAttention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=gqa)
             return out.transpose(1, 2)
-        spread = self.spread.by_doc if self.spread is not None else {}
-        rows = []
+        out = document_attention(q, k, v, positions, doc_ids, self.tile)
+        if self.spread is None or not self.spread.by_doc:
+            return out
+        # Spread documents' shares (laid first on the row, in the order every group member
+        # shares) are replaced by ring attention over their group.
         for row in range(q.shape[0]):
-            spans = document_spans(doc_ids[row])
-            by_len: dict[int, list[int]] = defaultdict(list)
-            pieces: dict[int, torch.Tensor] = {}
-            for start, length, doc in spans:
-                if doc in spread:  # spans are in the canonical order every group member shares
-                    from meshfold.parallel.per_sequence_cp import ring_attention
-
-                    plan, meta = spread[doc]
+            for start, length, doc in document_spans(doc_ids[row]):
+                if doc in self.spread.by_doc:
                     sl = slice(start, start + length)
-                    pieces[start] = ring_attention(q[row: row + 1, sl], k[row: row + 1, sl], v[row: row + 1, sl],
-                                                   plan, meta)[0]
-                else:
-                    by_len[length].append(start)
-            for length, starts in by_len.items():
-                # [n, heads, length, hd] for all spans of this length at once.
-                def take(t):
-                    return torch.stack([t[row, s: s + length] for s in starts]).transpose(1, 2)
+                    ring = self.spread.attend(doc, q[row: row + 1, sl], k[row: row + 1, sl], v[row: row + 1, sl])
+                    out = _put(out, row, sl, ring)
+        return out
 
-                o = F.scaled_dot_product_attention(take(q), take(k), take(v), is_causal=True, enable_gqa=gqa)
-                for j, s in enumerate(starts):
-                    pieces[s] = o[j].transpose(0, 1)
-            rows.append(torch.cat([pieces[s] for s, _, _ in spans], dim=0))
-        return torch.stack(rows)
+
+def _put(out: torch.Tensor, row: int, sl: slice, value: torch.Tensor) -> torch.Tensor:
+    """out with out[row, sl] = value[0], out of place (keeps autograd simple)."""
+    mask = torch.zeros(out.shape[:2], dtype=torch.bool, device=out.device)
+    mask[row, sl] = True
+    full = torch.zeros_like(out)
+    full[row: row + 1, sl] = value
+    return torch.where(mask[:, :, None, None], full, out)
 
 
 def use_varlen_attention(model: nn.Module, spread=None) -> int:

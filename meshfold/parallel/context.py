@@ -23,8 +23,11 @@ the same number of visible (query, key) pairs.
 
 Document masks: a key is visible iff ``pos_k <= pos_q`` and both tokens belong to the same
 packed document (``document_causal_mask`` in models/llama.py, the one-process semantics).
-Attention is computed in tiles; a tile whose mask is empty is skipped (neither its scores
-nor its backward are computed), a full tile is computed without a mask.
+Attention runs in tiles (the balanced chunk by default); ``RingLayout`` classifies every
+(query tile, key tile) pair once per forward: fully masked pairs are skipped, fully visible
+ones run the fused kernel without a mask, diagonal ones as causal, and only partial ones
+carry a (tile x tile) mask. The kernels are the fused ones that return the log-sum-exp
+(``models/attention_ops.py``: flash for CPU, flash / memory-efficient on CUDA).
 """
 
 from __future__ import annotations
@@ -34,12 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from meshfold.comm import ledger
+from meshfold.comm import all_gather_into_tensor, all_to_all_single, exchange, wait_all
 from meshfold.config import Config, ConfigError, ModelConfig, ParallelConfig
-
-_TAG_KV, _TAG_DKV = 51, 52
+from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention, pick_kernel
 
 
 # --------------------------------------------------------------------------- layout
@@ -129,15 +132,36 @@ def token_indices(seq_len: int, cp: int, cp_rank: int, ulysses: int = 1, balance
 
 @dataclass
 class AttentionWork:
-    """Score entries this rank computed (whole tiles) and the visible ones among them."""
+    """Score entries this rank computed (whole tiles) and the visible ones among them. The
+    visible entries of partial tiles stay a device tensor (no host read in the step)."""
 
     computed: int = 0
-    visible: int = 0
+    visible_known: int = 0
     tiles: int = 0
     skipped_tiles: int = 0
+    visible_partial: torch.Tensor | None = None
+
+    def add(self, layout) -> None:
+        self.computed += layout.computed
+        self.visible_known += layout.visible_known
+        self.tiles += layout.tiles
+        self.skipped_tiles += layout.skipped
+        if layout.partial:
+            part = layout.partial_visible()
+            self.visible_partial = part if self.visible_partial is None else self.visible_partial + part
+
+    def visible_tensor(self, device) -> torch.Tensor:
+        out = torch.full((1,), float(self.visible_known), dtype=torch.float64, device=device)
+        return out if self.visible_partial is None else out + self.visible_partial.to(device)
+
+    @property
+    def visible(self) -> int:
+        """Visible entries (reads the device count: for tests and reports, not the step)."""
+        return int(self.visible_tensor(torch.device("cpu")).item())
 
     def reset(self) -> None:
-        self.computed = self.visible = self.tiles = self.skipped_tiles = 0
+        self.computed = self.visible_known = self.tiles = self.skipped_tiles = 0
+        self.visible_partial = None
 
 
 @dataclass
@@ -152,6 +176,8 @@ class ContextParallelPlan:
     tile: int = 0  # tokens per attention tile; 0 = seq_len / (2 max(cp, 4)) (set on first use)
     work: AttentionWork = field(default_factory=AttentionWork)
     count_work: bool = True  # off for forwards without grad (evaluation)
+    kernel: str = "auto"  # "math": the explicit reference kernel instead of the fused ones
+    device: torch.device | None = None  # where attention ran (for the per-step metric)
 
     @property
     def ring(self) -> int:
@@ -161,11 +187,6 @@ class ContextParallelPlan:
     def ring_rank(self) -> int:
         return self.cp_rank // self.ulysses
 
-    def ring_peers(self) -> tuple[int, int]:
-        """(next, previous) global ranks in the ring."""
-        r, n = self.ring_rank, self.ring
-        return (dist.get_global_rank(self.ring_group, (r + 1) % n),
-                dist.get_global_rank(self.ring_group, (r - 1) % n))
 
 
 _GROUPS: dict[tuple, dict] = {}  # hybrid sub-groups, made once per process (pipeline chunks share them)
@@ -236,7 +257,9 @@ def shard_for_context_parallel(batch: dict[str, torch.Tensor], cfg: Config, dims
     return shard_batch(batch, plan)
 
 
-# --------------------------------------------------------------------------- tiled attention
+# --------------------------------------------------------------------------- block layout
+
+_EMPTY, _FULL, _CAUSAL, _PARTIAL = 0, 1, 2, 3
 
 
 def _tile_mask(qpos, qdoc, kpos, kdoc):
@@ -246,68 +269,100 @@ def _tile_mask(qpos, qdoc, kpos, kdoc):
     return mask
 
 
-def _tiles(qmeta, kmeta, tile: int, work: AttentionWork | None):
-    """Yield (q slice, k slice, mask or None) for every tile with a visible entry.
-
-    The block's mask is built once and every tile's visible count read in one transfer
-    (one host sync per block, not per tile)."""
-    qpos, qdoc = qmeta
-    kpos, kdoc = kmeta
-    sq, sk = qpos.shape[1], kpos.shape[1]
-    mask = _tile_mask(qpos, qdoc, kpos, kdoc)  # [b, sq, sk]
-    q_starts, k_starts = range(0, sq, tile), range(0, sk, tile)
-    if sq % tile == 0 and sk % tile == 0:
-        counts = mask.view(mask.shape[0], sq // tile, tile, sk // tile, tile).sum((0, 2, 4)).tolist()
-    else:
-        counts = [[int(mask[:, i0:i0 + tile, j0:j0 + tile].sum()) for j0 in k_starts] for i0 in q_starts]
-    for i, i0 in enumerate(q_starts):
-        qs = slice(i0, min(i0 + tile, sq))
-        for j, j0 in enumerate(k_starts):
-            ks = slice(j0, min(j0 + tile, sk))
-            visible = counts[i][j]
-            full = mask.shape[0] * (qs.stop - qs.start) * (ks.stop - ks.start)
-            if work is not None:
-                work.tiles += 1
-                work.skipped_tiles += int(visible == 0)
-                work.computed += full if visible else 0
-                work.visible += visible
-            if visible:
-                yield qs, ks, (None if visible == full else mask[:, None, None, qs, ks])
+def _tile_view(x: torch.Tensor, tile: int, fill) -> torch.Tensor:
+    """[..., s] -> [..., n_tiles, tile], a ragged last tile padded with ``fill``."""
+    pad = (-x.shape[-1]) % tile
+    if pad:
+        x = torch.cat([x, x.new_full(x.shape[:-1] + (pad,), fill)], -1)
+    return x.unflatten(-1, (-1, tile))
 
 
-def _block_forward(qg, k, v, qmeta, kmeta, out, lse, scale, tile, work):
-    """Merge attention of queries ``qg`` [b, hkv, g, sq, d] over keys/values k, v [b, hkv, sk, d]
-    into the running normalised output ``out`` and log-sum-exp ``lse`` (in place)."""
-    for qs, ks, mask in _tiles(qmeta, kmeta, tile, work):
-        s = torch.matmul(qg[..., qs, :], k[:, :, None, ks, :].transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        blk_lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - _finite(blk_lse).unsqueeze(-1))
-        blk_out = torch.matmul(p, v[:, :, None, ks, :])
-        old_lse = lse[..., qs]
-        new_lse = torch.logaddexp(old_lse, blk_lse)
-        safe = _finite(new_lse)
-        w_old = torch.exp(old_lse - safe).unsqueeze(-1)
-        w_blk = torch.exp(blk_lse - safe).unsqueeze(-1)
-        out[..., qs, :] = out[..., qs, :] * w_old + blk_out * w_blk
-        lse[..., qs] = new_lse
+class RingLayout:
+    """Which (query tile, key tile) pairs of every ring step need which kernel, decided once
+    per forward from every member's (positions, doc ids) and shared by all layers: empty
+    pairs are skipped, fully visible ones run without a mask, diagonal ones as causal, and
+    only the rest build a (tile x tile) mask. One small device-to-host read per forward
+    (the codes), none per block."""
 
+    def __init__(self, meta: torch.Tensor, use_doc: bool, ring_rank: int, tile: int):
+        self.meta, self.use_doc, self.tile = meta, use_doc, tile
+        R, _, b, s = meta.shape
+        self.R, self.r, self.b, self.s = R, ring_rank, b, s
+        self.n = -(-s // tile)
+        big = torch.iinfo(torch.int64).max
+        pos, doc = meta[:, 0], meta[:, 1]
+        pmin, pmax = _tile_view(pos, tile, big).amin(-1), _tile_view(pos, tile, -big).amax(-1)  # [R, b, n]
+        dmin, dmax = _tile_view(doc, tile, big).amin(-1), _tile_view(doc, tile, -big).amax(-1)
+        qmin, qmax = pmin[ring_rank, :, :, None], pmax[ring_rank, :, :, None]  # [b, nq, 1]
+        kmin, kmax = pmin[:, :, None, :], pmax[:, :, None, :]  # [R, b, 1, nk]
+        empty = qmax < kmin
+        full = qmin >= kmax
+        ptiles = _tile_view(pos, tile, -1)  # [R, b, n, tile]
+        increasing = (ptiles[..., 1:] > ptiles[..., :-1]).all(-1)  # [R, b, n]
+        causal = (ptiles[ring_rank, :, :, None] == ptiles[:, :, None]).all(-1) & increasing[ring_rank, :, :, None]
+        if use_doc:
+            qdmin, qdmax = dmin[ring_rank, :, :, None], dmax[ring_rank, :, :, None]
+            kdmin, kdmax = dmin[:, :, None, :], dmax[:, :, None, :]
+            empty |= (qdmax < kdmin) | (kdmax < qdmin)
+            one_doc = (qdmin == qdmax) & (kdmin == kdmax) & (qdmin == kdmin)
+            full &= one_doc
+            causal &= one_doc
+        code = torch.full(empty.shape[:1] + empty.shape[2:], _PARTIAL, dtype=torch.int8, device=meta.device)
+        code = torch.where(causal.all(1), _CAUSAL, code)
+        code = torch.where(full.all(1), _FULL, code)
+        code = torch.where(empty.all(1), _EMPTY, code)
+        codes = code.tolist()  # [R members][nq][nk]: the one host read
+        # steps[t]: (q tile, k tile, code, first) for key member (r - t) % R; ``first``: the
+        # first block for these query rows (its output is copied, not merged).
+        self.steps, seen = [], set()
+        self.tiles = self.skipped = self.computed = self.visible_known = 0
+        self.partial: list[tuple[int, int, int]] = []
+        for t in range(R):
+            j = (ring_rank - t) % R
+            tasks = []
+            for i in range(self.n):
+                for jj in range(self.n):
+                    c = codes[j][i][jj]
+                    self.tiles += 1
+                    if c == _EMPTY:
+                        self.skipped += 1
+                        continue
+                    tq, tk = self._len(i), self._len(jj)
+                    self.computed += b * tq * tk
+                    if c == _FULL:
+                        self.visible_known += b * tq * tk
+                    elif c == _CAUSAL:
+                        self.visible_known += b * tq * (tq + 1) // 2
+                    else:
+                        self.partial.append((t, i, jj))
+                    tasks.append((i, jj, c, i not in seen))
+                    seen.add(i)
+            self.steps.append(tasks)
+        self._partial_visible: torch.Tensor | None = None
 
-def _block_backward(qg, k, v, qmeta, kmeta, dout, delta, lse, dq, dkv, scale, tile):
-    """Add this (query shard, key block) pair's contribution to dq and dkv = [dk, dv]."""
-    for qs, ks, mask in _tiles(qmeta, kmeta, tile, None):
-        q_t, k_t, v_t = qg[..., qs, :], k[:, :, None, ks, :], v[:, :, None, ks, :]
-        s = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale
-        p = torch.exp(s - _finite(lse[..., qs]).unsqueeze(-1))
-        if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
-        do_t = dout[..., qs, :]
-        dkv[1][:, :, ks] += torch.matmul(p.transpose(-1, -2), do_t).sum(2)
-        dp = torch.matmul(do_t, v_t.transpose(-1, -2))
-        ds = p * (dp - delta[..., qs].unsqueeze(-1)) * scale
-        dq[..., qs, :] += torch.matmul(ds, k_t)
-        dkv[0][:, :, ks] += torch.matmul(ds.transpose(-1, -2), q_t).sum(2)
+    def _len(self, i: int) -> int:
+        return min(self.tile, self.s - i * self.tile)
+
+    def rows(self, i: int) -> slice:
+        return slice(i * self.tile, min((i + 1) * self.tile, self.s))
+
+    def mask(self, t: int, i: int, j: int) -> torch.Tensor:
+        """bool [b, 1, tq, tk] of query tile i against key tile j of ring step t."""
+        member = (self.r - t) % self.R
+        qs, ks = self.rows(i), self.rows(j)
+        q, k = self.meta[self.r], self.meta[member]
+        m = _tile_mask(q[0][:, qs], q[1][:, qs] if self.use_doc else None,
+                       k[0][:, ks], k[1][:, ks] if self.use_doc else None)
+        return m.unsqueeze(1)
+
+    def partial_visible(self) -> torch.Tensor:
+        """Visible entries of the partial tiles, a device scalar (counted once per forward)."""
+        if self._partial_visible is None:
+            total = torch.zeros((), dtype=torch.float64, device=self.meta.device)
+            for t, i, j in self.partial:
+                total = total + self.mask(t, i, j).sum()
+            self._partial_visible = total
+        return self._partial_visible
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -315,115 +370,144 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, peers: tuple[int, int], tag: int, group) -> list:
-    """Post the send to the next ring member and the receive from the previous one."""
-    nxt, prev = peers
-    ledger().add_sent("cp", send.numel() * send.element_size())
-    return [dist.isend(send, nxt, group=group, tag=tag), dist.irecv(recv, prev, group=group, tag=tag)]
+def _merge(out, lse, rows, o, lse_blk, first: bool) -> None:
+    """Fold a block's (normalised output, log-sum-exp) into the running ones, in place."""
+    if first:
+        out[:, :, rows] = o
+        lse[:, :, rows] = lse_blk
+        return
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, lse_blk)
+    safe = _finite(new)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - safe).unsqueeze(-1)
+                       + o * torch.exp(lse_blk - safe).unsqueeze(-1))
+    lse[:, :, rows] = new
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads [b, hkv, s, d] -> [b, hkv * groups, s, d] (grouped-query attention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // groups, groups, s, d).sum(2)
+
+
+# --------------------------------------------------------------------------- ring attention
 
 
 class _RingAttention(torch.autograd.Function):
     """Exact attention of this rank's queries over every ring member's keys/values.
 
-    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens); ``meta`` [R, 2, b, s] holds
-    every member's (positions, doc ids). With R = 1 it is plain tiled attention."""
+    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens). Each (query tile, key tile)
+    pair runs a fused kernel that returns its log-sum-exp (``models/attention_ops``); the
+    blocks are merged by log-sum-exp in float32 (float64 for float64 inputs). Keys/values
+    travel in their own (compute) dtype; the next block's exchange is posted before the
+    current block is computed. With R = 1 it is tiled attention with block skipping.
+
+    Message order (no tags: p2p matches in issue order per peer pair, as on NCCL). Every
+    rank issues, towards its next ring neighbour, kv(0), dkv(0), kv(1), dkv(1), ..,
+    kv(R-2), dkv(R-2), dkv(R-1) in the backward and kv(0) .. kv(R-2) in the forward, and
+    posts the matching receives from its previous neighbour in the same order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, use_doc, plan: ContextParallelPlan):
-        # The block math runs in (at least) float32 whatever autocast is active outside.
-        with torch.autocast(q.device.type, enabled=False):
-            return _RingAttention._forward(ctx, q, k, v, meta, use_doc, plan)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _RingAttention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, meta, use_doc, plan: ContextParallelPlan):
+    def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan):
         b, s, heads, d = q.shape
-        hkv = k.shape[2]
-        cdt = torch.promote_types(q.dtype, torch.float32)
+        groups = heads // k.shape[2]
+        acc = torch.promote_types(q.dtype, torch.float32)
         scale = 1.0 / math.sqrt(d)
-        qg = q.permute(0, 2, 1, 3).reshape(b, hkv, heads // hkv, s, d).to(cdt)
-        cur = torch.stack([k, v]).permute(0, 1, 3, 2, 4).to(cdt).contiguous()  # [2, b, hkv, s, d]
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-        R, r = plan.ring, plan.ring_rank
-        tile = plan.tile or s
-        metas = [_member_meta(meta, j, use_doc) for j in range(R)]
-        peers = plan.ring_peers() if R > 1 else None
+        qt = q.transpose(1, 2)
+        cur = torch.stack([k, v]).transpose(2, 3).contiguous()  # [2, b, hkv, s, d], compute dtype
+        out = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
+        lse = torch.full((b, heads, s), float("-inf"), dtype=acc, device=q.device)
+        R = layout.R
+        nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
         for t in range(R):
-            reqs, nxt = [], None
+            works, nxt = [], None
             if t < R - 1:  # the next block travels while this one is computed
                 nxt = torch.empty_like(cur)
-                reqs = _exchange(cur, nxt, peers, _TAG_KV, plan.ring_group)
-            _block_forward(qg, cur[0], cur[1], metas[r], metas[(r - t) % R], out, lse, scale, tile,
-                           plan.work if plan.count_work else None)
-            for req in reqs:
-                req.wait()
+                works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
+            kx, vx = _expand(cur[0], groups), _expand(cur[1], groups)
+            for i, j, code, first in layout.steps[t]:
+                qs, ks = layout.rows(i), layout.rows(j)
+                mask = layout.mask(t, i, j) if code == _PARTIAL else None
+                o, lse_blk, _ = attention_forward(qt[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal=code == _CAUSAL,
+                                                  mask=mask, scale=scale, kernel=plan.kernel)
+                _merge(out, lse, qs, o, lse_blk, first)
+            wait_all(works)
             if nxt is not None:
                 cur = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta, ctx.use_doc, ctx.plan = meta, use_doc, plan
-        return out.reshape(b, heads, s, d).permute(0, 2, 1, 3).to(q.dtype)
+        ctx.layout, ctx.plan = layout, plan
+        return out.transpose(1, 2).to(q.dtype)
 
     @staticmethod
-    def _backward(ctx, grad_out):
+    def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        layout: RingLayout = ctx.layout
         plan: ContextParallelPlan = ctx.plan
         b, s, heads, d = q.shape
-        hkv = k.shape[2]
-        cdt = out.dtype
+        groups = heads // k.shape[2]
+        acc = out.dtype
         scale = 1.0 / math.sqrt(d)
-        qg = q.permute(0, 2, 1, 3).reshape(b, hkv, heads // hkv, s, d).to(cdt)
-        dout = grad_out.permute(0, 2, 1, 3).reshape(b, hkv, heads // hkv, s, d).to(cdt)
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(qg)
-        cur = torch.stack([k, v]).permute(0, 1, 3, 2, 4).to(cdt).contiguous()
-        R, r = plan.ring, plan.ring_rank
-        tile = plan.tile or s
-        metas = [_member_meta(ctx.meta, j, ctx.use_doc) for j in range(R)]
-        peers = plan.ring_peers() if R > 1 else None
-        send_acc: list = []  # (request, tensor): the tensor must outlive its send
-        dkv = None
-        # The gradient of member j's keys/values travels with them: every rank adds its
-        # part and passes it on; after R hops it is back at j, complete.
+        qt, dout = q.transpose(1, 2), grad_out.to(q.dtype).transpose(1, 2)
+        out_k, lse_k = out.to(q.dtype), _finite(lse)  # the final rows: P = exp(S - lse_final)
+        dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
+        cur = torch.stack([k, v]).transpose(2, 3).contiguous()
+        R = layout.R
+        nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
+        incoming, acc_works, dkv = None, [], None
+        # The gradient of member j's keys/values travels with them: every rank adds its part
+        # and passes it on; after R hops it is back at j, complete.
         for t in range(R):
-            reqs, nxt, acc_in, acc_req = [], None, None, []
+            works, nxt = [], None
             if t < R - 1:
                 nxt = torch.empty_like(cur)
-                reqs = _exchange(cur, nxt, peers, _TAG_KV, plan.ring_group)
-            if t > 0:
-                acc_in = torch.empty_like(cur)
-                acc_req = [dist.irecv(acc_in, peers[1], group=plan.ring_group, tag=_TAG_DKV)]
-            dkv = torch.zeros_like(cur)
-            _block_backward(qg, cur[0], cur[1], metas[r], metas[(r - t) % R], dout, delta, lse, dq, dkv, scale, tile)
-            for req in acc_req:
-                req.wait()
-            if acc_in is not None:
-                dkv += acc_in
-            for req, _ in send_acc:
-                req.wait()
+                works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
+            kx, vx = _expand(cur[0], groups), _expand(cur[1], groups)
+            dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)
+            for i, j, code, _ in layout.steps[t]:
+                qs, ks = layout.rows(i), layout.rows(j)
+                mask = layout.mask(t, i, j) if code == _PARTIAL else None
+                aux = (pick_kernel(q, mask is not None, plan.kernel),)
+                if aux[0] in ("cuda_flash", "cuda_efficient"):  # these backwards need their forward's state
+                    _, _, aux = attention_forward(qt[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal=code == _CAUSAL,
+                                                  mask=mask, scale=scale, kernel=plan.kernel)
+                dq_t, dk_t, dv_t = attention_backward(dout[:, :, qs], qt[:, :, qs], kx[:, :, ks], vx[:, :, ks],
+                                                      out_k[:, :, qs], lse_k[:, :, qs], aux, causal=code == _CAUSAL,
+                                                      mask=mask, scale=scale)
+                dq[:, :, qs] += dq_t
+                dkv[0][:, :, ks] += _reduce_groups(dk_t, groups)
+                dkv[1][:, :, ks] += _reduce_groups(dv_t, groups)
             if R > 1:
-                ledger().add_sent("cp", dkv.numel() * dkv.element_size())
-                send_acc = [(dist.isend(dkv, peers[0], group=plan.ring_group, tag=_TAG_DKV), dkv)]
-            for req in reqs:
-                req.wait()
+                wait_all(acc_works)
+                if incoming is not None:
+                    dkv += incoming
+                incoming = torch.empty_like(dkv)
+                acc_works = exchange([(dkv, nxt_peer)], [(incoming, prev_peer)], plan.ring_group, "cp")
+            wait_all(works)
             if nxt is not None:
                 cur = nxt
         if R > 1:
-            dkv = torch.empty_like(cur)
-            dist.irecv(dkv, peers[1], group=plan.ring_group, tag=_TAG_DKV).wait()
-            for req, _ in send_acc:
-                req.wait()
-        dq = dq.reshape(b, heads, s, d).permute(0, 2, 1, 3).to(q.dtype)
-        dk, dv = (x.permute(0, 2, 1, 3).to(k.dtype) for x in dkv)
-        return dq, dk, dv, None, None, None
+            wait_all(acc_works)
+            dkv = incoming
+        dk, dv = (x.transpose(1, 2).to(k.dtype) for x in dkv)
+        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None
 
 
-def _member_meta(meta: torch.Tensor, j: int, use_doc: bool):
-    return meta[j, 0], (meta[j, 1] if use_doc else None)
+def ring_attention(q, k, v, meta: torch.Tensor, use_doc: bool, plan: ContextParallelPlan,
+                   layout: RingLayout | None = None) -> torch.Tensor:
+    """Ring attention of the local q/k/v [b, s, heads, d] over the ring of ``plan``; ``meta``
+    [R, 2, b, s] holds every member's (positions, doc ids)."""
+    if layout is None:
+        layout = RingLayout(meta, use_doc, plan.ring_rank, plan.tile or meta.shape[-1])
+    if plan.count_work:
+        plan.work.add(layout)
+    plan.device = q.device
+    return _RingAttention.apply(q, k, v, layout, plan)
 
 
 # --------------------------------------------------------------------------- Ulysses all-to-all
@@ -448,8 +532,7 @@ def _all_to_all(x, scatter_dim, gather_dim, group):
     n = dist.get_world_size(group)
     send = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()
     recv = torch.empty_like(send)
-    ledger().record("cp", "all_to_all", send.numel() * send.element_size(), n)
-    dist.all_to_all_single(recv, send, group=group)
+    all_to_all_single(recv, send, group, "cp")
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
@@ -457,13 +540,14 @@ def _all_to_all(x, scatter_dim, gather_dim, group):
 
 
 class _MetaCache:
-    """Every cp rank's (positions, doc ids), gathered once per forward: all layers get the
-    same tensors, so the cache is keyed by their identity."""
+    """Every cp rank's (positions, doc ids) and the ring layout, made once per forward: all
+    layers get the same tensors, so the cache is keyed by their identity."""
 
     def __init__(self, plan: ContextParallelPlan):
         self.plan = plan
         self.key: tuple | None = None
         self.value: torch.Tensor | None = None
+        self.layout: RingLayout | None = None
 
     def get(self, positions: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         if self.key is not None and self.key[0] is positions and self.key[1] is doc_ids:
@@ -471,16 +555,20 @@ class _MetaCache:
         plan = self.plan
         docs = doc_ids if doc_ids is not None else torch.zeros_like(positions)
         local = torch.stack([positions, docs]).to(torch.int64).contiguous()  # [2, b, s]
-        parts = [local]
+        parts = local.unsqueeze(0)
         if plan.cp > 1:
-            parts = [torch.empty_like(local) for _ in range(plan.cp)]
-            ledger().record("cp", "all_gather", local.numel() * local.element_size() * plan.cp, plan.cp)
-            dist.all_gather(parts, local, group=plan.cp_group)
+            parts = torch.empty((plan.cp * 2,) + local.shape[1:], dtype=local.dtype, device=local.device)
+            all_gather_into_tensor(parts, local, plan.cp_group, "cp")  # concatenated along dim 0
         u = plan.ulysses
         # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
-        members = [torch.cat(parts[j * u:(j + 1) * u], dim=-1) for j in range(plan.ring)]
-        self.key, self.value = (positions, doc_ids), torch.stack(members)
+        members = parts.view(plan.ring, u, 2, *local.shape[1:]).permute(0, 2, 3, 1, 4).flatten(-2)
+        self.key, self.value, self.layout = (positions, doc_ids), members.contiguous(), None
         return self.value
+
+    def ring_layout(self, use_doc: bool) -> RingLayout:
+        if self.layout is None:
+            self.layout = RingLayout(self.value, use_doc, self.plan.ring_rank, self.plan.tile)
+        return self.layout
 
 
 class ContextParallelAttention(nn.Module):
@@ -517,10 +605,23 @@ class ContextParallelAttention(nn.Module):
             if kv % u:  # fewer kv heads than ranks: repeat them so each rank gets its group's head
                 k, v = k.repeat_interleave(u // kv, dim=2), v.repeat_interleave(u // kv, dim=2)
             q, k, v = (_AllToAll.apply(t, 2, 1, plan.ulysses_group) for t in (q, k, v))
-        out = _RingAttention.apply(q, k, v, meta, doc_ids is not None, plan)
+        if u > 1 and plan.ring == 1:  # Ulysses: whole sequences, the ordinary fused attention
+            out = _whole_sequence_attention(q, k, v, meta[0], doc_ids is not None)
+        else:
+            out = ring_attention(q, k, v, meta, doc_ids is not None, plan, self.cache.ring_layout(doc_ids is not None))
         if u > 1:
             out = _AllToAll.apply(out, 1, 2, plan.ulysses_group)
         return out
+
+
+def _whole_sequence_attention(q, k, v, meta: torch.Tensor, use_doc: bool) -> torch.Tensor:
+    """Attention of whole, in-order sequences [b, S, heads, d]: causal SDPA, or per-document
+    attention without an S x S mask."""
+    if use_doc:
+        return document_attention(q, k, v, meta[0], meta[1])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
 
 
 def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParallelPlan:
@@ -540,15 +641,18 @@ def context_step_metrics(model: nn.Module) -> dict:
     if not plans:
         return {}
     plans = list(plans.values())
-    visible = torch.tensor([float(sum(p.work.visible for p in plans))], dtype=torch.float64)
-    for p in plans:
-        p.work.reset()
     cp, group = plans[0].cp, plans[0].cp_group
+    device = next((p.device for p in plans if p.device is not None), None)
+    if device is None:  # no forward yet: the device the group computes on
+        device = torch.device("cuda", torch.cuda.current_device()) if cp > 1 and \
+            dist.get_backend(group) == "nccl" else torch.device("cpu")
+    visible = torch.zeros(1, dtype=torch.float64, device=device)
+    for p in plans:
+        visible += p.work.visible_tensor(device)
+        p.work.reset()
     if cp == 1:
         return {}
-    parts = [torch.zeros_like(visible) for _ in range(cp)]
-    ledger().record("cp", "all_gather", 8 * cp, cp)
-    dist.all_gather(parts, visible, group=group)
-    work = torch.cat(parts)
-    mean = float(work.mean())
+    work = torch.empty(cp, dtype=torch.float64, device=device)
+    all_gather_into_tensor(work, visible, group, "cp")
+    mean = float(work.mean())  # metrics: one read per step
     return {"cp_imbalance": float(work.max()) / mean if mean > 0 else 1.0}

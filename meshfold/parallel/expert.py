@@ -11,8 +11,10 @@ neighbouring dp_shard/cp ranks:
   ``fully_shard`` group inside the block), so expert weights are sharded R ways in all;
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
   the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped;
-* with tp > 1 every tp rank runs the same MoE computation on the same (replicated) tokens,
-  in its own ep group: expert weights are not tensor-split (expert tp = 1).
+* with tp > 1, ep = 1 and FSDP2 (zero >= 2) the experts are split over the tp ranks
+  (``TensorParallelExpertDispatcher``): each tp rank computes its slice of the experts for
+  the (replicated) tokens and the partial outputs are summed over tp; with ep > 1 as well,
+  every tp rank runs the same MoE computation in its own ep group (expert tp = 1).
 
 Gradients: every rank scales its loss by R (see the trainer), and an expert's gradient
 collects, through the backward all-to-all, the contributions of all tokens of its ep group;
@@ -28,24 +30,22 @@ all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from meshfold.comm import ledger
+from meshfold.comm import all_reduce, all_to_all_single
 from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.models.moe import MoE, combine, moe_layers
+from meshfold.parallel.data import uses_fsdp
+from meshfold.parallel.tensor import TensorParallelGroup, _distribute, shard_range
 
 
-def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, rank: int) -> torch.Tensor:
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    row = math.prod(x.shape[1:]) * x.element_size()
-    ledger().add_sent("ep", (sum(in_splits) - in_splits[rank]) * row)  # bytes leaving this rank
+    all_to_all_single(out, x.contiguous(), group, "ep", out_splits=out_splits, in_splits=in_splits)
     return out
 
 
@@ -53,19 +53,22 @@ class AllToAll(torch.autograd.Function):
     """all_to_all_single with variable splits; its backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, rank):
-        ctx.args = (out_splits, in_splits, group, rank)
-        return _a2a(x, out_splits, in_splits, group, rank)
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.args = (out_splits, in_splits, group)
+        return _a2a(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, group, rank = ctx.args
-        return _a2a(grad, in_splits, out_splits, group, rank), None, None, None, None
+        out_splits, in_splits, group = ctx.args
+        return _a2a(grad, in_splits, out_splits, group), None, None, None
 
 
 class AllToAllDispatcher(nn.Module):
     """Dispatch (token, expert) assignments to the ranks owning the experts, run the local
-    experts grouped, send the results back, weight them and add them per token."""
+    experts grouped, send the results back, weight them and add them per token.
+
+    The per-expert counts are exchanged on the device; the variable all-to-all needs its
+    split sizes on the host, read once per forward (both directions in one transfer)."""
 
     def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int):
         super().__init__()
@@ -77,29 +80,59 @@ class AllToAllDispatcher(nn.Module):
         counts = torch.bincount(expert, minlength=n_experts)  # [E], experts of rank j contiguous
         # Tell every rank how many rows it gets for each of its experts: recv[src, e_local].
         recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
-        ledger().add_sent("ep", (P - 1) * local_e * counts.element_size())
+        all_to_all_single(recv, counts, self.group, "ep")
         recv = recv.view(P, local_e)
-        send_splits = counts.view(P, local_e).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
-        rows = AllToAll.apply(x[token[order]], recv_splits, send_splits, self.group, self.ep_rank)
+        splits = torch.stack([counts.view(P, local_e).sum(1), recv.sum(1)]).tolist()  # the one host read
+        send_splits, recv_splits = splits
+        rows = AllToAll.apply(x[token[order]], recv_splits, send_splits, self.group)
 
         # Rows arrive grouped by source rank, then expert; the experts want expert, then source.
-        chunks = torch.split(torch.arange(rows.shape[0], device=x.device), recv.flatten().tolist())
-        by_expert = torch.cat([chunks[src * local_e + e] for e in range(local_e) for src in range(P)])
-        y = experts(rows[by_expert], recv.sum(0).tolist())
+        local_expert = torch.arange(P * local_e, device=x.device) % local_e
+        row_expert = torch.repeat_interleave(local_expert, recv.flatten(), output_size=rows.shape[0])
+        by_expert = torch.argsort(row_expert, stable=True)
+        y = experts(rows[by_expert], recv.sum(0))
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
-        y = AllToAll.apply(y[back], send_splits, recv_splits, self.group, self.ep_rank)
+        y = AllToAll.apply(y[back], send_splits, recv_splits, self.group)
         return combine(x, token[order], y, weight[order])
+
+
+class TensorParallelExpertDispatcher(nn.Module):
+    """tp > 1 without ep: every tp rank holds the same tokens; tp rank r computes only its
+    slice [start, stop) of the experts for all of them, and the partial outputs are summed
+    over tp (Megatron's f/g pair: inputs and gates enter with an all-reduce in backward, the
+    output leaves with an all-reduce in forward). No expert FLOP is done twice."""
+
+    def __init__(self, tp: TensorParallelGroup, start: int, stop: int):
+        super().__init__()
+        self.tp, self.start, self.stop = tp, start, stop
+
+    def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
+        x, weight = self.tp.grad_sum(x), self.tp.grad_sum(weight)
+        n_local = self.stop - self.start
+        local = (expert >= self.start) & (expert < self.stop)
+        key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
+        counts = torch.bincount(key, minlength=n_local + 1)[:n_local]
+        order = torch.argsort(key, stable=True)[: int(local.sum())]  # host read: this rank's row count
+        y = experts(x[token[order]], counts)
+        return self.tp.leave(combine(x, token[order], y, weight[order]))
+
+
+def split_experts_over_tp(model: nn.Module, dims: ParallelDims) -> None:
+    """Shard every MoE layer's experts over the tp ranks (DTensor ``Shard(0)`` on the tp mesh)."""
+    tp = TensorParallelGroup.from_dims(dims)
+    for _, moe in moe_layers(model):
+        start, stop = shard_range(moe.n_experts, tp.size, tp.rank)
+        for name, _ in list(moe.experts.named_parameters(recurse=False)):
+            _distribute(moe.experts, name, tp, Shard(0))
+        moe.dispatcher = TensorParallelExpertDispatcher(tp, start, stop)
 
 
 def _stats_reducer(group: dist.ProcessGroup, n: int):
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
-        dist.all_reduce(stats, group=group)
         # Runs over the data x context ranks, so it is data-parallel traffic; "ep" is the all-to-all.
-        ledger().record("dp", "all_reduce", stats.numel() * stats.element_size(), n)
+        all_reduce(stats, group, "dp")
         return stats
 
     return reduce
@@ -133,6 +166,10 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         for _, moe in layers:
             moe.reduce_stats = reduce
     if dims.parallel.ep == 1:
+        # Needs FSDP2 (it turns the remaining plain parameters into DTensors too); without it
+        # the tp ranks keep computing every expert (the optimizer cannot mix the two kinds).
+        if dims.size("tp") > 1 and uses_fsdp(dims):
+            split_experts_over_tp(model, dims)
         return model
 
     from torch.distributed.fsdp import fully_shard

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.data.packing import IGNORE_INDEX, DocumentPieces
+from meshfold.parallel import context
 
 
 @dataclass
@@ -41,6 +42,11 @@ class SpreadContext:
     documents."""
 
     by_doc: dict = field(default_factory=dict)
+
+    def attend(self, doc, q, k, v) -> torch.Tensor:
+        """Ring attention of spread document ``doc``'s local chunks [1, s, heads, d] over its group."""
+        plan, meta = self.by_doc[doc]
+        return ring_attention(q, k, v, plan, meta)
 
 
 def build_groups(dp_group, dp_size: int, max_degree: int) -> dict[tuple[int, int], object]:
@@ -61,9 +67,7 @@ def build_groups(dp_group, dp_size: int, max_degree: int) -> dict[tuple[int, int
 
 def chunk_indices(padded: int, k: int, member: int) -> torch.Tensor:
     """Token indices member ``member`` of ``k`` holds: chunks member and 2k-1-member."""
-    from meshfold.parallel.context import token_indices
-
-    return token_indices(padded, k, member, 1, True)
+    return context.token_indices(padded, k, member, 1, True)
 
 
 def spread_span(pieces: DocumentPieces, piece: int, k: int, member: int, pad_id: int) -> tuple[dict, torch.Tensor]:
@@ -85,14 +89,10 @@ def spread_span(pieces: DocumentPieces, piece: int, k: int, member: int, pad_id:
 
 
 def make_plan(group, k: int, member: int, s_local: int):
-    from meshfold.parallel.context import ContextParallelPlan
-
-    return ContextParallelPlan(cp=k, ulysses=1, balance=True, cp_rank=member, cp_group=group, ulysses_group=None,
+    return context.ContextParallelPlan(cp=k, ulysses=1, balance=True, cp_rank=member, cp_group=group, ulysses_group=None,
                                ring_group=group, tile=max(1, s_local // 2))
 
 
 def ring_attention(q, k, v, plan, meta):
     """Causal attention of one spread document's local chunks over the whole document."""
-    from meshfold.parallel.context import _RingAttention
-
-    return _RingAttention.apply(q, k, v, meta.to(q.device), False, plan)
+    return context.ring_attention(q, k, v, meta.to(q.device), False, plan)

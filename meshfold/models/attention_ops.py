@@ -1,0 +1,191 @@
+"""Fused attention kernels that return the log-sum-exp, and attention over packed documents.
+
+Ring attention (``parallel/context.py``) computes attention block by block and merges the
+blocks with their log-sum-exp, and its backward feeds the *final* output and log-sum-exp
+back into each block's fused backward (the flash-attention rule: P = exp(S - lse_final)).
+That needs the kernels one level below ``F.scaled_dot_product_attention``, which hides the
+log-sum-exp. ``attention_forward`` / ``attention_backward`` pick one by device and dtype:
+
+==========  =================================  ==========================================
+device      no mask (full or causal block)     partial block (mask)
+==========  =================================  ==========================================
+CPU         ``_scaled_dot_product_flash_attention_for_cpu`` (fp64/fp32/bf16, additive mask)
+CUDA        ``_scaled_dot_product_flash_attention`` (fp16/bf16)   ``_efficient_attention`` (fp32/fp16/bf16, bias)
+otherwise   ``math``: explicit matmul / logsumexp (the exact reference; CUDA float64)
+==========  =================================  ==========================================
+
+Layouts: q [b, h, sq, d], k/v [b, h, sk, d] (key/value heads already repeated for grouped
+queries), mask bool [b or 1, 1, sq, sk] (True = visible). ``lse`` is returned in
+float32 (float64 for float64 inputs), [b, h, sq], with -inf for a row that sees no key.
+
+``document_attention`` is per-document causal attention for packed rows without an S x S
+mask: the row is cut into query tiles; each tile attends only to the key window from the
+start of its first token's document to its own end (documents are contiguous), tiles with
+equal windows are batched into one fused call with a small per-tile mask. Work is about
+S * (tile + document length) instead of S^2 / 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("auto", "math")  # "math" forces the reference path (tests compare the two)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def pick_kernel(q: torch.Tensor, masked: bool, kernel: str = "auto") -> str:
+    """Which implementation runs a block: cpu_flash, cuda_flash, cuda_efficient or math."""
+    if kernel == "math":
+        return "math"
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16) and not masked:
+            return "cuda_flash"
+        if q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return "cuda_efficient"
+    return "math"
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def attention_forward(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float, kernel: str = "auto"):
+    """(out in q.dtype, lse, aux for the backward) of one block."""
+    kind = pick_kernel(q, mask is not None, kernel)
+    aux = (kind,)
+    if kind == "cpu_flash":
+        bias = None if mask is None else _additive(mask, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    elif kind == "cuda_flash":
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        aux = (kind, cq, ck, mq, mk, seed, offset)
+    elif kind == "cuda_efficient":
+        bias = None if mask is None else _additive(mask, q.dtype).expand(q.shape[0], q.shape[1], -1, -1)
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, causal, scale=scale)
+        aux = (kind, seed, offset, lse.shape[-1])
+        lse = lse[..., : q.shape[2]]  # padded to a multiple of the kernel's row block
+    else:
+        out, lse = _math_forward(q, k, v, causal, mask, scale)
+    if mask is not None:  # the fused kernels report lse 0 (not -inf) for a row with no visible key
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    return out, lse, aux
+
+
+def attention_backward(dout, q, k, v, out, lse, aux, *, causal: bool, mask: torch.Tensor | None, scale: float):
+    """(dq, dk, dv) of one block, given the *final* out (q.dtype) and lse (finite) of its rows."""
+    kind = aux[0]
+    if kind == "cpu_flash":
+        bias = None if mask is None else _additive(mask, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    if kind == "cuda_flash":
+        _, cq, ck, mq, mk, seed, offset = aux
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float().contiguous(), cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+    if kind == "cuda_efficient":
+        _, seed, offset, width = aux
+        bias = None if mask is None else _additive(mask, q.dtype).expand(q.shape[0], q.shape[1], -1, -1)
+        lse_k = F.pad(lse.float(), (0, width - lse.shape[-1])).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, bias, out, lse_k, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+    return _math_backward(dout, q, k, v, out, lse, causal, mask, scale)
+
+
+def _visible(causal, mask, sq, sk, device):
+    if causal:
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+        return tri if mask is None else mask & tri
+    return mask
+
+
+def _math_forward(q, k, v, causal, mask, scale):
+    acc = _acc_dtype(q.dtype)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    vis = _visible(causal, mask, q.shape[2], k.shape[2], q.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return torch.matmul(p, v.to(acc)).to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, mask, scale):
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va, da = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    p = torch.exp(torch.matmul(qa, ka.transpose(-1, -2)) * scale - lse.to(acc).unsqueeze(-1))
+    vis = _visible(causal, mask, q.shape[2], k.shape[2], q.device)
+    if vis is not None:
+        p = p.masked_fill(~vis, 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), da)
+    dp = torch.matmul(da, va.transpose(-1, -2))
+    delta = (da * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    return torch.matmul(ds, ka).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qa).to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- packed documents
+
+
+def document_windows(doc_ids: torch.Tensor, tile: int) -> torch.Tensor:
+    """[b, n_tiles] how many earlier tiles each query tile's keys reach back (documents are
+    contiguous runs of equal ids, so a tile needs keys from its first token's document start)."""
+    b, s = doc_ids.shape
+    idx = torch.arange(s, device=doc_ids.device).expand(b, -1)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.where(starts, idx, 0).cummax(-1).values  # index where each token's document starts
+    first = doc_start[:, ::tile]  # document start of each tile's first token
+    return (torch.arange(0, s, tile, device=doc_ids.device) // tile) - first // tile
+
+
+def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.Tensor, tile: int = 128):
+    """Causal attention within each packed document (``document_causal_mask`` semantics for
+    contiguous documents); q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, d]. Differentiable
+    (plain fused SDPA calls). One small device-to-host read per call: the distinct window sizes."""
+    b, s, heads, d = q.shape
+    hkv = k.shape[2]
+    tile = min(tile, s)
+    pad = (-s) % tile
+    if positions is None:
+        positions = torch.arange(s, device=q.device).expand(b, -1)
+    if pad:  # pad tokens form their own document: they see only each other, nobody sees them
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        doc_ids = torch.cat([doc_ids, (doc_ids.min() - 1).expand(b, pad)], 1)
+        positions = F.pad(positions, (0, pad))
+    n = (s + pad) // tile
+    reach = document_windows(doc_ids, tile).flatten()  # [b * n], exact: tile i reaches tiles i-w..i
+    qt = q.reshape(b * n, tile, heads, d)
+    kt, vt = k.view(b, n, tile, hkv, d), v.view(b, n, tile, hkv, d)
+    pt, dt = positions.reshape(b, n, tile), doc_ids.reshape(b, n, tile)
+    out = q.new_empty(b * n, tile, heads, d)
+    for w in torch.unique(reach).tolist():  # the one host read: which window sizes occur
+        sel = (reach == w).nonzero().squeeze(1)  # flat (row, tile) indices with this window
+        row, ti = (sel // n).unsqueeze(1), sel % n
+        span = ti.unsqueeze(1) + torch.arange(-w, 1, device=q.device)  # key tiles [m, w + 1], all >= 0
+
+        def keys(t):
+            return t[row, span].flatten(1, 2)  # [m, (w + 1) * tile, ...]
+
+        mask = ((dt.view(b * n, tile)[sel].unsqueeze(-1) == keys(dt).unsqueeze(-2))
+                & (pt.reshape(b * n, tile)[sel].unsqueeze(-1) >= keys(pt).unsqueeze(-2)))
+        o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), keys(kt).transpose(1, 2),
+                                           keys(vt).transpose(1, 2), attn_mask=mask.unsqueeze(1),
+                                           enable_gqa=heads != hkv)
+        out = out.index_copy(0, sel, o.transpose(1, 2))
+    return out.view(b, s + pad, heads, d)[:, :s]
+
+
+def attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
