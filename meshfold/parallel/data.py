@@ -118,9 +118,8 @@ def _counting_allreduce_hook(group: dist.ProcessGroup):
 
     def hook(_state, bucket):
         tensor = bucket.buffer()
-        ledger().record("dp", "all_reduce", tensor.numel() * tensor.element_size(), n)
         tensor.div_(n)
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+        fut = comm.all_reduce(tensor, group, "dp", async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
     return hook

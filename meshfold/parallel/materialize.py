@@ -18,7 +18,6 @@ against the local tensor's.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch

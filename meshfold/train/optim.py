@@ -250,10 +250,10 @@ def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Ten
         # squared and summed in float64.
         sq = torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
         for dim in sharded:
-            dist.all_reduce(sq, group=mesh.get_group(dim))
+            comm.all_reduce(sq, mesh.get_group(dim), None)  # control scalar: not counted
         total += sq
     if extra_group is not None and dist.get_world_size(extra_group) > 1:
-        dist.all_reduce(total, group=extra_group)
+        comm.all_reduce(total, extra_group, None)
     return total.sqrt()
 
 
