@@ -75,8 +75,10 @@ class WorldPool:
         for p in self.procs:
             p.start()
         self.broken = False
+        self.tasks_run = 0
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        self.tasks_run += 1
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out: list[Any] = [None] * self.world
@@ -114,13 +116,18 @@ class WorldPool:
 
 
 _POOLS: dict[int, WorldPool] = {}
+# Workers are replaced after this many tasks: every task builds meshes and groups, and gloo
+# keeps threads and sockets per group for the life of the process, so a pool kept for the
+# whole suite gathered ~1,300 threads per worker and slowed every later test.
+RECYCLE_AFTER_TASKS = 20
 
 
 def world(n: int) -> WorldPool:
     pool = _POOLS.get(n)
-    if pool is None or pool.broken or not all(p.is_alive() for p in pool.procs):
+    alive = pool is not None and not pool.broken and all(p.is_alive() for p in pool.procs)
+    if pool is None or not alive or pool.tasks_run >= RECYCLE_AFTER_TASKS:
         if pool is not None:
-            pool.close(force=True)
+            pool.close(force=not alive)
         pool = _POOLS[n] = WorldPool(n)
     return pool
 
