@@ -324,20 +324,10 @@ def test_diloco_with_tensor_parallel_inside_workers_matches_single_rank_workers(
     _assert_same_trajectory_per_worker(tp, single)
 
 
-def _fault_wraps_p2p() -> bool:
-    """train/fault.py wraps torch.distributed.isend/irecv process-wide; batch_isend_irecv
-    (meshfold.comm.exchange, NoLoCo's swap) refuses the wrapped functions. Issue 16 part A
-    removes the wrapping; until then the NoLoCo run below cannot start under a Trainer."""
-    from meshfold.train import fault
-
-    return "isend" in getattr(fault, "TRACKED", ())
-
-
 @pytest.mark.parametrize("method,extra", [
     ("diloco", {}),
     ("streaming", {"fragments": 2, "overlap_steps": 1}),
-    pytest.param("noloco", {}, marks=pytest.mark.xfail(_fault_wraps_p2p(), strict=False,
-                                                       reason="fault.py wraps isend/irecv (issue 16 part A)")),
+    ("noloco", {}),
     ("co2", {}),
 ])
 def test_methods_train_and_sync(method, extra, tmp_path):
