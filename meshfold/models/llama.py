@@ -39,12 +39,6 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return RMSNorm(cfg.dim, cfg.norm_eps)
 
 
-def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return angles.cos(), angles.sin()
-
-
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float64, head_dim/2) and the cos/sin scale of the model's RoPE,
     following the published scaling rules (the ones Hugging Face checkpoints name):

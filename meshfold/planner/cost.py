@@ -523,7 +523,7 @@ class CostModel:
         # ---- data parallel over dp x cp ranks: gradients reduced once per optimizer step
         # (the last micro-batch's backward); ZeRO-1 then gathers the updated parameters;
         # ZeRO-3 gathers parameters per micro-batch (forward, and backward for non-roots).
-        P0, Pmax = stage_params[0], max(stage_params)
+        Pmax = max(stage_params)
         max_block = max(k[2] for k in kinds.values())
         n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, dp * cp
         chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
@@ -625,7 +625,7 @@ class CostModel:
         or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
         also the last stage). Not counted (as the runtime's ledger does not count them:
         ``dim=None`` in comm.py): the step's control scalars (token count, loss sum, gradient norm)."""
-        w, m = self.w, self.w.model
+        w = self.w
         pb, gb, _, act = DTYPE_BYTES[w.dtype]
         tp, pp, cp = L.tp, L.pp, L.cp
         chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
