@@ -10,7 +10,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 
 # name -> module providing add_parser(subparsers) and run(args)
 SUBCOMMANDS = {

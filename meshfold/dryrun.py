@@ -48,7 +48,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from meshfold import comm
 from meshfold.comm import ledger, reset_ledger
-from meshfold.config import Config, ConfigError, load_config, validate
+from meshfold.config import Config, load_config, validate
+from meshfold.errors import ConfigError
 from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer

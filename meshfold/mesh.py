@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshfold.config import ParallelConfig
+from meshfold.layout import ParallelConfig
 
 MESH_DIMS = ("worker", "pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 from meshfold.data.balance import CostModel, StepPlan, plan_step
 from meshfold.data.packing import DocumentPieces, packed_row
 
@@ -211,38 +211,3 @@ def from_trainer(trainer) -> BalancedBatches:
         seed=t.seed, method=d.balance, tolerance=d.balance_tolerance, time_limit=d.balance_time_limit_s,
         broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups, device=trainer.device,
     )
-
-
-def validate_balance(cfg) -> None:
-    """One-line ``ConfigError`` for settings the balanced data path cannot serve."""
-    d, p, m = cfg.data, cfg.parallel, cfg.model
-    if not (d.pack and d.doc_mask):
-        raise ConfigError(f"data.balance = {d.balance} feeds whole documents packed with per-document attention; "
-                          f"set data.pack = true and data.doc_mask = true")
-    if p.pp > 1:
-        raise ConfigError(f"data.balance = {d.balance} gives micro-batches of varying length, which pipeline "
-                          f"stages cannot take; use parallel.pp = 1 or data.balance = none")
-    if p.tp > 1 and p.sp:
-        raise ConfigError(f"data.balance = {d.balance} gives micro-batches of varying length that sequence "
-                          f"parallel cannot split evenly; set parallel.sp = false or data.balance = none")
-    if p.cp > 1:
-        raise ConfigError(f"data.balance = {d.balance} with parallel.cp = {p.cp} is not supported yet "
-                          f"(per-sequence context parallel is planned only); use parallel.cp = 1")
-    if d.max_tokens and d.max_tokens < m.seq_len and d.seq_cp_max == 1:
-        raise ConfigError(f"data.max_tokens = {d.max_tokens} is below model.seq_len = {m.seq_len} (the longest "
-                          f"document piece); use 0 (= 2*micro_batch*seq_len) or at least {m.seq_len}")
-    if d.cost_a < 0 or d.cost_b < 0:
-        raise ConfigError(f"data.cost_a = {d.cost_a} and data.cost_b = {d.cost_b} must be >= 0 "
-                          f"(both 0 = measure; see meshfold calibrate-cost)")
-    if d.balance_tolerance < 1:
-        raise ConfigError(f"data.balance_tolerance = {d.balance_tolerance} must be >= 1 (max/mean load)")
-    if d.seq_cp_max < 1 or d.seq_cp_max & (d.seq_cp_max - 1):
-        raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} must be a power of two (1 = off)")
-    if d.seq_cp_max > 1 and (p.tp > 1 or d.balance == "exact"):
-        raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} (per-sequence context parallel) needs parallel.tp = 1 "
-                          f"and data.balance = greedy")
-    if d.seq_cp_max > 1 and d.max_tokens and d.max_tokens * d.seq_cp_max < m.seq_len:
-        raise ConfigError(f"data.max_tokens = {d.max_tokens} times data.seq_cp_max = {d.seq_cp_max} is below "
-                          f"model.seq_len = {m.seq_len}: the longest piece could not be placed; raise one of them")
-    if d.balance_time_limit_s <= 0:
-        raise ConfigError(f"data.balance_time_limit_s must be > 0, got {d.balance_time_limit_s}")

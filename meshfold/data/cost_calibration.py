@@ -19,14 +19,18 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.config import Config, ModelConfig
+from meshfold.models.config import ModelConfig
 from meshfold.data.balance import CostModel
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 
 @dataclass

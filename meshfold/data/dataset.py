@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from meshfold.config import ConfigError, DataConfig
+from meshfold.data.config import DataConfig
+from meshfold.errors import ConfigError
 from meshfold.data.prepare import prepare
 from meshfold.data.prepared import MANIFEST, TOKENIZER, Shard, is_prepared, open_shards, read_manifest
 from meshfold.data.mixture import MixtureDataset

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 
 
 class MixtureSampler:

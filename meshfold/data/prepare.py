@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 from meshfold.data.prepared import (DTYPES, FORMAT, MANIFEST, TOKENIZER, VERSION, ShardWriter, atomic_write_bytes,
                                     read_manifest, token_dtype, write_manifest)
 from meshfold.data.sources import source_units, unit_digest, unit_docs

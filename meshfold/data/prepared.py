@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 
 FORMAT = "meshfold-prepared"
 VERSION = 1

@@ -14,7 +14,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshfold.config import ConfigError, DataConfig
+from meshfold.data.config import DataConfig
+from meshfold.errors import ConfigError
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ""}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

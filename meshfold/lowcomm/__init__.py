@@ -15,11 +15,14 @@ global_batch = W B sees exactly the same sequences step by step.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
-from meshfold.config import Config, ConfigError
 from meshfold.data.dataset import GlobalBatchSampler
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 
 class WorkerSampler:
@@ -326,51 +329,3 @@ def attach_lowcomm(trainer) -> LowComm | None:
     if lc.method == "none" and lc.compression == "none":
         return None
     return LowComm(trainer)
-
-
-def check_lowcomm(cfg: Config) -> None:
-    """``[lowcomm]`` checks for ``config.validate`` (after the layout is resolved)."""
-    lc, p, m = cfg.lowcomm, cfg.parallel, cfg.model
-    if lc.method != "none":
-        if lc.workers < 1:
-            raise ConfigError(f"lowcomm.workers must be >= 1, got {lc.workers}")
-        if lc.inner_steps < 1:
-            raise ConfigError(f"lowcomm.inner_steps must be >= 1 with lowcomm.method = {lc.method} (e.g. 50)")
-        if lc.outer_lr <= 0 or not 0 <= lc.outer_momentum < 1:
-            raise ConfigError("lowcomm.outer_lr must be > 0 and lowcomm.outer_momentum in [0, 1)")
-    if lc.method == "streaming":
-        if not 1 <= lc.fragments <= m.n_layers:
-            raise ConfigError(f"lowcomm.fragments = {lc.fragments} must be between 1 and model.n_layers = {m.n_layers}")
-        if not 0 <= lc.overlap_steps < lc.inner_steps:
-            raise ConfigError(f"lowcomm.overlap_steps = {lc.overlap_steps} must be in [0, lowcomm.inner_steps = "
-                              f"{lc.inner_steps})")
-        if lc.quant_bits not in (4, 32):
-            raise ConfigError(f"lowcomm.quant_bits = {lc.quant_bits}; choose 4 (FP4 E3M0) or 32")
-        if lc.quant_coding == "deflate" and lc.quant_bits != 4:
-            raise ConfigError("lowcomm.quant_coding = deflate codes the 4-bit exchange; set lowcomm.quant_bits = 4")
-        if not 0 <= lc.mixing <= 1:
-            raise ConfigError(f"lowcomm.mixing = {lc.mixing} must be in [0, 1]")
-    if lc.method != "none" and lc.workers > 1 and cfg.data.balance != "none":
-        raise ConfigError("data.balance with lowcomm.workers > 1 is not supported (workers take slices of one "
-                          "sampled batch); set data.balance = none")
-    if lc.method == "co2":
-        if p.tp > 1 or p.pp > 1:
-            raise ConfigError("lowcomm.method = co2 clips the outer momentum by its norm over data-parallel shards "
-                              "only; use parallel.tp = 1 and parallel.pp = 1 inside workers")
-        if not 0 <= lc.co2_staleness_penalty <= 1:
-            raise ConfigError(f"lowcomm.co2_staleness_penalty = {lc.co2_staleness_penalty} must be in [0, 1]")
-        if lc.co2_clip < 0:
-            raise ConfigError(f"lowcomm.co2_clip must be >= 0 (0 = off), got {lc.co2_clip}")
-    if lc.compression != "none":
-        if p.zero >= 2 and p.dp_shard * p.cp > 1:
-            raise ConfigError(
-                f"lowcomm.compression = {lc.compression} works on the DDP path only; set parallel.zero to 0 or 1 "
-                f"(or parallel.dp_shard = 1), FSDP's reduce-scatter is not compressed")
-        if lc.compression in ("powersgd", "lgreco") and lc.powersgd_rank < 1:
-            raise ConfigError(f"lowcomm.powersgd_rank must be >= 1, got {lc.powersgd_rank}")
-        if lc.compression == "topk" and not (0 < lc.topk_ratio <= 1 and 0 <= lc.dgc_momentum < 1):
-            raise ConfigError("lowcomm.topk_ratio must be in (0, 1] and lowcomm.dgc_momentum in [0, 1)")
-        if lc.compression == "lgreco" and (lc.lgreco_error_budget <= 0 or lc.lgreco_every < 1):
-            raise ConfigError("lowcomm.lgreco_error_budget must be > 0 and lowcomm.lgreco_every >= 1")
-    if lc.onebit_adam and lc.compression != "onebit":
-        raise ConfigError("lowcomm.onebit_adam needs lowcomm.compression = onebit")

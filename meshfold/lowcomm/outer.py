@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.config import LowCommConfig
+from meshfold.lowcomm.config import LowCommConfig
 from meshfold.lowcomm.codecs import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from meshfold.config import ConfigError, ModelConfig
+from meshfold.errors import ConfigError
+from meshfold.models.config import ModelConfig
 
 # meshfold name (per layer, after "layers.{i}.") <-> HF name (after "model.layers.{i}.")
 LAYER_NAMES = {
@@ -374,7 +375,7 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     Returns the tokenizer files copied."""
     import torch.distributed.checkpoint as dcp
 
-    from meshfold.config import dump_toml, Config
+    from meshfold.config import Config, dump_toml
     from meshfold.train.checkpoint import SafeWriter, publish, write_manifest
 
     tmp = out.parent / f".tmp-{out.name}"

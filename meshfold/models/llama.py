@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.config import ModelConfig
+from meshfold.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.config import ModelConfig
+from meshfold.models.config import ModelConfig
 from meshfold.models.llama import FeedForward
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshfold.config import ConfigError, ModelConfig
+from meshfold.errors import ConfigError
+from meshfold.models.config import ModelConfig
 
 _LLAMA3 = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)
 _LLAMA31_ROPE = dict(max_position=131072, rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,

@@ -12,15 +12,19 @@ FSDP2 has sharded it, or before DDP / the gradient reducer, which need real tens
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 import torch
 
 from meshfold.parallel.data import apply_data_parallel, uses_fsdp
 from meshfold.parallel.materialize import is_meta, materialize
 from meshfold.parallel.recompute import apply_compile, apply_recompute
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 
 def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device | None = None) -> nn.Module:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,15 +42,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.comm import all_gather_into_tensor, all_to_all_single, exchange, wait_all
-from meshfold.config import Config, ConfigError, ModelConfig, ParallelConfig
+from meshfold.errors import ConfigError, divisors as _divisors
+from meshfold.layout import ParallelConfig
+from meshfold.models.config import ModelConfig
 from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention, pick_kernel
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 
 # --------------------------------------------------------------------------- layout
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def local_heads(model: ModelConfig, tp: int) -> tuple[int, int]:

@@ -30,17 +30,21 @@ all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from meshfold.comm import all_reduce, all_to_all_single
-from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.models.moe import MoE, combine, moe_layers
 from meshfold.parallel.data import uses_fsdp
 from meshfold.parallel.tensor import TensorParallelGroup, _distribute, shard_range
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

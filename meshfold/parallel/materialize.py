@@ -26,7 +26,7 @@ from torch._guards import detect_fake_mode
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from meshfold.config import ModelConfig
+from meshfold.models.config import ModelConfig
 from meshfold.models.llama import init_buffers, init_value
 
 

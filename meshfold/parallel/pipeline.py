@@ -38,15 +38,19 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshfold import comm
-from meshfold.config import Config, ConfigError
+from meshfold.errors import ConfigError
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.materialize import build_on_meta
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 TIMELINE_FILE = "pipeline_timeline.jsonl"

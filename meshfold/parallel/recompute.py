@@ -14,11 +14,15 @@ and therefore checkpoints and the name-seeded initialisation, do not change.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshfold.config import TrainConfig
 from meshfold.train.memory import note_checkpoint_inputs
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import TrainConfig
 
 
 def _checkpoint_forward(module: nn.Module) -> None:

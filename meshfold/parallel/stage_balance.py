@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshfold.config import ModelConfig
+from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, ffn_params
 
 

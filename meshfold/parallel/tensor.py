@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,9 +52,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold import comm
-from meshfold.config import Config
 from meshfold.mesh import ParallelDims
 from meshfold.models.llama import Attention, FeedForward, RMSNorm, Transformer
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
 
 SEQ_DIM = 1  # activations are [batch, seq, ...]
 

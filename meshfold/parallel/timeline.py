@@ -97,7 +97,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
 
-    from meshfold.config import ConfigError
+    from meshfold.errors import ConfigError
 
     if args.schedule:
         from meshfold.parallel.pipeline import schedule_actions, simulate

@@ -72,7 +72,7 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshfold.config import ModelConfig
+    from meshfold.models.config import ModelConfig
     from meshfold.models.llama import Transformer
 
     torch.set_num_threads(1)
@@ -275,7 +275,7 @@ def tiny_step_config(world: int, run_dir: str, zero: int = 0, layers: int = 1, p
 def block_flops(dim: int) -> float:
     """Forward+backward FLOPs of one calibration block, counted as the cost model does
     (3x forward; no fused attention on CPU, so the whole score matrix)."""
-    from meshfold.config import ModelConfig
+    from meshfold.models.config import ModelConfig
     from meshfold.models.presets import attention_params, mlp_params
 
     cfg = ModelConfig(dim=dim, n_layers=1, n_heads=max(2, dim // 32), vocab_size=32, seq_len=BLOCK_SEQ)

@@ -7,7 +7,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from meshfold.config import Config, ConfigError, load_config, validate
+from meshfold.config import Config, load_config, validate
+from meshfold.errors import ConfigError
 from meshfold.planner import cost
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config

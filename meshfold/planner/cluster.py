@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

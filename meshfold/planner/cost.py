@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshfold.config import Config, ModelConfig, ParallelConfig, validate
+from meshfold.config import Config, validate
+from meshfold.layout import ParallelConfig
+from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 

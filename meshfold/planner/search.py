@@ -24,14 +24,11 @@ import heapq
 import time as _time
 from dataclasses import dataclass, field
 
+from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 
 RECOMPUTE = ("none", "selective", "full")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def structures(w: Workload, world: int, max_tp: int = 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshfold.config import ConfigError
+from meshfold.errors import ConfigError
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,0 +1,89 @@
+"""Checks that relate ``[parallel]`` to ``[model]``: heads over tp, sequence over cp,
+layers over pp, experts over ep. The dataclass is ``meshfold.layout.ParallelConfig`` (core,
+because ``mesh.py`` builds on it); ``config.validate`` calls ``validate`` here once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshfold.errors import ConfigError, divisors
+from meshfold.parallel.context import check_config as check_context
+
+if TYPE_CHECKING:  # the composed config is handed in; its module sits above this layer
+    from meshfold.config import Config
+
+
+def validate(cfg: Config) -> None:
+    """The layout against the model, before the world size is known."""
+    m, p = cfg.model, cfg.parallel
+    if m.moe_experts and m.moe_capacity_factor > 0 and p.cp > 1:
+        raise ConfigError("model.moe_capacity_factor > 0 (per-sequence capacity) needs whole sequences on a "
+                          "rank; use parallel.cp = 1 or moe_capacity_factor = 0 (dropless)")
+    # Tensor parallel: heads split across tp ranks.
+    if p.tp > 1:
+        if p.tp > m.n_heads:
+            raise ConfigError(
+                f"parallel.tp = {p.tp} is larger than model.n_heads = {m.n_heads}; "
+                f"tp could be one of {divisors(m.n_heads)}"
+            )
+        if m.n_heads % p.tp:
+            raise ConfigError(
+                f"model.n_heads = {m.n_heads} is not divisible by parallel.tp = {p.tp}; "
+                f"tp could be one of {divisors(m.n_heads)}"
+            )
+        if m.kv_heads % p.tp and p.tp % m.kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads = {m.kv_heads} and parallel.tp = {p.tp}: one must divide the other "
+                f"(kv heads are split when tp divides them, replicated when they divide tp)"
+            )
+        if p.sp and m.seq_len % (p.tp * p.cp):
+            raise ConfigError(
+                f"parallel.sp needs model.seq_len = {m.seq_len} divisible by parallel.tp*cp = {p.tp * p.cp} "
+                f"(each rank keeps a 1/tp slice of its sequence); change model.seq_len or set parallel.sp = false"
+            )
+        if p.sp and m.moe_experts:
+            raise ConfigError("parallel.sp with MoE blocks (model.moe_experts > 0) is not supported; "
+                              "set parallel.sp = false")
+    if p.cp > 1:
+        chunks = 2 * p.cp if (p.cp_mode != "ulysses" and p.cp_balance) else p.cp
+        if m.seq_len % chunks:
+            raise ConfigError(
+                f"model.seq_len = {m.seq_len} is not divisible by {chunks} "
+                f"(parallel.cp = {p.cp}, cp_mode = {p.cp_mode}); choose a seq_len that is a multiple of {chunks}"
+            )
+        if p.cp_mode in ("ulysses",) and m.n_heads % (p.cp * p.tp):
+            raise ConfigError(
+                f"parallel.cp_mode = ulysses needs model.n_heads = {m.n_heads} divisible by cp*tp = {p.cp * p.tp}"
+            )
+    check_context(cfg)  # Ulysses/hybrid head split, cp_ulysses
+    # Pipeline stages: pp x chunks per rank (interleaved: pp_virtual_stages; zbv: 2, a V).
+    pp_stages = p.pp * {"interleaved": p.pp_virtual_stages, "zbv": 2}.get(p.pp_schedule, 1)
+    if p.pp > 1 and p.pp_schedule == "interleaved" and p.pp_virtual_stages < 2:
+        raise ConfigError("parallel.pp_schedule = interleaved needs parallel.pp_virtual_stages >= 2 "
+                          "(with 1 it is 1f1b)")
+    if p.pp > 1 and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
+                          "set it to false (meshfold convert import --untie for a Hugging Face model) "
+                          "or parallel.pp = 1")
+    if p.pp > 1 and pp_stages > m.n_layers:
+        raise ConfigError(
+            f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "
+            f"model.n_layers = {m.n_layers}; use fewer stages or more layers"
+        )
+    if p.pp_split:
+        if (len(p.pp_split) != pp_stages or sum(p.pp_split) != m.n_layers
+                or any(not isinstance(n, int) or n < 1 for n in p.pp_split)):
+            raise ConfigError(
+                f"parallel.pp_split = {p.pp_split} must list {pp_stages} layer counts (each >= 1) "
+                f"summing to model.n_layers = {m.n_layers}"
+            )
+    if m.moe_experts and p.ep > 1 and m.moe_experts % p.ep:
+        raise ConfigError(
+            f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}; "
+            f"ep could be one of {divisors(m.moe_experts)}"
+        )
+    if p.ep > 1 and not m.moe_experts:
+        raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
+    if p.ep > 1 and p.zero < 2:
+        raise ConfigError(f"parallel.ep = {p.ep} shards experts with FSDP over the remaining data-parallel ranks; "
+                          f"set parallel.zero to 2 or 3 (got {p.zero})")
