@@ -49,6 +49,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshfold import comm
 from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
+from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
 from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
@@ -60,7 +61,7 @@ from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, inflight_microbatches
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.optim import build_optimizer, grad_norm
-from meshfold.train.trainer import Trainer, cross_entropy_sum, resolve_dtypes
+from meshfold.train.trainer import Trainer, cross_entropy_sum
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
 

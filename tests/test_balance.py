@@ -12,7 +12,7 @@ from meshfold.data.balance import (
     BalanceError, CostModel, brute_force, greedy_lpt, imbalance, loads_of, naive_split, plan_context_parallel,
     plan_step, rank_token_cap, solve_exact,
 )
-from meshfold.data.balanced_loader import BalancedBatches, PieceBatchSampler
+from meshfold.parallel.balanced_loader import BalancedBatches, PieceBatchSampler
 from meshfold.data.packing import DocumentPieces
 from meshfold.testing import run_on, tiny_config, train_collect
 

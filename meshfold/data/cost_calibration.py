@@ -152,38 +152,3 @@ def cost_model_for(cfg: Config, device: torch.device, dtype: torch.dtype) -> Cos
         comm.broadcast(ab, 0, None, "data")
     a, b = ab.tolist()  # once, at start-up
     return CostModel(a, b)
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate-cost", help="measure the document cost model W(l) = a l^2 + b l")
-    p.add_argument("config", help="TOML config (its [model] and train.dtype/device are measured)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--lengths", default="", help="comma-separated document lengths (default: up to seq_len)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-
-
-def run(args) -> int:
-    from meshfold.config import load_config, validate
-    from meshfold.train.trainer import resolve_device, resolve_dtypes
-
-    cfg = validate(load_config(args.config, args.set))
-    device = resolve_device(cfg.train.device)
-    dtype, _ = resolve_dtypes(cfg.train.dtype, device)
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()] or None
-    fit = measure_cost(cfg.model, device, dtype, lengths, args.repeats)
-    if args.json:
-        print(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths, "counts": fit.counts,
-                          "seconds": fit.seconds, "max_rel_error": fit.rel_error()}))
-        return 0
-    print(f"{'doc tokens':>10} {'docs':>5} {'measured s':>12} {'fit s':>12}")
-    for l, k, s in zip(fit.lengths, fit.counts, fit.seconds):
-        print(f"{l:>10} {k:>5} {s:>12.6f} {k * (fit.a * l * l + fit.b * l) + fit.c:>12.6f}")
-    half = (fit.b / fit.a) if fit.a > 0 else float("inf")
-    print(f"W(l) = {fit.a:.4e} * l^2 + {fit.b:.4e} * l   (per-micro-batch overhead {fit.c:.4e} s; "
-          f"attention dominates beyond l = {half:.0f} tokens)")
-    print(f"--set data.cost_a={fit.a:.6e} --set data.cost_b={fit.b:.6e}")
-    return 0

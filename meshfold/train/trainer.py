@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import resource
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
+from meshfold.device import resolve_device, resolve_dtypes
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_aux_loss, moe_end_step
@@ -39,26 +39,6 @@ from meshfold.parallel.materialize import build_on_meta
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
-def resolve_dtypes(choice: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype or None). bf16 keeps fp32 master weights."""
-    if choice == "auto":
-        choice = "bfloat16" if device.type == "cuda" else "float32"
-    if choice == "bfloat16":
-        return torch.float32, torch.bfloat16
-    return DTYPES[choice], None
-
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of token losses, computed in at least fp32."""
@@ -88,10 +68,10 @@ class Trainer:
         self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
         self.prefetcher = Prefetcher(self.make_local_batch, cfg.data.prefetch, self.device)  # data.prefetch ahead
         self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
-        # data.balance: whole documents assigned to dp ranks / micro-batches by cost (data/balanced_loader.py).
+        # data.balance: whole documents assigned to dp ranks / micro-batches by cost (parallel/balanced_loader.py).
         self.balancer = None
         if cfg.data.balance != "none":
-            from meshfold.data.balanced_loader import from_trainer
+            from meshfold.parallel.balanced_loader import from_trainer
 
             self.balancer = from_trainer(self)
             self.sampler = self.balancer.sampler

@@ -28,8 +28,11 @@ import torch.distributed as dist
 
 from meshfold import comm
 from meshfold.errors import ConfigError
-from meshfold.data.balance import CostModel, StepPlan, plan_step
+from meshfold.data.balance import (CostModel, StepPlan, imbalance, loads_of, naive_split, plan_context_parallel,
+                                   plan_step)
+from meshfold.data.cost_calibration import cost_model_for
 from meshfold.data.packing import DocumentPieces, packed_row
+from meshfold.parallel.per_sequence_cp import SpreadContext, build_groups, make_plan, spread_span
 
 
 class PieceBatchSampler:
@@ -92,8 +95,6 @@ class BalancedBatches:
                  micro_cap: int, tokens_per_step: int, seed: int, method: str = "greedy",
                  tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False,
                  seq_cp_max: int = 1, cp_groups: dict | None = None, device: torch.device | str = "cpu"):
-        from meshfold.parallel.per_sequence_cp import SpreadContext
-
         self.pieces, self.cost = pieces, cost
         # Per-sequence context parallel (parallel/per_sequence_cp.py): groups made once, plans per step.
         self.seq_cp_max, self.cp_groups, self.spread = seq_cp_max, cp_groups or {}, SpreadContext()
@@ -119,8 +120,6 @@ class BalancedBatches:
     def plan_spread(self, ids: np.ndarray) -> StepPlan:
         """One micro-batch per rank; documents over the token limit or above a fair share of
         W spread over a group (deterministic: every rank computes the same)."""
-        from meshfold.data.balance import imbalance, loads_of, naive_split, plan_context_parallel
-
         lengths = self.pieces.lengths[ids]
         cp = plan_context_parallel(lengths, self.cost, self.n_ranks, rank_cap=self.micro_cap,
                                    max_degree=self.seq_cp_max)
@@ -153,8 +152,6 @@ class BalancedBatches:
         """Prepend this rank's shares of the step's spread documents (in item order, the
         order every group member shares) to its first micro-batch, and publish their ring
         plans to the attention modules."""
-        from meshfold.parallel.per_sequence_cp import make_plan, spread_span
-
         self.spread.by_doc = {}
         parts = []
         for item, k, start in self.last_plan.spread_items(self.rank):
@@ -188,8 +185,6 @@ class BalancedBatches:
 
 def from_trainer(trainer) -> BalancedBatches:
     """Build the balanced loader for a ``Trainer`` (its config, mesh and training data)."""
-    from meshfold.data.cost_calibration import cost_model_for
-
     cfg = trainer.cfg
     d, t, m = cfg.data, cfg.train, cfg.model
     dp = trainer.dims.size("dp")
@@ -199,8 +194,6 @@ def from_trainer(trainer) -> BalancedBatches:
     cost = cost_model_for(cfg, trainer.device, trainer.param_dtype)
     groups = None
     if d.seq_cp_max > 1:
-        from meshfold.parallel.per_sequence_cp import build_groups
-
         if dp % d.seq_cp_max or local // micro != 1:
             raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} needs it to divide the {dp} data-parallel ranks "
                               f"and one micro-batch per rank (train.micro_batch = 0)")
