@@ -17,7 +17,7 @@ from meshfold.errors import ConfigError
 SUBCOMMANDS = {
     "train": "meshfold.cli",
     "plot": "meshfold.cli",
-    "timeline": "meshfold.parallel.timeline",
+    "timeline": "meshfold.cli",
     "calibrate-cost": "meshfold.cli",
     "prepare": "meshfold.data.prepare",
     "convert": "meshfold.models.hf",
@@ -139,8 +139,52 @@ def run_calibrate_cost(args) -> int:
     return 0
 
 
-add_parser = {"train": add_train_parser, "plot": add_plot_parser, "calibrate-cost": add_calibrate_cost_parser}
-run = {"train": run_train, "plot": run_plot, "calibrate-cost": run_calibrate_cost}
+# --------------------------------------------------------------------------- timeline
+
+
+def add_timeline_parser(sub) -> None:
+    p = sub.add_parser("timeline", help="draw a pipeline schedule as a PNG (a run's measured step, or a schedule)")
+    p.add_argument("run_dir", nargs="?", help="run directory of a pipeline-parallel training run")
+    p.add_argument("--step", type=int, default=0, help="which logged step (default: the last)")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plots/timeline-step-N.png)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zbv"),
+                   help="draw a schedule's unit-cost simulation instead of a run")
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--virtual", type=int, default=2, help="chunks per rank for interleaved")
+
+
+def run_timeline(args) -> int:
+    from meshfold.parallel.pipeline import TIMELINE_FILE, schedule_actions, simulate
+    from meshfold.parallel.timeline import draw_timeline
+
+    if args.schedule:
+        virtual = args.virtual if args.schedule == "interleaved" else 1
+        events = simulate(args.schedule, schedule_actions(args.schedule, args.pp, virtual, args.microbatches))
+        out = args.out or f"timeline-{args.schedule}-pp{args.pp}-m{args.microbatches}.png"
+        title = f"{args.schedule}, pp {args.pp}, {args.microbatches} micro-batches (simulated, unit costs)"
+        print(draw_timeline(events, out, title))
+        return 0
+    if not args.run_dir:
+        raise ConfigError("meshfold timeline: give RUN_DIR or --schedule")
+    path = Path(args.run_dir) / TIMELINE_FILE
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; train with parallel.pp > 1 to log pipeline timings")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    chosen = [r for r in records if r["step"] == args.step] if args.step else records[-1:]
+    if not chosen:
+        raise ConfigError(f"step {args.step} is not in {path}; logged steps: {records[0]['step']}..{records[-1]['step']}")
+    rec = chosen[-1]
+    out = args.out or Path(args.run_dir) / "plots" / f"timeline-step-{rec['step']}.png"
+    title = (f"{rec['schedule']}, pp {rec['pp']}, {rec['microbatches']} micro-batches, "
+             f"step {rec['step']} (measured)")
+    print(draw_timeline(rec["events"], out, title))
+    return 0
+
+
+add_parser = {"train": add_train_parser, "plot": add_plot_parser, "calibrate-cost": add_calibrate_cost_parser,
+              "timeline": add_timeline_parser}
+run = {"train": run_train, "plot": run_plot, "calibrate-cost": run_calibrate_cost, "timeline": run_timeline}
 
 
 # --------------------------------------------------------------------------- entry

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.config import ModelConfig
+from meshfold.models.feedforward import FeedForward
+from meshfold.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -165,20 +167,6 @@ class Attention(nn.Module):
         return out.reshape(bsz, seq, -1)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, kind: str = "swiglu", bias: bool = False):
-        super().__init__()
-        self.kind = kind
-        self.w1 = nn.Linear(dim, hidden, bias=bias)
-        self.w2 = nn.Linear(hidden, dim, bias=bias)
-        self.w3 = nn.Linear(dim, hidden, bias=bias) if kind == "swiglu" else None
-
-    def forward(self, x):
-        if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -187,8 +175,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
         if cfg.is_moe_layer(layer_id):
-            from meshfold.models.moe import MoE
-
             self.feed_forward = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim, cfg.mlp, cfg.bias)

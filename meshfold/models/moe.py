@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.config import ModelConfig
-from meshfold.models.llama import FeedForward
+from meshfold.models.feedforward import FeedForward
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -48,6 +48,7 @@ from meshfold import comm
 from meshfold.errors import ConfigError
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.materialize import build_on_meta
+from meshfold.parallel.timeline import bubble_fractions
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -302,8 +303,6 @@ def theoretical_bubble(schedule: str, pp: int, virtual: int, m: int) -> float:
         return (pp - 1) / (m + pp - 1)
     if schedule == "interleaved":
         return (pp - 1) / (virtual * m + pp - 1)
-    from meshfold.parallel.timeline import bubble_fractions
-
     fr = bubble_fractions(simulate(schedule, schedule_actions(schedule, pp, virtual, m)))
     return sum(fr.values()) / len(fr)
 

@@ -46,7 +46,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshfold import comm
+from meshfold.config import TrainConfig, from_dict
+from meshfold.models.config import ModelConfig
+from meshfold.models.llama import Transformer
+from meshfold.models.presets import attention_params, mlp_params
+from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
 from meshfold.planner.cluster import Cluster, Device, cluster_to_toml
+from meshfold.planner.cost import CostModel, layout_from_config, workload_from_config
+from meshfold.testing import free_port, tiny_config
+from meshfold.train.optim import _adamw_kwargs
+from meshfold.train.trainer import Trainer
 
 
 BLOCK_DIMS = (16, 64, 256)  # widths of the timed transformer blocks
@@ -71,9 +80,6 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
-
-    from meshfold.models.config import ModelConfig
-    from meshfold.models.llama import Transformer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -129,9 +135,6 @@ def _measure(rank: int, world: int, port: int, out) -> None:
     # reductions): a real Trainer step of a one-layer model, all ranks data-parallel
     import tempfile
 
-    from meshfold.config import from_dict
-    from meshfold.train.trainer import Trainer
-
     # DDP, then FSDP2 (the difference prices FSDP's collectives), then DDP with more
     # layers (what a layer costs inside a real step beyond its block: hooks, optimizer and
     # clipping per tensor, autograd bookkeeping), then a two-stage pipeline (what the
@@ -165,8 +168,6 @@ def tiled_attention_step(tile: int):
     """Forward + backward of context parallelism's tiled attention on this rank alone
     (cp = 1), width 64 (2 heads of 32), at ``tile`` tokens per tile."""
     import torch
-
-    from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
 
     plan = ContextParallelPlan(1, 1, False, 0, None, None, None, tile=tile)
     attn = ContextParallelAttention(plan, _MetaCache(plan))
@@ -216,8 +217,6 @@ def measure(nproc: int) -> dict:
     """Run the measurements on ``nproc`` gloo processes; per-quantity medians over ranks."""
     import multiprocessing as mp
 
-    from meshfold.testing import free_port
-
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -245,9 +244,6 @@ def optimizer_step(numel: int):
     """One AdamW step (the training's settings on CPU) over ``numel`` float32 parameters."""
     import torch
 
-    from meshfold.config import TrainConfig
-    from meshfold.train.optim import _adamw_kwargs
-
     params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -260,7 +256,6 @@ def tiny_step_config(world: int, run_dir: str, zero: int = 0, layers: int = 1, p
     """A tiny model whose training step is mostly the framework's fixed cost (zero 0: DDP
     over all ranks; zero 3: FSDP2 over all ranks; pp 2: DDP over world/2 two-stage
     pipelines, 1F1B over 4 micro-batches)."""
-    from meshfold.testing import tiny_config
 
     parallel = {"dp_replicate": world, "dp_shard": 1, "zero": 0} if zero == 0 else {"dp_shard": world, "zero": zero}
     train = {"global_batch": world, "dtype": "float32", "steps": 1000}
@@ -275,8 +270,6 @@ def tiny_step_config(world: int, run_dir: str, zero: int = 0, layers: int = 1, p
 def block_flops(dim: int) -> float:
     """Forward+backward FLOPs of one calibration block, counted as the cost model does
     (3x forward; no fused attention on CPU, so the whole score matrix)."""
-    from meshfold.models.config import ModelConfig
-    from meshfold.models.presets import attention_params, mlp_params
 
     cfg = ModelConfig(dim=dim, n_layers=1, n_heads=max(2, dim // 32), vocab_size=32, seq_len=BLOCK_SEQ)
     tokens = BLOCK_BATCH * BLOCK_SEQ
@@ -344,12 +337,10 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
 
 def predict_tiny_step(cluster: Cluster, n: int, zero: int, layers: int = 1, pp: int = 1) -> float:
     """The cost model's step time for one of the tiny calibration steps on ``cluster``."""
-    from meshfold.config import from_dict
-    from meshfold.planner.cli import layout_from_config, workload_from_config
-    from meshfold.planner.cost import CostModel
 
     cfg = from_dict(tiny_step_config(n, "unused", zero, layers, pp))
-    return CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, n)).step_time_s
+    workload = workload_from_config(cfg, on_gpu=not cluster.device.name.startswith("cpu"))
+    return CostModel(workload, cluster).estimate(layout_from_config(cfg, n)).step_time_s
 
 
 def busy_alpha_and_call(n: int, r: dict) -> tuple[float, float]:

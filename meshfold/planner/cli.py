@@ -12,6 +12,8 @@ from meshfold.errors import ConfigError
 from meshfold.planner import cost
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config
+from meshfold.planner.search import explain, search
+from meshfold.planner.simulate import makespan, result_json, simulate
 
 
 def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
@@ -56,7 +58,6 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(args) -> int:
-    from meshfold.planner.search import explain, search
 
     if args.check:  # the run directory holds its own resolved config
         return check_run(args.check, args.cluster, args.json)
@@ -163,7 +164,6 @@ def add_simulate_parser(sub) -> None:
 
 
 def run_simulate(args) -> int:
-    from meshfold.planner.simulate import makespan, result_json, simulate
 
     cfg = load_config(args.config, args.set)
     cluster = load_cluster(args.cluster, devices=args.devices)

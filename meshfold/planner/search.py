@@ -24,6 +24,7 @@ import heapq
 import time as _time
 from dataclasses import dataclass, field
 
+from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
@@ -107,7 +108,6 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
 
 def runtime_config(w: Workload, L: Layout):
     """The ``Config`` that runs layout ``L`` (what ``plan --out`` writes)."""
-    from meshfold.config import Config, TrainConfig
 
     t = TrainConfig(global_batch=w.global_batch, micro_batch=L.micro_batch if L.pp == 1 else 0,
                     recompute=L.recompute)
