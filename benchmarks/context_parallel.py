@@ -3,7 +3,7 @@
 For cp = 1, 2, 4 at one fixed sequence length, every rank runs one forward+backward of a
 small Llama on its slice of a packed sequence (real gloo processes) and reports
 
-* the activation bytes autograd keeps for backward (``train/memory.py``: saved-tensor hooks,
+* the activation bytes autograd keeps for backward (``meshfold/memory.py``: saved-tensor hooks,
   one count per storage, parameters excluded), as a ratio to cp = 1 (ideal 1/cp);
 * the cp bytes it sent (comm ledger) per layer, next to the formulas (docs/context_parallel.md):
     ring     per layer: (3R-2) * 2 b (S/R) (Hkv'/U) d e   (forward R-1 k/v sends; backward R-1 k/v + R dk/dv)
@@ -38,7 +38,7 @@ def measure(seq: int, dim: int, layers: int, mode: str, balance: bool, doc_mask:
     from meshfold.models.llama import Transformer, init_weights
     from meshfold.parallel.context import (ContextParallelAttention, ContextParallelPlan, _MetaCache,
                                            apply_context_parallel, shard_batch)
-    from meshfold.train.memory import count_saved_activations
+    from meshfold.memory import count_saved_activations
 
     torch.set_num_threads(1)
     cp = dist.get_world_size() if dist.is_initialized() else 1

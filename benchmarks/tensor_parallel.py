@@ -10,7 +10,7 @@ the same Llama, from the same initial weights and batch, under two implementatio
   ``loss_parallel()``.
 
 Prints the median step time of each, their ratio, the saved-activation bytes per rank
-(``train/memory.py``) and their ratio, and checks both give the same loss.
+(``meshfold/memory.py``) and their ratio, and checks both give the same loss.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--dim 256] [--seq 256] [--batch 4] [--iters 8]
 """
@@ -85,7 +85,7 @@ def measure(impl: str, sp: bool, dim: int, seq: int, batch: int, iters: int) -> 
     from meshfold.models.llama import Transformer, init_weights
     from meshfold.parallel.loss import vocab_parallel_loss
     from meshfold.parallel.tensor import parallelize_tensor
-    from meshfold.train.memory import SavedActivationCounter
+    from meshfold.memory import SavedActivationCounter
 
     class Counter(SavedActivationCounter):
         """The baseline's autograd saves DTensors: count their local storage."""

@@ -20,9 +20,9 @@ SUBCOMMANDS = {
     "timeline": "meshfold.cli",
     "calibrate-cost": "meshfold.cli",
     "prepare": "meshfold.data.prepare",
-    "convert": "meshfold.models.hf",
+    "convert": "meshfold.convert",
     "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.planner.cli",
-    "netlab": "meshfold.lowcomm.cli",
+    "netlab": "meshfold.netlab_cli",
     "dry-run": "meshfold.dryrun",
 }
 

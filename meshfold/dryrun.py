@@ -59,8 +59,8 @@ from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, inflight_microbatches
-from meshfold.train.memory import count_saved_activations
-from meshfold.train.optim import build_optimizer, grad_norm
+from meshfold.memory import count_saved_activations
+from meshfold.parallel.optim import build_optimizer, grad_norm
 from meshfold.train.trainer import Trainer, cross_entropy_sum
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")

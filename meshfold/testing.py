@@ -19,6 +19,10 @@ import queue
 import socket
 import traceback
 from typing import Any, Callable
+from meshfold import comm
+from meshfold.comm import reset_ledger
+from meshfold.config import from_dict
+from meshfold.train.trainer import Trainer
 
 
 class WorkerError(RuntimeError):
@@ -37,8 +41,6 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
     import torch
     import torch.distributed as dist
 
-    from meshfold import comm
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -50,7 +52,6 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
             break
         fn, args, kwargs = task
         try:
-            from meshfold.comm import reset_ledger
 
             reset_ledger()
             torch.manual_seed(0)
@@ -165,9 +166,6 @@ def train_collect(cfg_dict: dict) -> dict | None:
     """Train on this process (group) and return, on global rank 0, the losses and the
     unsharded parameters and last-step gradients."""
     import torch.distributed as dist
-
-    from meshfold.config import from_dict
-    from meshfold.train.trainer import Trainer
 
     trainer = Trainer(from_dict(cfg_dict))
     trainer.capture_grads = True

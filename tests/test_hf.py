@@ -9,7 +9,7 @@ import torch
 
 from meshfold.cli import main
 from meshfold.config import from_dict
-from meshfold.models.hf import load_model, read_checkpoint_model
+from meshfold.convert import load_model, read_checkpoint_model
 from meshfold.testing import tiny_config
 
 transformers = pytest.importorskip("transformers")

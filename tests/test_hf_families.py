@@ -13,7 +13,7 @@ import torch
 
 from meshfold.cli import main
 from meshfold.config import ModelConfig
-from meshfold.models.hf import check_hf, load_model, read_checkpoint_model
+from meshfold.convert import check_hf, load_model, read_checkpoint_model
 from meshfold.models.llama import Transformer, rope_frequencies
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 

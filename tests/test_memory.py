@@ -7,7 +7,7 @@ from meshfold.config import ModelConfig, TrainConfig
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.recompute import apply_recompute
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
-from meshfold.train.memory import count_saved_activations
+from meshfold.memory import count_saved_activations
 
 
 @pytest.fixture(scope="module")

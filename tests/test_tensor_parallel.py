@@ -97,7 +97,7 @@ def measure_sizes(cfg_dict: dict) -> dict:
     backward during one forward of the first micro-batch (counted by storage)."""
     import torch
 
-    from meshfold.train.memory import count_saved_activations
+    from meshfold.memory import count_saved_activations
     from meshfold.train.trainer import Trainer
 
     trainer = Trainer(from_dict(cfg_dict))

@@ -26,8 +26,11 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.models.config import ModelConfig
 from meshfold.data.balance import CostModel
+from meshfold.data.tokenizer import cache_root
+from meshfold.models.config import ModelConfig
+from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.varlen_attention import use_varlen_attention
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -64,8 +67,6 @@ def measure_cost(model_cfg: ModelConfig, device: str | torch.device = "cpu", dty
                  row_tokens: int = 0) -> CostFit:
     """Time micro-batches of ``k`` documents of ``l`` tokens (k = 1 and k*l about
     ``row_tokens``, default 2 * the longest length) and fit time = k (a l^2 + b l) + c."""
-    from meshfold.models.llama import Transformer, init_weights
-    from meshfold.models.varlen_attention import use_varlen_attention
 
     device = torch.device(device)
     lengths = lengths or default_lengths(model_cfg.seq_len)
@@ -121,7 +122,6 @@ def fit_cost(lengths: list[int], counts: list[int], seconds: list[float]) -> Cos
 
 
 def _cache_file(cfg: Config, device: torch.device, dtype: torch.dtype):
-    from meshfold.data.tokenizer import cache_root
 
     m = cfg.model
     key = json.dumps([m.dim, m.n_layers, m.n_heads, m.kv_heads, m.hidden_dim, m.vocab_size, m.seq_len,

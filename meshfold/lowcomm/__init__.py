@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshfold.data.dataset import GlobalBatchSampler
+from meshfold.lowcomm.onebit_adam import OneBitAdam
+from meshfold.lowcomm.outer import build_outer, local_tensor
+from meshfold.parallel.data import unwrap, uses_fsdp
+from meshfold.parallel.optim import build_scheduler, param_groups
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -47,8 +51,6 @@ class LowComm:
     """Glue between the Trainer and the outer optimizer / compression state."""
 
     def __init__(self, trainer):
-        from meshfold.lowcomm.outer import build_outer
-        from meshfold.parallel.data import unwrap, uses_fsdp
 
         cfg: Config = trainer.cfg
         lc, dims = cfg.lowcomm, trainer.dims
@@ -76,8 +78,6 @@ class LowComm:
             trainer.checkpointer.register("lowcomm", self)
 
     def _use_onebit_adam(self, trainer) -> None:
-        from meshfold.lowcomm.onebit_adam import OneBitAdam
-        from meshfold.train.optim import build_scheduler, param_groups
 
         t = trainer.cfg.train
         state = self.compression
@@ -117,7 +117,6 @@ class LowComm:
         return sd
 
     def _named(self):
-        from meshfold.parallel.data import unwrap
 
         return list(unwrap(self.trainer.model).named_parameters())
 
@@ -125,7 +124,6 @@ class LowComm:
         """This rank's parameters and optimizer state. The checkpointer stores plain tensors
         once, as if every data-parallel copy were equal; across workers they are not (each
         worker trains its own replica between outer steps), so each worker keeps its own."""
-        from meshfold.lowcomm.outer import local_tensor
 
         opt = self.trainer.optimizer
         out = {"params": {}, "optim": {}}
@@ -137,7 +135,6 @@ class LowComm:
 
     @torch.no_grad()
     def _load_replica_state(self, sd: dict) -> None:
-        from meshfold.lowcomm.outer import local_tensor
 
         opt = self.trainer.optimizer
         for name, p in self._named():

@@ -19,9 +19,12 @@ from torch import nn
 from meshfold.mesh import ParallelDims
 import torch
 
+from meshfold.parallel.context import apply_context_parallel
 from meshfold.parallel.data import apply_data_parallel, uses_fsdp
+from meshfold.parallel.expert import apply_expert_parallel
 from meshfold.parallel.materialize import is_meta, materialize
 from meshfold.parallel.recompute import apply_compile, apply_recompute
+from meshfold.parallel.tensor import parallelize_tensor
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -35,16 +38,13 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
         return materialize(m, cfg.model, cfg.train.seed, device or torch.device("cpu")) if meta else m
 
     if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
-        from meshfold.parallel.tensor import parallelize_tensor
 
         parallelize_tensor(model, dims, cfg)
     if (dims.distributed and dims.enabled("cp")) or cfg.data.skip_masked_blocks:  # swaps Attention.core,
         # so before recompute wraps it
-        from meshfold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, cfg, dims)
     if dims.distributed and cfg.model.moe_experts:  # global balance statistics; ep shards experts
-        from meshfold.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, cfg, dims)
     apply_recompute(model, cfg.train)

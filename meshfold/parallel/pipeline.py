@@ -47,7 +47,11 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from meshfold import comm
 from meshfold.errors import ConfigError
 from meshfold.models.llama import Transformer, init_weights
+from meshfold.models.moe import moe_aux_loss
+from meshfold.parallel import parallelize
+from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.materialize import build_on_meta
+from meshfold.parallel.stage_balance import balanced_split, describe_split
 from meshfold.parallel.timeline import bubble_fractions
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
@@ -94,7 +98,6 @@ def microbatch_problem(schedule: str, pp: int, m: int) -> str | None:
 
 def stage_split(cfg: Config) -> tuple[list[int], str]:
     """Blocks per stage: ``parallel.pp_split`` if given, else the cost-balanced split."""
-    from meshfold.parallel.stage_balance import balanced_split
 
     p = cfg.parallel
     n = p.pp * chunks_per_rank(p.pp_schedule, p.pp_virtual_stages)
@@ -513,9 +516,6 @@ class Pipeline:
     """Builds this rank's stages and runs the schedule for a trainer."""
 
     def __init__(self, trainer):
-        from meshfold.parallel import parallelize
-        from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
-        from meshfold.parallel.stage_balance import describe_split
 
         self.trainer = trainer
         cfg, dims = trainer.cfg, trainer.dims
@@ -726,7 +726,6 @@ class Pipeline:
     def _moe_aux(self, chunk: int, m: int) -> torch.Tensor | None:
         """This chunk's MoE auxiliary losses for the micro-batch just run, scaled like the
         trainer's (``Trainer.moe_aux``): their sum over ranks is the global-batch value."""
-        from meshfold.models.moe import moe_aux_loss
 
         aux = moe_aux_loss(self.model.chunks[chunk])
         return None if aux is None else aux * (self.trainer.grad_reducers / m)

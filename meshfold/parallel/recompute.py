@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshfold.train.memory import note_checkpoint_inputs
+from meshfold.memory import note_checkpoint_inputs
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig

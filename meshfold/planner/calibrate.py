@@ -54,7 +54,7 @@ from meshfold.parallel.context import ContextParallelAttention, ContextParallelP
 from meshfold.planner.cluster import Cluster, Device, cluster_to_toml
 from meshfold.planner.cost import CostModel, layout_from_config, workload_from_config
 from meshfold.testing import free_port, tiny_config
-from meshfold.train.optim import _adamw_kwargs
+from meshfold.parallel.optim import _adamw_kwargs
 from meshfold.train.trainer import Trainer
 
 

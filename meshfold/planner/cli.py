@@ -9,7 +9,9 @@ from pathlib import Path
 
 from meshfold.config import Config, load_config, validate
 from meshfold.errors import ConfigError
+from meshfold.parallel.timeline import draw_timeline
 from meshfold.planner import cost
+from meshfold.planner.calibrate import calibrate
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config
 from meshfold.planner.search import explain, search
@@ -171,7 +173,6 @@ def run_simulate(args) -> int:
     layout = layout_from_config(cfg, cluster.world_size)
     est, events = simulate(w, cluster, layout)
     if args.png:
-        from meshfold.parallel.timeline import draw_timeline
 
         draw_timeline(events, args.png, title=f"{layout.short()} on {cluster.name} (simulated)")
     out = result_json(est, events, makespan(events))
@@ -202,7 +203,6 @@ def add_calibrate_parser(sub) -> None:
 
 
 def run_calibrate(args) -> int:
-    from meshfold.planner.calibrate import calibrate
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")

@@ -72,6 +72,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from meshfold import comm
+from meshfold.parallel.data import unwrap
 
 MANIFEST = "meshfold.json"
 DCP_JSON = "dcp_metadata.json"  # DCP's metadata as JSON: what loading reads (never the pickled .metadata)
@@ -475,7 +476,6 @@ class Checkpointer:
         return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
 
     def _fqn_of_params(self) -> dict[int, str]:
-        from meshfold.parallel.data import unwrap
 
         return {id(p): name for name, p in unwrap(_whole_model(self.trainer)).named_parameters()}
 

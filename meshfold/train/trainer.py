@@ -28,17 +28,24 @@ from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.device import resolve_device, resolve_dtypes
+from meshfold.lowcomm import attach_lowcomm
+from meshfold.memory import count_saved_activations
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_aux_loss, moe_end_step
 from meshfold.models.presets import flops_per_token
+from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel import parallelize
+from meshfold.parallel.balanced_loader import from_trainer
 from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
-from meshfold.parallel.data import grad_reducers, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.loss import vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
-from meshfold.train.memory import count_saved_activations
+from meshfold.parallel.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from meshfold.parallel.pipeline import Pipeline
+from meshfold.train.checkpoint import Checkpointer
+from meshfold.train.fault import FaultMonitor
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
-from meshfold.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of token losses, computed in at least fp32."""
@@ -71,7 +78,6 @@ class Trainer:
         # data.balance: whole documents assigned to dp ranks / micro-batches by cost (parallel/balanced_loader.py).
         self.balancer = None
         if cfg.data.balance != "none":
-            from meshfold.parallel.balanced_loader import from_trainer
 
             self.balancer = from_trainer(self)
             self.sampler = self.balancer.sampler
@@ -86,7 +92,6 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         self.loss_fn = cross_entropy_sum
         if self.dims.distributed and self.dims.enabled("tp"):  # logits arrive split by vocabulary
-            from meshfold.parallel.loss import vocab_parallel_loss
 
             self.loss_fn = vocab_parallel_loss(self.dims, cfg)
         self.step = 0
@@ -100,13 +105,10 @@ class Trainer:
         self.last_grads: dict[str, torch.Tensor] = {}
         # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
         # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py).
-        from meshfold.train.checkpoint import Checkpointer
-        from meshfold.train.fault import FaultMonitor
 
         self.checkpointer = Checkpointer(self)
         self.fault = FaultMonitor(self)
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
-        from meshfold.lowcomm import attach_lowcomm
 
         self.lowcomm = attach_lowcomm(self)
 
@@ -115,7 +117,6 @@ class Trainer:
     def build_model(self) -> torch.nn.Module:
         torch.manual_seed(self.cfg.train.seed)
         if self.cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
-            from meshfold.parallel.pipeline import Pipeline
 
             self.pipeline = Pipeline(self)
             return self.pipeline.model
@@ -123,7 +124,6 @@ class Trainer:
         # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
         model = build_on_meta(lambda: Transformer(self.cfg.model), self.param_dtype)
         if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
-            from meshfold.models.varlen_attention import use_varlen_attention
 
             use_varlen_attention(model, self.balancer.spread)
         return parallelize(model, self.cfg, self.dims, self.device)
@@ -217,7 +217,7 @@ class Trainer:
 
     def activation_counter(self, first: bool):
         """Count the bytes autograd saves for backward on the first micro-batch of a step
-        (the honest activation-memory figure on CPU; see train/memory.py). Off under
+        (the honest activation-memory figure on CPU; see meshfold/memory.py). Off under
         torch.compile, whose graphs the counting hooks would break."""
         if not first or self.cfg.train.compile:
             return contextlib.nullcontext()
@@ -368,7 +368,6 @@ class Trainer:
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters (or their gradients) by model name, for tests and export."""
-        from meshfold.parallel.data import unwrap
 
         if self.pipeline is not None:  # gathered from every stage onto pp rank 0
             return self.pipeline.full_state(grads)

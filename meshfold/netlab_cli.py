@@ -14,6 +14,9 @@ from __future__ import annotations
 import sys
 import time
 
+from meshfold.config import load_config, validate
+from meshfold.lowcomm.netlab import NetLab, NetLabError, available, cleanup_stale, probe
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("netlab", help="run over throttled links in network namespaces (root)")
@@ -37,7 +40,6 @@ def _fail(msg: str) -> int:
 
 
 def run(args) -> int:
-    from meshfold.lowcomm.netlab import NetLab, NetLabError, available, cleanup_stale, probe
 
     if args.netlab_command == "cleanup":
         for ns in cleanup_stale():
@@ -60,8 +62,6 @@ def run(args) -> int:
 
 
 def _train(args) -> int:
-    from meshfold.config import load_config, validate
-    from meshfold.lowcomm.netlab import NetLab
 
     cfg = load_config(args.config, args.set)
     validate(cfg, args.nodes * args.nproc_per_node)  # one line now, before any namespace exists

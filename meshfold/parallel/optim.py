@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,8 +16,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold import comm
 from meshfold.comm import ledger
-from meshfold.config import TrainConfig
 from meshfold.mesh import ParallelDims
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

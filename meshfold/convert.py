@@ -1,0 +1,282 @@
+"""``meshfold convert``: Hugging Face folders <-> meshfold checkpoints, and ``convert check``.
+
+The name and value mapping (and the HF config reading) is ``models/hf.py``; this module adds
+what needs the checkpoint format (``train/checkpoint.py``) and the composed config, so it
+sits in the tools layer (docs/architecture.md). Features and refusals: docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from meshfold.config import Config, dump_toml, load_config
+from meshfold.errors import ConfigError
+from meshfold.models.config import ModelConfig
+from meshfold.models.hf import (ARCHITECTURES, FAMILIES, from_hf, hf_config_from_model, hf_family, model_config_from_hf,
+                               read_safetensors, to_hf, write_safetensors)
+from meshfold.models.llama import Transformer, rope_tables
+from meshfold.train.checkpoint import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
+                                       validate_checkpoint, write_manifest)
+
+
+# --------------------------------------------------------------------------- meshfold side
+
+
+def read_checkpoint_model(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Full (unsharded) model tensors of a meshfold checkpoint, in one process, and the
+    model shape from its manifest. The checkpoint is validated first."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    manifest = validate_checkpoint(ckpt)
+    m = ModelConfig(**manifest["model"])
+    meta = read_dcp_metadata(ckpt).state_dict_metadata  # JSON, never the pickled .metadata
+    model = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype, device="cpu")
+             for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    sd = {"model": model}
+    safe_load(sd, ckpt, no_dist=True)
+    return sd["model"], m
+
+
+# Files of a Hugging Face model folder that describe its tokenizer (copied both ways).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+SOURCE_CONFIG = "hf_config.json"  # the imported model's config.json, kept in the import
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # copied back into an export's config.json
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer files of ``src`` into ``dst``; returns the names copied. ``src`` is
+    a folder, a ``tokenizer.json`` (its folder's other tokenizer files come along) or any
+    other tokenizer.json-format file (a cached BPE), which lands as ``tokenizer.json``."""
+    if src.is_file():
+        if src.name == "tokenizer.json":
+            return copy_tokenizer(src.parent, dst)
+        shutil.copyfile(src, dst / "tokenizer.json")
+        return ["tokenizer.json"]
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: Path, source: str,
+                           source_dir: Path | None = None) -> list[str]:
+    """A meshfold checkpoint folder holding only the model (what ``train.init_from`` reads)
+    and the source's tokenizer files and config.json (``source_dir``), published atomically
+    like training checkpoints.
+    Returns the tokenizer files copied."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dcp.save({"model": state}, storage_writer=SafeWriter(str(tmp)), no_dist=True)  # + dcp_metadata.json
+    copied = copy_tokenizer(source_dir, tmp) if source_dir is not None else []
+    if source_dir is not None and (source_dir / "config.json").is_file():
+        shutil.copyfile(source_dir / "config.json", tmp / SOURCE_CONFIG)  # token ids etc. for export
+    cfg = Config(model=m)
+    cfg.train.init_from = str(out)
+    if "tokenizer.json" in copied:
+        cfg.data.tokenizer = str(out / "tokenizer.json")
+    note = (f"# meshfold [model] of {source}; train with: meshfold train {out / 'config.toml'}\n"
+            f"# model.seq_len is the source's longest context ({m.seq_len}); set the length to train at.\n")
+    (tmp / "config.toml").write_text(note + dump_toml(cfg))
+    write_manifest(tmp, {"step": 0, "world_size": 1, "model": dataclasses.asdict(m), "parallel": {},
+                         "extras": [], "source": source})
+    publish(tmp, out)
+    return copied
+
+
+def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """meshfold-named tensors and model shape of a Hugging Face folder, checked against the
+    names the shape implies."""
+    config_path = hf_dir / "config.json"
+    if not config_path.exists():
+        raise ConfigError(f"convert: {config_path} does not exist (give a Hugging Face model folder)")
+    m = model_config_from_hf(json.loads(config_path.read_text()))
+    state = from_hf(read_safetensors(hf_dir), m)
+    expected = _expected_names(m)
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ConfigError(f"convert import: tensors do not match the config: missing {missing[:5]}, extra {extra[:5]}")
+    return state, m
+
+
+def import_hf(hf_dir: Path, out: Path, untie: bool = False) -> ModelConfig:
+    """``untie``: give a tied model its own output projection (a copy of the embedding, so
+    the logits are unchanged), which pipeline parallel needs; the two then train apart."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    state, m = read_hf(hf_dir)
+    if untie and m.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"].clone()
+        m = dataclasses.replace(m, tie_embeddings=False)
+    write_checkpoint_model(state, m, out, source=str(hf_dir), source_dir=hf_dir)
+    return m
+
+
+def _origins(ckpt: Path) -> tuple[list[Path], Path | None]:
+    """Where a checkpoint came from: the folders that may hold its source's Hugging Face
+    config (the checkpoint itself when it is an import, else its run's ``train.init_from``),
+    and its tokenizer (its own files, else its run's ``data.tokenizer``)."""
+    folders, tokenizer = [ckpt], None
+    run_config = ckpt.parent.parent / "config.toml"  # RUN_DIR/checkpoints/step-N
+    if run_config.is_file():
+
+        run = load_config(run_config)
+        if run.train.init_from:
+            folders.append(Path(run.train.init_from).expanduser())
+        tok = Path(run.data.tokenizer).expanduser() if run.data.tokenizer else None
+        tokenizer = tok if tok is not None and tok.exists() else None
+    if (ckpt / "tokenizer.json").is_file():
+        tokenizer = ckpt
+    return folders, tokenizer
+
+
+def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+              arch: str | None = None, tokenizer: Path | None = None) -> tuple[ModelConfig, str, list[str]]:
+    """Returns the model shape, the family written and the tokenizer files copied. The
+    source model's bos/eos/pad token ids (from an import, directly or through the run's
+    ``train.init_from``) are written into ``config.json``."""
+    ckpt = Path(ckpt)
+    if tokenizer is not None and not tokenizer.exists():
+        raise ConfigError(f"convert export: --tokenizer {tokenizer} does not exist")
+    state, m = read_checkpoint_model(ckpt)
+    family = hf_family(m, arch)  # refuse before writing anything
+    folders, found_tokenizer = _origins(ckpt)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    hf_state = to_hf(state, m)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(hf_state, out, max_shard_bytes)
+    dt = next(iter(state.values())).dtype
+    config = hf_config_from_model(m, dt, family)
+    for folder in folders:
+        if (folder / SOURCE_CONFIG).is_file():
+            source = json.loads((folder / SOURCE_CONFIG).read_text())
+            config.update({k: source[k] for k in TOKEN_IDS if source.get(k) is not None})
+            break
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    source = tokenizer if tokenizer is not None else found_tokenizer
+    copied = copy_tokenizer(source, out) if source is not None else []
+    return m, family, copied
+
+
+def _expected_names(m: ModelConfig) -> set[str]:
+
+    with torch.device("meta"):
+        return {name for name, _ in Transformer(m).named_parameters()}
+
+
+def load_model(ckpt: Path, dtype: torch.dtype | None = None):
+    """A parallelism-free ``Transformer`` with the weights of a meshfold checkpoint."""
+
+    state, m = read_checkpoint_model(Path(ckpt))
+    model = Transformer(m)
+    if dtype is not None:
+        model.to(dtype)
+    model.load_state_dict({k: v.to(dtype) if dtype else v for k, v in state.items()})
+    return model
+
+
+# --------------------------------------------------------------------------- check
+
+CHECK_TOLERANCE = 1e-4
+
+
+def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
+    """Largest absolute logit difference between ``transformers`` and meshfold's import of
+    ``hf_dir`` on the same random tokens, both in float32."""
+
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("convert check needs transformers: pip install transformers") from None
+    hf_dir = Path(hf_dir)
+    state, m = read_hf(hf_dir)
+    with torch.device("meta"):  # no random init of billions of weights about to be replaced
+        ours = Transformer(m)
+    ours.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+    ours.rope_cos, ours.rope_sin = rope_tables(m)  # non-persistent buffers: not in the state dict
+    ours.eval()
+    del state
+    fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **fp32).eval()
+    seq = min(seq, m.seq_len)
+    tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    return {"max_abs_diff": diff, "tolerance": CHECK_TOLERANCE, "ok": diff <= CHECK_TOLERANCE,
+            "model_type": theirs.config.model_type, "tokens": [batch, seq], "dtype": "float32"}
+
+
+# --------------------------------------------------------------------------- CLI
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3) <-> meshfold checkpoints")
+    direction = p.add_subparsers(dest="direction", required=True)
+    imp = direction.add_parser("import",
+                               help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
+    imp.add_argument("--untie", action="store_true",
+                     help="tied embeddings: give the output projection its own copy (for parallel.pp > 1)")
+    exp = direction.add_parser("export", help="meshfold checkpoint (e.g. RUN_DIR/checkpoints/step-N) -> HF folder")
+    exp.add_argument("checkpoint")
+    exp.add_argument("out")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    exp.add_argument("--arch", choices=FAMILIES, default=None,
+                     help="Hugging Face family to write (default: qwen3 with q/k norms, qwen2 with q/k/v biases, "
+                          "else llama)")
+    exp.add_argument("--tokenizer", default=None,
+                     help="tokenizer folder or tokenizer.json to copy (default: the checkpoint's own, or its "
+                          "run's data.tokenizer)")
+    chk = direction.add_parser("check", help="logits of transformers vs meshfold's import, fp32, same tokens")
+    chk.add_argument("hf_dir")
+    chk.add_argument("--json", action="store_true", help="print one JSON object (key max_abs_diff)")
+    chk.add_argument("--batch", type=int, default=2)
+    chk.add_argument("--seq", type=int, default=64, help="tokens per sequence (at most model.seq_len)")
+    chk.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+
+    try:
+        if args.direction == "import":
+            m = import_hf(Path(args.hf_dir), Path(args.out), args.untie)
+            tok = Path(args.out) / "tokenizer.json"
+            print(f"meshfold: imported {args.hf_dir} ({m.n_layers} layers, dim {m.dim}) into {args.out}; "
+                  f"train from it with train.init_from = {args.out!r} and its [model] (see {args.out}/config.toml)"
+                  + ("" if tok.exists() else "; no tokenizer.json in the source: set data.tokenizer yourself"))
+        elif args.direction == "export":
+            m, family, copied = export_hf(Path(args.checkpoint), Path(args.out), DTYPES.get(args.dtype),
+                                          int(args.max_shard_gb * 2**30), args.arch,
+                                          Path(args.tokenizer) if args.tokenizer else None)
+            print(f"meshfold: exported {args.checkpoint} to {args.out} ({ARCHITECTURES[family]}, {m.n_layers} "
+                  f"layers" + (f", tokenizer: {', '.join(copied)})" if copied else ", no tokenizer found)"))
+        else:
+            result = check_hf(Path(args.hf_dir), args.batch, args.seq, args.seed)
+            if args.json:
+                print(json.dumps(result))
+            else:
+                verdict = "ok" if result["ok"] else f"FAILED (above {CHECK_TOLERANCE:g})"
+                print(f"meshfold: {args.hf_dir} ({result['model_type']}): max |logit difference| against "
+                      f"transformers = {result['max_abs_diff']:.3g} on {args.batch}x{result['tokens'][1]} tokens, "
+                      f"float32: {verdict}")
+            return 0 if result["ok"] else 1
+    except CheckpointError as err:
+        print(f"meshfold: error: {err}", file=sys.stderr)
+        return 2
+    return 0
