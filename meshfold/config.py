@@ -265,6 +265,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
     layout.validate_resolved(p)
     validate_train_layout(cfg.train, p)
     validate_batch(cfg.train, p)
+    data_config.validate_world(cfg)
 
 
 def validate_train_layout(t: TrainConfig, p: ParallelConfig) -> None:

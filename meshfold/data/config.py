@@ -75,6 +75,18 @@ def validate(cfg: Config) -> None:
         validate_balance(cfg)
 
 
+def validate_world(cfg: Config) -> None:
+    """Checks that need the resolved layout (``parallel.dp_shard`` known, batch checked)."""
+    d, p, t = cfg.data, cfg.parallel, cfg.train
+    if d.balance != "none" and d.seq_cp_max > 1:
+        dp = p.dp
+        local = t.global_batch // dp
+        micro = t.micro_batch or local
+        if dp % d.seq_cp_max or local // micro != 1:
+            raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} needs it to divide the {dp} data-parallel ranks "
+                              f"and one micro-batch per rank (train.micro_batch = 0)")
+
+
 def validate_balance(cfg: Config) -> None:
     """One-line ``ConfigError`` for settings the balanced data path cannot serve."""
     d, p, m = cfg.data, cfg.parallel, cfg.model

@@ -193,10 +193,7 @@ def from_trainer(trainer) -> BalancedBatches:
     pieces = DocumentPieces(trainer.data.train.corpus, m.seq_len)
     cost = cost_model_for(cfg, trainer.device, trainer.param_dtype)
     groups = None
-    if d.seq_cp_max > 1:
-        if dp % d.seq_cp_max or local // micro != 1:
-            raise ConfigError(f"data.seq_cp_max = {d.seq_cp_max} needs it to divide the {dp} data-parallel ranks "
-                              f"and one micro-batch per rank (train.micro_batch = 0)")
+    if d.seq_cp_max > 1:  # config.validate checked it divides dp, one micro-batch per rank
         groups = build_groups(trainer.dims.group("dp") if trainer.dims.distributed else None, dp, d.seq_cp_max)
     return BalancedBatches(
         pieces, cost, n_ranks=dp, rank=trainer.dims.rank("dp"), n_micro=local // micro,
