@@ -497,9 +497,7 @@ def parallelize_tensor(model: Transformer, dims: ParallelDims, cfg: Config) -> T
         _parallelize_attention(block.attention, tp)
         if type(block.feed_forward) is FeedForward:
             _parallelize_ffn(block.feed_forward, tp)
-        else:  # MoE: left to expert parallel; computed redundantly on tp ranks (no sp)
-            if tp.sp:
-                raise NotImplementedError("tensor parallel: sequence parallel with MoE blocks")
+        # MoE: left to expert parallel; computed redundantly on tp ranks (config.validate refuses sp with MoE)
     _parallelize_norm(model.norm, tp)
 
     if model.tok_embeddings is not None:
