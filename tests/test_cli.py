@@ -55,3 +55,14 @@ def test_runtime_config_error_is_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["meshfold: error: data.source = '/no/such/corpus' does not exist; give an existing path "
                      "or 'default'"], proc.stderr
+
+
+def test_calibrate_cost_fits_the_measured_times(capsys):
+    """``meshfold calibrate-cost`` (its command lives in cli.py, the measurement in
+    data/cost_calibration.py): one JSON line whose fit reproduces what it measured."""
+    from meshfold.cli import main
+
+    assert main(["calibrate-cost", "configs/debug.toml", "--lengths", "16,32,64", "--repeats", "1", "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["a"] >= 0 and fit["b"] >= 0 and len(fit["seconds"]) == len(fit["lengths"]) == len(fit["counts"])
+    assert sorted(set(fit["lengths"])) == [16, 32, 64]
