@@ -3,11 +3,10 @@ processes, the calls and bytes rank 0 hands to the communication layer (measured
 ``meshfold/comm.py``'s ledger, one count per recorded collective or point-to-point send)
 equal the planner's ``collectives`` for the same layout, per mesh dimension.
 
-Only traffic the runtime measures where it is sent is compared: tensor, context and
-pipeline parallel (real calls), and data parallel under DDP / ZeRO-1 (DDP's communication
-hook, the pipeline's own reduction, ZeRO-1's parameter exchange). FSDP2's data-parallel
-bytes are still recorded from module hooks, not from the calls, in this branch, so they
-are left out here (issue 17's runtime side makes them measured)."""
+Every dimension is compared, data parallel included: DDP's communication hook, the
+gradient reducer, ZeRO-1's parameter exchange, and FSDP2's own all-gathers and
+reduce-scatters (ZeRO-2 and ZeRO-3, whose roots are re-gathered in backward like every
+block), all recorded at the communication layer."""
 
 from __future__ import annotations
 
@@ -51,11 +50,6 @@ def _predicted(cfg_dict: dict, world: int) -> dict:
     return footprint(from_dict(cfg_dict), world, device="cpu")["collectives"]
 
 
-def _fsdp(parallel: dict) -> bool:
-    shard = parallel.get("dp_shard", 1) * parallel.get("cp", 1)
-    return parallel.get("zero", 3) >= 2 and shard > 1
-
-
 def _compare(parallel: dict, model: dict | None = None, train: dict | None = None, world: int = 4,
              tmp_path=None) -> None:
     sections = {"parallel": parallel, "train": {"steps": 1, **(train or {})}}
@@ -64,11 +58,6 @@ def _compare(parallel: dict, model: dict | None = None, train: dict | None = Non
     cfg = tiny_config(str(tmp_path / "run"), **sections)
     measured = run_on(world, _one_step_ledger, cfg)[0]
     predicted = _predicted(cfg, world)
-    if _fsdp(parallel) and parallel.get("zero", 3) == 3:
-        # ZeRO-3: FSDP2 also re-gathers the root module (embedding, final norm, output) in
-        # backward, which the planner does not price yet; ZeRO-2 dp traffic is compared.
-        measured.pop("dp", None)
-        predicted.pop("dp", None)
     assert set(predicted) == set(measured), (predicted, measured)
     for dim, got in measured.items():
         want = predicted[dim]
