@@ -10,8 +10,9 @@ rank builds it, and one training step runs (forward and backward over every micr
 the gradient-norm reduction, the optimizer step). What that rank would hold and send is
 then read off:
 
-- ``param_bytes`` / ``grad_bytes``: the local pieces of its parameters and gradients
-  after the step's backward;
+- ``param_bytes`` / ``grad_bytes``: the local pieces of its parameters, and of its
+  gradients at their largest in the step (after the last backward, or between
+  micro-batches, where FSDP2 holds unsharded gradients while gradient sync is off);
 - ``optimizer_bytes``: the optimizer state it created (ZeRO-1 ranks only their part);
 - ``activation_bytes``: what autograd saves for backward in one micro-batch (counted with
   the same saved-tensor hooks as ``metrics.jsonl``); with pipeline parallel, the per-micro-
@@ -27,7 +28,10 @@ pipeline stage changes what a rank holds. So rank ``s * N / pp`` (coordinate 0 o
 other dimension) is simulated for every stage ``s``, and the report takes the maximum over
 them; N ranks never need to exist.
 
-Next to it, the planner's prediction for the same layout (``planner/cost.py``).
+Next to it, the planner's prediction for the same layout (``planner/cost.py``). Both are
+for the target's numerics: ``train.dtype = auto`` is resolved for ``--cluster`` (bfloat16 on
+a GPU cluster) before the simulation, which itself runs on this CPU. docs/memory.md says
+what each side counts and how closely they agree.
 """
 
 from __future__ import annotations
