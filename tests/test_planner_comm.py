@@ -88,3 +88,28 @@ def test_dp_collectives_match_runtime(tmp_path, parallel, train):
 ], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "cp-ulysses", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
 def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, train):
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("model", [
+    {"preset": "llama3-405b"},  # 126 blocks, GQA 8 kv heads: 8 buckets a block at tp 1
+    {"preset": "llama3-1b"},  # tied embeddings
+    {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "mlp": "gelu"},
+])
+def test_planner_knows_the_parameter_list_the_grad_reducer_buckets(model):
+    # The planner prices the gradient reducer's buckets (tp/pp with zero 0/1) from the
+    # parameter sizes in registration order: they are the model's, in the same order.
+    import torch
+
+    from meshfold.config import ModelConfig
+    from meshfold.models.llama import Transformer
+    from meshfold.models.presets import preset
+    from meshfold.planner.cost import chunk_param_sizes, reducer_buckets
+
+    m = preset(model.pop("preset")) if "preset" in model else ModelConfig(**model)
+    with torch.device("meta"):
+        params = list(Transformer(m).parameters())
+    sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
+    assert sizes == [p.numel() for p in params]
+    # greedy packing in reverse, a parameter larger than a bucket alone (parallel/data.py)
+    assert reducer_buckets([10, 10, 10], bucket_bytes=25) == 2
+    assert reducer_buckets([30, 5, 30], bucket_bytes=25) == 3

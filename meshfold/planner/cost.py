@@ -39,6 +39,35 @@ def buckets(size_bytes: float) -> int:
     return max(1, math.ceil(size_bytes / BUCKET_BYTES)) if size_bytes > 0 else 0
 
 
+def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Buckets ``GradReducer`` (parallel/data.py) makes of parameters of ``sizes`` bytes in
+    registration order: packed greedily in reverse order, a new bucket whenever the next
+    parameter would overflow the current one (a parameter larger than a bucket gets its own)."""
+    count, size = 0, bucket_bytes + 1
+    for nbytes in reversed(sizes):
+        if size + nbytes > bucket_bytes:
+            count, size = count + 1, 0
+        size += nbytes
+    return count
+
+
+def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[float] | None:
+    """Local parameter elements of one pipeline chunk (``layers`` blocks, the embedding if
+    ``first``, the final norm and output if ``last``) in registration order, for the dense
+    RMSNorm, bias-free, RoPE models whose tensors this knows; None for others."""
+    if m.moe_experts or m.bias or m.qkv_bias or m.qk_norm or m.norm != "rmsnorm" or m.pos != "rope":
+        return None
+    h, hd, V = m.dim, m.head_dim, m.vocab_size
+    kv_tp = tp if m.kv_heads % tp == 0 else 1  # replicated wk, wv when the kv heads do not split
+    ffn = [h * m.hidden_dim / tp] * (3 if m.mlp == "swiglu" else 2)
+    block = [h, h * m.n_heads * hd / tp, h * m.kv_heads * hd / kv_tp, h * m.kv_heads * hd / kv_tp,
+             m.n_heads * hd * h / tp, h] + ffn
+    sizes = ([V * h / tp] if first else []) + block * layers
+    if last:
+        sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
+    return sizes
+
+
 def chunks_per_rank(schedule: str, virtual: int) -> int:
     """Model chunks one pipeline rank holds (``parallel/pipeline.py``'s rule)."""
     return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
@@ -693,9 +722,24 @@ class CostModel:
                 add("dp", modules, RING["all_reduce"](n_rep) * P0 * wr / n_shard)
         elif n_all > 1:
             # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
-            add("dp", chunks * buckets(P0 * gb / chunks), RING["all_reduce"](n_all) * P0 * gb)
+            calls = chunks * buckets(P0 * gb / chunks)
+            if (tp > 1 or pp > 1) and L.pp_schedule != "zbv":  # GradReducer: greedy per parameter
+                m = w.model
+                if pp == 1:
+                    shapes = [(m.n_layers, True, True)]
+                elif L.pp_schedule == "interleaved":
+                    per = _split(m.n_layers, pp * L.pp_virtual_stages)
+                    shapes = [(per[c * pp], c == 0, False) for c in range(L.pp_virtual_stages)]
+                else:
+                    shapes = [(layers0, True, False)]
+                sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
+                if all(x is not None for x in sizes):
+                    calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
+            add("dp", calls, RING["all_reduce"](n_all) * P0 * gb)
             if L.zero == 1 and n_shard > 1:
-                add("dp", buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
+                # with tp, ShardedAdamW gathers its flat segments in one call; else
+                # ZeroRedundancyOptimizer's buckets
+                add("dp", 1 if tp > 1 else buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             calls, sent = T["tp_layer"]
