@@ -10,12 +10,14 @@ rank builds it, and one training step runs (forward and backward over every micr
 the gradient-norm reduction, the optimizer step). What that rank would hold and send is
 then read off:
 
-- ``param_bytes`` / ``grad_bytes``: the local pieces of its parameters and gradients
-  after the step's backward;
+- ``param_bytes`` / ``grad_bytes``: the local pieces of its parameters, and of its
+  gradients at their largest in the step (after the last backward, or between
+  micro-batches, where FSDP2 holds unsharded gradients while gradient sync is off);
 - ``optimizer_bytes``: the optimizer state it created (ZeRO-1 ranks only their part);
 - ``activation_bytes``: what autograd saves for backward in one micro-batch (counted with
   the same saved-tensor hooks as ``metrics.jsonl``); with pipeline parallel, the per-micro-
-  batch bytes of this rank's chunks times the micro-batches its schedule keeps in flight;
+  batch bytes of this rank's chunks times the micro-batches its schedule keeps in flight
+  (``DryTrainer.inflight``);
 - ``collectives``: ``{dim: {"count", "bytes"}}`` of the step, as the communication layer
   (meshfold/comm.py) records them.
 
@@ -26,7 +28,10 @@ pipeline stage changes what a rank holds. So rank ``s * N / pp`` (coordinate 0 o
 other dimension) is simulated for every stage ``s``, and the report takes the maximum over
 them; N ranks never need to exist.
 
-Next to it, the planner's prediction for the same layout (``planner/cost.py``).
+Next to it, the planner's prediction for the same layout (``planner/cost.py``). Both are
+for the target's numerics: ``train.dtype = auto`` is resolved for ``--cluster`` (bfloat16 on
+a GPU cluster) before the simulation, which itself runs on this CPU. docs/memory.md says
+what each side counts and how closely they agree.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.parallel.distributed as ddp_module
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -83,6 +90,7 @@ class DryTrainer(Trainer):
         self.ledger = ledger()
         self.step_metrics, self.step, self.capture_grads = {}, 0, False
         self.grad_reducers = self.dims.size("dp_cp")
+        self.held_grad_bytes = 0
         self.model = self.build_model()
         self.optimizer = build_optimizer(
             self.model, t, self.dims, "cpu",
@@ -94,6 +102,21 @@ class DryTrainer(Trainer):
         if self.pipeline is not None:  # timings and the timeline need real values
             self.pipeline._reduce_step = self._pipeline_step_reduction
             self.pipeline._log_events = lambda *a, **k: None
+            set_sync = self.pipeline._set_grad_sync
+
+            def measured_set_sync(chunk):  # called before each chunk's last backward
+                self._note_held_grads()
+                set_sync(chunk)
+
+            self.pipeline._set_grad_sync = measured_set_sync
+
+    def grad_sync(self, last: bool):
+        if last:  # the gradients accumulated over the micro-batches before the last one
+            self._note_held_grads()
+        return super().grad_sync(last)
+
+    def _note_held_grads(self) -> None:
+        self.held_grad_bytes = max(self.held_grad_bytes, held_grad_bytes(self.model))
 
     def _pipeline_step_reduction(self, loss_sum, events, wall0, span, m):
         """What ``Pipeline._reduce_step`` sends (loss sum and timings, one all-gather over pp),
@@ -119,19 +142,27 @@ class DryTrainer(Trainer):
         if self.pipeline is not None:
             with count_saved_activations(self.model) as counted:
                 loss_sum = self.forward_backward(micro, tokens)
-            p = self.cfg.parallel
-            inflight = inflight_microbatches(p.pp_schedule, p.pp, self.n_micro, p.pp_virtual_stages)
-            activations = counted.bytes / len(micro) * inflight
+            activations = counted.bytes / len(micro) * self.inflight()
         else:
             loss_sum = self.forward_backward(micro, tokens)
             activations = self.step_metrics.get("activation_bytes", 0)
         self.all_reduce_sum(loss_sum)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
-        self.grad_bytes = sum(_local_bytes(p.grad) for p in params)
+        self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self.ledger.pop_step_collectives(), activations
+
+    def inflight(self) -> float:
+        """Micro-batches whose activations this pipeline rank holds at once: GPipe all of
+        them, 1F1B ``pp - r`` on pp rank r (Narayanan et al. 2021), interleaved and ZB-V
+        the first rank's count (``inflight_microbatches``; an upper bound for the others)."""
+        p, m = self.cfg.parallel, self.n_micro
+        r = self.dims.rank("pp")
+        if p.pp_schedule == "1f1b":
+            return float(min(m, p.pp - r))
+        return inflight_microbatches(p.pp_schedule, p.pp, m, p.pp_virtual_stages)
 
     def dry_step(self) -> dict:
         """Every micro-batch has the same shapes, so a step's collectives are affine in the
@@ -139,6 +170,7 @@ class DryTrainer(Trainer):
         short steps with m1 < m2 micro-batches give the count and bytes for the real m
         exactly, at the cost of m1 + m2 micro-batches instead of m."""
         self.ledger.pop_step()  # building is not a step
+        self.grad_bytes = 0
         micro = self.micro_batches(self.fake_batch())
         self.n_micro = m = len(micro)
         p = self.cfg.parallel
@@ -160,6 +192,24 @@ class DryTrainer(Trainer):
 def _local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
+
+
+def held_grad_bytes(model: torch.nn.Module) -> int:
+    """Gradient bytes the rank holds now: the local pieces of its parameters' gradients,
+    plus FSDP2's unsharded gradients, which it keeps between micro-batches while gradient
+    sync is off (in the reduce dtype, ``unsharded_accumulated_grad``, once a second
+    micro-batch has been added to them) and which ``model.parameters()`` does not show."""
+    total = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fp in (group.fsdp_params if group is not None else ()):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            for g in (getattr(unsharded, "grad", None), getattr(fp, "unsharded_accumulated_grad", None)):
+                if g is not None:
+                    total += _local_bytes(g)
+    return total
 
 
 def _optimizer_bytes(opt) -> int:
@@ -211,11 +261,25 @@ def _real_mesh_tensors():
         DeviceMesh.mesh, DeviceMesh.__init__ = original, init
 
 
+@contextlib.contextmanager
+def _ddp_without_shape_check():
+    """DDP's constructor compares parameter shapes across ranks by reading their values
+    (``_verify_param_shape_across_processes``), which fake tensors do not have; every
+    simulated rank builds its model by the same code, so the check is skipped here."""
+    original = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = original
+
+
 def simulate_rank(cfg: Config, world: int, rank: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         reset_ledger()
-        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors():
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors(), \
+                _ddp_without_shape_check():
             warnings.simplefilter("ignore")
             return DryTrainer(dataclasses.replace(cfg)).dry_step()
     finally:
@@ -223,22 +287,42 @@ def simulate_rank(cfg: Config, world: int, rank: int) -> dict:
 
 
 def planner_prediction(cfg: Config, world: int, cluster_spec: str) -> dict:
-    """The planner's Estimate for this layout: the fields it has (nothing is made up)."""
+    """The planner's prediction for this layout (``Estimate.footprint``: per-rank memory,
+    max over stages, and rank 0's collectives with call counts), plus its step time and
+    peak. Attention is priced as the fused kernel (no s x s scores) that the runtime runs
+    on both CPU (``_scaled_dot_product_flash_attention_for_cpu``) and GPU."""
     cluster = load_cluster(cluster_spec, devices=world)
-    est = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout_from_config(cfg, world))
-    names = {"param_bytes": "params", "grad_bytes": "grads", "optimizer_bytes": "optimizer",
-             "activation_bytes": "activations"}
-    out = {k: int(est.memory[v]) if v in est.memory else None for k, v in names.items()}
-    counts = getattr(est, "comm_counts", None) or {}  # per-dim call counts, when the planner has them
-    out["collectives"] = {d: ({"count": counts[d]} if d in counts else {}) | {"bytes": int(round(b))}
-                          for d, b in sorted(est.comm_bytes.items())}
+    workload = dataclasses.replace(workload_from_config(cfg, cluster), flash=True)
+    est = CostModel(workload, cluster).estimate(layout_from_config(cfg, world))
+    out = {k: int(round(v)) for k, v in est.footprint().items() if k in FIELDS}
+    out["collectives"] = {d: {"count": x["count"], "bytes": int(round(x["bytes"]))}
+                          for d, x in est.collectives.items()}
     out["step_time_s"], out["peak_mem_bytes"] = est.step_time_s, int(est.peak_mem_bytes)
     return out
 
 
+def _on_gpu(cluster) -> bool:  # as planner/cli.py's workload_from_config decides
+    return not cluster.device.name.startswith("cpu")
+
+
+def with_target_numerics(cfg: Config, cluster_spec: str) -> Config:
+    """``train.dtype = auto`` resolved for the cluster the layout is meant for (bfloat16
+    autocast over fp32 master weights on GPUs, float32 on CPUs), as ``train`` would
+    resolve it there: the simulation itself runs on this CPU, where ``auto`` would mean
+    float32, but what it reports is for the target's run."""
+    if cfg.train.dtype != "auto":
+        return cfg
+    dtype = "bfloat16" if _on_gpu(load_cluster(cluster_spec)) else "float32"
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))
+
+
 def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
     start = time.perf_counter()
-    cfg = validate(cfg, world)
+    cfg = with_target_numerics(validate(cfg, world), cluster)
+    if cfg.model.moe_experts:
+        raise ConfigError("meshfold dry-run cannot simulate MoE models (model.moe_experts > 0) yet: token "
+                          "routing has data-dependent shapes (expert counts, all-to-all splits) that fake "
+                          "tensors do not carry; use `meshfold plan` for MoE layouts")
     ranks = representative_ranks(cfg, world)
     # One fresh process per simulated rank: torch caches meshes and groups per process.
     ctx = multiprocessing.get_context("spawn")

@@ -2,7 +2,8 @@
 backward pass, counted through saved-tensor hooks.
 
 Counted once per storage (views share), parameters excluded (they are model state, not
-activations). Inputs that activation checkpointing keeps to recompute from are counted
+activations; FSDP2's gathered unsharded parameters too, whose views (``weight.t()``)
+autograd saves: FSDP2 frees them after forward under ZeRO-3 and re-gathers for backward). Inputs that activation checkpointing keeps to recompute from are counted
 too: ``parallel/recompute.py`` reports them here, because the checkpoint holds them through
 a closure that the saved-tensor hooks never see.
 """
@@ -13,6 +14,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -23,10 +25,15 @@ def _storage_key(t: torch.Tensor) -> int:
 class SavedActivationCounter:
     def __init__(self, model: nn.Module | None = None):
         self.param_storages = set()
+        self.fsdp_params = []
         if model is not None:
             # DTensor parameters (FSDP2, tensor parallel): their local shard's storage.
             self.param_storages = {_storage_key(p.to_local() if hasattr(p, "to_local") else p)
                                    for p in model.parameters()}
+            # FSDP2's gathered (unsharded) parameters, allocated at each all-gather: model
+            # state (freed after forward under ZeRO-3, re-gathered for backward), not activations
+            self.fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
+                                for fp in _fsdp_params(m)]
         self.seen: set[int] = set()
         self.bytes = 0
 
@@ -37,12 +44,23 @@ class SavedActivationCounter:
         ptr = _storage_key(t)
         if ptr in self.param_storages or ptr in self.seen:
             return
+        if self.fsdp_params and ptr in self._gathered_storages():
+            return
         self.seen.add(ptr)
         self.bytes += storage.nbytes()
+
+    def _gathered_storages(self) -> set[int]:
+        return {_storage_key(u) for fp in self.fsdp_params
+                if (u := getattr(fp, "_unsharded_param", None)) is not None}
 
     def _pack(self, t):
         self.add(t)
         return t
+
+
+def _fsdp_params(module: nn.Module) -> list:
+    group = module._get_fsdp_state()._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
 
 
 _ACTIVE: list[SavedActivationCounter] = []

@@ -60,3 +60,42 @@ def test_cli_json_and_one_line_errors(tmp_path):
     bad = subprocess.run(base + ["--world", "6", "--set", "parallel.tp=4"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# Runtime (dry-run: the real code on fake ranks) vs planner, in the numerics of a real GPU run
+# (train.dtype = bfloat16: fp32 master weights, gradients and Adam moments, bf16 autocast,
+# the fused attention kernel). Model state within 2 %; activations within ACT_TOL (what each
+# side counts is in docs/memory.md); collective counts per mesh dimension equal.
+ACT_TOL = 0.10
+AGREEMENT = [
+    pytest.param(4, {"tp": 2, "dp_shard": 2, "zero": 1}, {}, id="tp2-zero1"),
+    pytest.param(4, {"dp_shard": 4, "zero": 1}, {}, id="ddp-zero1"),
+    pytest.param(4, {"dp_shard": 4, "zero": 3}, {}, id="fsdp4-zero3"),
+    pytest.param(8, {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 4}, {}, id="tp2xpp2xdp2-zero1"),
+]
+
+
+@pytest.mark.parametrize("world,parallel,model", AGREEMENT)
+def test_dry_run_runtime_agrees_with_planner(world, parallel, model, tmp_path):
+    from meshfold.config import from_dict
+    from meshfold.dryrun import dry_run
+
+    cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})
+    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **model})
+    out = dry_run(from_dict(cfg), world, cluster="h100")
+    rt, pl = out["runtime"], out["planner"]
+    for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert pl[field] == pytest.approx(rt[field], rel=0.02), (field, rt, pl)
+    assert pl["activation_bytes"] == pytest.approx(rt["activation_bytes"], rel=ACT_TOL), (rt, pl)
+    assert {d: x["count"] for d, x in pl["collectives"].items()} == \
+        {d: x["count"] for d, x in rt["collectives"].items()}, (rt["collectives"], pl["collectives"])
+
+
+def test_moe_is_refused_with_a_clear_error(tmp_path):
+    # routing's shapes depend on the data, which fake tensors do not have
+    from meshfold.config import ConfigError, from_dict
+    from meshfold.dryrun import dry_run
+
+    cfg = tiny_config(str(tmp_path), model={"moe_experts": 4}, parallel={"dp_shard": 4, "ep": 2, "zero": 3})
+    with pytest.raises(ConfigError, match="MoE"):
+        dry_run(from_dict(cfg), 4, cluster="cpu")

@@ -3,11 +3,10 @@ processes, the calls and bytes rank 0 hands to the communication layer (measured
 ``meshfold/comm.py``'s ledger, one count per recorded collective or point-to-point send)
 equal the planner's ``collectives`` for the same layout, per mesh dimension.
 
-Only traffic the runtime measures where it is sent is compared: tensor, context and
-pipeline parallel (real calls), and data parallel under DDP / ZeRO-1 (DDP's communication
-hook, the pipeline's own reduction, ZeRO-1's parameter exchange). FSDP2's data-parallel
-bytes are still recorded from module hooks, not from the calls, in this branch, so they
-are left out here (issue 17's runtime side makes them measured)."""
+Every dimension is compared, data parallel included: DDP's communication hook, the
+gradient reducer, ZeRO-1's parameter exchange, and FSDP2's own all-gathers and
+reduce-scatters (ZeRO-2 and ZeRO-3, whose roots are re-gathered in backward like every
+block), all recorded at the communication layer."""
 
 from __future__ import annotations
 
@@ -51,11 +50,6 @@ def _predicted(cfg_dict: dict, world: int) -> dict:
     return footprint(from_dict(cfg_dict), world, device="cpu")["collectives"]
 
 
-def _fsdp(parallel: dict) -> bool:
-    shard = parallel.get("dp_shard", 1) * parallel.get("cp", 1)
-    return parallel.get("zero", 3) >= 2 and shard > 1
-
-
 def _compare(parallel: dict, model: dict | None = None, train: dict | None = None, world: int = 4,
              tmp_path=None) -> None:
     sections = {"parallel": parallel, "train": {"steps": 1, **(train or {})}}
@@ -64,11 +58,6 @@ def _compare(parallel: dict, model: dict | None = None, train: dict | None = Non
     cfg = tiny_config(str(tmp_path / "run"), **sections)
     measured = run_on(world, _one_step_ledger, cfg)[0]
     predicted = _predicted(cfg, world)
-    if _fsdp(parallel) and parallel.get("zero", 3) == 3:
-        # ZeRO-3: FSDP2 also re-gathers the root module (embedding, final norm, output) in
-        # backward, which the planner does not price yet; ZeRO-2 dp traffic is compared.
-        measured.pop("dp", None)
-        predicted.pop("dp", None)
     assert set(predicted) == set(measured), (predicted, measured)
     for dim, got in measured.items():
         want = predicted[dim]
@@ -99,3 +88,28 @@ def test_dp_collectives_match_runtime(tmp_path, parallel, train):
 ], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "cp-ulysses", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
 def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, train):
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("model", [
+    {"preset": "llama3-405b"},  # 126 blocks, GQA 8 kv heads: 8 buckets a block at tp 1
+    {"preset": "llama3-1b"},  # tied embeddings
+    {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "mlp": "gelu"},
+])
+def test_planner_knows_the_parameter_list_the_grad_reducer_buckets(model):
+    # The planner prices the gradient reducer's buckets (tp/pp with zero 0/1) from the
+    # parameter sizes in registration order: they are the model's, in the same order.
+    import torch
+
+    from meshfold.config import ModelConfig
+    from meshfold.models.llama import Transformer
+    from meshfold.models.presets import preset
+    from meshfold.planner.cost import chunk_param_sizes, reducer_buckets
+
+    m = preset(model.pop("preset")) if "preset" in model else ModelConfig(**model)
+    with torch.device("meta"):
+        params = list(Transformer(m).parameters())
+    sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
+    assert sizes == [p.numel() for p in params]
+    # greedy packing in reverse, a parameter larger than a bucket alone (parallel/data.py)
+    assert reducer_buckets([10, 10, 10], bucket_bytes=25) == 2
+    assert reducer_buckets([30, 5, 30], bucket_bytes=25) == 3

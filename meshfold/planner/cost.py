@@ -41,6 +41,35 @@ def buckets(size_bytes: float) -> int:
     return max(1, math.ceil(size_bytes / BUCKET_BYTES)) if size_bytes > 0 else 0
 
 
+def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Buckets ``GradReducer`` (parallel/data.py) makes of parameters of ``sizes`` bytes in
+    registration order: packed greedily in reverse order, a new bucket whenever the next
+    parameter would overflow the current one (a parameter larger than a bucket gets its own)."""
+    count, size = 0, bucket_bytes + 1
+    for nbytes in reversed(sizes):
+        if size + nbytes > bucket_bytes:
+            count, size = count + 1, 0
+        size += nbytes
+    return count
+
+
+def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[float] | None:
+    """Local parameter elements of one pipeline chunk (``layers`` blocks, the embedding if
+    ``first``, the final norm and output if ``last``) in registration order, for the dense
+    RMSNorm, bias-free, RoPE models whose tensors this knows; None for others."""
+    if m.moe_experts or m.bias or m.qkv_bias or m.qk_norm or m.norm != "rmsnorm" or m.pos != "rope":
+        return None
+    h, hd, V = m.dim, m.head_dim, m.vocab_size
+    kv_tp = tp if m.kv_heads % tp == 0 else 1  # replicated wk, wv when the kv heads do not split
+    ffn = [h * m.hidden_dim / tp] * (3 if m.mlp == "swiglu" else 2)
+    block = [h, h * m.n_heads * hd / tp, h * m.kv_heads * hd / kv_tp, h * m.kv_heads * hd / kv_tp,
+             m.n_heads * hd * h / tp, h] + ffn
+    sizes = ([V * h / tp] if first else []) + block * layers
+    if last:
+        sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
+    return sizes
+
+
 def chunks_per_rank(schedule: str, virtual: int) -> int:
     """Model chunks one pipeline rank holds (``parallel/pipeline.py``'s rule)."""
     return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
@@ -178,19 +207,36 @@ def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16"
             "optimizer": params * ob / (n if zero >= 1 else 1)}
 
 
+def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp: bool) -> float:
+    """The bf16 copies autocast makes of the fp32 norm outputs, one per projection that
+    reads them (q, k, v; w1 and w3, or w1), for one micro-batch of one layer. Not made under
+    FSDP2's bf16 mixed precision, which casts each block's input to bf16 itself (the norm
+    then keeps a bf16 output, which the projections share: within the norm's 8h + 4)."""
+    return (3 + (2 if m.mlp == "swiglu" else 1)) * act * s * b * m.dim / (tp if sp else 1)
+
+
 def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, recompute: str,
-                           act: int, flash: bool, dropout: bool) -> float:
+                           act: int, flash: bool, dropout: bool, amp: bool = False) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch of
     ``b`` sequences of ``s`` tokens on one device (Korthikanti et al. 2022, Sec. 4,
     generalised to GQA and SwiGLU; with GPT's shape, act=2, dropout and no flash it is
-    exactly ``s b h (34 + 5 a s / h)`` at tp=1 and ``s b h (10 + 24/t + 5 a s / (h t))``)."""
+    exactly ``s b h (34 + 5 a s / h)`` at tp=1 and ``s b h (10 + 24/t + 5 a s / (h t))``).
+
+    ``amp``: meshfold's ``train.dtype = bfloat16`` (autocast over fp32 weights), whose
+    residual stream stays fp32: each RMSNorm keeps its fp32 input, its fp32 normalised
+    output and 1/rms (8h + 4 bytes a token, ``models/llama.py``), and autocast makes a
+    separate bf16 copy of the (fp32) norm output for every projection that reads it
+    (q, k, v; w1 and w3), where the formula above has one act-sized input each."""
     h, a = m.dim, m.n_heads
     hkv = m.kv_heads * m.head_dim
     if recompute == "full":  # only the layer input survives
-        return act * s * b * h / (tp if sp else 1)
+        return (4 if amp else act) * s * b * h / (tp if sp else 1)
     # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
     # the QKV and first MLP projections, and the two dropout masks (1 byte each).
     replicated = s * b * h * (2 * act + act + act) + (2 * s * b * h if dropout else 0)
+    if amp:
+        replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
+            + (2 * s * b * h if dropout else 0)
     # Split over tp ranks: Q, K, V, attention output (input of the out-projection), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate, silu(gate), up,
     # product), and the attention output dropout mask.
@@ -327,8 +373,9 @@ class CostModel:
         attn_p = attention_params(m)
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         attn_core = 4 * tokens * s * h / tp * self.causal  # QK^T and AV for this device's queries
-        act_full = layer_activation_bytes(m, s_loc, b, tp, sp, "none", act, w.flash, w.dropout)
-        act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout)
+        amp = w.dtype == "bf16-amp"
+        act_full = layer_activation_bytes(m, s_loc, b, tp, sp, "none", act, w.flash, w.dropout, amp)
+        act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
         elementwise_fwd = c.elementwise_traffic * act_full / hbm / 3  # forward a third, backward two
         overhead = c.device.layer_overhead_us * 1e-6
         # Tensor parallel: 2 all-reduces (with sp: all-gather + reduce-scatter, the same
@@ -524,7 +571,7 @@ class CostModel:
 
         # ---- data parallel over dp x cp ranks: gradients reduced once per optimizer step
         # (the last micro-batch's backward); ZeRO-1 then gathers the updated parameters;
-        # ZeRO-3 gathers parameters per micro-batch (forward, and backward for non-roots).
+        # ZeRO-3 gathers parameters per micro-batch (forward, and again in backward).
         Pmax = max(stage_params)
         max_block = max(k[2] for k in kinds.values())
         n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, dp * cp
@@ -547,7 +594,7 @@ class CostModel:
                 # reduction joins them in the last micro-batch's backward
                 t_g = 2 * t_ag
                 comm_t = (n_micro - 1) * exposed(t_g, t_f + t_b) + exposed(t_g + t_red, t_f + t_b)
-                calls = n_micro * (2 * modules - chunks) + red_calls
+                calls = n_micro * 2 * modules + red_calls
             elif n_micro == 1:  # ZeRO-2, one micro-batch: gather and reduce in one pass
                 comm_t, calls = exposed(t_ag + t_red, t_f + t_b), modules + red_calls
             else:  # ZeRO-2: gathered in the first forward and kept; reduced in the last backward
@@ -594,21 +641,39 @@ class CostModel:
         if fsdp and L.zero == 3:
             states["gathered_blocks"] = 2 * max_block * pb  # the running block and the prefetched one
         inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
-        acts = inflight * stage_layers[0] * T["act_kept"] + inflight * act * T["tokens"] * h
+        amp = w.dtype == "bf16-amp"
+        tokens = T["tokens"]
+        # Under amp without FSDP's bf16 gathers, autocast's bf16 copy of every weight a
+        # matmul reads (the input embedding is looked up, not multiplied), kept from each
+        # micro-batch's forward to its backward; with amp the stage input is layer 0's
+        # (fp32) norm input, already counted.
+        tied_out = m.tie_embeddings and pp == 1
+        copies = act * (stage_params[0] - (0 if tied_out else T["emb"])) if (amp and not fsdp) else 0.0
+        stage_in = 0.0 if amp else act * tokens * h
+        per_layer = T["act_kept"]
+        if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
+            per_layer -= autocast_input_copies(m, w.s // cp, b, act, tp, L.sp)
+        acts = inflight * (stage_layers[0] * per_layer + stage_in + copies)
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
-        logits = (act + 8) * T["tokens"] * V / tp
+        logits = (act + 8) * tokens * V / tp
+        # what the loss keeps for backward: the fp32 (float64: float64) log-probabilities
+        # and the int64 labels; with amp also the final norm (8h + 4) and, without FSDP,
+        # the output projection's bf16 copy of its input
+        saved_logits = (max(4, act) * V / tp + 8) * tokens \
+            + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
         memory = {**states, "activations": acts, "logits": logits if pp == 1 else 0.0,
                   "buffers": 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
                   "reserved": c.device.reserved_gib * GiB}
         peak_mem = sum(memory.values())
-        activation_bytes = acts + memory["logits"]
+        activation_bytes = acts + (saved_logits if pp == 1 else 0.0)
         if pp > 1:  # the last stage holds the logits but fewer in-flight micro-batches
             last = model_state_bytes(stage_params[-1], zero, n_shard, w.dtype, accumulate)
-            last_acts = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro)) \
-                * stage_layers[-1] * T["act_kept"]
+            last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
+            last_copies = act * stage_params[-1] if (amp and not fsdp) else 0.0
+            last_acts = last_inflight * (stage_layers[-1] * per_layer + last_copies)
             peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
-            activation_bytes = max(activation_bytes, last_acts + logits)
+            activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
         fits = peak_mem <= c.device.memory_gib * GiB
         tflops = self.flops_model / step / L.world
         est = Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
@@ -647,10 +712,11 @@ class CostModel:
         if L.zero >= 2 and n_shard > 1:
             wg, wr = FSDP_WIRE[w.dtype]
             modules = stage_layers[0] + chunks
-            roots = P0 - sum(T["kinds"][k][2] * n for k, n in stages[0].items())
             ag = RING["all_gather"](n_shard)
-            if L.zero == 3:  # roots are not re-gathered in backward (FSDP2 keeps the root's)
-                add("dp", n_micro * (2 * modules - chunks), n_micro * ag * (2 * P0 - roots) * wg)
+            if L.zero == 3:  # every module, the roots too, gathered in forward and again in
+                # backward (apply_fsdp passes reshard_after_forward=True explicitly, so FSDP2's
+                # "keep the root unsharded" default for reshard_after_forward=None is off)
+                add("dp", n_micro * 2 * modules, n_micro * ag * 2 * P0 * wg)
             else:
                 add("dp", modules, ag * P0 * wg)
             add("dp", modules, RING["reduce_scatter"](n_shard) * P0 * wr)
@@ -658,9 +724,24 @@ class CostModel:
                 add("dp", modules, RING["all_reduce"](n_rep) * P0 * wr / n_shard)
         elif n_all > 1:
             # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
-            add("dp", chunks * buckets(P0 * gb / chunks), RING["all_reduce"](n_all) * P0 * gb)
+            calls = chunks * buckets(P0 * gb / chunks)
+            if (tp > 1 or pp > 1) and L.pp_schedule != "zbv":  # GradReducer: greedy per parameter
+                m = w.model
+                if pp == 1:
+                    shapes = [(m.n_layers, True, True)]
+                elif L.pp_schedule == "interleaved":
+                    per = _split(m.n_layers, pp * L.pp_virtual_stages)
+                    shapes = [(per[c * pp], c == 0, False) for c in range(L.pp_virtual_stages)]
+                else:
+                    shapes = [(layers0, True, False)]
+                sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
+                if all(x is not None for x in sizes):
+                    calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
+            add("dp", calls, RING["all_reduce"](n_all) * P0 * gb)
             if L.zero == 1 and n_shard > 1:
-                add("dp", buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
+                # with tp, ShardedAdamW gathers its flat segments in one call; else
+                # ZeroRedundancyOptimizer's buckets
+                add("dp", 1 if tp > 1 else buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             calls, sent = T["tp_layer"]
