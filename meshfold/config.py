@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshfold.data.micro import micro_batch_count
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -597,7 +599,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                 f"{_divisors(local)}"
             )
         if p.pp > 1:
-            n_micro = p.pp_microbatches or max(p.pp, local // micro)
+            n_micro = micro_batch_count(local, t.micro_batch, p.pp, p.pp_microbatches)
             if local % n_micro:
                 raise ConfigError(
                     f"parallel.pp_microbatches = {n_micro} does not divide the {local} sequences per "
