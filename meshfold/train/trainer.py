@@ -116,7 +116,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
         self.peak_flops = device_peak_flops(self.device)
         self.losses: list[float] = []
-        # Features add per-step fields for metrics.jsonl here (bubble_frac, imbalance, ...).
+        # This step's fields for metrics.jsonl (data wait, the engine's, MoE, the features' after_step).
         self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
@@ -332,7 +332,7 @@ class Trainer:
         }
 
     def pop_step_metrics(self) -> dict:
-        out, self.step_metrics = self.step_metrics, {}
+        out, self.step_metrics = {**self.step_metrics, **self.fault.pop_metrics()}, {}
         return out
 
     # ------------------------------------------------------------------ inspection
