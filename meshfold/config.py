@@ -28,6 +28,7 @@ import tomli_w
 from meshfold import layout
 from meshfold.data import config as data_config
 from meshfold.data.config import DataConfig
+from meshfold.data.micro import micro_batch_count
 from meshfold.errors import ConfigError, divisors
 from meshfold.layout import ParallelConfig
 from meshfold.lowcomm import config as lowcomm_config
@@ -299,7 +300,7 @@ def validate_batch(t: TrainConfig, p: ParallelConfig) -> None:
             f"{divisors(local)}"
         )
     if p.pp > 1:
-        n_micro = p.pp_microbatches or max(p.pp, local // micro)
+        n_micro = micro_batch_count(local, t.micro_batch, p.pp, p.pp_microbatches)
         if local % n_micro:
             raise ConfigError(
                 f"parallel.pp_microbatches = {n_micro} does not divide the {local} sequences per "

@@ -61,14 +61,13 @@ from meshfold.errors import ConfigError
 from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.loss import vocab_parallel_loss
 from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, inflight_microbatches
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.optim import build_optimizer, grad_norm
-from meshfold.train.trainer import Trainer, cross_entropy_sum
+from meshfold.train.trainer import Trainer
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
 
@@ -86,22 +85,21 @@ class DryTrainer(Trainer):
         workers = cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1
         with unset_fake_temporarily():  # the mesh holds real rank tables
             self.dims = build_mesh(cfg.parallel, workers, "cpu")
-        self.balancer, self.use_doc_mask, self.pipeline = None, False, None
+        self.balancer, self.use_doc_mask = None, False
         self.ledger = ledger()
         self.step_metrics, self.step, self.capture_grads = {}, 0, False
         self.grad_reducers = self.dims.size("dp_cp")
         self.held_grad_bytes = 0
-        self.model = self.build_model()
+        self.loss_fn = self.build_loss()
+        self.engine = self.build_engine()
+        self.model, self.model_parts = self.engine.model, self.engine.parts
+        self.pipeline = getattr(self.engine, "pipe", None)
         self.optimizer = build_optimizer(
             self.model, t, self.dims, "cpu",
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
-        self.loss_fn = cross_entropy_sum
-        if self.dims.distributed and self.dims.enabled("tp"):
-            self.loss_fn = vocab_parallel_loss(self.dims, cfg)
-        if self.pipeline is not None:  # timings and the timeline need real values
+        if self.pipeline is not None:  # timings need real values (no step number: no timeline)
             self.pipeline._reduce_step = self._pipeline_step_reduction
-            self.pipeline._log_events = lambda *a, **k: None
             set_sync = self.pipeline._set_grad_sync
 
             def measured_set_sync(chunk):  # called before each chunk's last backward
@@ -109,11 +107,15 @@ class DryTrainer(Trainer):
                 set_sync(chunk)
 
             self.pipeline._set_grad_sync = measured_set_sync
+        else:
+            grad_sync = self.engine.grad_sync
 
-    def grad_sync(self, last: bool):
-        if last:  # the gradients accumulated over the micro-batches before the last one
-            self._note_held_grads()
-        return super().grad_sync(last)
+            def measured_grad_sync(last: bool):
+                if last:  # the gradients accumulated over the micro-batches before the last one
+                    self._note_held_grads()
+                return grad_sync(last)
+
+            self.engine.grad_sync = measured_grad_sync
 
     def _note_held_grads(self) -> None:
         self.held_grad_bytes = max(self.held_grad_bytes, held_grad_bytes(self.model))
@@ -141,11 +143,11 @@ class DryTrainer(Trainer):
                                                   device=self.device))
         if self.pipeline is not None:
             with count_saved_activations(self.model) as counted:
-                loss_sum = self.forward_backward(micro, tokens)
+                loss_sum = self.engine.forward_backward(micro, tokens)
             activations = counted.bytes / len(micro) * self.inflight()
         else:
-            loss_sum = self.forward_backward(micro, tokens)
-            activations = self.step_metrics.get("activation_bytes", 0)
+            loss_sum = self.engine.forward_backward(micro, tokens)
+            activations = self.engine.pop_metrics().get("activation_bytes", 0)
         self.all_reduce_sum(loss_sum)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)

@@ -459,7 +459,7 @@ def _stub(rank: int, codec=None, workers: int = 1):
 
     lc = LowComm.__new__(LowComm)
     model = torch.nn.Linear(6, 8, bias=False, dtype=torch.float64)
-    lc.trainer = SimpleNamespace(model=model, optimizer=None, dims=None)
+    lc.model, lc.optimizer, lc.dims = model, None, None
     lc.workers, lc.rank, lc.outer = workers, rank, None
     lc.compression = SimpleNamespace(codec=codec)
     return lc

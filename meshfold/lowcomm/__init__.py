@@ -2,8 +2,10 @@
 codecs for the per-step data-parallel path (``codecs.py``, ``compress.py``,
 ``onebit_adam.py``) and a network lab of throttled namespaces (``netlab.py``).
 
-The Trainer calls ``attach_lowcomm(trainer)`` once and ``after_step(step)`` after every
-optimizer step; everything else lives here.
+The Trainer builds the feature once (``build_lowcomm``: config, mesh, model, rank, size of
+the training set) and calls its hooks (``train/feature.py``): ``wrap_sampler``,
+``wrap_optimizer``, ``after_step(step)`` after every optimizer step, and its state with
+the checkpoints; everything else lives here.
 
 Batch convention with workers (the DiLoCo convention): ``train.global_batch`` is the batch
 of ONE worker per inner step, so W workers together process W x global_batch sequences per
@@ -48,44 +50,50 @@ class WorkerSampler:
 
 
 class LowComm:
-    """Glue between the Trainer and the outer optimizer / compression state."""
+    """The trainer feature of ``[lowcomm]`` (``train/feature.py``): per-worker data
+    (``wrap_sampler``), 1-bit Adam (``wrap_optimizer``), the outer step (``after_step``) and
+    the low-communication state in checkpoints (``extra.lowcomm``). Built from the config,
+    the mesh, this rank's model and the size of the training set; it never sees the trainer."""
 
-    def __init__(self, trainer):
+    name = "lowcomm"
 
-        cfg: Config = trainer.cfg
-        lc, dims = cfg.lowcomm, trainer.dims
-        self.trainer = trainer
+    def __init__(self, cfg: Config, dims, model, rank: int, train_size: int):
+        """``model``: this rank's parallelised model (the DDP wrapper carries the compression
+        state its comm hook uses, ``compress.py``)."""
+
+        lc = cfg.lowcomm
+        self.cfg, self.dims, self.model, self.rank, self.train_size = cfg, dims, model, rank, train_size
+        self.optimizer = None  # the run's optimizer, once ``wrap_optimizer`` has seen it
         self.workers = dims.size("worker")
-        worker = dims.rank("worker")
-        if self.workers > 1:
-            trainer.sampler = WorkerSampler(len(trainer.data.train), cfg.train.global_batch, self.workers, worker,
-                                            cfg.train.seed)
         self.outer = None
         if lc.method != "none":
-            named = list(unwrap(trainer.model).named_parameters())
+            named = list(unwrap(model).named_parameters())
             norm_group = dims.group("dp_shard_cp") if uses_fsdp(dims) else None
             self.outer = build_outer(lc.method, named, lc, outer_group(dims) if self.workers > 1 else None,
                                      cfg.train.steps, cfg.train.seed, norm_group)
-        self.compression = getattr(trainer.model, "meshfold_compression", None)
-        if self.compression is not None and lc.onebit_adam:
-            self._use_onebit_adam(trainer)
-        self.rank = trainer.rank
-        if lc.method == "noloco" and self.workers > 1 and getattr(trainer, "fault", None) is not None:
-            # The straggler check gathers timings over the whole world every k steps: a
-            # collective over all workers, which NoLoCo promises not to issue.
-            trainer.fault.every = 0
-        if getattr(trainer, "checkpointer", None) is not None:
-            trainer.checkpointer.register("lowcomm", self)
+        self.compression = getattr(model, "meshfold_compression", None)
+        # The straggler check gathers timings over the whole world every k steps: a
+        # collective over all workers, which NoLoCo promises not to issue.
+        self.world_collectives = not (lc.method == "noloco" and self.workers > 1)
 
-    def _use_onebit_adam(self, trainer) -> None:
+    def wrap_sampler(self, sampler):
+        """With workers, worker w takes its slice of a W x B global batch (module doc)."""
+        if self.workers <= 1:
+            return sampler
+        t = self.cfg.train
+        return WorkerSampler(self.train_size, t.global_batch, self.workers, self.dims.rank("worker"), t.seed)
 
-        t = trainer.cfg.train
-        state = self.compression
-        trainer.optimizer = OneBitAdam(param_groups(trainer.model, t.weight_decay), state.group, state.n,
-                                       trainer.cfg.lowcomm.onebit_warmup_steps, lr=t.lr, betas=(t.beta1, t.beta2),
-                                       eps=t.eps)
-        trainer.scheduler = build_scheduler(trainer.optimizer, t)
-        state.optimizer = trainer.optimizer
+    def wrap_optimizer(self, optimizer, scheduler):
+        """``lowcomm.onebit_adam``: 1-bit Adam (and its scheduler) in place of the run's
+        optimizer; the compression state steps with it."""
+        if self.compression is not None and self.cfg.lowcomm.onebit_adam:
+            t, state = self.cfg.train, self.compression
+            optimizer = OneBitAdam(param_groups(self.model, t.weight_decay), state.group, state.n,
+                                   self.cfg.lowcomm.onebit_warmup_steps, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+            scheduler = build_scheduler(optimizer, t)
+            state.optimizer = optimizer
+        self.optimizer = optimizer
+        return optimizer, scheduler
 
     def after_step(self, step: int) -> dict:
         out = self.outer.after_step(step) if self.outer is not None else {}
@@ -118,14 +126,14 @@ class LowComm:
 
     def _named(self):
 
-        return list(unwrap(self.trainer.model).named_parameters())
+        return list(unwrap(self.model).named_parameters())
 
     def _replica_state(self) -> dict:
         """This rank's parameters and optimizer state. The checkpointer stores plain tensors
         once, as if every data-parallel copy were equal; across workers they are not (each
         worker trains its own replica between outer steps), so each worker keeps its own."""
 
-        opt = self.trainer.optimizer
+        opt = self.optimizer
         out = {"params": {}, "optim": {}}
         for name, p in self._named():
             out["params"][name] = local_tensor(p).detach().clone()
@@ -136,7 +144,7 @@ class LowComm:
     @torch.no_grad()
     def _load_replica_state(self, sd: dict) -> None:
 
-        opt = self.trainer.optimizer
+        opt = self.optimizer
         for name, p in self._named():
             local_tensor(p).copy_(sd["params"][name])
             st = opt.state.get(p)
@@ -166,7 +174,7 @@ class LowComm:
 
     def _scopes(self) -> tuple[str, str, str]:
         sharded, inner, _ = self._layout()
-        worker = self.trainer.dims.rank("worker") if self.workers > 1 else 0
+        worker = self.dims.rank("worker") if self.workers > 1 else 0
         shared = f"s{inner}" if sharded else "all"
         return shared, (f"w{worker}.s{inner}" if sharded else f"w{worker}"), f"r{self.rank}"
 
@@ -321,8 +329,11 @@ def outer_group(dims):
     return mine
 
 
-def attach_lowcomm(trainer) -> LowComm | None:
-    lc = trainer.cfg.lowcomm
+def build_lowcomm(cfg: Config, dims, model, rank: int, train_size: int) -> LowComm | None:
+    """The ``[lowcomm]`` feature of a run, or None when it uses neither an outer optimizer
+    nor gradient compression."""
+    lc = cfg.lowcomm
     if lc.method == "none" and lc.compression == "none":
         return None
-    return LowComm(trainer)
+    return LowComm(cfg, dims, model, rank, train_size)
+

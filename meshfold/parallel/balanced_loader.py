@@ -31,6 +31,7 @@ from meshfold.errors import ConfigError
 from meshfold.data.balance import (CostModel, StepPlan, imbalance, loads_of, naive_split, plan_context_parallel,
                                    plan_step)
 from meshfold.data.cost_calibration import cost_model_for
+from meshfold.data.micro import micro_batch_count
 from meshfold.data.packing import DocumentPieces, packed_row
 from meshfold.parallel.per_sequence_cp import SpreadContext, build_groups, make_plan, spread_span
 
@@ -89,7 +90,11 @@ class PieceBatchSampler:
 
 
 class BalancedBatches:
-    """Cost-balanced micro-batches for one data-parallel rank."""
+    """Cost-balanced micro-batches for one data-parallel rank. A trainer feature
+    (``train/feature.py``): it replaces the run's sampler, supplies the batches (cut into
+    micro-batches by ``micro_sizes``, ``data/micro.py``) and reports the step's balance."""
+
+    name = None  # no checkpoint state of its own: the sampler it installs is saved as the sampler
 
     def __init__(self, pieces: DocumentPieces, cost: CostModel, n_ranks: int, rank: int, n_micro: int,
                  micro_cap: int, tokens_per_step: int, seed: int, method: str = "greedy",
@@ -167,13 +172,12 @@ class BalancedBatches:
         parts += [row] if row is not None else []
         return {k: torch.cat([p[k] for p in parts], dim=1) for k in parts[0]}
 
-    @staticmethod
-    def split(batch: dict) -> list[dict]:
-        out, start = [], 0
-        for size in batch["micro_sizes"]:
-            out.append({k: v[:, start: start + size] for k, v in batch.items() if k != "micro_sizes"})
-            start += size
-        return out
+    def wrap_sampler(self, sampler):
+        """The run draws whole documents from this loader's piece sampler instead."""
+        return self.sampler
+
+    def after_step(self, step: int) -> dict:
+        return self.step_metrics()
 
     def step_metrics(self) -> dict:
         """lambda of W and of tokens, before (naive split) and after balancing, and the
@@ -183,21 +187,22 @@ class BalancedBatches:
         return {**self.last_plan.stats, "step_tokens": self.last_tokens}
 
 
-def from_trainer(trainer) -> BalancedBatches:
-    """Build the balanced loader for a ``Trainer`` (its config, mesh and training data)."""
-    cfg = trainer.cfg
+def from_config(cfg, dims, corpus, device: torch.device, param_dtype: torch.dtype) -> BalancedBatches:
+    """The balanced loader of a run: its config, mesh (``dims``), training corpus, and the
+    device and parameter dtype the cost model is measured for."""
     d, t, m = cfg.data, cfg.train, cfg.model
-    dp = trainer.dims.size("dp")
+    dp = dims.size("dp")
     local = t.global_batch // dp
     micro = t.micro_batch or local
-    pieces = DocumentPieces(trainer.data.train.corpus, m.seq_len)
-    cost = cost_model_for(cfg, trainer.device, trainer.param_dtype)
+    n_micro = micro_batch_count(local, t.micro_batch)
+    pieces = DocumentPieces(corpus, m.seq_len)
+    cost = cost_model_for(cfg, device, param_dtype)
     groups = None
     if d.seq_cp_max > 1:  # config.validate checked it divides dp, one micro-batch per rank
-        groups = build_groups(trainer.dims.group("dp") if trainer.dims.distributed else None, dp, d.seq_cp_max)
+        groups = build_groups(dims.group("dp") if dims.distributed else None, dp, d.seq_cp_max)
     return BalancedBatches(
-        pieces, cost, n_ranks=dp, rank=trainer.dims.rank("dp"), n_micro=local // micro,
+        pieces, cost, n_ranks=dp, rank=dims.rank("dp"), n_micro=n_micro,
         micro_cap=d.max_tokens or 2 * micro * m.seq_len, tokens_per_step=t.global_batch * m.seq_len,
         seed=t.seed, method=d.balance, tolerance=d.balance_tolerance, time_limit=d.balance_time_limit_s,
-        broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups, device=trainer.device,
+        broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups, device=device,
     )

@@ -632,7 +632,6 @@ def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParall
     cache = _MetaCache(plan)
     for block in model.layers.values():
         block.attention.core = ContextParallelAttention(plan, cache)
-    model.cp_plan = plan
     return plan
 
 

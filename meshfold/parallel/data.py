@@ -19,8 +19,8 @@ zero   memory per rank (model states)  communication per step               mech
 =====  ==============================  ===================================  ========================================
 
 Every data-parallel reduction happens once per optimizer step, in the last micro-batch's
-backward (see ``Trainer.grad_sync`` and the pipeline's per-chunk arming), so dp bytes per
-step do not depend on the micro-batch count for zero 0-2.
+backward (see ``LocalEngine.grad_sync`` in train/engine.py and the pipeline's per-chunk
+arming), so dp bytes per step do not depend on the micro-batch count for zero 0-2.
 
 With ``dp_replicate`` > 1 and zero >= 2 FSDP2 runs as HSDP on the 2-D mesh
 (dp_replicate, dp_shard_cp): shards within a group, all-reduce of shard gradients across

@@ -47,7 +47,6 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from meshfold import comm
 from meshfold.errors import ConfigError
 from meshfold.models.llama import Transformer, init_weights
-from meshfold.models.moe import moe_aux_loss
 from meshfold.parallel import parallelize
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.materialize import build_on_meta
@@ -513,29 +512,35 @@ class PipelineModel(nn.Module):
 
 
 class Pipeline:
-    """Builds this rank's stages and runs the schedule for a trainer."""
+    """This rank's stages and the schedule's execution: the pipeline executor. It owns no
+    training policy: the step engine (``train/engine.py``) hands it the forward, the loss
+    and the MoE auxiliary terms, and the loss scale, and reads back the loss sum and the
+    step's metrics (``self.metrics``)."""
 
-    def __init__(self, trainer):
+    def __init__(self, cfg: Config, dims, device: torch.device, param_dtype: torch.dtype,
+                 wire_dtype: torch.dtype | None = None, announce: bool = False):
+        """``wire_dtype``: activations and gradients travel in the compute dtype (bf16 under
+        autocast; default the parameter dtype). ``announce``: print the stage split (one rank)."""
 
-        self.trainer = trainer
-        cfg, dims = trainer.cfg, trainer.dims
         p = cfg.parallel
+        self.cfg, self.device, self.param_dtype = cfg, device, param_dtype
+        self.wire_dtype = wire_dtype or param_dtype
         self.schedule, self.pp, self.virtual = p.pp_schedule, p.pp, p.pp_virtual_stages
         self.n_chunks = chunks_per_rank(self.schedule, self.virtual)
         self.n_stages = self.pp * self.n_chunks
         self.rank = dims.rank("pp")
         self.split, source = stage_split(cfg)
         self.stages = [stage_of(self.schedule, self.pp, self.rank, c) for c in range(self.n_chunks)]
-        if trainer.rank == 0:
+        if announce:
             owners = [rank_chunk_of_stage(self.schedule, self.pp, s)[0] for s in range(self.n_stages)]
             print(describe_split(cfg.model, self.split, owners, source), flush=True)
         self.group = dims.group("pp")
         chunks = []
         for s in self.stages:
-            stage = build_stage(cfg, self.split, s, meta=True, dtype=trainer.param_dtype)
-            chunks.append(unwrap(parallelize(stage, cfg, dims, trainer.device)))
+            stage = build_stage(cfg, self.split, s, meta=True, dtype=param_dtype)
+            chunks.append(unwrap(parallelize(stage, cfg, dims, device)))
+        self.chunks = chunks  # checkpoints save each chunk under the full model's names
         self.model = PipelineModel(chunks)
-        trainer.model_parts = chunks  # checkpoints save each chunk under the full model's names
         # Without FSDP, data-parallel gradients are averaged by each chunk's GradReducer
         # (parallel/data.py; DDP cannot follow interleaved forwards and backwards), armed
         # for the chunk's last backward action so its buckets go out while other chunks and
@@ -550,6 +555,7 @@ class Pipeline:
         self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
         self.orders = {}
         self.events: list[dict] = []
+        self.metrics: dict = {}  # the last step's bubble fields, read by the step engine
 
     # ---------------------------------------------------------------- p2p
 
@@ -557,22 +563,16 @@ class Pipeline:
         """pp rank holding ``stage``."""
         return rank_chunk_of_stage(self.schedule, self.pp, stage)[0]
 
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        """Activations and gradients travel in the compute dtype (bf16 under autocast)."""
-        return self.trainer.autocast_dtype or self.trainer.param_dtype
-
     def _post(self, sends: list[tuple[int, Message]], recvs: list[tuple[int, Message]],
               out: dict[Message, torch.Tensor], micro: list[dict]) -> None:
         """One ``comm.exchange``: the given sends (tensors from ``out``) and fresh receive
         buffers (into ``self.inbox``); no tags, FIFO per peer pair. A receive is later
         waited on alone where the backend gives one work per operation (gloo), else with
         its whole batch (NCCL's grouped call: one work)."""
-        tr = self.trainer
         send_ops = [(out.pop(msg), peer) for peer, msg in sends]
         recv_ops = []
         for peer, msg in recvs:
-            buf = torch.empty(self._act_shape(micro[msg[2]]), dtype=self.wire_dtype, device=tr.device)
+            buf = torch.empty(self._act_shape(micro[msg[2]]), dtype=self.wire_dtype, device=self.device)
             self.inbox[msg] = buf
             recv_ops.append((buf, peer))
         works = comm.exchange(send_ops, recv_ops, self.group, "pp")
@@ -593,9 +593,9 @@ class Pipeline:
     def _act_shape(self, mb: dict) -> tuple[int, int, int]:
         """Hidden states between stages: [micro-batch, sequence, dim]; under sequence
         parallel each tp rank holds (and sends to its tp peer) a 1/tp slice of the sequence."""
-        p = self.trainer.cfg.parallel
+        p = self.cfg.parallel
         b, s = mb["inputs"].shape[:2]
-        return b, s // (p.tp if p.sp else 1), self.trainer.cfg.model.dim
+        return b, s // (p.tp if p.sp else 1), self.cfg.model.dim
 
     def orders_for(self, m: int) -> list[Action]:
         if m not in self.orders:
@@ -603,15 +603,12 @@ class Pipeline:
             self.orders[m] = (orders, exchange_plan(self.schedule, orders))
         return self.orders[m][0][self.rank]
 
-    def _forward(self, chunk: int, x: torch.Tensor, mb: dict) -> torch.Tensor:
-        tr = self.trainer
-        doc_ids = mb["doc_ids"] if tr.use_doc_mask else None
-        with tr.autocast():
-            return self.model.chunks[chunk](x, positions=mb.get("positions"), doc_ids=doc_ids)
+    def forward_backward(self, micro: list[dict], scale: torch.Tensor, forward, loss_fn, moe_aux) -> torch.Tensor:
+        """Run the schedule over ``micro``; returns the loss sum over all stages.
 
-    def forward_backward(self, micro: list[dict], global_tokens: torch.Tensor) -> torch.Tensor:
-        tr = self.trainer
-        scale = tr.grad_reducers / global_tokens.clamp(min=1)
+        ``forward(module, x, mb)`` runs one chunk, ``loss_fn(out, labels)`` gives the last
+        stage's token-loss sum (multiplied by ``scale`` for backward), ``moe_aux(module, m)``
+        a chunk's scaled MoE auxiliary terms or None."""
         m = len(micro)
         order = self.orders_for(m)
         plan = self.orders[m][1][self.rank]
@@ -619,7 +616,7 @@ class Pipeline:
         outbox: dict[Message, torch.Tensor] = {}
         saved: dict[tuple[int, int], tuple] = {}
         wgrad: dict[tuple[int, int], list] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64, device=tr.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         events = []
         last_grad_action = {}
         for i, a in enumerate(order):
@@ -639,16 +636,17 @@ class Pipeline:
                 if s == 0:
                     x = mb["inputs"]
                 else:
-                    x = self._take(("act", s, a.mb)).to(tr.param_dtype).requires_grad_(True)
+                    x = self._take(("act", s, a.mb)).to(self.param_dtype).requires_grad_(True)
                 start = time.perf_counter()
-                out = self._forward(a.chunk, x, mb)
-                aux = self._moe_aux(a.chunk, m)
+                chunk = self.model.chunks[a.chunk]
+                out = forward(chunk, x, mb)
+                aux = moe_aux(chunk, m)
                 if s == self.n_stages - 1:
-                    loss = tr.loss_fn(out, mb["labels"])
+                    loss = loss_fn(out, mb["labels"])
                     loss_sum += loss.detach().double()
                     out = loss * scale.to(loss.dtype)
                 else:
-                    out = out.to(tr.param_dtype)
+                    out = out.to(self.param_dtype)
                     self._hand_over(outbox, ("act", s + 1, a.mb), out.detach())
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
@@ -683,6 +681,7 @@ class Pipeline:
             for reducer in reducers:
                 reducer.finish()
         self._set_grad_sync("all")
+        self.metrics = {}
         return self._reduce_step(loss_sum, events, wall0, span, m)
 
     def _hand_over(self, outbox: dict, msg: Message, tensor: torch.Tensor) -> None:
@@ -696,12 +695,12 @@ class Pipeline:
     def _reduce_step(self, loss_sum: torch.Tensor, events: list[dict], wall0: float, span: float,
                      m: int) -> torch.Tensor:
         """One all-gather over pp carries the loss (it lives on the last stage) and the
-        timings: per rank [loss sum, busy seconds, wall-clock start, wall-clock end]."""
-        tr = self.trainer
+        timings: per rank [loss sum, busy seconds, wall-clock start, wall-clock end]. The
+        bubble fields go to ``self.metrics``."""
         busy = sum(e["end"] - e["start"] for e in events)
         mine = torch.stack([loss_sum, torch.full_like(loss_sum, busy), torch.full_like(loss_sum, wall0),
                             torch.full_like(loss_sum, wall0 + span)])
-        every = torch.empty(4 * self.pp, dtype=torch.float64, device=tr.device)
+        every = torch.empty(4 * self.pp, dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, mine, self.group, "pp")
         every = every.view(self.pp, 4)
         stats = every[:, 1:].tolist()  # the step's one host read of pipeline timings (metrics)
@@ -714,21 +713,13 @@ class Pipeline:
         per_stage = [max(0.0, 1.0 - r[0] / makespan) if makespan > 0 else 0.0 for r in stats]
         self.last_bubble = per_stage
         self.events = events
-        tr.step_metrics.update({
+        self.metrics = {
             "bubble_frac": sum(per_stage) / len(per_stage),
             "bubble_frac_stages": [round(b, 4) for b in per_stage],
             "bubble_theory": theoretical_bubble(self.schedule, self.pp, self.virtual, m),
             "pp_microbatches": m,
-        })
-        self._log_events()
+        }
         return every[:, 0].sum()
-
-    def _moe_aux(self, chunk: int, m: int) -> torch.Tensor | None:
-        """This chunk's MoE auxiliary losses for the micro-batch just run, scaled like the
-        trainer's (``Trainer.moe_aux``): their sum over ranks is the global-batch value."""
-
-        aux = moe_aux_loss(self.model.chunks[chunk])
-        return None if aux is None else aux * (self.trainer.grad_reducers / m)
 
     def _set_grad_sync(self, chunk) -> None:
         """None: no chunk reduces (start of the schedule); an index: that chunk's next
@@ -747,30 +738,19 @@ class Pipeline:
                 for reducer in self.reducers[c]:
                     reducer.arm()
 
-    def micro_batches(self, batch: dict) -> list[dict]:
-        """Split this rank's batch into the schedule's micro-batches: ``pp_microbatches``,
-        or max(pp, local / micro_batch); ``validate`` checks that it divides."""
-        local = batch["inputs"].shape[0]
-        p, micro = self.trainer.cfg.parallel, self.trainer.cfg.train.micro_batch or local
-        m = p.pp_microbatches or max(p.pp, local // micro)
-        size = local // m
-        return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(m)]
-
     # ---------------------------------------------------------------- timeline log
 
-    def _log_events(self) -> None:
-        """Append this step's events of all stages to RUN_DIR/pipeline_timeline.jsonl
-        (global rank 0) on the steps metrics are logged; ``meshfold timeline RUN_DIR`` draws them."""
-        tr = self.trainer
-        if (tr.step + 1) % max(1, tr.cfg.train.log_every) and tr.step + 1 != tr.cfg.train.steps:
-            return
+    def log_events(self, step: int, path, write: bool) -> None:
+        """Append this step's events of all stages (``step``: its number) to ``path``
+        (``RUN_DIR/pipeline_timeline.jsonl``); every pp rank calls it (the events are
+        gathered), the rank with ``write`` writes. ``meshfold timeline RUN_DIR`` draws them."""
         events = self.gather_events()
-        if tr.rank != 0 or events is None:
+        if not write or events is None:
             return
-        tr.run_dir.mkdir(parents=True, exist_ok=True)
-        record = {"step": tr.step + 1, "schedule": self.schedule, "pp": self.pp, "virtual": self.virtual,
-                  "microbatches": self.trainer.step_metrics.get("pp_microbatches"), "events": events}
-        with open(tr.run_dir / TIMELINE_FILE, "a") as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"step": step, "schedule": self.schedule, "pp": self.pp, "virtual": self.virtual,
+                  "microbatches": self.metrics.get("pp_microbatches"), "events": events}
+        with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def gather_events(self) -> list[dict] | None:
@@ -783,14 +763,13 @@ class Pipeline:
     # ---------------------------------------------------------------- eval, inspection
 
     @torch.no_grad()
-    def forward_loss_sum(self, batch: dict) -> torch.Tensor:
+    def forward_loss_sum(self, batch: dict, forward, loss_fn) -> torch.Tensor:
         """Forward of one batch through all stages in stage order; the loss sum on every pp
         rank. Each rank receives a stage's input only after sending every output of the
         stages before it, so the chain 0 -> 1 -> ... cannot deadlock (docs/pipeline.md)."""
-        tr = self.trainer
         self.local, self.inbox, self.inflight, self.recv_works = {}, {}, [], {}
         outbox: dict[Message, torch.Tensor] = {}
-        loss = torch.zeros((), dtype=torch.float64, device=tr.device)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for c, s in sorted(enumerate(self.stages), key=lambda cs: cs[1]):
             if s == 0:
                 x = batch["inputs"]
@@ -798,13 +777,13 @@ class Pipeline:
                 msg = ("act", s, 0)
                 if msg not in self.local:
                     self._post([], [(self._owner(s - 1), msg)], outbox, [batch])
-                x = self._take(msg).to(tr.param_dtype)
-            out = self._forward(c, x, batch)
+                x = self._take(msg).to(self.param_dtype)
+            out = forward(self.model.chunks[c], x, batch)
             if s == self.n_stages - 1:
-                loss += tr.loss_fn(out, batch["labels"]).double()
+                loss += loss_fn(out, batch["labels"]).double()
             else:
                 msg = ("act", s + 1, 0)
-                self._hand_over(outbox, msg, out.to(tr.param_dtype))
+                self._hand_over(outbox, msg, out.to(self.param_dtype))
                 if msg in outbox:
                     self._post([(self._owner(s + 1), msg)], [], outbox, [batch])
         for works, _ in self.inflight:
@@ -814,16 +793,9 @@ class Pipeline:
             comm.all_reduce(loss, self.group, "pp")
         return loss
 
-    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Unsharded parameters (or gradients) of the whole model, on pp rank 0."""
-        mine = {}
-        for chunk in self.model.chunks:
-            for name, p in chunk.named_parameters():
-                t = p.grad if grads else p
-                if t is None:
-                    continue
-                full = t.full_tensor() if hasattr(t, "full_tensor") else t
-                mine[name] = full.detach().clone().cpu()
+    def gather_state(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every pp rank's part of a by-name state (``mine``: this rank's chunks), merged on
+        pp rank 0 (empty elsewhere)."""
         if self.group is None:
             return mine
         out = comm.gather_object(mine, self.group, 0)
@@ -833,6 +805,3 @@ class Pipeline:
         for part in out:
             merged.update(part)
         return merged
-
-
-

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from meshfold.config import Config, validate
 from meshfold.layout import ParallelConfig
 from meshfold.models.config import ModelConfig
+from meshfold.data.micro import micro_batch_count
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 
@@ -842,10 +843,7 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     cfg = validate(cfg, world)
     p, t = cfg.parallel, cfg.train
     local = t.global_batch // p.dp
-    micro = t.micro_batch or local
-    if p.pp > 1:
-        n_micro = p.pp_microbatches or max(p.pp, local // micro)
-        micro = local // n_micro
+    micro = local // micro_batch_count(local, t.micro_batch, p.pp, p.pp_microbatches)
     zero = p.zero if (p.dp_shard * p.cp > 1) else 0
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,

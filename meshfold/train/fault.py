@@ -126,6 +126,7 @@ class FaultMonitor:
         self.rollbacks: dict[int, int] = defaultdict(int)
         self.step_times: list[float] = []
         self.last_report = ""  # the last straggler line logged (rank 0)
+        self.metrics: dict = {}  # fields for metrics.jsonl (nonfinite, straggler, rolled_back_to); see pop_metrics
         self.tracker = None
         self._probe_group = None
         self._step_started: float | None = None
@@ -160,7 +161,7 @@ class FaultMonitor:
         self.nonfinite_in_a_row += 1
         self.skipped_steps += 1
         step = self.trainer.step + 1
-        self.trainer.step_metrics.update(nonfinite=True, skipped_steps=self.skipped_steps)
+        self.metrics.update(nonfinite=True, skipped_steps=self.skipped_steps)
         if self.rank == 0:
             _log(f"non-finite gradient norm at step {step}: update skipped "
                  f"({self.nonfinite_in_a_row} in a row; rollback after train.nan_guard_rollback = "
@@ -185,7 +186,7 @@ class FaultMonitor:
                 f"rolled back to step {target} {MAX_ROLLBACKS} times and the steps after it keep going "
                 f"non-finite; lower train.lr or check the data"
             )
-        self.trainer.step_metrics["rolled_back_to"] = target
+        self.metrics["rolled_back_to"] = target
         if self.rank == 0:
             _log(f"{self.rollback_after} non-finite steps in a row: rolled back from step {step} to the "
                  f"checkpoint of step {target} (data continues from where it was)")
@@ -212,6 +213,11 @@ class FaultMonitor:
         """After the step is logged: roll back if too many non-finite steps in a row."""
         self._maybe_rollback()
 
+    def pop_metrics(self) -> dict:
+        """The fields recorded since the last call (the trainer adds them to its step record)."""
+        out, self.metrics = self.metrics, {}
+        return out
+
     def persistent(self, late: set[int]) -> list[int]:
         """Record this check's late ranks; name those late now and in at least PERSIST of
         the last WINDOW checks (one hiccup on a shared host is never a straggler)."""
@@ -229,9 +235,8 @@ class FaultMonitor:
         median = statistics.median(step_s)
         late = {r for r, x in enumerate(lag) if x > max(self.margin * median, MIN_LAG_S)}
         slow = self.persistent(late)
-        self.trainer.step_metrics["straggler"] = {"ranks": slow, "late": sorted(late),
-                                                  "lag_s": [round(x, 4) for x in lag],
-                                                  "wait_s": [round(x, 4) for x in wait_s]}
+        self.metrics["straggler"] = {"ranks": slow, "late": sorted(late), "lag_s": [round(x, 4) for x in lag],
+                                     "wait_s": [round(x, 4) for x in wait_s]}
         if slow and self.rank == 0:
             named = ", ".join(f"rank {r} (peers waited {lag[r]:.3f} s for it)" for r in slow)
             self.last_report = (f"straggler at step {self.trainer.step}: {named}; more than train.straggler_margin = "

@@ -12,7 +12,6 @@ loss over the global batch.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import resource
 import time
@@ -28,24 +27,26 @@ from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.device import resolve_device, resolve_dtypes
-from meshfold.lowcomm import attach_lowcomm
-from meshfold.memory import count_saved_activations
+from meshfold.lowcomm import build_lowcomm
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
-from meshfold.models.moe import moe_aux_loss, moe_end_step
+from meshfold.models.moe import moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel import parallelize
-from meshfold.parallel.balanced_loader import from_trainer
-from meshfold.parallel.context import context_step_metrics, shard_for_context_parallel
-from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.balanced_loader import from_config
+from meshfold.parallel.context import shard_for_context_parallel
+from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
-from meshfold.parallel.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from meshfold.parallel.optim import build_optimizer, build_scheduler
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.train.checkpoint import Checkpointer
+from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
+from meshfold.train.feature import Features
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
+
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of token losses, computed in at least fp32."""
@@ -72,61 +73,77 @@ class Trainer:
         self.barrier()
         if self.rank != 0:
             self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
-        self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
         self.prefetcher = Prefetcher(self.make_local_batch, cfg.data.prefetch, self.device)  # data.prefetch ahead
         self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
+        # Features (train/feature.py): optional parts built from their config section and the
+        # objects they need, never from the trainer; the trainer calls their hooks.
+        self.features = Features()
         # data.balance: whole documents assigned to dp ranks / micro-batches by cost (parallel/balanced_loader.py).
         self.balancer = None
         if cfg.data.balance != "none":
 
-            self.balancer = from_trainer(self)
-            self.sampler = self.balancer.sampler
+            self.balancer = self.features.add(
+                from_config(cfg, self.dims, self.data.train.corpus, self.device, self.param_dtype))
+        self.batch_source = self.features.batch_source()
+        self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
 
-        self.pipeline = None  # set by build_model when parallel.pp > 1
-        self.model = self.build_model()
+        self.loss_fn = self.build_loss()
+        self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
+        self.model, self.model_parts = self.engine.model, self.engine.parts
+        self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
         self.optimizer = build_optimizer(
             self.model, t, self.dims, self.device.type,
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
         )
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.loss_fn = cross_entropy_sum
-        if self.dims.distributed and self.dims.enabled("tp"):  # logits arrive split by vocabulary
-
-            self.loss_fn = vocab_parallel_loss(self.dims, cfg)
         self.step = 0
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
         self.peak_flops = device_peak_flops(self.device)
         self.losses: list[float] = []
-        # Features add per-step fields for metrics.jsonl here (bubble_frac, imbalance, ...).
+        # This step's fields for metrics.jsonl (data wait, the engine's, MoE, the features' after_step).
         self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
         # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
         # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py).
-
         self.checkpointer = Checkpointer(self)
         self.fault = FaultMonitor(self)
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
-
-        self.lowcomm = attach_lowcomm(self)
+        self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train)))
+        # The features' hooks, once everything they wrap exists.
+        self.sampler = self.features.wrap_sampler(self.sampler)
+        self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
+        if not self.features.world_collectives:
+            self.fault.every = 0  # a feature promises no collective over all ranks: no straggler check
+        self.features.register_state(self.checkpointer)
 
     # ------------------------------------------------------------------ setup
 
-    def build_model(self) -> torch.nn.Module:
-        torch.manual_seed(self.cfg.train.seed)
-        if self.cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
+    def build_loss(self):
+        """The token-loss sum of a batch's logits: ``cross_entropy_sum``, or its
+        vocabulary-parallel form when the logits arrive split over tp."""
+        if self.dims.distributed and self.dims.enabled("tp"):
+            return vocab_parallel_loss(self.dims, self.cfg)
+        return cross_entropy_sum
 
-            self.pipeline = Pipeline(self)
-            return self.pipeline.model
+    def build_engine(self) -> StepEngine:
+        """This rank's model (or pipeline stages) and the step engine that runs it."""
+        torch.manual_seed(self.cfg.train.seed)
+        cfg, dims = self.cfg, self.dims
+        if cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
+            pipe = Pipeline(cfg, dims, self.device, self.param_dtype, self.autocast_dtype or self.param_dtype,
+                            announce=self.rank == 0)
+            return PipelineEngine(pipe, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
+                                  write_timeline=self.rank == 0)
         # Built on the meta device: parallelize shards it there and allocates only this
         # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
-        model = build_on_meta(lambda: Transformer(self.cfg.model), self.param_dtype)
-        if self.cfg.data.balance != "none":  # packed rows: attention per document, cost sum l^2
-
+        model = build_on_meta(lambda: Transformer(cfg.model), self.param_dtype)
+        if self.balancer is not None:  # packed rows: attention per document, cost sum l^2
             use_varlen_attention(model, self.balancer.spread)
-        return parallelize(model, self.cfg, self.dims, self.device)
+        model = parallelize(model, cfg, dims, self.device)
+        return LocalEngine(model, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
@@ -135,10 +152,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def local_batch(self) -> dict[str, torch.Tensor]:
-        if self.balancer is not None:
-            batch = self.balancer.local_batch(self.device)
-            self.step_metrics.update(self.balancer.step_metrics())
-            return batch
+        if self.batch_source is not None:  # a feature supplies the batches (data.balance)
+            return self.batch_source.local_batch(self.device)
         global_indices = self.sampler.next()
         upcoming = peek(self.sampler, self.cfg.data.prefetch) if self.cfg.data.prefetch else []
         batch = self.prefetcher.get(global_indices, upcoming)
@@ -155,79 +170,16 @@ class Trainer:
         return shard_for_context_parallel(batch, self.cfg, self.dims)  # cp: this rank's slice + positions
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        if self.pipeline is not None:
-            return self.pipeline.micro_batches(batch)
-        if "micro_sizes" in batch:  # data.balance: micro-batches of planned lengths
-            return self.balancer.split(batch)
-        local = batch["inputs"].shape[0]
-        size = self.cfg.train.micro_batch or local
-        return [{k: v[i: i + size] for k, v in batch.items()} for i in range(0, local, size)]
+        return self.engine.micro_batches(batch)
 
     def all_reduce_sum(self, value: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
         if self.dims.distributed and self.dims.size(dim) > 1:
             comm.all_reduce(value, self.dims.group(dim), None)  # control scalars: not counted as traffic
         return value
 
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def forward_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        doc_ids = mb["doc_ids"] if self.use_doc_mask else None
-        with self.autocast():
-            logits = self.model(mb["inputs"], positions=mb.get("positions"), doc_ids=doc_ids)
-            return self.loss_fn(logits, mb["labels"])
-
-    def forward_backward(self, micro: list[dict[str, torch.Tensor]], global_tokens: torch.Tensor) -> torch.Tensor:
-        """Accumulate gradients over the micro-batches; returns this rank's loss sum."""
-        if self.pipeline is not None:  # the schedule's execution (loss summed over stages)
-            return self.pipeline.forward_backward(micro, global_tokens)
-        scale = self.grad_reducers / global_tokens.clamp(min=1)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            with self.grad_sync(last):
-                with self.activation_counter(first=i == 0) as counted:
-                    loss = self.forward_loss(mb)
-                if counted is not None:
-                    self.step_metrics["activation_bytes"] = counted.bytes
-                (loss * scale.to(loss.dtype) + self.moe_aux(len(micro))).backward()
-            loss_sum += loss.detach().double()
-        for reducer in grad_reducers(self.model):
-            reducer.finish()
-        return loss_sum
-
-    def grad_sync(self, last: bool):
-        """Data-parallel gradients are reduced once per step, in the last micro-batch's
-        backward: DDP's no_sync before it; FSDP2 keeps unsharded gradients (and, ZeRO-2,
-        unsharded parameters) between micro-batches and reduce-scatters once;
-        ``GradReducer`` (tp/pp with zero 0/1) is armed for the last backward only."""
-        if uses_fsdp(self.dims):
-            self.model.set_requires_gradient_sync(last)
-            if self.cfg.parallel.zero == 2:
-                self.model.set_reshard_after_backward(last)
-            return contextlib.nullcontext()
-        if last:
-            for reducer in grad_reducers(self.model):
-                reducer.arm()
-        if last or not uses_ddp(self.dims) or uses_grad_reducer(self.dims):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
-
-    def activation_counter(self, first: bool):
-        """Count the bytes autograd saves for backward on the first micro-batch of a step
-        (the honest activation-memory figure on CPU; see meshfold/memory.py). Off under
-        torch.compile, whose graphs the counting hooks would break."""
-        if not first or self.cfg.train.compile:
-            return contextlib.nullcontext()
-        return count_saved_activations(self.model)
-
-    def moe_aux(self, n_micro: int):
-        """This rank's MoE balance and z-loss terms (models/moe.py): their sum over ranks is the
-        global-batch value, so they are scaled by the gradient-averaging ranks like the LM loss."""
-        aux = moe_aux_loss(self.model)
-        return 0.0 if aux is None else aux * (self.grad_reducers / n_micro)
+        """The token-loss sum of one micro-batch (no pipeline)."""
+        return self.engine.forward_loss(mb)
 
     def strict_scope(self):
         """Strict mode (MESHFOLD_STRICT=1, the test suite): tensors created without device=
@@ -241,12 +193,10 @@ class Trainer:
 
     def _train_step(self) -> float:
         batch = self.local_batch()
-        global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())
-        loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens)
-        self.step_metrics.update(context_step_metrics(self.model))  # cp: attention work max/mean
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        pp_group = self.dims.group("pp") if self.pipeline is not None else None  # stages hold disjoint params
-        self.last_grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip, extra_group=pp_group)
+        global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
+        loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
+        self.step_metrics.update(self.engine.pop_metrics())
+        self.last_grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         if self.capture_grads:
             self.last_grads = self.full_state(grads=True)
         if self.fault.update_allowed(self.last_grad_norm):  # non-finite grad norm: skip the update
@@ -256,8 +206,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.all_reduce_sum(loss_sum) / global_tokens.double()
         self.step += 1
-        if self.lowcomm is not None:  # outer step across workers when due
-            self.step_metrics.update(self.lowcomm.after_step(self.step))
+        self.step_metrics.update(self.features.after_step(self.step))  # e.g. the outer step when due
         return float(loss)
 
     # ------------------------------------------------------------------ loop
@@ -283,8 +232,7 @@ class Trainer:
             idx = rank_slice(sampler.next(), self.dims.rank("dp"), self.dims.size("dp"))
             batch = shard_for_context_parallel(self.data.val.batch(idx), self.cfg, self.dims)
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            total += (self.pipeline.forward_loss_sum(batch) if self.pipeline is not None
-                      else self.forward_loss(batch).double())
+            total += self.engine.evaluate(batch)
             tokens += (batch["labels"] != IGNORE_INDEX).sum()
         self.model.train()
         return float(self.all_reduce_sum(total) / self.all_reduce_sum(tokens))
@@ -361,22 +309,12 @@ class Trainer:
         }
 
     def pop_step_metrics(self) -> dict:
-        out, self.step_metrics = self.step_metrics, {}
+        out, self.step_metrics = {**self.step_metrics, **self.fault.pop_metrics()}, {}
         return out
 
     # ------------------------------------------------------------------ inspection
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Unsharded parameters (or their gradients) by model name, for tests and export."""
-
-        if self.pipeline is not None:  # gathered from every stage onto pp rank 0
-            return self.pipeline.full_state(grads)
-
-        out = {}
-        for name, p in unwrap(self.model).named_parameters():
-            t = p.grad if grads else p
-            if t is None:
-                continue
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t
-            out[name] = full.detach().clone().cpu()
-        return out
+        """Unsharded parameters (or their gradients) by model name, for tests and export
+        (under pipeline parallel: gathered from every stage onto pp rank 0)."""
+        return self.engine.full_state(grads)
