@@ -274,7 +274,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        logits = self.router(flat).to(torch.promote_types(x.dtype, torch.float32))
+        logits = F.linear(flat, _local(self.router.weight)).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
         if self.training and torch.is_grad_enabled():
