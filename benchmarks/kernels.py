@@ -145,8 +145,9 @@ def bench_docs(steps: int) -> dict:
 # --------------------------------------------------------------------------- 2. MoE
 
 
-def _previous_experts_forward(self, x, counts, groups=None):
-    """Before issue 18: one expert at a time after a host read of the counts."""
+def _previous_experts_forward(self, x, counts, groups=None, gates=None):
+    """Before issue 18: one expert at a time after a host read of the counts (the gates
+    applied where the current kernel applies them, so only the expert loop differs)."""
     from meshfold.models.moe import _local
 
     w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
@@ -154,7 +155,8 @@ def _previous_experts_forward(self, x, counts, groups=None):
     for e, chunk in enumerate(torch.split(x, counts.tolist())):
         h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
         outs.append(h @ w2[e].t())
-    return torch.cat(outs)
+    y = torch.cat(outs)
+    return y if gates is None else y * gates[:, None]
 
 
 def bench_moe(steps: int) -> dict:

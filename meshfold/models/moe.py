@@ -138,7 +138,8 @@ class GroupedExperts(nn.Module):
         """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert,
         a device tensor (``groups``: a precomputed layout, then rows may be in any order).
         ``gates`` [rows]: each row's gate, applied to the hidden activation before the second
-        GEMM (g * (h W2^T) = (g * h) W2^T, and h is narrower than the output). Every expert's
+        GEMM when it is the narrower (g * (h W2^T) = (g * h) W2^T; fine-grained experts), else
+        to the output. Every expert's
         weights join the graph, so each gets a (possibly zero) gradient on every rank."""
         dtype = _compute_dtype(x)
         x = x.to(dtype)
@@ -152,9 +153,11 @@ class GroupedExperts(nn.Module):
             w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
             h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
             h = F.silu(h1) * h3
-        if gates is not None:
-            h = h * gates[:, None].to(h.dtype)
-        return grouped_linear(h, w2, groups)
+        if gates is None:
+            return grouped_linear(h, w2, groups)
+        if h.shape[1] <= w2.shape[1]:  # the narrower side takes the [rows, width] product
+            return grouped_linear(h * gates[:, None].to(h.dtype), w2, groups)
+        return grouped_linear(h, w2, groups) * gates[:, None].to(h.dtype)
 
 
 class _GatherRows(torch.autograd.Function):
