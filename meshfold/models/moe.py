@@ -64,9 +64,13 @@ def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     return t if grad_scale == 1.0 else _ScaleGrad.apply(t, grad_scale)
 
 
+# The public form (torch.nn.functional.grouped_mm, torch >= 2.9) where it exists.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_gemm_supported(x: torch.Tensor) -> bool:
     """``torch._grouped_mm`` runs here: CPU fp32/bf16/fp16, CUDA bf16 on sm90+ (torch 2.13)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if _GROUPED_MM is None:
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -114,7 +118,7 @@ class _Groups:
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
     """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]."""
     if groups.kernel == "grouped_mm":
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=groups.offsets)
+        return _GROUPED_MM(x, w.transpose(-2, -1), offs=groups.offsets)
     padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
     return torch.bmm(padded, w.transpose(-2, -1))[groups.expert, groups.slot]
 
