@@ -262,7 +262,7 @@ def _one_process_sdpa(seq, reps, out):
     torch.save(torch.tensor([[statistics.median(times), _rss_mib() - before]], dtype=torch.float64), out)
 
 
-def bench_ring(seq: int, reps: int, rev: str) -> dict:
+def bench_ring(seq: int, reps: int, rev: str, variants=("fused", "previous")) -> dict:
     import torch.multiprocessing as mp
 
     print(f"\n3. ring attention, seq {seq}, b 1, 8 q / 2 kv heads of 64, fp32, causal balanced, fwd+bwd, "
@@ -278,7 +278,7 @@ def bench_ring(seq: int, reps: int, rev: str) -> dict:
         results["one process SDPA"] = r
         print(f"{'one process SDPA (whole seq)':34s} {r[0, 0]:12.3f} {r[0, 1]:26.0f}")
         for cp in (2, 4):
-            for variant in ("fused", "previous"):
+            for variant in variants:
                 init = f"file://{tmp}/store_{cp}_{variant}"
                 mp.spawn(_ring_worker, args=(cp, variant, seq, reps, rev, init, out), nprocs=cp)
                 r = torch.load(out)
@@ -293,6 +293,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["docs", "moe", "ring"])
     ap.add_argument("--seq", type=int, default=8192, help="ring attention sequence length")
     ap.add_argument("--baseline-rev", default="8e01949", help="git revision of the previous ring (tiles)")
+    ap.add_argument("--ring-variants", nargs="*", default=["fused", "previous"],
+                    help="ring implementations to run: fused (current) and/or previous (tiles at --baseline-rev)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: one thread, time = this process's CPU time (robust to a machine shared with "
                          "other jobs, whose load only stretches wall time); docs and moe only")
@@ -308,7 +310,7 @@ def main() -> None:
     if "moe" in args.only:
         bench_moe(args.steps)
     if "ring" in args.only:
-        bench_ring(args.seq, max(2, args.steps // 2), args.baseline_rev)
+        bench_ring(args.seq, max(2, args.steps // 2), args.baseline_rev, args.ring_variants)
 
 
 if __name__ == "__main__":
