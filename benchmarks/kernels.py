@@ -15,8 +15,10 @@
    sequence. Each configuration runs in fresh processes (peak RSS is per process).
 
 Variants alternate step by step so machine noise hits all of them; medians are printed.
+``--clock cpu`` times sections 1-2 by this process's CPU time on one thread: on a machine
+shared with other jobs the load stretches wall time by 10x and more, CPU time much less.
 
-    .venv/bin/python benchmarks/kernels.py [--steps 5] [--only docs moe ring]
+    .venv/bin/python benchmarks/kernels.py [--steps 5] [--only docs moe ring] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ from meshfold.config import ModelConfig  # noqa: E402
 from meshfold.models.llama import CoreAttention, Transformer, init_weights  # noqa: E402
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU time, 1 thread)
+
+
 def _median_times(fns: dict, steps: int) -> dict:
     times = defaultdict(list)
     for fn in fns.values():  # warm-up
         fn()
     for _ in range(steps):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -140,8 +145,9 @@ def bench_docs(steps: int) -> dict:
 # --------------------------------------------------------------------------- 2. MoE
 
 
-def _previous_experts_forward(self, x, counts, groups=None):
-    """Before issue 18: one expert at a time after a host read of the counts."""
+def _previous_experts_forward(self, x, counts, groups=None, gates=None):
+    """Before issue 18: one expert at a time after a host read of the counts (the gates
+    applied where the current kernel applies them, so only the expert loop differs)."""
     from meshfold.models.moe import _local
 
     w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
@@ -149,7 +155,8 @@ def _previous_experts_forward(self, x, counts, groups=None):
     for e, chunk in enumerate(torch.split(x, counts.tolist())):
         h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
         outs.append(h @ w2[e].t())
-    return torch.cat(outs)
+    y = torch.cat(outs)
+    return y if gates is None else y * gates[:, None]
 
 
 def bench_moe(steps: int) -> dict:
@@ -255,7 +262,7 @@ def _one_process_sdpa(seq, reps, out):
     torch.save(torch.tensor([[statistics.median(times), _rss_mib() - before]], dtype=torch.float64), out)
 
 
-def bench_ring(seq: int, reps: int, rev: str) -> dict:
+def bench_ring(seq: int, reps: int, rev: str, variants=("fused", "previous")) -> dict:
     import torch.multiprocessing as mp
 
     print(f"\n3. ring attention, seq {seq}, b 1, 8 q / 2 kv heads of 64, fp32, causal balanced, fwd+bwd, "
@@ -271,7 +278,7 @@ def bench_ring(seq: int, reps: int, rev: str) -> dict:
         results["one process SDPA"] = r
         print(f"{'one process SDPA (whole seq)':34s} {r[0, 0]:12.3f} {r[0, 1]:26.0f}")
         for cp in (2, 4):
-            for variant in ("fused", "previous"):
+            for variant in variants:
                 init = f"file://{tmp}/store_{cp}_{variant}"
                 mp.spawn(_ring_worker, args=(cp, variant, seq, reps, rev, init, out), nprocs=cp)
                 r = torch.load(out)
@@ -286,7 +293,16 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=["docs", "moe", "ring"])
     ap.add_argument("--seq", type=int, default=8192, help="ring attention sequence length")
     ap.add_argument("--baseline-rev", default="8e01949", help="git revision of the previous ring (tiles)")
+    ap.add_argument("--ring-variants", nargs="*", default=["fused", "previous"],
+                    help="ring implementations to run: fused (current) and/or previous (tiles at --baseline-rev)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: one thread, time = this process's CPU time (robust to a machine shared with "
+                         "other jobs, whose load only stretches wall time); docs and moe only")
     args = ap.parse_args()
+    if args.clock == "cpu":
+        global CLOCK
+        CLOCK = time.process_time
+        torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}")
     if "docs" in args.only:
@@ -294,7 +310,7 @@ def main() -> None:
     if "moe" in args.only:
         bench_moe(args.steps)
     if "ring" in args.only:
-        bench_ring(args.seq, max(2, args.steps // 2), args.baseline_rev)
+        bench_ring(args.seq, max(2, args.steps // 2), args.baseline_rev, args.ring_variants)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,11 @@ LAYOUTS = [
     pytest.param(4, {"dp_shard": 4, "ep": 4}, id="ep4"),
     pytest.param(4, {"dp_shard": 4, "ep": 2, "zero": 2}, id="ep2-folded-on-dp_shard4-zero2"),
     pytest.param(4, {"dp_shard": 2, "tp": 2, "ep": 2}, id="ep2xtp2"),
-    # ep 1: the experts are split over the tp ranks (each computes half of them).
+    # ep 1: the experts are split over the tp ranks (each computes half of them), with FSDP2,
+    # with ZeRO-1 (gradient reducer) and without data parallel (every parameter a tp DTensor).
     pytest.param(4, {"dp_shard": 2, "tp": 2}, id="tp2-experts-split"),
+    pytest.param(4, {"dp_shard": 2, "tp": 2, "zero": 1}, id="tp2-zero1-experts-split"),
+    pytest.param(2, {"tp": 2}, id="tp2-dp1-experts-split"),
     pytest.param(4, {"dp_shard": 2, "cp": 2, "ep": 4}, id="ep4-folded-on-dp_shard2xcp2"),
     # HSDP for the dense part; the experts' FSDP group (edp) spans the replicas.
     pytest.param(4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, id="ep2-hsdp2x2"),
@@ -74,15 +77,53 @@ def test_capacity_drops_the_same_tokens(capacity_ref, tmp_path):
     assert [m["expert_load"] for m in metrics] == [m["expert_load"] for m in ref_metrics]
 
 
+def _expert_rows_per_rank(cfg_dict: dict) -> tuple[int, str]:
+    """Train, counting the rows every MoE layer's experts compute on this rank; also the
+    class of the shared experts (tensor-parallel split or not)."""
+    from meshfold.config import from_dict
+    from meshfold.models.moe import moe_layers
+    from meshfold.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(cfg_dict))
+    rows = [0]
+    layers = moe_layers(trainer.model)
+    for _, moe in layers:
+        moe.experts.register_forward_hook(lambda mod, args, out: rows.__setitem__(0, rows[0] + args[0].shape[0]))
+    trainer.fit()
+    return rows[0], type(layers[0][1].shared_experts).__name__
+
+
+@pytest.mark.parametrize("world,parallel", [
+    (2, {"tp": 2}),
+    (4, {"dp_shard": 2, "tp": 2}),
+    (4, {"dp_shard": 2, "tp": 2, "ep": 2}),
+])
+def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_ref, tmp_path):
+    # Shared experts, capacity and bias balancing with tp: the same run as one process, the rows
+    # computed by the routed experts over all ranks add up to the one-process count (tp ranks
+    # split the experts, they do not repeat them), and the shared experts are tp-split.
+    cfg = tiny_config(str(tmp_path), model=CAPACITY, parallel=parallel)
+    got = run_on(world, train_collect, cfg)[0]
+    assert_runs_match(capacity_ref[0], got, rtol=1e-9, atol=1e-11)
+    ref_rows, ref_shared = _expert_rows_per_rank(tiny_config(str(tmp_path / "one"), model=CAPACITY))
+    per_rank = run_on(world, _expert_rows_per_rank, tiny_config(str(tmp_path / "count"), model=CAPACITY,
+                                                               parallel=parallel))
+    assert sum(rows for rows, _ in per_rank) == ref_rows
+    assert ref_shared == "FeedForward" and {kind for _, kind in per_rank} == {"TensorParallelFeedForward"}
+
+
 @pytest.mark.parametrize("parallel,key", [
     ({"dp_shard": 4, "ep": 3}, "parallel.ep"),
     ({"dp_shard": 2, "dp_replicate": 2, "ep": 4}, "parallel.ep"),
     ({"dp_shard": 4, "ep": 2, "zero": 1}, "parallel.zero"),
     ({"dp_shard": 2, "cp": 2, "ep": 2}, "model.moe_capacity_factor"),
+    ({"dp_shard": 2, "tp": 2, "ep": 2, "moe_experts": 6}, "model.moe_experts"),
 ])
 def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
-    cfg = from_dict(tiny_config(str(tmp_path), model={**MOE, "moe_capacity_factor": 1.0 if "cp" in parallel else 0.0},
-                                parallel=parallel))
+    parallel = dict(parallel)
+    experts = {"moe_experts": parallel.pop("moe_experts")} if "moe_experts" in parallel else {}
+    cfg = from_dict(tiny_config(str(tmp_path), model={**MOE, "moe_capacity_factor": 1.0 if "cp" in parallel else 0.0,
+                                                      **experts}, parallel=parallel))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg, 4)
 

@@ -64,9 +64,13 @@ def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     return t if grad_scale == 1.0 else _ScaleGrad.apply(t, grad_scale)
 
 
+# The public form (torch.nn.functional.grouped_mm, torch >= 2.9) where it exists.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_gemm_supported(x: torch.Tensor) -> bool:
     """``torch._grouped_mm`` runs here: CPU fp32/bf16/fp16, CUDA bf16 on sm90+ (torch 2.13)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if _GROUPED_MM is None:
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -114,7 +118,7 @@ class _Groups:
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
     """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]."""
     if groups.kernel == "grouped_mm":
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=groups.offsets)
+        return _GROUPED_MM(x, w.transpose(-2, -1), offs=groups.offsets)
     padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
     return torch.bmm(padded, w.transpose(-2, -1))[groups.expert, groups.slot]
 
@@ -133,22 +137,61 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: _Groups | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: _Groups | None = None,
+                gates: torch.Tensor | None = None) -> torch.Tensor:
         """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert,
         a device tensor (``groups``: a precomputed layout, then rows may be in any order).
-        Every expert's weights join the graph, so each gets a (possibly zero) gradient on
-        every rank."""
+        ``gates`` [rows]: each row's gate, applied to the hidden activation before the second
+        GEMM when it is the narrower (g * (h W2^T) = (g * h) W2^T; fine-grained experts), else
+        to the output. Every expert's
+        weights join the graph, so each gets a (possibly zero) gradient on every rank."""
         dtype = _compute_dtype(x)
         x = x.to(dtype)
         w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
         if groups is None:
             groups = _Groups(counts, x.shape[0], expert_kernel(x, self.kernel))
         if self.w3 is None:
-            return grouped_linear(F.gelu(grouped_linear(x, w1, groups), approximate="tanh"), w2, groups)
-        # w1 and w3 in one GEMM: twice the columns per expert, better use of small matmuls.
-        w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
-        h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
-        return grouped_linear(F.silu(h1) * h3, w2, groups)
+            h = F.gelu(grouped_linear(x, w1, groups), approximate="tanh")
+        else:
+            # w1 and w3 in one GEMM: twice the columns per expert, better use of small matmuls.
+            w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
+            h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
+            h = F.silu(h1) * h3
+        if gates is None:
+            return grouped_linear(h, w2, groups)
+        if h.shape[1] <= w2.shape[1]:  # the narrower side takes the [rows, width] product
+            return grouped_linear(h * gates[:, None].to(h.dtype), w2, groups)
+        return grouped_linear(h, w2, groups) * gates[:, None].to(h.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[index]`` (rows, indices may repeat) whose backward is one ``index_add`` into the
+    [rows of x, dim] gradient (autograd's own backward of indexing is a slower accumulating
+    ``index_put``)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows,) + tuple(grad.shape[1:]))
+        return out.index_add_(0, index, grad), None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _GatherRows.apply(x, index)
+
+
+def scatter_add_rows(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum of the rows y[i] with token[i] = t (gates already applied), summed in
+    >= fp32 (expert outputs are bf16 under autocast), returned in y's dtype."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    return out.index_add(0, token, y.to(acc)).to(y.dtype)
 
 
 def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -161,18 +204,20 @@ def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch
 
 class LocalDispatcher(nn.Module):
     """All experts on this rank: group the assignments by expert (a sort for the grouped
-    GEMM; none for the padded kernel, which places rows by slot), run, weight and add."""
+    GEMM; none for the padded kernel, which places rows by slot), run with the gates folded
+    into the experts' hidden activations, and add the rows per token."""
 
     def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
         counts = torch.bincount(expert, minlength=n_experts)
         kernel = expert_kernel(x.to(_compute_dtype(x)), experts.kernel)
         if kernel == "padded_bmm":
-            y = experts(x[token], counts, _Groups(counts, token.shape[0], kernel, expert))
-            return combine(x, token, y, weight)
+            y = experts(gather_rows(x, token), counts, _Groups(counts, token.shape[0], kernel, expert), weight)
+            return scatter_add_rows(x, token, y)
         order = torch.argsort(expert, stable=True)
-        y = experts(x[token[order]], counts)
-        return combine(x, token[order], y, weight[order])
+        token = token[order]
+        y = experts(gather_rows(x, token), counts, gates=weight[order])
+        return scatter_add_rows(x, token, y)
 
 
 class MoE(nn.Module):
@@ -236,7 +281,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        logits = self.router(flat).to(torch.promote_types(x.dtype, torch.float32))
+        logits = F.linear(flat, _local(self.router.weight)).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
         if self.training and torch.is_grad_enabled():

@@ -82,6 +82,11 @@ def validate(cfg: Config) -> None:
             f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}; "
             f"ep could be one of {divisors(m.moe_experts)}"
         )
+    if m.moe_experts and p.ep > 1 and p.tp > 1 and m.moe_experts % (p.ep * p.tp):
+        raise ConfigError(
+            f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep * parallel.tp = {p.ep * p.tp} "
+            "(each ep rank's experts are split again over tp); change parallel.ep, parallel.tp or model.moe_experts"
+        )
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
     if p.ep > 1 and p.zero < 2:

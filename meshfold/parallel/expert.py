@@ -11,10 +11,14 @@ neighbouring dp_shard/cp ranks:
   ``fully_shard`` group inside the block), so expert weights are sharded R ways in all;
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
   the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped;
-* with tp > 1, ep = 1 and FSDP2 (zero >= 2) the experts are split over the tp ranks
+* with tp > 1 no expert FLOP is done twice, in every composition: with ep = 1 (FSDP2,
+  ZeRO-1/DDP-style reducer, or no data parallel) the experts are split over the tp ranks
   (``TensorParallelExpertDispatcher``): each tp rank computes its slice of the experts for
-  the (replicated) tokens and the partial outputs are summed over tp; with ep > 1 as well,
-  every tp rank runs the same MoE computation in its own ep group (expert tp = 1).
+  the (replicated) tokens and the partial outputs are summed over tp; with ep > 1 each ep
+  rank's experts are split again over tp (DTensor ``Shard(0)`` on the (ep, tp) mesh) and
+  tp rank r dispatches only the assignments of its expert column
+  (``AllToAllDispatcher(tp=...)``). The router weight becomes a replicated tp DTensor and
+  the shared experts are split over tp like a dense feed-forward.
 
 Gradients: every rank scales its loss by R (see the trainer), and an expert's gradient
 collects, through the backward all-to-all, the contributions of all tokens of its ep group;
@@ -35,13 +39,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.comm import all_reduce, all_to_all_single
 from meshfold.mesh import ParallelDims
-from meshfold.models.moe import MoE, combine, moe_layers
-from meshfold.parallel.data import uses_fsdp
-from meshfold.parallel.tensor import TensorParallelGroup, _distribute, shard_range
+from meshfold.models.moe import MoE, combine, gather_rows, moe_layers, scatter_add_rows
+from meshfold.parallel.tensor import TensorParallelGroup, _distribute, _parallelize_ffn, shard_range
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -71,24 +75,42 @@ class AllToAllDispatcher(nn.Module):
     """Dispatch (token, expert) assignments to the ranks owning the experts, run the local
     experts grouped, send the results back, weight them and add them per token.
 
+    With tp > 1 (``tp`` set) each ep rank's experts are split again over the tp ranks of
+    its tensor-parallel group: the tokens are replicated over tp, and tp rank r dispatches
+    only the assignments to experts of its column (the r-th 1/tp of every ep rank's
+    experts), so every assignment is computed once; the partial per-token sums are added
+    over tp (Megatron's f/g pair around the MoE, as for a row-parallel linear).
+
     The per-expert counts are exchanged on the device; the variable all-to-all needs its
     split sizes on the host, read once per forward (both directions in one transfer)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int):
+    def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.group, self.ep_rank, self.ep = group, ep_rank, ep
+        self.tp = tp if tp is not None and tp.size > 1 else None
 
     def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
-        P, local_e = self.ep, n_experts // self.ep
-        order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=n_experts)  # [E], experts of rank j contiguous
+        P, per_ep = self.ep, n_experts // self.ep
+        if self.tp is None:
+            local_e, key = per_ep, expert
+        else:
+            tp = self.tp
+            x, weight = tp.grad_sum(x), tp.grad_sum(weight)
+            local_e = per_ep // tp.size
+            within = expert % per_ep - tp.rank * local_e  # index among this tp column's experts
+            mine = (within >= 0) & (within < local_e)
+            key = torch.where(mine, (expert // per_ep) * local_e + within, P * local_e)  # others sort last
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=P * local_e + 1)[: P * local_e]  # experts of rank j contiguous
         # Tell every rank how many rows it gets for each of its experts: recv[src, e_local].
         recv = torch.empty_like(counts)
         all_to_all_single(recv, counts, self.group, "ep")
         recv = recv.view(P, local_e)
         splits = torch.stack([counts.view(P, local_e).sum(1), recv.sum(1)]).tolist()  # the one host read
         send_splits, recv_splits = splits
-        rows = AllToAll.apply(x[token[order]], recv_splits, send_splits, self.group)
+        order = order[: sum(send_splits)]  # with tp: this column's assignments only
+        token = token[order]
+        rows = AllToAll.apply(gather_rows(x, token), recv_splits, send_splits, self.group)
 
         # Rows arrive grouped by source rank, then expert; the experts want expert, then source.
         local_expert = torch.arange(P * local_e, device=x.device) % local_e
@@ -98,7 +120,8 @@ class AllToAllDispatcher(nn.Module):
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
         y = AllToAll.apply(y[back], send_splits, recv_splits, self.group)
-        return combine(x, token[order], y, weight[order])
+        out = combine(x, token, y, weight[order])
+        return out if self.tp is None else self.tp.leave(out)
 
 
 class TensorParallelExpertDispatcher(nn.Module):
@@ -118,8 +141,20 @@ class TensorParallelExpertDispatcher(nn.Module):
         key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
         counts = torch.bincount(key, minlength=n_local + 1)[:n_local]
         order = torch.argsort(key, stable=True)[: int(local.sum())]  # host read: this rank's row count
-        y = experts(x[token[order]], counts)
-        return self.tp.leave(combine(x, token[order], y, weight[order]))
+        token = token[order]
+        y = experts(gather_rows(x, token), counts, gates=weight[order])
+        return self.tp.leave(scatter_add_rows(x, token, y))
+
+
+def replicate_router_and_split_shared(moe: MoE, tp: TensorParallelGroup) -> None:
+    """Under tp the router weight is a replicated DTensor on the tp mesh (its input and its
+    gradient are the same on every tp rank) and the shared experts are split over tp like
+    a dense feed-forward (w1/w3 by columns, w2 by rows), so every parameter of the block is
+    a tp DTensor (the optimizer, DDP's reducer and checkpoints see one kind) and the shared
+    experts' FLOPs are not repeated on every tp rank."""
+    _distribute(moe.router, "weight", tp, Replicate())
+    if moe.shared_experts is not None:
+        _parallelize_ffn(moe.shared_experts, tp)
 
 
 def split_experts_over_tp(model: nn.Module, dims: ParallelDims) -> None:
@@ -149,12 +184,18 @@ def expert_mesh(dims: ParallelDims):
     return dims["dp_cp"]._unflatten(0, (edp, ep), ("edp", "ep"))
 
 
-def shard_experts(moe: MoE, ep_mesh) -> None:
-    """Replace the stacked expert weights by this rank's slice, as DTensors Shard(0) on ep."""
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+def shard_experts(moe: MoE, ep_mesh, tp: TensorParallelGroup | None = None) -> None:
+    """Replace the stacked expert weights by this rank's slice, as DTensors Shard(0) on ep
+    (and, with tp > 1, Shard(0) again on tp: the (ep, tp) mesh, ep outer, so rank (j, r)
+    holds experts [j E/ep + r E/(ep tp), ...) and E/(ep tp) of them)."""
+    mesh, shards, index = ep_mesh, ep_mesh.size(), ep_mesh.get_local_rank()
+    if tp is not None and tp.size > 1:
+        mesh = DeviceMesh._concatenate([ep_mesh, tp.mesh])
+        shards, index = shards * tp.size, index * tp.size + tp.rank
     for name, p in list(moe.experts.named_parameters(recurse=False)):
-        local = p.detach().chunk(ep, dim=0)[rank].clone()
-        dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        local = p.detach().chunk(shards, dim=0)[index].clone()
+        dt = DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=p.shape,
+                                stride=p.stride())
         setattr(moe.experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
@@ -169,10 +210,12 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         reduce = _stats_reducer(dims.group("dp_cp"), reducers)
         for _, moe in layers:
             moe.reduce_stats = reduce
+    tp = TensorParallelGroup.from_dims(dims) if dims.size("tp") > 1 else None
+    if tp is not None:
+        for _, moe in layers:
+            replicate_router_and_split_shared(moe, tp)
     if dims.parallel.ep == 1:
-        # Needs FSDP2 (it turns the remaining plain parameters into DTensors too); without it
-        # the tp ranks keep computing every expert (the optimizer cannot mix the two kinds).
-        if dims.size("tp") > 1 and uses_fsdp(dims):
+        if tp is not None:
             split_experts_over_tp(model, dims)
         return model
 
@@ -180,9 +223,9 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
 
     mesh = expert_mesh(dims)
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
-    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size())
+    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp)
     for _, moe in layers:
-        shard_experts(moe, ep_mesh)
+        shard_experts(moe, ep_mesh, tp)
         moe.dispatcher = dispatcher
         # Validation guarantees zero >= 2: experts get their own FSDP group over edp.
         moe.experts.grad_scale = 1.0 / ep_mesh.size()

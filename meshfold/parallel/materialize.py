@@ -11,8 +11,8 @@ the one-process initialisation whatever the layout.
 
 The local piece of a DTensor is found from its placements: ``Shard(d)`` takes this mesh
 coordinate's ``torch.chunk`` along d, in mesh order; a ``_StridedShard`` (FSDP2 sharding a
-dimension tensor parallel already split) means the right-hand shardings were applied
-first, so placements are then applied right to left. The result's shape is checked
+dimension tensor/expert parallel already split) means the right-hand shardings were applied
+first (in mesh order among themselves), so it is applied last. The result's shape is checked
 against the local tensor's.
 """
 
@@ -54,9 +54,10 @@ def local_piece(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
     """This rank's piece of ``full`` under ``dt``'s mesh and placements."""
     mesh, placements = dt.device_mesh, dt.placements
     coords = mesh.get_coordinate()
-    order = list(range(len(placements)))
-    if any(isinstance(pl, _StridedShard) for pl in placements):
-        order.reverse()
+    strided = [isinstance(pl, _StridedShard) for pl in placements]
+    # The right-hand (non-strided) shardings first, in mesh order (e.g. experts Shard(0) on
+    # ep, then again on tp), then the strided FSDP one.
+    order = [i for i, s in enumerate(strided) if not s] + [i for i, s in enumerate(strided) if s]
     t = full
     for i in order:
         pl = placements[i]
