@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "calibrate-cost": "meshfold.data.cost_calibration",
     "prepare": "meshfold.data.prepare",
     "convert": "meshfold.models.hf",
-    "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.planner.cli",
+    "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.calibration",
     "netlab": "meshfold.lowcomm.cli",
     "dry-run": "meshfold.dryrun",
 }

@@ -53,10 +53,11 @@ from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import vocab_parallel_loss
-from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
+from meshfold.parallel.pipeline import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
-from meshfold.planner.cost import CostModel, inflight_microbatches
+from meshfold.planner.cost import CostModel
+from meshfold.schedule import chunks_per_rank, inflight_microbatches, stage_of
 from meshfold.train.memory import count_saved_activations
 from meshfold.train.optim import build_optimizer, grad_norm
 from meshfold.train.trainer import Trainer, cross_entropy_sum, resolve_dtypes
