@@ -20,7 +20,7 @@ from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
-from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time
+from meshfold.schedule import chunks_per_rank, inflight_microbatches, microbatch_count, pipeline_time
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
@@ -722,8 +722,7 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     local = t.global_batch // p.dp
     micro = t.micro_batch or local
     if p.pp > 1:
-        n_micro = p.pp_microbatches or max(p.pp, local // micro)
-        micro = local // n_micro
+        micro = local // microbatch_count(p.pp, local, t.micro_batch, p.pp_microbatches)
     zero = p.zero if (p.dp_shard * p.cp > 1) else 0
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
