@@ -123,3 +123,17 @@ def test_schedule_and_planner_load_without_torch_or_trainer():
             "'meshfold.calibration'))]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_search_offers_zbv_where_it_prices_it():
+    from meshfold.models.presets import preset
+    from meshfold.planner.cost import Workload
+    from meshfold.planner.search import schedules
+    from meshfold.schedule import ZBV_MAX_PRICED
+
+    w = Workload(preset("llama3-8b"), global_batch=4096)
+    for pp, m in ((4, ZBV_MAX_PRICED // 4), (4, ZBV_MAX_PRICED // 4 + 4), (8, 16)):
+        offered = ("zbv", 1) in schedules(w, pp, m)
+        assert offered == (pp * m <= ZBV_MAX_PRICED), (pp, m)
+    # one estimate still replays a longer order: the V's bubble at B = W = F stays below 1F1B's
+    assert pipeline_time("zbv", 4, 512, 1, 1.0, 2.0)[1] < pipeline_time("1f1b", 4, 512, 1, 1.0, 2.0)[1]
