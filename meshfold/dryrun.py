@@ -53,7 +53,7 @@ from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import vocab_parallel_loss
-from meshfold.parallel.pipeline import stage_split
+from meshfold.parallel.stages import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel

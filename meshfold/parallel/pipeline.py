@@ -3,13 +3,13 @@ measured per-action timings.
 
 What a step runs (layout, schedules, dependencies, the simulator) is the pure
 ``meshfold/schedule.py``, which the planner uses too; the point-to-point plan is
-``exchange.py``; the timeline's file and drawing are ``timeline.py``.
+``exchange.py``; the stage modules are ``stages.py``; the timeline's file and drawing
+are ``timeline.py``.
 
-A stage is a ``Transformer`` with the other layers deleted (``layers`` keys are global
-layer indices, init is name-seeded, so its values equal the full model's) and then
-``parallelize``d like any model (tensor parallel, FSDP), so pp composes with tp and dp.
-The model is cut into S contiguous stages (``stage_balance.py`` balances them by cost;
-``parallel.pp_split`` overrides).
+A stage (``stages.py``: the model with the other layers deleted) is ``parallelize``d like
+any model (tensor parallel, FSDP), so pp composes with tp and dp. The model is cut into S
+contiguous stages (``stage_balance.py`` balances them by cost; ``parallel.pp_split``
+overrides).
 
 Why not ``torch.distributed.pipelining`` schedules directly: we need every action timed
 (the measured bubble and the timeline), stages built by deleting layers rather than by
@@ -30,48 +30,11 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshfold import comm
-from meshfold.config import Config
-from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.exchange import Message, exchange_plan
-from meshfold.parallel.materialize import build_on_meta
+from meshfold.parallel.stages import build_stage, stage_split
 from meshfold.parallel.timeline import TIMELINE_FILE
 from meshfold.schedule import (Action, chunks_per_rank, rank_chunk_of_stage, schedule_actions, stage_of,
                                theoretical_bubble)
-
-# --------------------------------------------------------------------------- stages
-
-
-def stage_split(cfg: Config) -> tuple[list[int], str]:
-    """Blocks per stage: ``parallel.pp_split`` if given, else the cost-balanced split."""
-    from meshfold.parallel.stage_balance import balanced_split
-
-    p = cfg.parallel
-    n = p.pp * chunks_per_rank(p.pp_schedule, p.pp_virtual_stages)
-    if p.pp_split:
-        return list(p.pp_split), "parallel.pp_split"
-    return balanced_split(cfg.model, n), "balanced by cost"
-
-
-def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False,
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """The full model with everything outside ``stage`` deleted, initialised by name (or,
-    ``meta``, left on the meta device for ``parallelize`` to shard and materialise)."""
-    first = sum(split[:stage])
-    keep = {str(i) for i in range(first, first + split[stage])}
-    model = build_on_meta(lambda: Transformer(cfg.model), dtype)
-    for key in [k for k in model.layers.keys() if k not in keep]:
-        del model.layers[key]
-    if stage > 0:
-        model.tok_embeddings = None
-        model.pos_embeddings = None
-    if stage < len(split) - 1:
-        model.norm = None
-        model.output = None
-    if not meta:
-        model.to_empty(device="cpu")
-        init_weights(model, cfg.model, cfg.train.seed)
-    return model
-
 
 # --------------------------------------------------------------------------- execution
 
