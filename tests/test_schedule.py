@@ -137,3 +137,17 @@ def test_search_offers_zbv_where_it_prices_it():
         assert offered == (pp * m <= ZBV_MAX_PRICED), (pp, m)
     # one estimate still replays a longer order: the V's bubble at B = W = F stays below 1F1B's
     assert pipeline_time("zbv", 4, 512, 1, 1.0, 2.0)[1] < pipeline_time("1f1b", 4, 512, 1, 1.0, 2.0)[1]
+
+
+def test_p2p_delay_lands_on_cross_rank_dependencies():
+    # one micro-batch down and back up p ranks: 2(p-1) hand-overs on the critical path
+    for pp in (2, 3, 4):
+        for d in (0.0, 0.25):
+            events = simulate("1f1b", schedule_actions("1f1b", pp, 1, 1), {"F": 1.0, "B": 2.0, "W": 0.0}, p2p=d)
+            assert makespan(events) == pytest.approx(3 * pp + 2 * (pp - 1) * d)
+    # the zbv middle hand-over (stages p-1 and p on rank p-1) is local: no delay there
+    pp, d = 2, 0.5
+    events = simulate("zbv", schedule_actions("zbv", pp, 1, 1), {"F": 1.0, "B": 1.0, "W": 1.0}, p2p=d)
+    f = {(e["stage"], e["chunk"]): e for e in events if e["kind"] == "F"}
+    assert f[(1, 1)]["start"] == pytest.approx(f[(1, 0)]["end"])
+    assert f[(1, 0)]["start"] == pytest.approx(f[(0, 0)]["end"] + d)
