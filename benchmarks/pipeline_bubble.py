@@ -46,8 +46,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args()
 
-    from meshfold.parallel.pipeline import TIMELINE_FILE, schedule_actions, simulate, theoretical_bubble
-    from meshfold.parallel.timeline import bubble_fractions
+    from meshfold.parallel.timeline import TIMELINE_FILE
+    from meshfold.schedule import bubble_fractions, schedule_actions, simulate, theoretical_bubble
     from meshfold.testing import run_on
 
     rows = []

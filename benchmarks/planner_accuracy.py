@@ -102,7 +102,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     from meshfold.config import load_config
-    from meshfold.planner.calibrate import calibrate, cluster_from_measurements, measurements_path
+    from meshfold.calibration import calibrate
+    from meshfold.planner.calibrate import cluster_from_measurements, measurements_path
     from meshfold.planner.cluster import cluster_to_toml
     from meshfold.planner.cli import predict_run, workload_from_config
     from meshfold.planner.cluster import load_cluster

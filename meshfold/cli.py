@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "calibrate-cost": "meshfold.cli",
     "prepare": "meshfold.data.prepare",
     "convert": "meshfold.convert",
-    "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.planner.cli",
+    "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.calibration",
     "netlab": "meshfold.netlab_cli",
     "dry-run": "meshfold.dryrun",
 }
@@ -155,10 +155,13 @@ def add_timeline_parser(sub) -> None:
 
 
 def run_timeline(args) -> int:
-    from meshfold.parallel.pipeline import TIMELINE_FILE, schedule_actions, simulate
-    from meshfold.parallel.timeline import draw_timeline
+    from meshfold.parallel.timeline import TIMELINE_FILE, draw_timeline
+    from meshfold.schedule import microbatch_problem, schedule_actions, simulate
 
     if args.schedule:
+        problem = microbatch_problem(args.schedule, args.pp, args.microbatches)
+        if problem:
+            raise ConfigError(f"meshfold timeline --microbatches: {problem}")
         virtual = args.virtual if args.schedule == "interleaved" else 1
         events = simulate(args.schedule, schedule_actions(args.schedule, args.pp, virtual, args.microbatches))
         out = args.out or f"timeline-{args.schedule}-pp{args.pp}-m{args.microbatches}.png"

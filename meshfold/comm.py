@@ -28,15 +28,9 @@ A call may pass ``dim=None`` for a control scalar (the trainer's token count and
 planner's model does not count it either.
 
 Byte convention (the same the planner's alpha-beta model uses): bytes a rank sends under
-the bandwidth-optimal ring algorithm for each collective over a group of n ranks holding
-``size`` bytes in total (all-reduce, all-gather output, reduce-scatter input):
-
-    all-reduce      2 (n-1)/n * size
-    all-gather        (n-1)/n * size
-    reduce-scatter    (n-1)/n * size
-    all-to-all        (n-1)/n * size   (uniform splits; variable splits: the bytes leaving)
-    broadcast         (n-1)/n * size
-    send              size
+the bandwidth-optimal ring algorithm, ``meshfold/ring.py``'s ``FACTORS`` (all-reduce
+2 (n-1)/n of the size, all-gather, reduce-scatter, all-to-all and broadcast (n-1)/n,
+send the size).
 """
 
 from __future__ import annotations
@@ -53,9 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-           "send": lambda n: 1.0, "broadcast": lambda n: (n - 1) / n}
+from meshfold.ring import FACTORS
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "avg": dist.ReduceOp.AVG if hasattr(dist.ReduceOp, "AVG") else None}

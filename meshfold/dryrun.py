@@ -61,12 +61,13 @@ from meshfold.errors import ConfigError
 from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.pipeline import chunks_per_rank, stage_of, stage_split
-from meshfold.planner.cli import layout_from_config, workload_from_config
-from meshfold.planner.cluster import load_cluster
-from meshfold.planner.cost import CostModel, inflight_microbatches
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.optim import build_optimizer, grad_norm
+from meshfold.parallel.stages import stage_split
+from meshfold.planner.cli import layout_from_config, workload_from_config
+from meshfold.planner.cluster import load_cluster
+from meshfold.planner.cost import CostModel
+from meshfold.schedule import chunks_per_rank, inflight_microbatches, stage_of
 from meshfold.train.trainer import Trainer
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")

@@ -128,9 +128,8 @@ def test_pp2_validation_loss_matches_one_process(tmp_path):
 
 
 def test_schedules_are_complete_and_deadlock_free():
-    from meshfold.parallel.pipeline import (chunks_per_rank, microbatch_problem, schedule_actions, simulate,
-                                            theoretical_bubble)
-    from meshfold.parallel.timeline import bubble_fractions
+    from meshfold.schedule import (bubble_fractions, chunks_per_rank, microbatch_problem, schedule_actions, simulate,
+                                   theoretical_bubble)
 
     for schedule in ("gpipe", "1f1b", "interleaved", "zbv"):
         for pp in (2, 3, 4):
@@ -220,3 +219,27 @@ def test_timeline_written_and_drawn(tmp_path):
     assert main(["timeline", "--schedule", "zbv", "--pp", "4", "--microbatches", "8",
                  "--out", str(tmp_path / "z.png")]) == 0
     assert (tmp_path / "z.png").stat().st_size > 1000
+
+
+def test_zbv_runs_the_order_the_planner_prices(tmp_path):
+    # The executor's measured timeline (zbv, pp 2, 4 micro-batches) runs, on every rank,
+    # the order the planner simulates; replaying that measured order with the planner's
+    # action costs gives the planner's pipeline time.
+    from meshfold.planner.simulate import schedule_events
+    from meshfold.schedule import Action, chunk_costs, makespan, pipeline_time, simulate
+
+    run = tmp_path / "run"
+    got = _pp(2, {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 4}, run)
+    assert got["losses"]
+    events = [json.loads(line) for line in (run / "pipeline_timeline.jsonl").read_text().splitlines()][-1]["events"]
+
+    def orders(evs):
+        return [[Action(e["kind"], e["chunk"], e["mb"]) for e in sorted((e for e in evs if e["stage"] == r),
+                                                                        key=lambda e: e["start"])] for r in (0, 1)]
+
+    ran = orders(events)
+    assert {a.kind for o in ran for a in o} == {"F", "B", "W"}
+    assert ran == orders(schedule_events("zbv", 2, 4, 1, 1.0, 2.0))
+    for t_f, t_b in ((1.0, 2.0), (1.0, 3.5)):
+        replay = makespan(simulate("zbv", ran, chunk_costs("zbv", 1, t_f, t_b)))
+        assert replay == pytest.approx(pipeline_time("zbv", 2, 4, 1, t_f, t_b)[0], rel=1e-12)

@@ -13,9 +13,10 @@ from meshfold.config import ConfigError, ModelConfig
 from meshfold.models.presets import preset
 from meshfold.planner.cluster import cluster_from_dict, load_cluster
 from meshfold.planner.cost import (CostModel, Layout, Workload, estimate, layer_activation_bytes,
-                                   megatron_flops_per_iteration, model_state_bytes, pipeline_time)
+                                   megatron_flops_per_iteration, model_state_bytes)
 from meshfold.planner.search import RECOMPUTE, brute_force, search
-from meshfold.planner.simulate import makespan, simulate, simulate_schedule
+from meshfold.planner.simulate import schedule_events, simulate
+from meshfold.schedule import chunks_per_rank, makespan, pipeline_time
 
 # --------------------------------------------------------------------------- ZeRO paper
 
@@ -301,12 +302,12 @@ def test_link_levels_follow_group_span():
 @pytest.mark.parametrize("sched,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
                                           ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3), ("zbv", 4, 8, 1)])
 def test_simulated_schedule_matches_closed_form(sched, pp, m, v):
-    events = simulate_schedule(sched, pp, m, v, 1.0, 2.0)
+    events = schedule_events(sched, pp, m, v, 1.0, 2.0)
     assert makespan(events) == pytest.approx(pipeline_time(sched, pp, m, v, 1.0, 2.0)[0])
     kinds = {"F", "B"} | ({"W"} if sched == "zbv" else set())
     assert {e["kind"] for e in events} == kinds
     per_stage = {s: sum(1 for e in events if e["stage"] == s and e["kind"] == "F") for s in range(pp)}
-    assert set(per_stage.values()) == {m * (v if sched == "interleaved" else 1)}
+    assert set(per_stage.values()) == {m * chunks_per_rank(sched, v)}
     for s in range(pp):  # a stage never runs two things at once
         mine = sorted((e["start"], e["end"]) for e in events if e["stage"] == s)
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))

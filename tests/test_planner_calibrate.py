@@ -15,9 +15,10 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+from meshfold.calibration import calibrate
 from meshfold.config import from_dict
-from meshfold.planner.calibrate import (BLOCK_SEQ, busy_alpha_and_call, calibrate,
-                                        cluster_from_measurements, measurements_path, tiny_step_config)
+from meshfold.planner.calibrate import (BLOCK_SEQ, busy_alpha_and_call, cluster_from_measurements, measurements_path,
+                                        tiny_step_config)
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import cluster_from_dict, cluster_to_toml, load_cluster
 from meshfold.planner.cost import STEPS, CostModel, Layout, Workload, attention_tiles_per_rank, collective_time

@@ -35,7 +35,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def _adamw_kwargs(cfg: TrainConfig, device_type: str) -> dict:
+def adamw_kwargs(cfg: TrainConfig, device_type: str) -> dict:
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     choice = cfg.fused_optimizer
     if choice == "auto":
@@ -197,7 +197,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
     parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
     ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages; checkpointable)."""
     groups = param_groups(model, cfg.weight_decay)
-    kwargs = _adamw_kwargs(cfg, device_type)
+    kwargs = adamw_kwargs(cfg, device_type)
     if zero_one and sharded:
         kwargs.pop("fused", None)
         return ShardedAdamW(groups, dims.group("dp_shard_cp"), **kwargs)

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshfold.schedule import bubble_fractions
+
+# What the executor appends each logged step (``Pipeline._log_events``), one JSON line a step.
+TIMELINE_FILE = "pipeline_timeline.jsonl"
+
 # Forward blue, backward green, weight-gradient orange; later chunks drawn darker.
 COLORS = {"F": ("#9ecae1", "#3182bd"), "B": ("#a1d99b", "#31a354"), "W": ("#fdd0a2", "#e6550d")}
 
@@ -22,18 +27,6 @@ COLORS = {"F": ("#9ecae1", "#3182bd"), "B": ("#a1d99b", "#31a354"), "W": ("#fdd0
 def _color(kind: str, chunk: int, chunks: int) -> str:
     light, dark = COLORS.get(kind, ("#dddddd", "#888888"))
     return dark if chunks > 1 and chunk % 2 == 1 else light
-
-
-def bubble_fractions(events: list[dict]) -> dict[int, float]:
-    """Idle share of the makespan per stage: 1 - busy / (last end - first start)."""
-    if not events:
-        return {}
-    t0 = min(e["start"] for e in events)
-    span = max(e["end"] for e in events) - t0
-    busy: dict[int, float] = {}
-    for e in events:
-        busy[e["stage"]] = busy.get(e["stage"], 0.0) + (e["end"] - e["start"])
-    return {s: (1.0 - b / span if span > 0 else 0.0) for s, b in sorted(busy.items())}
 
 
 def draw_timeline(events: list[dict], path: str | Path, title: str = "") -> Path:

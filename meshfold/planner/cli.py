@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from meshfold.config import Config, load_config, validate
 from meshfold.errors import ConfigError
 from meshfold.parallel.timeline import draw_timeline
 from meshfold.planner import cost
-from meshfold.planner.calibrate import calibrate
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config
 from meshfold.planner.search import explain, search
-from meshfold.planner.simulate import makespan, result_json, simulate
+from meshfold.planner.simulate import result_json, simulate
+from meshfold.schedule import makespan
 
 
 def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
@@ -193,28 +192,5 @@ def run_simulate(args) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- calibrate
-
-
-def add_calibrate_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure compute and alpha/beta with gloo processes; write a cluster file")
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--out", default=None, help="cluster TOML to write (default cluster-cpu-N.toml)")
-
-
-def run_calibrate(args) -> int:
-
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    out = args.out or f"cluster-cpu-{args.nproc}.toml"
-    cluster, raw = calibrate(args.nproc, out)
-    d = cluster.device
-    print(f"{args.nproc} gloo processes: GEMM {d.peak_tflops * 1e3:.3g} GFLOP/s/process (half width "
-          f"{d.matmul_half_width:.3g}), memory {d.hbm_GBps:.3g} GB/s, layer overhead {d.layer_overhead_us:.0f} us, "
-          f"all-reduce alpha {cluster.intra_node_alpha_us:.0f} us beta {cluster.intra_node_GBps:.3g} GB/s")
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
-
-
-add_parser = {"plan": add_plan_parser, "simulate": add_simulate_parser, "calibrate": add_calibrate_parser}
-run = {"plan": run_plan, "simulate": run_simulate, "calibrate": run_calibrate}
+add_parser = {"plan": add_plan_parser, "simulate": add_simulate_parser}
+run = {"plan": run_plan, "simulate": run_simulate}

@@ -21,6 +21,9 @@ from meshfold.models.config import ModelConfig
 from meshfold.data.micro import micro_batch_count
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
+from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
+from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
+from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
@@ -69,18 +72,6 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
     if last:
         sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
     return sizes
-
-
-def chunks_per_rank(schedule: str, virtual: int) -> int:
-    """Model chunks one pipeline rank holds (``parallel/pipeline.py``'s rule)."""
-    return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
-RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}
-# Sequential message hops (alpha terms) of each collective. An all-to-all posts every
-# pairwise exchange at once, so its latency grows slowly with the group: ceil(log2 n)
-# (gloo on this host, 64 KB: 2 ranks 1.2 ms, 4 ranks 1.5, 8 ranks 2.5, at ~1 ms a hop).
-STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
-         "all_to_all": lambda n: math.ceil(math.log2(n)), "send": lambda n: 1}
 
 
 @dataclass(frozen=True)
@@ -253,36 +244,6 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     else:
         scores = a * s * s * b * (act + (1 + act if dropout else 0))
     return (replicated / (tp if sp else 1)) + (split + scores) / tp
-
-
-def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at once, in units
-    of one micro-batch through that stage's layers."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "interleaved":
-        return min(float(m), pp * (1 + (pp - 1) / (pp * v)))
-    return float(min(m, pp))  # 1f1b and zbv (ZB-V keeps 1F1B's memory)
-
-
-def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> tuple[float, float]:
-    """(makespan, bubble) of a schedule with per-micro-batch stage times t_f, t_b (whole
-    stage, all its chunks). GPipe/1F1B: (m + p - 1)(t_f + t_b) (Huang et al.; Narayanan
-    et al. 2021); interleaved: (m + (p - 1)/v)(t_f + t_b); ZB-V: weight gradients
-    (half of t_b) fill the bubble, leaving (p - 1)(t_f + t_b - 2 t_w) = (p - 1) t_f
-    (Qi et al. 2024)."""
-    busy = m * (t_f + t_b)
-    if pp == 1:
-        return busy, 0.0
-    if schedule == "interleaved":
-        bubble = (pp - 1) / v * (t_f + t_b)
-    elif schedule == "zbv":
-        bubble = (pp - 1) * t_f
-    else:
-        bubble = (pp - 1) * (t_f + t_b)
-    return busy + bubble, bubble
 
 
 def matmul_efficiency(cluster: Cluster, width: float) -> float:
@@ -689,7 +650,7 @@ class CostModel:
                     n_micro: int) -> dict:
         """Rank 0's collectives in one optimizer step, by mesh dimension as the runtime's
         communication ledger names them: ``{dim: {"count": calls, "bytes": sent}}``, bytes
-        in ``meshfold/comm.py``'s ring convention (FACTORS), one count per collective call
+        in ``meshfold/ring.py``'s ring convention (FACTORS, as ``comm.py`` counts), one count per collective call
         or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
         also the last stage). Not counted (as the runtime's ledger does not count them:
         ``dim=None`` in comm.py): the step's control scalars (token count, loss sum, gradient norm)."""
@@ -887,4 +848,4 @@ def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
 
 
 __all__ = ["Workload", "Layout", "Estimate", "estimate", "footprint", "workload_from_config", "layout_from_config", "model_state_bytes", "layer_activation_bytes",
-           "pipeline_time", "inflight_microbatches", "megatron_flops_per_iteration", "mlp_params"]
+           "megatron_flops_per_iteration", "mlp_params"]

@@ -28,6 +28,7 @@ from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+from meshfold.schedule import zbv_priced
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -86,7 +87,7 @@ def schedules(w: Workload, pp: int, n_micro: int, gpipe: bool = True) -> list[tu
     for v in (2, 4):
         if pp * v <= L and n_micro % pp == 0:
             out.append(("interleaved", v))
-    if 2 * pp <= L:
+    if 2 * pp <= L and zbv_priced(pp, n_micro):  # priced by replaying its order: bounded size
         out.append(("zbv", 1))
     return out
 

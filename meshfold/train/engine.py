@@ -30,7 +30,8 @@ from meshfold.mesh import ParallelDims
 from meshfold.models.moe import moe_aux_loss
 from meshfold.parallel.context import context_step_metrics
 from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
-from meshfold.parallel.pipeline import TIMELINE_FILE, Pipeline
+from meshfold.parallel.pipeline import Pipeline
+from meshfold.parallel.timeline import TIMELINE_FILE
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.optim import clip_grad_norm_
 

@@ -1,0 +1,275 @@
+"""``meshfold calibrate``: measure the cluster at hand and write a cluster file (the
+solve from measurements to cluster is the planner's pure ``planner/calibrate.py``).
+
+Here the cluster is N gloo processes on this machine, all running at once (they share
+the cores, so every number is measured with all N busy):
+
+- compute: forward+backward of one real transformer block (float32, seq 64, batch 4) at
+  widths 16, 64 and 256, solved for the cost model's per-layer form
+  t(w) = overhead + F(w) / (P * w / (w + H)): the width-16 block is almost pure dispatch
+  cost, the other two give P (-> ``peak_tflops``,
+  ``matmul_eff`` = 1) and H (-> ``matmul_half_width``); elementwise work is inside these
+  times, so ``elementwise_traffic`` = 0;
+- memory-bound work: the training's AdamW step over 1M float32 parameters, as the
+  bandwidth at which the cost model's optimizer pass (2 x 16 bytes a parameter) takes that
+  long (-> ``hbm_GBps``);
+- fixed cost per step: a real ``Trainer.train_step`` of a one-layer model on all N ranks
+  with DDP, minus what the model predicts for it (-> ``step_overhead_s``); with three
+  layers, what one more layer adds to a real step (-> ``layer_overhead_us``: the block's
+  dispatch plus the step's per-layer hooks, optimizer and clipping work); the same step with
+  FSDP2 (ZeRO-3) prices FSDP's own work per collective (hooks, copy-in/out): the measured
+  FSDP - DDP difference beyond the predicted one, over FSDP's collective calls
+  (-> ``fsdp_overhead_us``); and a two-stage 1F1B pipeline, whose time beyond the
+  prediction is the schedule executor's fixed work per stage operation (-> ``pipeline_op_us``);
+- links: all-reduce time at 8 bytes and at 4 MiB over all N idle ranks, solved for the
+  alpha-beta model t = 2(n-1) alpha + 2(n-1)/n S / beta (-> ``intra_node_GBps``, and the
+  idle alpha as ``in_step_alpha_us``, for reductions whose ranks arrive in step); and a
+  small all-reduce between compute blocks, over groups of 2, 4 and all N ranks, minus the
+  blocks alone: the latency of one hop while the ranks are busy, as they are in training
+  (-> ``intra_node_alpha_us``; with more processes than cores it is the scheduler's
+  wake-up delay, ~1 ms, twenty times the idle figure) and a cost per call
+  (-> ``collective_overhead_us``);
+- the tiled attention context parallelism runs, on one rank, as 1 tile and as 36 visible
+  tiles (-> ``attention_tile_us``);
+- overlap = 0: gloo's progress threads compete with compute for the same cores;
+- host_cores = this machine's core count: the processes share them (cost.py uses it for
+  pipeline bubbles, which free cores for the busy stages).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from meshfold import comm
+from meshfold.config import ConfigError, ModelConfig, TrainConfig, from_dict
+from meshfold.models.llama import Transformer
+from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
+from meshfold.parallel.optim import adamw_kwargs
+from meshfold.planner.calibrate import BLOCK_BATCH, BLOCK_DIMS, BLOCK_SEQ, tiny_step_config, write_cluster
+from meshfold.planner.cluster import Cluster
+from meshfold.testing import free_port
+from meshfold.train.trainer import Trainer
+
+
+def _timeit(fn, min_time: float = 1.0, reps_min: int = 5) -> float:
+    """Median seconds per call while every rank runs the same loop: the processes share
+    the cores the way training steps do (a minimum would catch moments when a process
+    briefly had a core to itself and overstate the rate)."""
+    fn()
+    samples = []
+    start = time.perf_counter()
+    while len(samples) < reps_min or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _measure(rank: int, world: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    res = {}
+
+    def fixed_reps(fn, reps):
+        """Median of a fixed number of calls: fn runs collectives, so every rank must
+        call it equally often (a time-based loop would leave ranks mismatched)."""
+        fn()
+        samples = []
+        for _ in range(reps):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    def barrier_time(fn):
+        comm.barrier()
+        return _timeit(fn)
+
+    # Compute: forward+backward of one real transformer block at three widths, all ranks
+    # at once. The tiny one is pure dispatch cost; the other two, less that cost, fix the
+    # rate and how it falls off at small widths (-> peak, half width).
+    steps = {}
+    for dim in BLOCK_DIMS:
+        torch.manual_seed(0)
+        cfg = ModelConfig(dim=dim, n_layers=1, n_heads=max(2, dim // 32), vocab_size=32, seq_len=BLOCK_SEQ)
+        model = Transformer(cfg)
+        block = model.layers["0"]
+        rope = model.rope_cos[:BLOCK_SEQ].unsqueeze(0), model.rope_sin[:BLOCK_SEQ].unsqueeze(0)
+        x = torch.randn(BLOCK_BATCH, BLOCK_SEQ, dim, requires_grad=True)
+
+        def step(block=block, x=x, rope=rope):
+            block(x, rope).sum().backward()
+
+        res[f"block_{dim}"] = barrier_time(step)
+        steps[dim] = step
+    # Latency of a collective while the ranks are busy computing, as in training: with
+    # more processes than cores a woken rank waits for a core (the scheduler's wake-up
+    # granularity, ~1 ms here, not the ~50 us of an idle host), once per sequential hop.
+    # A small all-reduce between blocks over groups of 2, 4 and everyone, minus the blocks
+    # alone; the group sizes separate the per-hop latency from a per-call cost.
+    res.update(busy_collective_costs(world, rank, steps[BLOCK_DIMS[1]]))
+    # The tiled attention that context parallelism runs: the same attention as one tile
+    # and as 36 visible tiles; the difference is the fixed cost of a tile.
+    for tile in (BLOCK_SEQ, BLOCK_SEQ // 8):
+        res[f"tiled_attention_{tile}"] = barrier_time(tiled_attention_step(tile))
+    # memory-bound work: the optimizer pass itself, the training's AdamW over 1M float32
+    # parameters (its foreach kernels stream the states several times)
+    res["optimizer_step_1m"] = barrier_time(optimizer_step(1 << 20))
+    # the framework's fixed cost per optimizer step (data, clipping, optimizer, loss
+    # reductions): a real Trainer step of a one-layer model, all ranks data-parallel
+    import tempfile
+
+    # DDP, then FSDP2 (the difference prices FSDP's collectives), then DDP with more
+    # layers (what a layer costs inside a real step beyond its block: hooks, optimizer and
+    # clipping per tensor, autograd bookkeeping), then a two-stage pipeline (what the
+    # schedule executor adds per stage operation)
+    probes = [("tiny_step_z0", 0, 1, 1), ("tiny_step_z3", 3, 1, 1), ("tiny_step_z0_l3", 0, 3, 1)]
+    if world % 2 == 0:
+        probes.append(("tiny_step_pp2", 0, 2, 2))
+    for key, zero, layers, pp in probes:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero, layers, pp)))
+            res[key] = fixed_reps(trainer.train_step, 12)
+            del trainer
+    # all-reduce over everyone: latency and bandwidth
+    for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
+        t = torch.zeros(size, device="cpu")  # these workers run gloo on the host
+        samples = []
+        for _ in range(10 if size > 2 else 50):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce(t, None, "calibrate")
+            samples.append(time.perf_counter() - t0)
+        res[f"ar_{size * 4}"] = min(samples)
+    gathered = comm.all_gather_object(res)
+    if rank == 0:
+        out.put(gathered)
+    comm.barrier()
+    dist.destroy_process_group()
+
+
+def tiled_attention_step(tile: int):
+    """Forward + backward of context parallelism's tiled attention on this rank alone
+    (cp = 1), width 64 (2 heads of 32), at ``tile`` tokens per tile."""
+    import torch
+
+    plan = ContextParallelPlan(1, 1, False, 0, None, None, None, tile=tile)
+    attn = ContextParallelAttention(plan, _MetaCache(plan))
+    q, k, v = (torch.randn(BLOCK_BATCH, BLOCK_SEQ, 2, 32, requires_grad=True) for _ in range(3))
+
+    def step():
+        attn(q, k, v).sum().backward()
+
+    return step
+
+
+def busy_collective_costs(world: int, rank: int, compute, iters: int = 30, rounds: int = 5) -> dict:
+    """Seconds one small all-reduce adds to a loop of ``compute`` calls on every rank, over
+    groups of 2 and 4 consecutive ranks (where they tile the world) and of all ranks
+    (``busy_ar_<size>``); medians over rounds."""
+    import torch
+    import torch.distributed as dist
+
+    groups = {world: None}
+    for size in (2, 4):
+        if size < world and world % size == 0:
+            for start in range(0, world, size):  # every rank creates every group, in order
+                group = dist.new_group(list(range(start, start + size)))
+                if start <= rank < start + size:
+                    groups[size] = group
+    buf = torch.zeros(1024, device="cpu")
+
+    def loop(group_size):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            compute()
+            if group_size:
+                comm.all_reduce(buf, groups[group_size], "calibrate")
+        comm.barrier()
+        return (time.perf_counter() - t0) / iters
+
+    samples: dict[str, list] = {}
+    for _ in range(rounds):
+        base = loop(0)
+        for g in groups:
+            samples.setdefault(f"busy_ar_{g}", []).append(loop(g) - base)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def measure(nproc: int) -> dict:
+    """Run the measurements on ``nproc`` gloo processes; per-quantity medians over ranks."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_measure, args=(r, nproc, port, out)) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    try:
+        import queue
+
+        deadline = time.time() + 300
+        while True:
+            try:
+                gathered = out.get(timeout=1)
+                break
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.time() > deadline:
+                    raise RuntimeError("calibration processes failed; see their output above") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    return {k: statistics.median(r[k] for r in gathered) for k in gathered[0]}
+
+
+def optimizer_step(numel: int):
+    """One AdamW step (the training's settings on CPU) over ``numel`` float32 parameters."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    cfg = TrainConfig()
+    opt = torch.optim.AdamW([{"params": params, "weight_decay": cfg.weight_decay}], **adamw_kwargs(cfg, "cpu"))
+    return opt.step
+
+
+def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = None) -> tuple[Cluster, dict]:
+    """Measure, solve, and write the cluster file (and its raw measurements beside it, so
+    the cluster can be re-derived from them by ``cluster_from_measurements``)."""
+    r = measure(nproc)
+    return write_cluster(nproc, r, out_path, step_overhead_s), r
+
+
+# --------------------------------------------------------------------------- command
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure compute and alpha/beta with gloo processes; write a cluster file")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--out", default=None, help="cluster TOML to write (default cluster-cpu-N.toml)")
+
+
+def run(args) -> int:
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    out = args.out or f"cluster-cpu-{args.nproc}.toml"
+    cluster, raw = calibrate(args.nproc, out)
+    d = cluster.device
+    print(f"{args.nproc} gloo processes: GEMM {d.peak_tflops * 1e3:.3g} GFLOP/s/process (half width "
+          f"{d.matmul_half_width:.3g}), memory {d.hbm_GBps:.3g} GB/s, layer overhead {d.layer_overhead_us:.0f} us, "
+          f"all-reduce alpha {cluster.intra_node_alpha_us:.0f} us beta {cluster.intra_node_GBps:.3g} GB/s")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,463 @@
+"""Pipeline schedules, pure: the one model of what a pipeline step runs, shared by the
+executor (``parallel/pipeline.py``) and the planner (``planner/cost.py``,
+``planner/simulate.py``), so the planner predicts the schedule that runs.
+
+Standard library only (no torch, no config): it sits in the core layer, where the
+planner can use it without importing torch (``meshfold.parallel``'s package init does).
+
+Layout. The model is cut into S contiguous stages; each pp rank holds ``chunks_per_rank``
+of them:
+
+* ``gpipe``, ``1f1b``: one stage per rank, stage = rank.
+* ``interleaved``: v = ``pp_virtual_stages`` chunks, stage = chunk * pp + rank (Narayanan
+  et al. 2021), so a micro-batch loops through the ranks v times.
+* ``zbv``: two chunks in a V: rank r holds stage r and stage 2pp-1-r (Qi et al., "Pipeline
+  Parallelism with Controllable Memory"); the loss stage is back on rank 0 and the two
+  middle stages share rank pp-1 (their hand-over needs no communication).
+
+Schedules are per-rank ordered lists of actions F (forward), B (backward; input gradient
+only when a W follows) and W (weight gradient) on (chunk, micro-batch). GPipe, 1F1B and
+interleaved orders are the published closed forms; zbv comes from a greedy list
+scheduler (B first, then F within an activation budget of 2·pp chunk-micro-batches, W to
+fill what is left). ``simulate`` replays any schedule with given action costs; it is the
+proof that an order cannot deadlock (every receive's send comes earlier in simulated time)
+and it gives the bubble, the makespan the planner prices and the activations in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+from functools import lru_cache
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def chunks_per_rank(schedule: str, virtual: int) -> int:
+    """Model chunks (stages) one pipeline rank holds."""
+    return {"interleaved": virtual, "zbv": 2}.get(schedule, 1)
+
+
+def stage_of(schedule: str, pp: int, rank: int, chunk: int) -> int:
+    if schedule == "interleaved":
+        return chunk * pp + rank
+    if schedule == "zbv":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return rank
+
+
+def rank_chunk_of_stage(schedule: str, pp: int, stage: int) -> tuple[int, int]:
+    if schedule == "interleaved":
+        return stage % pp, stage // pp
+    if schedule == "zbv":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage, 0
+
+
+def n_stages_of(schedule: str, orders: list[list[Action]]) -> int:
+    """Stages of the model the per-rank ``orders`` run."""
+    pp = len(orders)
+    return 2 * pp if schedule == "zbv" else pp * (max(a.chunk for o in orders for a in o) + 1)
+
+
+def microbatch_problem(schedule: str, pp: int, m: int) -> str | None:
+    """Why ``m`` micro-batches cannot run on ``schedule`` with ``pp`` ranks, or None."""
+    if m < 1:
+        return f"{m} micro-batches"
+    # gpipe, 1f1b and zbv run any count (below pp they degenerate towards GPipe's bubble;
+    # torch's Schedule1F1B/ZBV refuse that, our executor does not need to). Interleaved's
+    # closed-form order walks micro-batches in groups of pp.
+    if schedule == "interleaved" and m % pp:
+        return f"interleaved needs a multiple of pp = {pp} micro-batches, got {m}"
+    return None
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # F | B | W
+    chunk: int
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def schedule_actions(schedule: str, pp: int, virtual: int, m: int) -> list[list[Action]]:
+    """Per pp rank, the ordered actions of one optimizer step over ``m`` micro-batches.
+    The lists are cached and shared: treat them as read-only."""
+    problem = microbatch_problem(schedule, pp, m)
+    if problem:
+        raise ValueError(f"parallel.pp_microbatches: {problem}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule = {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    return _actions(schedule, pp, virtual if schedule == "interleaved" else 1, m)
+
+
+@lru_cache(maxsize=256)
+def _actions(schedule: str, pp: int, virtual: int, m: int) -> list[list[Action]]:
+    if schedule == "gpipe":
+        return [[Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)] for _ in range(pp)]
+    if schedule == "1f1b":
+        return [_one_f_one_b(pp, r, m) for r in range(pp)]
+    if schedule == "interleaved":
+        return [_interleaved(pp, r, virtual, m) for r in range(pp)]
+    return _greedy_zero_bubble(pp, m)
+
+
+def _one_f_one_b(pp: int, rank: int, m: int) -> list[Action]:
+    warmup = min(pp - rank - 1, m)
+    out = [Action("F", 0, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        out += [Action("F", 0, warmup + i), Action("B", 0, i)]
+    return out + [Action("B", 0, i) for i in range(m - warmup, m)]
+
+
+def _interleaved(pp: int, rank: int, v: int, m: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: micro-batches go in groups of pp through chunk 0, then
+    the same group through chunk 1, ...; backward visits chunks in reverse."""
+    total = m * v
+
+    def fwd(k: int) -> Action:
+        return Action("F", (k // pp) % v, (k // (pp * v)) * pp + k % pp)
+
+    def bwd(k: int) -> Action:
+        return Action("B", v - 1 - (k // pp) % v, (k // (pp * v)) * pp + k % pp)
+
+    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    out = [fwd(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        out += [fwd(warmup + i), bwd(i)]
+    return out + [bwd(k) for k in range(total - warmup, total)]
+
+
+def deps(schedule: str, pp: int, n_stages: int, a: Action, rank: int) -> list[tuple[int, Action]]:
+    """(rank, action) pairs that must finish before ``a`` on ``rank`` can start."""
+    s = stage_of(schedule, pp, rank, a.chunk)
+    if a.kind == "F":
+        if s == 0:
+            return []
+        r, c = rank_chunk_of_stage(schedule, pp, s - 1)
+        return [(r, Action("F", c, a.mb))]
+    if a.kind == "B":
+        out = [(rank, Action("F", a.chunk, a.mb))]
+        if s < n_stages - 1:
+            r, c = rank_chunk_of_stage(schedule, pp, s + 1)
+            out.append((r, Action("B", c, a.mb)))
+        return out
+    return [(rank, Action("B", a.chunk, a.mb))]
+
+
+def _zbv_links(pp: int, rank: int, kind: str, chunk: int) -> tuple[int, tuple | None, tuple | None]:
+    """zbv, an F or B on (rank, chunk): its stage, and the (rank, kind, chunk) of the
+    stage before and after it that the dependency rules (``deps``) link it to."""
+    s = stage_of("zbv", pp, rank, chunk)
+    before = rank_chunk_of_stage("zbv", pp, s - 1) if s > 0 else None
+    after = rank_chunk_of_stage("zbv", pp, s + 1) if s < 2 * pp - 1 else None
+    return s, before, after
+
+
+def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
+    """Zero-bubble V order by list scheduling with unit costs: whenever a rank is free it
+    runs a ready B (input grad, on the critical path), else a ready F (the deeper chunk
+    first; a new micro-batch enters chunk 0 only while fewer than 2·pp chunk-micro-batches
+    hold activations), else a pending W (weight grads fill the bubbles).
+    Stage 0's backward is whole (no input to differentiate), so it has no W.
+
+    Event driven: an action's ready time is known once all its dependencies (``deps``)
+    are scheduled; each rank keeps the actions that are ready (heaps in pick order) and
+    those that will be (a heap by ready time), so a decision costs O(log n). Actions are
+    (rank, kind, chunk, mb) tuples here (cheap to hash)."""
+    links = {(r, c): _zbv_links(pp, r, "F", c) for r in range(pp) for c in (0, 1)}
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0}
+    orders: list[list[tuple]] = [[] for _ in range(pp)]
+    free_at = [0.0] * pp
+    pending_w: list[list[tuple]] = [[] for _ in range(pp)]
+    inflight = [0] * pp
+    left: dict[tuple, int] = {}  # action -> dependencies not yet scheduled
+    ready_at: dict[tuple, float] = {}
+    future: list[list[tuple]] = [[] for _ in range(pp)]  # (ready time, seq, action)
+    ready_b: list[list] = [[] for _ in range(pp)]  # (mb, -stage, action)
+    ready_f: list[list] = [[] for _ in range(pp)]  # (-chunk, mb, action)
+    seq = 0
+    for r in range(pp):
+        for c in (0, 1):
+            s, before, after = links[(r, c)]
+            for i in range(m):
+                left[(r, "F", c, i)] = 0 if before is None else 1
+                left[(r, "B", c, i)] = 1 if after is None else 2
+                ready_at[(r, "F", c, i)] = ready_at[(r, "B", c, i)] = 0.0
+                if before is None:
+                    heapq.heappush(future[r], (0.0, seq, (r, "F", c, i)))
+                    seq += 1
+    todo = [4 * m] * pp
+    ends: list[float] = []  # every scheduled end time, sorted
+    blocked: set[int] = set()  # ranks waiting for an action nobody has scheduled yet
+    while any(todo) or any(pending_w):
+        # Event order: the rank that is free earliest decides next (ties: lowest rank); all
+        # completions up to its clock are known, so its choice sees the true ready set.
+        waiting = [q for q in range(pp) if q not in blocked]
+        if not waiting:
+            raise RuntimeError("zbv scheduler made no progress")
+        r = min(waiting, key=lambda q: (free_at[q], q))
+        now = free_at[r]
+        while future[r] and future[r][0][0] <= now:
+            _, _, a = heapq.heappop(future[r])
+            if a[1] == "B":
+                heapq.heappush(ready_b[r], (a[3], -links[(r, a[2])][0], a))
+            else:
+                heapq.heappush(ready_f[r], (-a[2], a[3], a))
+        pick = None
+        if ready_b[r]:
+            pick = heapq.heappop(ready_b[r])[2]
+        elif ready_f[r]:
+            # Deeper chunk first (it drains toward the loss); a new micro-batch enters
+            # chunk 0 only within the activation budget.
+            f = ready_f[r][0][2]
+            if f[2] == 1 or inflight[r] < 2 * pp:
+                pick = heapq.heappop(ready_f[r])[2]
+        if pick is None and pending_w[r]:
+            pick = pending_w[r].pop(0)
+        if pick is None:  # idle until the next completion, or until another rank schedules one
+            k = bisect.bisect_right(ends, now)
+            if k < len(ends):
+                free_at[r] = ends[k]
+            else:
+                blocked.add(r)
+            continue
+        blocked.clear()
+        _, kind, c, i = pick
+        s, before, after = links[(r, c)]
+        whole = kind == "B" and s == 0
+        end = now + cost[kind] * (2 if whole else 1)
+        free_at[r] = end
+        bisect.insort(ends, end)
+        orders[r].append(pick)
+        if kind == "W":
+            continue
+        todo[r] -= 1
+        if kind == "F":
+            inflight[r] += 1
+            unlocked = [(r, "B", c, i)] + ([(after[0], "F", after[1], i)] if after else [])
+        else:
+            inflight[r] -= 1
+            if not whole:
+                pending_w[r].append((r, "W", c, i))
+            unlocked = [(before[0], "B", before[1], i)] if before else []
+        for d in unlocked:
+            ready_at[d] = max(ready_at[d], end)
+            left[d] -= 1
+            if left[d] == 0:
+                heapq.heappush(future[d[0]], (ready_at[d], seq, d))
+                seq += 1
+    return [[Action(k, c, i) for _, k, c, i in order] for order in orders]
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+def default_costs(orders: list[list[Action]]) -> dict[str, float]:
+    """Unit costs: F=1, B=2, W=0; with W actions present B=W=1 (the backward split)."""
+    split_w = any(a.kind == "W" for o in orders for a in o)
+    return {"F": 1.0, "B": 1.0, "W": 1.0} if split_w else {"F": 1.0, "B": 2.0, "W": 0.0}
+
+
+def simulate(schedule: str, orders: list[list[Action]], cost: dict[str, float] | None = None,
+             p2p: float = 0.0) -> list[dict]:
+    """Replay per-rank orders and return timeline events (``parallel/timeline.py``'s
+    format, times in cost units). ``cost``: seconds of one F, B and W on one chunk
+    (default ``default_costs``); a backward with no W after it (stage 0 under a split
+    backward) costs B + W. ``p2p``: the delay of a dependency that crosses ranks.
+    An action starts once its rank is free and its dependencies have finished (plus
+    ``p2p`` when they ran elsewhere). Raises if the orders deadlock."""
+    pp = len(orders)
+    split_w = any(a.kind == "W" for o in orders for a in o)
+    cost = cost or default_costs(orders)
+    n_stages = n_stages_of(schedule, orders)
+    done: dict[tuple[int, Action], float] = {}
+    pos, clock, events = [0] * pp, [0.0] * pp, []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                ds = deps(schedule, pp, n_stages, a, r)
+                if not all(d in done for d in ds):
+                    break
+                start = max([clock[r]] + [done[d] + (p2p if d[0] != r else 0.0) for d in ds])
+                s = stage_of(schedule, pp, r, a.chunk)
+                c = cost[a.kind]
+                if a.kind == "B" and split_w and s == 0:
+                    c += cost["W"]  # stage 0 runs its whole backward at once
+                done[(r, a)] = clock[r] = start + c
+                events.append({"stage": r, "chunk": a.chunk, "mb": a.mb, "kind": a.kind, "start": start,
+                               "end": start + c})
+                pos[r] += 1
+                remaining -= 1
+                moved = True
+        if not moved:
+            stuck = {r: orders[r][pos[r]] for r in range(pp) if pos[r] < len(orders[r])}
+            raise RuntimeError(f"{schedule} schedule deadlocks; waiting actions by rank: {stuck}")
+    return events
+
+
+def makespan(events: list[dict]) -> float:
+    return max(e["end"] for e in events) - min(e["start"] for e in events) if events else 0.0
+
+
+def bubble_fractions(events: list[dict]) -> dict[int, float]:
+    """Idle share of the makespan per stage (row): 1 - busy / (last end - first start)."""
+    if not events:
+        return {}
+    t0 = min(e["start"] for e in events)
+    span = max(e["end"] for e in events) - t0
+    busy: dict[int, float] = {}
+    for e in events:
+        busy[e["stage"]] = busy.get(e["stage"], 0.0) + (e["end"] - e["start"])
+    return {s: (1.0 - b / span if span > 0 else 0.0) for s, b in sorted(busy.items())}
+
+
+def theoretical_bubble(schedule: str, pp: int, virtual: int, m: int) -> float:
+    """Closed forms (share of the step each stage idles): (p-1)/(m+p-1) for GPipe and 1F1B,
+    (p-1)/(v·m+p-1) for interleaved (the bubble shrinks by v); zbv: the unit-cost
+    simulation of its order (zero once m is large enough)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    if schedule == "interleaved":
+        return (pp - 1) / (virtual * m + pp - 1)
+    fr = bubble_fractions(simulate(schedule, schedule_actions(schedule, pp, virtual, m)))
+    return sum(fr.values()) / len(fr)
+
+
+# Share of a backward that is the weight-gradient pass (W) where the schedule splits it:
+# of a block's backward, the weight gradients are half the matmul FLOPs (Qi et al. 2024).
+W_SHARE = 0.5
+
+
+def chunk_costs(schedule: str, virtual: int, t_f: float, t_b: float) -> dict[str, float]:
+    """Per-action costs from one rank's per-micro-batch forward and backward times (all
+    its chunks): split evenly over the chunks; zbv splits a backward into B and W."""
+    c = chunks_per_rank(schedule, virtual)
+    w = W_SHARE if schedule == "zbv" else 0.0
+    return {"F": t_f / c, "B": t_b * (1 - w) / c, "W": t_b * w / c}
+
+
+def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> tuple[float, float]:
+    """(makespan, bubble) of one step with per-micro-batch rank times t_f, t_b (all of a
+    rank's chunks). GPipe/1F1B: (m + p - 1)(t_f + t_b) (Huang et al.; Narayanan et al.
+    2021); interleaved: (m + (p - 1)/v)(t_f + t_b) (both equal ``simulate`` of their
+    orders; tests check it); zbv: ``simulate`` of the V order the executor runs, with
+    ``chunk_costs``."""
+    busy = m * (t_f + t_b)
+    if pp == 1:
+        return busy, 0.0
+    if schedule == "zbv":
+        span = _zbv_makespan(pp, m, t_f, t_b)
+        return span, span - busy
+    if schedule == "interleaved":
+        bubble = (pp - 1) / v * (t_f + t_b)
+    else:
+        bubble = (pp - 1) * (t_f + t_b)
+    return busy + bubble, bubble
+
+
+# The planner replays zbv's order for every (t_f, t_b) it prices; beyond this many
+# micro-batches times ranks (pp * m) a replay costs more than a search can spend on one
+# layout, so the search leaves zbv out there (``zbv_priced``); one estimate still replays it.
+ZBV_MAX_PRICED = 1024
+
+
+def zbv_priced(pp: int, m: int) -> bool:
+    """Whether a search prices zbv at this size (see ``ZBV_MAX_PRICED``)."""
+    return pp * m <= ZBV_MAX_PRICED
+
+
+@lru_cache(maxsize=8192)
+def _zbv_makespan(pp: int, m: int, t_f: float, t_b: float) -> float:
+    """``makespan(simulate(...))`` of the zbv order, on its precomputed dependency lists."""
+    c = chunk_costs("zbv", 1, t_f, t_b)
+    cost = {"F": c["F"], "B": c["B"], "W": c["W"], "b": c["B"] + c["W"]}
+    end: list[float] = []
+    span = 0.0
+    for kind, rank_dep, other in _zbv_graph(pp, m):
+        t = max(end[rank_dep] if rank_dep >= 0 else 0.0, end[other] if other >= 0 else 0.0) + cost[kind]
+        end.append(t)
+        span = max(span, t)
+    return span
+
+
+@lru_cache(maxsize=64)
+def _zbv_graph(pp: int, m: int) -> tuple[tuple[str, int, int], ...]:
+    """zbv's actions in an order ``simulate`` could run them, each as (cost kind, index
+    of the rank's previous action, index of the other dependency); -1 for none. Cost
+    kind "b" is a whole backward (stage 0: B + W)."""
+    orders = schedule_actions("zbv", pp, 1, m)
+    n_stages = 2 * pp
+    index: dict[tuple, int] = {}
+    graph: list[tuple[str, int, int]] = []
+    pos, prev, left = [0] * pp, [-1] * pp, sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                ds = [(q, d.kind, d.chunk, d.mb) for q, d in deps("zbv", pp, n_stages, a, r)]
+                if not all(d in index for d in ds):
+                    break
+                # A dependency on this rank ran earlier in its order, so the previous
+                # action's end covers it; zbv has at most one on another rank.
+                cross = [index[d] for d in ds if d[0] != r]
+                kind = "b" if a.kind == "B" and stage_of("zbv", pp, r, a.chunk) == 0 else a.kind
+                graph.append((kind, prev[r], cross[0] if cross else -1))
+                index[(r, a.kind, a.chunk, a.mb)] = prev[r] = len(graph) - 1
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise RuntimeError("zbv schedule deadlocks")
+    return tuple(graph)
+
+
+def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
+    """Micro-batches whose activations the fullest pipeline rank holds at once, in units
+    of one micro-batch through all that rank's chunks. GPipe: m; 1F1B: min(m, p);
+    interleaved: min(m, p(1 + (p-1)/(p v))) (Narayanan et al. 2021); zbv: counted on the
+    order the executor runs (``schedule_inflight``)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min(float(m), pp * (1 + (pp - 1) / (pp * v)))
+    if schedule == "zbv":
+        return _zbv_inflight(pp, m)
+    return float(min(m, pp))
+
+
+@lru_cache(maxsize=1024)
+def _zbv_inflight(pp: int, m: int) -> float:
+    return schedule_inflight("zbv", schedule_actions("zbv", pp, 1, m))
+
+
+def schedule_inflight(schedule: str, orders: list[list[Action]]) -> float:
+    """Most chunk-micro-batches any rank holds activations for (from its F until its last
+    backward action: W where the backward is split, else B), over the chunks per rank."""
+    peak = 0
+    chunks = max(a.chunk for o in orders for a in o) + 1
+    for order in orders:
+        split = {(a.chunk, a.mb) for a in order if a.kind == "W"}
+        held = 0
+        for a in order:
+            if a.kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.mb) not in split):
+                held -= 1
+    return peak / chunks
