@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError, divisors
-from meshfold.parallel.context import check_config as check_context
+from meshfold.layout import ParallelConfig
+from meshfold.models.config import ModelConfig
 
 if TYPE_CHECKING:  # the composed config is handed in; its module sits above this layer
     from meshfold.config import Config
@@ -92,3 +93,55 @@ def validate(cfg: Config) -> None:
     if p.ep > 1 and p.zero < 2:
         raise ConfigError(f"parallel.ep = {p.ep} shards experts with FSDP over the remaining data-parallel ranks; "
                           f"set parallel.zero to 2 or 3 (got {p.zero})")
+
+
+# --------------------------------------------------------------------------- context parallel
+
+
+def local_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """(query heads, key/value heads) one tensor-parallel rank holds: kv heads are split
+    when tp divides them and replicated (one per rank) when they divide tp."""
+    kv = model.kv_heads // tp if model.kv_heads % tp == 0 else 1
+    return model.n_heads // tp, kv
+
+
+def _ulysses_fits(model: ModelConfig, tp: int, degree: int) -> bool:
+    heads, kv = local_heads(model, tp)
+    return heads % degree == 0 and (kv % degree == 0 or degree % kv == 0)
+
+
+def ulysses_degree(parallel: ParallelConfig, model: ModelConfig) -> int:
+    """Ulysses group size: 1 for ring, cp for ulysses, ``cp_ulysses`` (or the largest
+    divisor of cp below cp whose heads fit) for hybrid."""
+    if parallel.cp_mode == "ring" or parallel.cp == 1:
+        return 1
+    if parallel.cp_mode == "ulysses":
+        return parallel.cp
+    if parallel.cp_ulysses:
+        return parallel.cp_ulysses
+    fits = [u for u in divisors(parallel.cp) if u < parallel.cp and _ulysses_fits(model, parallel.tp, u)]
+    return fits[-1]
+
+
+def check_context(cfg: Config) -> None:
+    """Context-parallel checks for ``config.validate`` (before any process group starts)."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp_ulysses < 0:
+        raise ConfigError(f"parallel.cp_ulysses must be >= 0 (0 = automatic), got {p.cp_ulysses}")
+    if p.cp == 1:
+        return
+    if p.cp_mode == "hybrid" and p.cp_ulysses and p.cp % p.cp_ulysses:
+        raise ConfigError(
+            f"parallel.cp_ulysses = {p.cp_ulysses} must divide parallel.cp = {p.cp}; "
+            f"choose one of {divisors(p.cp)}"
+        )
+    degree = ulysses_degree(p, m)
+    if degree > 1 and not _ulysses_fits(m, p.tp, degree):
+        heads, kv = local_heads(m, p.tp)
+        key = "parallel.cp" if p.cp_mode == "ulysses" else "parallel.cp_ulysses"
+        fits = [u for u in divisors(heads) if _ulysses_fits(m, p.tp, u)]
+        raise ConfigError(
+            f"parallel.cp_mode = {p.cp_mode} with Ulysses degree {degree}: each rank's {heads} query heads and "
+            f"{kv} key/value heads (model.n_heads/n_kv_heads over tp = {p.tp}) must split evenly over it; "
+            f"change {key} (Ulysses degree could be one of {fits}) or use parallel.cp_mode = ring"
+        )

@@ -42,65 +42,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.comm import all_gather_into_tensor, all_to_all_single, exchange, wait_all
-from meshfold.errors import ConfigError, divisors as _divisors
-from meshfold.layout import ParallelConfig
-from meshfold.models.config import ModelConfig
+from meshfold.errors import ConfigError
 from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention, pick_kernel
+from meshfold.parallel.config import ulysses_degree
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
 
 
 # --------------------------------------------------------------------------- layout
-
-
-def local_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
-    """(query heads, key/value heads) one tensor-parallel rank holds: kv heads are split
-    when tp divides them and replicated (one per rank) when they divide tp."""
-    kv = model.kv_heads // tp if model.kv_heads % tp == 0 else 1
-    return model.n_heads // tp, kv
-
-
-def _ulysses_fits(model: ModelConfig, tp: int, degree: int) -> bool:
-    heads, kv = local_heads(model, tp)
-    return heads % degree == 0 and (kv % degree == 0 or degree % kv == 0)
-
-
-def ulysses_degree(parallel: ParallelConfig, model: ModelConfig) -> int:
-    """Ulysses group size: 1 for ring, cp for ulysses, ``cp_ulysses`` (or the largest
-    divisor of cp below cp whose heads fit) for hybrid."""
-    if parallel.cp_mode == "ring" or parallel.cp == 1:
-        return 1
-    if parallel.cp_mode == "ulysses":
-        return parallel.cp
-    if parallel.cp_ulysses:
-        return parallel.cp_ulysses
-    fits = [u for u in _divisors(parallel.cp) if u < parallel.cp and _ulysses_fits(model, parallel.tp, u)]
-    return fits[-1]
-
-
-def check_config(cfg: Config) -> None:
-    """Context-parallel checks for ``config.validate`` (before any process group starts)."""
-    p, m = cfg.parallel, cfg.model
-    if p.cp_ulysses < 0:
-        raise ConfigError(f"parallel.cp_ulysses must be >= 0 (0 = automatic), got {p.cp_ulysses}")
-    if p.cp == 1:
-        return
-    if p.cp_mode == "hybrid" and p.cp_ulysses and p.cp % p.cp_ulysses:
-        raise ConfigError(
-            f"parallel.cp_ulysses = {p.cp_ulysses} must divide parallel.cp = {p.cp}; "
-            f"choose one of {_divisors(p.cp)}"
-        )
-    degree = ulysses_degree(p, m)
-    if degree > 1 and not _ulysses_fits(m, p.tp, degree):
-        heads, kv = local_heads(m, p.tp)
-        key = "parallel.cp" if p.cp_mode == "ulysses" else "parallel.cp_ulysses"
-        fits = [u for u in _divisors(heads) if _ulysses_fits(m, p.tp, u)]
-        raise ConfigError(
-            f"parallel.cp_mode = {p.cp_mode} with Ulysses degree {degree}: each rank's {heads} query heads and "
-            f"{kv} key/value heads (model.n_heads/n_kv_heads over tp = {p.tp}) must split evenly over it; "
-            f"change {key} (Ulysses degree could be one of {fits}) or use parallel.cp_mode = ring"
-        )
 
 
 def token_indices(seq_len: int, cp: int, cp_rank: int, ulysses: int = 1, balance: bool = True) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshfold import comm
-from meshfold.parallel import parallelize
+from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.exchange import Message, exchange_plan
 from meshfold.parallel.stage_balance import describe_split

@@ -33,7 +33,7 @@ from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_end_step
 from meshfold.models.presets import flops_per_token
 from meshfold.models.varlen_attention import use_varlen_attention
-from meshfold.parallel import parallelize
+from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.balanced_loader import from_config
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer

@@ -1,0 +1,47 @@
+"""parallelize(): the dimensions applied to a model in a fixed order (see the package doc,
+``meshfold/parallel/__init__.py``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from meshfold.mesh import ParallelDims
+from meshfold.parallel.context import apply_context_parallel
+from meshfold.parallel.data import apply_data_parallel, uses_fsdp
+from meshfold.parallel.expert import apply_expert_parallel
+from meshfold.parallel.materialize import is_meta, materialize
+from meshfold.parallel.recompute import apply_compile, apply_recompute
+from meshfold.parallel.tensor import parallelize_tensor
+
+if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
+    from meshfold.config import Config
+
+
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device | None = None) -> nn.Module:
+    """``device``: where a meta-built model's local shards are allocated."""
+    meta = is_meta(model)
+
+    def init(m: nn.Module) -> nn.Module:
+        return materialize(m, cfg.model, cfg.train.seed, device or torch.device("cpu")) if meta else m
+
+    if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
+
+        parallelize_tensor(model, dims, cfg)
+    if (dims.distributed and dims.enabled("cp")) or cfg.data.skip_masked_blocks:  # swaps Attention.core,
+        # so before recompute wraps it
+
+        apply_context_parallel(model, cfg, dims)
+    if dims.distributed and cfg.model.moe_experts:  # global balance statistics; ep shards experts
+
+        apply_expert_parallel(model, cfg, dims)
+    apply_recompute(model, cfg.train)
+    if cfg.train.compile:
+        apply_compile(model)
+    if not dims.distributed:
+        return init(model)
+    if uses_fsdp(dims):
+        return init(apply_data_parallel(model, dims, lowcomm=cfg.lowcomm, train=cfg.train))
+    return apply_data_parallel(init(model), dims, lowcomm=cfg.lowcomm, train=cfg.train)
