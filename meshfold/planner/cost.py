@@ -490,22 +490,60 @@ class CostModel:
 
     def estimate(self, L: Layout, detail: bool = True) -> Estimate:
         """Predict one layout. Raises ValueError for layouts that do not tile the batch.
-        ``detail=False`` (the search's inner loop) leaves out the per-dimension collectives."""
-        w, c, m = self.w, self.c, self.w.model
+        ``detail=False`` (the search's inner loop) leaves out the per-dimension collectives.
+        Three parts: the pipeline's compute and bubble (``_pipeline``), the data-parallel
+        traffic left exposed (``_dp_exposed``) and the fullest device's memory (``_memory``)."""
+        w, c = self.w, self.c
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
-        tp, pp, cp = L.tp, L.pp, L.cp
+        tp, cp = L.tp, L.cp
         v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
         dp, b = L.dp, L.micro_batch
         if w.global_batch % dp or (w.global_batch // dp) % b:
             raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
         n_micro = w.global_batch // dp // b
         T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute)
-        kinds = T["kinds"]
-        V, h = m.vocab_size, m.dim
-        # strides of each mesh dimension's groups, tp innermost (meshfold/mesh.py)
-        # FSDP shards over (dp_shard, cp) flattened: stride tp; replicas stride tp*cp*dp_shard
-        st_dps, st_dpr, st_pp = tp, tp * cp * L.dp_shard, tp * cp * dp
+        p2p, stages, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(L, T, n_micro, v)
+        Pmax = max(stage_params)
+        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, t_f, t_b, v)
+        per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
 
+        # ---- optimizer step: one memory-bound pass over the local states
+        n_shard = L.dp_shard * cp
+        shards = n_shard if L.zero >= 1 else 1
+        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
+        # loss, token count and grad-norm all-reduces over everyone: latency-bound
+        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
+        step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
+
+        time = {
+            "compute_fwd_bwd": n_micro * (t_f + t_b),
+            "of_which_tp_comm": n_micro * stage_layers[0] * (per_layer_ops + T["layer_regather"]) * T["tp_ar"],
+            "of_which_cp_comm": n_micro * stage_layers[0] * 3 * T["cp_fwd"],
+            "of_which_pp_p2p": n_micro * 2 * v * p2p,
+            "pipeline_bubble": bubble,
+            "dp_exposed": dp_exposed,
+            "optimizer": opt_time,
+            "latency_small": small + c.step_overhead_s,
+            # per-micro-batch forward/backward of the slowest stage (for the simulator)
+            "stage_fwd_s": t_f,
+            "stage_bwd_s": t_b,
+        }
+        states, memory, peak_mem, activation_bytes = self._memory(L, T, stage_params, stage_layers, n_micro, v)
+        fits = peak_mem <= c.device.memory_gib * GiB
+        tflops = self.flops_model / step / L.world
+        est = Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
+                       tflops / 1e12, param_bytes=states["params"], grad_bytes=states["grads"],
+                       optimizer_bytes=states["optimizer"], activation_bytes=activation_bytes)
+        if detail:
+            est.collectives = self.collectives(L, T, stages, stage_layers, stage_params, n_micro)
+            est.comm_bytes = {d: x["bytes"] for d, x in est.collectives.items()}
+        return est
+
+    def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int):
+        """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
+        t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble)."""
+        c, tp, pp, cp, dp = self.c, L.tp, L.pp, L.cp, L.dp
+        st_pp = tp * cp * dp  # pp groups' stride, tp innermost (meshfold/mesh.py)
         if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans,
             # and the executor's fixed work around each stage operation
             alpha, beta = self.link(st_pp, pp)
@@ -530,14 +568,21 @@ class CostModel:
             shared = max(host_bound, critical)
             bubble = max(0.0, shared - n_micro * (t_f + t_b))
             makespan = shared
+        return p2p, stages, t_f, t_b, stage_params, stage_layers, makespan, bubble
 
+    def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
+                    t_f: float, t_b: float, v: int) -> float:
+        """Seconds of data-parallel traffic the step waits for (after overlap with compute)."""
+        w, c, tp, cp, dp = self.w, self.c, L.tp, L.cp, L.dp
+        pb, gb, ob, act = DTYPE_BYTES[w.dtype]
+        # strides of each mesh dimension's groups, tp innermost (meshfold/mesh.py)
+        # FSDP shards over (dp_shard, cp) flattened: stride tp; replicas stride tp*cp*dp_shard
+        st_dps, st_dpr = tp, tp * cp * L.dp_shard
         # ---- data parallel over dp x cp ranks: gradients reduced once per optimizer step
         # (the last micro-batch's backward); ZeRO-1 then gathers the updated parameters;
         # ZeRO-3 gathers parameters per micro-batch (forward, and again in backward).
-        Pmax = max(stage_params)
-        max_block = max(k[2] for k in kinds.values())
         n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, dp * cp
-        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
+        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if L.pp > 1 else 1
         dp_exposed = 0.0
         fsdp = L.zero >= 2 and n_shard > 1
         if fsdp:
@@ -573,29 +618,17 @@ class CostModel:
                 calls += buckets(Pmax * pb)
             last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
-        per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
+        return dp_exposed
 
-        # ---- optimizer step: one memory-bound pass over the local states
-        shards = n_shard if L.zero >= 1 else 1
-        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
-        # loss, token count and grad-norm all-reduces over everyone: latency-bound
-        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
-        step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
-
-        time = {
-            "compute_fwd_bwd": n_micro * (t_f + t_b),
-            "of_which_tp_comm": n_micro * stage_layers[0] * (per_layer_ops + T["layer_regather"]) * T["tp_ar"],
-            "of_which_cp_comm": n_micro * stage_layers[0] * 3 * T["cp_fwd"],
-            "of_which_pp_p2p": n_micro * 2 * v * p2p,
-            "pipeline_bubble": bubble,
-            "dp_exposed": dp_exposed,
-            "optimizer": opt_time,
-            "latency_small": small + c.step_overhead_s,
-            # per-micro-batch forward/backward of the slowest stage (for the simulator)
-            "stage_fwd_s": t_f,
-            "stage_bwd_s": t_b,
-        }
-
+    def _memory(self, L: Layout, T: dict, stage_params: list, stage_layers: list, n_micro: int, v: int):
+        """The fullest device's bytes: (model states, memory by kind, peak, activation bytes)."""
+        w, c, m, tp, pp, cp, b = self.w, self.c, self.w.model, L.tp, L.pp, L.cp, L.micro_batch
+        pb, gb, ob, act = DTYPE_BYTES[w.dtype]
+        V, h = m.vocab_size, m.dim
+        Pmax = max(stage_params)
+        max_block = max(k[2] for k in T["kinds"].values())
+        n_shard, n_all = L.dp_shard * cp, L.dp * cp
+        fsdp = L.zero >= 2 and n_shard > 1
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
         zero = L.zero if n_shard > 1 else 0  # nothing to shard over: replicated states
         accumulate = n_micro > 1
@@ -636,15 +669,7 @@ class CostModel:
             last_acts = last_inflight * (stage_layers[-1] * per_layer + last_copies)
             peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
-        fits = peak_mem <= c.device.memory_gib * GiB
-        tflops = self.flops_model / step / L.world
-        est = Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
-                       tflops / 1e12, param_bytes=states["params"], grad_bytes=states["grads"],
-                       optimizer_bytes=states["optimizer"], activation_bytes=activation_bytes)
-        if detail:
-            est.collectives = self.collectives(L, T, stages, stage_layers, stage_params, n_micro)
-            est.comm_bytes = {d: x["bytes"] for d, x in est.collectives.items()}
-        return est
+        return states, memory, peak_mem, activation_bytes
 
     def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
                     n_micro: int) -> dict:
