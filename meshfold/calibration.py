@@ -70,34 +70,28 @@ def _timeit(fn, min_time: float = 1.0, reps_min: int = 5) -> float:
     return statistics.median(samples)
 
 
-def _measure(rank: int, world: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    res = {}
-
-    def fixed_reps(fn, reps):
-        """Median of a fixed number of calls: fn runs collectives, so every rank must
-        call it equally often (a time-based loop would leave ranks mismatched)."""
-        fn()
-        samples = []
-        for _ in range(reps):
-            comm.barrier()
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    def barrier_time(fn):
+def _fixed_reps(fn, reps: int) -> float:
+    """Median of a fixed number of calls: fn runs collectives, so every rank must call it
+    equally often (a time-based loop would leave ranks mismatched)."""
+    fn()
+    samples = []
+    for _ in range(reps):
         comm.barrier()
-        return _timeit(fn)
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
-    # Compute: forward+backward of one real transformer block at three widths, all ranks
-    # at once. The tiny one is pure dispatch cost; the other two, less that cost, fix the
-    # rate and how it falls off at small widths (-> peak, half width).
+
+def _barrier_time(fn) -> float:
+    comm.barrier()
+    return _timeit(fn)
+
+
+def _block_steps() -> dict:
+    """Forward+backward of one real transformer block at each of BLOCK_DIMS, as callables."""
+    import torch
+
     steps = {}
     for dim in BLOCK_DIMS:
         torch.manual_seed(0)
@@ -110,38 +104,36 @@ def _measure(rank: int, world: int, port: int, out) -> None:
         def step(block=block, x=x, rope=rope):
             block(x, rope).sum().backward()
 
-        res[f"block_{dim}"] = barrier_time(step)
         steps[dim] = step
-    # Latency of a collective while the ranks are busy computing, as in training: with
-    # more processes than cores a woken rank waits for a core (the scheduler's wake-up
-    # granularity, ~1 ms here, not the ~50 us of an idle host), once per sequential hop.
-    # A small all-reduce between blocks over groups of 2, 4 and everyone, minus the blocks
-    # alone; the group sizes separate the per-hop latency from a per-call cost.
-    res.update(busy_collective_costs(world, rank, steps[BLOCK_DIMS[1]]))
-    # The tiled attention that context parallelism runs: the same attention as one tile
-    # and as 36 visible tiles; the difference is the fixed cost of a tile.
-    for tile in (BLOCK_SEQ, BLOCK_SEQ // 8):
-        res[f"tiled_attention_{tile}"] = barrier_time(tiled_attention_step(tile))
-    # memory-bound work: the optimizer pass itself, the training's AdamW over 1M float32
-    # parameters (its foreach kernels stream the states several times)
-    res["optimizer_step_1m"] = barrier_time(optimizer_step(1 << 20))
-    # the framework's fixed cost per optimizer step (data, clipping, optimizer, loss
-    # reductions): a real Trainer step of a one-layer model, all ranks data-parallel
+    return steps
+
+
+def _trainer_step_costs(world: int) -> dict:
+    """The framework's fixed cost per optimizer step (data, clipping, optimizer, loss
+    reductions): real Trainer steps of tiny models, all ranks data-parallel. DDP, then
+    FSDP2 (the difference prices FSDP's collectives), then DDP with more layers (what a
+    layer costs inside a real step beyond its block: hooks, optimizer and clipping per
+    tensor, autograd bookkeeping), then a two-stage pipeline (what the schedule executor
+    adds per stage operation)."""
     import tempfile
 
-    # DDP, then FSDP2 (the difference prices FSDP's collectives), then DDP with more
-    # layers (what a layer costs inside a real step beyond its block: hooks, optimizer and
-    # clipping per tensor, autograd bookkeeping), then a two-stage pipeline (what the
-    # schedule executor adds per stage operation)
+    res = {}
     probes = [("tiny_step_z0", 0, 1, 1), ("tiny_step_z3", 3, 1, 1), ("tiny_step_z0_l3", 0, 3, 1)]
     if world % 2 == 0:
         probes.append(("tiny_step_pp2", 0, 2, 2))
     for key, zero, layers, pp in probes:
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(from_dict(tiny_step_config(world, tmp, zero, layers, pp)))
-            res[key] = fixed_reps(trainer.train_step, 12)
+            res[key] = _fixed_reps(trainer.train_step, 12)
             del trainer
-    # all-reduce over everyone: latency and bandwidth
+    return res
+
+
+def _all_reduce_costs() -> dict:
+    """All-reduce over everyone: the fastest of several calls at 8 bytes and 4 MiB."""
+    import torch
+
+    res = {}
     for size in (2, 1 << 20):  # float32 elements: 8 bytes, 4 MiB
         t = torch.zeros(size, device="cpu")  # these workers run gloo on the host
         samples = []
@@ -151,6 +143,38 @@ def _measure(rank: int, world: int, port: int, out) -> None:
             comm.all_reduce(t, None, "calibrate")
             samples.append(time.perf_counter() - t0)
         res[f"ar_{size * 4}"] = min(samples)
+    return res
+
+
+def _measure(rank: int, world: int, port: int, out) -> None:
+    """One calibration process: every probe, in the same order on every rank (they run
+    collectives), then the results gathered onto rank 0."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    # Compute: one block at three widths, all ranks at once. The tiny one is pure dispatch
+    # cost; the other two, less that cost, fix the rate and how it falls off at small widths
+    # (-> peak, half width).
+    steps = _block_steps()
+    res = {f"block_{dim}": _barrier_time(step) for dim, step in steps.items()}
+    # Latency of a collective while the ranks are busy computing, as in training: with
+    # more processes than cores a woken rank waits for a core (the scheduler's wake-up
+    # granularity, ~1 ms here, not the ~50 us of an idle host), once per sequential hop.
+    # A small all-reduce between blocks over groups of 2, 4 and everyone, minus the blocks
+    # alone; the group sizes separate the per-hop latency from a per-call cost.
+    res.update(busy_collective_costs(world, rank, steps[BLOCK_DIMS[1]]))
+    # The tiled attention that context parallelism runs: the same attention as one tile
+    # and as 36 visible tiles; the difference is the fixed cost of a tile.
+    for tile in (BLOCK_SEQ, BLOCK_SEQ // 8):
+        res[f"tiled_attention_{tile}"] = _barrier_time(tiled_attention_step(tile))
+    # memory-bound work: the optimizer pass itself, the training's AdamW over 1M float32
+    # parameters (its foreach kernels stream the states several times)
+    res["optimizer_step_1m"] = _barrier_time(optimizer_step(1 << 20))
+    res.update(_trainer_step_costs(world))
+    res.update(_all_reduce_costs())
     gathered = comm.all_gather_object(res)
     if rank == 0:
         out.put(gathered)
