@@ -9,14 +9,14 @@ import pytest
 
 from meshfold.config import ConfigError, from_dict, validate
 from meshfold.data.balance import (
-    BalanceError, CostModel, brute_force, greedy_lpt, imbalance, loads_of, naive_split, plan_context_parallel,
+    BalanceError, DocumentCost, brute_force, greedy_lpt, imbalance, loads_of, naive_split, plan_context_parallel,
     plan_step, rank_token_cap, solve_exact,
 )
 from meshfold.parallel.balanced_loader import BalancedBatches, PieceBatchSampler
 from meshfold.data.packing import DocumentPieces
 from meshfold.testing import run_on, tiny_config, train_collect
 
-COST = CostModel(a=1 / 1024, b=1.0)  # attention overtakes the rest at 1024 tokens
+COST = DocumentCost(a=1 / 1024, b=1.0)  # attention overtakes the rest at 1024 tokens
 
 
 def long_tailed(n=400, seed=0, cap=4096):
@@ -337,7 +337,7 @@ def test_spread_plans_cover_every_piece_once():
     every member of one aligned group, and all ranks see the same plan."""
     pieces = DocumentPieces(corpus(80, seed=4), max_len=64)
     ranks = 4
-    loaders = [BalancedBatches(pieces, CostModel(1.0, 1.0), ranks, r, n_micro=1, micro_cap=256,
+    loaders = [BalancedBatches(pieces, DocumentCost(1.0, 1.0), ranks, r, n_micro=1, micro_cap=256,
                                tokens_per_step=64 * ranks, seed=2, seq_cp_max=4) for r in range(ranks)]
     spread_seen = 0
     for _ in range(10):

@@ -37,7 +37,7 @@ class BalanceError(ValueError):
 
 
 @dataclass(frozen=True)
-class CostModel:
+class DocumentCost:
     """W(l) = a l^2 + b l, in seconds (or any unit) per document of l tokens."""
 
     a: float
@@ -192,7 +192,7 @@ def rank_token_cap(micro_cap: int, n_micro: int, longest: int) -> int:
     return n_micro * (micro_cap - longest) + longest
 
 
-def plan_step(lengths, cost: CostModel, n_ranks: int, n_micro: int = 1, micro_cap: int | None = None,
+def plan_step(lengths, cost: DocumentCost, n_ranks: int, n_micro: int = 1, micro_cap: int | None = None,
               method: str = "greedy", tolerance: float = 1.02, time_limit: float = 1.0) -> StepPlan:
     """Assign a step's items (of ``lengths`` tokens) to ranks and micro-batches.
 
@@ -253,7 +253,7 @@ class CPPlan:
         return imbalance(self.loads)
 
 
-def plan_context_parallel(lengths, cost: CostModel, n_ranks: int, rank_cap: int, max_degree: int = 0,
+def plan_context_parallel(lengths, cost: DocumentCost, n_ranks: int, rank_cap: int, max_degree: int = 0,
                           share: float = 1.0, tolerance: float | None = 1.02) -> CPPlan:
     """Per-sequence context-parallel degree, then balance.
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.data.balance import CostModel
+from meshfold.data.balance import DocumentCost
 from meshfold.data.tokenizer import cache_root
 from meshfold.models.config import ModelConfig
 from meshfold.models.llama import Transformer, init_weights
@@ -46,8 +46,8 @@ class CostFit:
     counts: list[int]
 
     @property
-    def model(self) -> CostModel:
-        return CostModel(self.a, self.b)
+    def model(self) -> DocumentCost:
+        return DocumentCost(self.a, self.b)
 
     def rel_error(self) -> float:
         """Largest relative error of the fit (a l^2 + b l + c) over the measured points."""
@@ -129,12 +129,12 @@ def _cache_file(cfg: Config, device: torch.device, dtype: torch.dtype):
     return cache_root(cfg.data.cache_dir) / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def cost_model_for(cfg: Config, device: torch.device, dtype: torch.dtype) -> CostModel:
+def cost_model_for(cfg: Config, device: torch.device, dtype: torch.dtype) -> DocumentCost:
     """``data.cost_a/cost_b`` when set; otherwise measured (cached) on global rank 0 and
     broadcast, so every rank plans identically."""
     d = cfg.data
     if d.cost_a or d.cost_b:
-        return CostModel(d.cost_a, d.cost_b)
+        return DocumentCost(d.cost_a, d.cost_b)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     ab = torch.zeros(2, dtype=torch.float64, device=device)
     if not distributed or dist.get_rank() == 0:
@@ -151,4 +151,4 @@ def cost_model_for(cfg: Config, device: torch.device, dtype: torch.dtype) -> Cos
     if distributed:
         comm.broadcast(ab, 0, None, "data")
     a, b = ab.tolist()  # once, at start-up
-    return CostModel(a, b)
+    return DocumentCost(a, b)

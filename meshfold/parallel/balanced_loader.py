@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from meshfold import comm
 from meshfold.errors import ConfigError
-from meshfold.data.balance import (CostModel, StepPlan, imbalance, loads_of, naive_split, plan_context_parallel,
+from meshfold.data.balance import (DocumentCost, StepPlan, imbalance, loads_of, naive_split, plan_context_parallel,
                                    plan_step)
 from meshfold.data.cost_calibration import cost_model_for
 from meshfold.data.micro import micro_batch_count
@@ -96,7 +96,7 @@ class BalancedBatches:
 
     name = None  # no checkpoint state of its own: the sampler it installs is saved as the sampler
 
-    def __init__(self, pieces: DocumentPieces, cost: CostModel, n_ranks: int, rank: int, n_micro: int,
+    def __init__(self, pieces: DocumentPieces, cost: DocumentCost, n_ranks: int, rank: int, n_micro: int,
                  micro_cap: int, tokens_per_step: int, seed: int, method: str = "greedy",
                  tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False,
                  seq_cp_max: int = 1, cp_groups: dict | None = None, device: torch.device | str = "cpu"):
