@@ -83,7 +83,7 @@ class DryTrainer(Trainer):
         t = cfg.train
         self.device = torch.device("cpu")
         self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
-        workers = cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1
+        workers = cfg.lowcomm.n_workers
         with unset_fake_temporarily():  # the mesh holds real rank tables
             self.dims = build_mesh(cfg.parallel, workers, "cpu")
         self.balancer, self.use_doc_mask = None, False
@@ -226,7 +226,7 @@ def representative_ranks(cfg: Config, world: int) -> list[int]:
     (the layer counts of its chunks, and whether it holds the embedding or the output);
     see the module doc."""
     p = cfg.parallel
-    per_stage = world // (cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1) // p.pp
+    per_stage = world // cfg.lowcomm.n_workers // p.pp
     if p.pp == 1:
         return [0]
     split, _ = stage_split(cfg)

@@ -38,6 +38,11 @@ class LowCommConfig:
     onebit_adam: bool = False  # with compression = onebit: 1-bit Adam (warm-up, then frozen variance)
 
 
+    @property
+    def n_workers(self) -> int:
+        """Workers the world splits into: ``workers`` with a low-communication method, else 1."""
+        return self.workers if self.method != "none" else 1
+
 CHOICES: dict[str, tuple] = {
     "method": ("none", "diloco", "streaming", "noloco", "co2"),
     "compression": ("none", "powersgd", "topk", "onebit", "lgreco"),
@@ -47,7 +52,7 @@ CHOICES: dict[str, tuple] = {
 
 def worker_count(lc: LowCommConfig, world_size: int) -> int:
     """The number of workers the world size splits into (1 without a low-communication method)."""
-    workers = lc.workers if lc.method != "none" else 1
+    workers = lc.n_workers
     if workers < 1 or world_size % workers:
         raise ConfigError(
             f"lowcomm.workers = {lc.workers} does not divide the world size {world_size}"

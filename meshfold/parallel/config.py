@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from meshfold.errors import ConfigError, divisors
 from meshfold.layout import ParallelConfig
 from meshfold.models.config import ModelConfig
+from meshfold.schedule import chunks_per_rank
 
 if TYPE_CHECKING:  # the composed config is handed in; its module sits above this layer
     from meshfold.config import Config
@@ -58,7 +59,7 @@ def validate(cfg: Config) -> None:
             )
     check_context(cfg)  # Ulysses/hybrid head split, cp_ulysses
     # Pipeline stages: pp x chunks per rank (interleaved: pp_virtual_stages; zbv: 2, a V).
-    pp_stages = p.pp * {"interleaved": p.pp_virtual_stages, "zbv": 2}.get(p.pp_schedule, 1)
+    pp_stages = p.pp * chunks_per_rank(p.pp_schedule, p.pp_virtual_stages)
     if p.pp > 1 and p.pp_schedule == "interleaved" and p.pp_virtual_stages < 2:
         raise ConfigError("parallel.pp_schedule = interleaved needs parallel.pp_virtual_stages >= 2 "
                           "(with 1 it is 1f1b)")

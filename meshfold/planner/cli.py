@@ -120,7 +120,7 @@ def predict_run(run_dir: str | Path, cluster_spec: str, stat: str = "median") ->
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
     p = cfg.parallel
-    world = p.world_size() * (cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1)
+    world = p.world_size() * cfg.lowcomm.n_workers
     cluster = load_cluster(cluster_spec, devices=world)
     layout = layout_from_config(cfg, world)
     est = CostModel(workload_from_config(cfg, cluster), cluster).estimate(layout)

@@ -62,7 +62,7 @@ class Trainer:
         t = cfg.train
         self.device = resolve_device(t.device)
         self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
-        workers = cfg.lowcomm.workers if cfg.lowcomm.method != "none" else 1
+        workers = cfg.lowcomm.n_workers
         self.dims: ParallelDims = build_mesh(cfg.parallel, workers, self.device.type)
         self.run_dir = Path(t.run_dir)
         self.ledger = ledger()
