@@ -67,6 +67,7 @@ def test_pp4_schedules_match_one_process(schedule, virtual, reference8, tmp_path
     pytest.param({"zero": 3}, id="1f1b-zero3"),
     pytest.param({"zero": 2, "pp_schedule": "interleaved", "pp_virtual_stages": 2}, id="interleaved-zero2"),
     pytest.param({"zero": 3, "pp_schedule": "zbv"}, id="zbv-zero3"),  # whole backward in B under FSDP
+    pytest.param({"zero": 2, "pp_schedule": "zbv"}, id="zbv-zero2"),
     pytest.param({"zero": 1}, id="1f1b-zero1"),  # gradients averaged by the pipeline, sharded Adam
 ])
 def test_pp2_times_dp_shard2(parallel, reference, tmp_path):

@@ -89,9 +89,8 @@ class Pipeline:
         # micro-batches still compute; with FSDP the chunk syncs only in that action.
         self.reducers = [grad_reducers(c) for c in chunks]
         self.fsdp = uses_fsdp(dims)
-        # zbv under FSDP2 (two root chunks per rank, V order) deadlocks on gloo when the
-        # chunks' syncs are deferred; it keeps FSDP2's per-micro-batch reduction for now.
-        self.defer_fsdp_sync = self.fsdp and self.schedule != "zbv"
+        # FSDP2 reduces (and, ZeRO-2, reshards) each chunk only in its last backward of the step.
+        self.defer_fsdp_sync = self.fsdp
         self.zero = p.zero
         # Split backward (B then W) only where torch's split works: not through FSDP's hooks.
         self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
@@ -162,7 +161,9 @@ class Pipeline:
         events = []
         last_grad_action = {}
         for i, a in enumerate(order):
-            if a.kind != "F":
+            # the action that computes the chunk's weight gradients last: its W under the
+            # split backward, else its B (a W is then empty)
+            if a.kind == "B" or (a.kind == "W" and self.split_backward):
                 last_grad_action[a.chunk] = i
         self._set_grad_sync(None)
         # No barrier: every rank starts when it is ready; the bubble is measured against
