@@ -91,6 +91,7 @@ class DryTrainer(Trainer):
         self.step_metrics, self.step, self.capture_grads = {}, 0, False
         self.grad_reducers = self.dims.size("dp_cp")
         self.held_grad_bytes = 0
+        self.announce_split = False  # stdout carries the report (--json: JSON only)
         self.loss_fn = self.build_loss()
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts

@@ -51,11 +51,11 @@ def test_dry_run_matches_real_run(world, parallel, tmp_path):
 
 def test_cli_json_and_one_line_errors(tmp_path):
     base = [sys.executable, "-m", "meshfold", "dry-run", str(ROOT / "configs" / "debug.toml"), "--cluster", "cpu"]
-    out = subprocess.run(base + ["--world", "4", "--set", "parallel.tp=2", "--json"], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(base + ["--world", "4", "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--json"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["world"] == 4 and report["layout"]["tp"] == 2
+    report = json.loads(out.stdout)  # stdout is the JSON alone (no stage-split lines before it)
+    assert report["world"] == 4 and report["layout"]["tp"] == 2 and report["layout"]["pp"] == 2
     assert report["runtime"]["collectives"]["tp"]["count"] > 0
     bad = subprocess.run(base + ["--world", "6", "--set", "parallel.tp=4"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)

@@ -59,6 +59,7 @@ class Trainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.cfg = cfg = validate(cfg, self.world)
+        self.announce_split = self.rank == 0  # print the pipeline's stage split (one rank)
         t = cfg.train
         self.device = resolve_device(t.device)
         self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
@@ -134,7 +135,7 @@ class Trainer:
         cfg, dims = self.cfg, self.dims
         if cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
             pipe = Pipeline(cfg, dims, self.device, self.param_dtype, self.autocast_dtype or self.param_dtype,
-                            announce=self.rank == 0)
+                            announce=self.announce_split)
             return PipelineEngine(pipe, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
                                   write_timeline=self.rank == 0)
         # Built on the meta device: parallelize shards it there and allocates only this
