@@ -58,6 +58,7 @@ from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
 from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
+from meshfold.lowcomm import build_compression
 from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
@@ -92,6 +93,7 @@ class DryTrainer(Trainer):
         self.grad_reducers = self.dims.size("dp_cp")
         self.held_grad_bytes = 0
         self.loss_fn = self.build_loss()
+        self.compression = build_compression(cfg.lowcomm)  # lowcomm.compression's DDP hook, as the Trainer
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)

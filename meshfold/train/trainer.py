@@ -27,7 +27,7 @@ from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.device import resolve_device, resolve_dtypes
-from meshfold.lowcomm import build_lowcomm
+from meshfold.lowcomm import build_compression, build_lowcomm
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_end_step
@@ -88,6 +88,9 @@ class Trainer:
         self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
 
         self.loss_fn = self.build_loss()
+        # lowcomm.compression: DDP's one communication hook, owned by the lowcomm feature and
+        # installed where DDP is built (build_engine -> parallelize); None when off.
+        self.compression = build_compression(cfg.lowcomm)
         self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
@@ -111,7 +114,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self)
         self.fault = FaultMonitor(self)
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
-        self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train)))
+        self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
+                                                         self.compression))
         # The features' hooks, once everything they wrap exists.
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
@@ -142,7 +146,8 @@ class Trainer:
         model = build_on_meta(lambda: Transformer(cfg.model), self.param_dtype)
         if self.balancer is not None:  # packed rows: attention per document, cost sum l^2
             use_varlen_attention(model, self.balancer.spread)
-        model = parallelize(model, cfg, dims, self.device)
+        model = parallelize(model, cfg, dims, self.device,
+                            comm_hook=self.compression.install if self.compression is not None else None)
         return LocalEngine(model, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask)
 
     def barrier(self) -> None:
