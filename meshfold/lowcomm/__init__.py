@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshfold.data.dataset import GlobalBatchSampler
-from meshfold.lowcomm.compress import DDPCompression, build_compression
+from meshfold.lowcomm.compress import DDPCompression
 from meshfold.lowcomm.onebit_adam import OneBitAdam
 from meshfold.lowcomm.outer import build_outer, local_tensor
 from meshfold.parallel.data import unwrap, uses_fsdp

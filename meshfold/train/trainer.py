@@ -27,7 +27,8 @@ from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.device import resolve_device, resolve_dtypes
-from meshfold.lowcomm import build_compression, build_lowcomm
+from meshfold.lowcomm import build_lowcomm
+from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_end_step
@@ -45,6 +46,7 @@ from meshfold.train.checkpoint import Checkpointer
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
+from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 
 
@@ -100,7 +102,7 @@ class Trainer:
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
         )
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.step = 0
+        self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
         self.peak_flops = device_peak_flops(self.device)
@@ -109,19 +111,30 @@ class Trainer:
         self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
-        # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
-        # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py).
-        self.checkpointer = Checkpointer(self)
-        self.fault = FaultMonitor(self)
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
         self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
                                                          self.compression))
         # The features' hooks, once everything they wrap exists.
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
+        # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
+        # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py). Both get
+        # the objects they read, once the features have wrapped them, and the run's Progress.
+        self.checkpointer = Checkpointer(cfg, self.model_parts, self.optimizer, self.scheduler, self.sampler,
+                                         self.progress)
+        self.fault = FaultMonitor(t, self.rank, self.world, self.progress, self.checkpointer)
         if not self.features.world_collectives:
             self.fault.every = 0  # a feature promises no collective over all ranks: no straggler check
         self.features.register_state(self.checkpointer)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (held by ``self.progress``)."""
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
 
     # ------------------------------------------------------------------ setup
 
@@ -269,7 +282,7 @@ class Trainer:
             if self.rank == 0:
                 print("meshfold: built: " + ", ".join(f"{k} {v}" for k, v in report.items()), flush=True)
             return []
-        self.checkpointer.resume()  # train.resume / train.init_from; sets self.step
+        self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
