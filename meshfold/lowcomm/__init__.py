@@ -2,9 +2,10 @@
 codecs for the per-step data-parallel path (``codecs.py``, ``compress.py``,
 ``onebit_adam.py``) and a network lab of throttled namespaces (``netlab.py``).
 
-The Trainer builds the DDP compression hook's owner before the model (``build_compression``:
-its ``install`` goes to ``parallelize``) and the feature once the model exists
-(``build_lowcomm``: config, mesh, model, rank, size of the training set, that owner) and calls its hooks (``train/feature.py``): ``wrap_sampler``,
+The Trainer builds the owner of the DDP compression hook before the model
+(``compress.build_compression``: its ``install`` goes to ``parallelize``), then the feature
+once the model exists (``build_lowcomm``: config, mesh, model, rank, size of the training
+set, that owner), and calls its hooks (``train/feature.py``): ``wrap_sampler``,
 ``wrap_optimizer``, ``after_step(step)`` after every optimizer step, and its state with
 the checkpoints; everything else lives here.
 
