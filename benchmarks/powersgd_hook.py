@@ -92,14 +92,14 @@ def _measure(kind: str, layers: int, dim: int, rank_r: int, steps: int) -> float
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from meshfold.config import LowCommConfig
-    from meshfold.lowcomm.compress import install_compression
+    from meshfold.lowcomm.compress import DDPCompression
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
     ddp = DDP(model, bucket_cap_mb=1024 if kind in ("torch", "new-1") else 1)
     group = dist.group.WORLD
     if kind in ("new", "new-1"):
-        install_compression(ddp, group, LowCommConfig(compression="powersgd", powersgd_rank=rank_r))
+        DDPCompression(LowCommConfig(compression="powersgd", powersgd_rank=rank_r)).install(ddp, group)
     elif kind == "old":
         names = {id(p): n for n, p in model.named_parameters()}
         ddp.register_comm_hook({"codec": LegacyPowerSGD(group, rank_r), "names": names}, _legacy_hook)

@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 
 from meshfold.errors import ConfigError
+from meshfold.schedule import microbatch_problem, schedule_actions, simulate  # stdlib only: no start-up cost
 
 # name -> module providing add_parser(subparsers) and run(args)
 SUBCOMMANDS = {
@@ -156,7 +157,6 @@ def add_timeline_parser(sub) -> None:
 
 def run_timeline(args) -> int:
     from meshfold.parallel.timeline import TIMELINE_FILE, draw_timeline
-    from meshfold.schedule import microbatch_problem, schedule_actions, simulate
 
     if args.schedule:
         problem = microbatch_problem(args.schedule, args.pp, args.microbatches)

@@ -58,6 +58,7 @@ from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
 from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
+from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
@@ -68,6 +69,7 @@ from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel
 from meshfold.schedule import chunks_per_rank, inflight_microbatches, stage_of
+from meshfold.train.progress import Progress
 from meshfold.train.trainer import Trainer
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
@@ -88,11 +90,12 @@ class DryTrainer(Trainer):
             self.dims = build_mesh(cfg.parallel, workers, "cpu")
         self.balancer, self.use_doc_mask = None, False
         self.ledger = ledger()
-        self.step_metrics, self.step, self.capture_grads = {}, 0, False
+        self.step_metrics, self.progress, self.capture_grads = {}, Progress(), False
         self.grad_reducers = self.dims.size("dp_cp")
         self.held_grad_bytes = 0
         self.announce_split = False  # stdout carries the report (--json: JSON only)
         self.loss_fn = self.build_loss()
+        self.compression = build_compression(cfg.lowcomm)  # lowcomm.compression's DDP hook, as the Trainer
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)

@@ -33,11 +33,7 @@ LOCAL_IMPORTS_ALLOWED = {
     ("meshfold.cli", "meshfold.train.plot"): "start-up time",
     ("meshfold.cli", "meshfold.data.cost_calibration"): "start-up time",
     ("meshfold.cli", "meshfold.device"): "start-up time",
-    ("meshfold.cli", "meshfold.schedule"): "start-up time",
     ("meshfold.cli", "meshfold.parallel.timeline"): "start-up time",
-    # The one upward import left, also in pyproject.toml's ignore_imports: DDP's single
-    # communication hook is chosen where DDP is built.
-    ("meshfold.parallel.data", "meshfold.lowcomm.compress"): "lowcomm.compression's DDP hook",
 }
 
 

@@ -146,10 +146,8 @@ def test_one_late_check_names_nobody():
 
     from meshfold.train.fault import PERSIST, WINDOW, FaultMonitor
 
-    tr = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(
-        nan_guard_rollback=0, straggler_every=1, straggler_margin=0.2, collective_timeout_s=60)),
-        rank=0, world=1, step=0, step_metrics={})
-    mon = FaultMonitor(tr)
+    train = SimpleNamespace(nan_guard_rollback=0, straggler_every=1, straggler_margin=0.2, collective_timeout_s=60)
+    mon = FaultMonitor(train, rank=0, world=1, progress=SimpleNamespace(step=0))
     assert (PERSIST, WINDOW) == (2, 3)
     named = [mon.persistent(late) for late in ({1}, set(), set(), {1}, set(), {1}, {1}, {0, 1})]
     assert named == [[], [], [], [], [], [1], [1], [1]]

@@ -2,8 +2,10 @@
 codecs for the per-step data-parallel path (``codecs.py``, ``compress.py``,
 ``onebit_adam.py``) and a network lab of throttled namespaces (``netlab.py``).
 
-The Trainer builds the feature once (``build_lowcomm``: config, mesh, model, rank, size of
-the training set) and calls its hooks (``train/feature.py``): ``wrap_sampler``,
+The Trainer builds the owner of the DDP compression hook before the model
+(``compress.build_compression``: its ``install`` goes to ``parallelize``), then the feature
+once the model exists (``build_lowcomm``: config, mesh, model, rank, size of the training
+set, that owner), and calls its hooks (``train/feature.py``): ``wrap_sampler``,
 ``wrap_optimizer``, ``after_step(step)`` after every optimizer step, and its state with
 the checkpoints; everything else lives here.
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshfold.data.dataset import GlobalBatchSampler
+from meshfold.lowcomm.compress import DDPCompression
 from meshfold.lowcomm.onebit_adam import OneBitAdam
 from meshfold.lowcomm.outer import build_outer, local_tensor
 from meshfold.parallel.data import unwrap, uses_fsdp
@@ -57,9 +60,11 @@ class LowComm:
 
     name = "lowcomm"
 
-    def __init__(self, cfg: Config, dims, model, rank: int, train_size: int):
-        """``model``: this rank's parallelised model (the DDP wrapper carries the compression
-        state its comm hook uses, ``compress.py``)."""
+    def __init__(self, cfg: Config, dims, model, rank: int, train_size: int,
+                 compression: DDPCompression | None = None):
+        """``model``: this rank's parallelised model. ``compression``: the owner of
+        ``lowcomm.compression``'s DDP hook (``build_compression``), whose ``install`` the
+        trainer handed to ``parallelize``; its state (codec, 1-bit Adam switch) is read here."""
 
         lc = cfg.lowcomm
         self.cfg, self.dims, self.model, self.rank, self.train_size = cfg, dims, model, rank, train_size
@@ -71,7 +76,9 @@ class LowComm:
             norm_group = dims.group("dp_shard_cp") if uses_fsdp(dims) else None
             self.outer = build_outer(lc.method, named, lc, outer_group(dims) if self.workers > 1 else None,
                                      cfg.train.steps, cfg.train.seed, norm_group)
-        self.compression = getattr(model, "meshfold_compression", None)
+        # CompressionState, or None (no compression, or no DDP module to hook: one process,
+        # the gradient reducer's layouts)
+        self.compression = compression.state if compression is not None else None
         # The straggler check gathers timings over the whole world every k steps: a
         # collective over all workers, which NoLoCo promises not to issue.
         self.world_collectives = not (lc.method == "noloco" and self.workers > 1)
@@ -329,11 +336,13 @@ def outer_group(dims):
     return mine
 
 
-def build_lowcomm(cfg: Config, dims, model, rank: int, train_size: int) -> LowComm | None:
+def build_lowcomm(cfg: Config, dims, model, rank: int, train_size: int,
+                  compression: DDPCompression | None = None) -> LowComm | None:
     """The ``[lowcomm]`` feature of a run, or None when it uses neither an outer optimizer
-    nor gradient compression."""
+    nor gradient compression. ``compression``: ``build_compression(cfg.lowcomm)``, built
+    before the model so that its hook goes on the DDP module (``LowComm``)."""
     lc = cfg.lowcomm
     if lc.method == "none" and lc.compression == "none":
         return None
-    return LowComm(cfg, dims, model, rank, train_size)
+    return LowComm(cfg, dims, model, rank, train_size, compression)
 

@@ -68,12 +68,23 @@ def _done(buf: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-def install_compression(ddp, group, lc: LowCommConfig, seed: int = 0) -> bool:
-    """Register the compressing hook on ``ddp`` if ``lowcomm.compression`` asks for one."""
-    if lc.compression == "none":
-        return False
-    names = {id(p): n for n, p in ddp.module.named_parameters()}
-    state = CompressionState(lc, group, names, seed)
-    ddp.register_comm_hook(state, _hook)
-    ddp.meshfold_compression = state
-    return True
+class DDPCompression:
+    """The compressing hook of ``lowcomm.compression``, owned by the lowcomm feature. DDP
+    takes one communication hook, chosen where DDP is built: the trainer hands ``install``
+    to ``parallelize`` (``parallel/data.py`` takes it as an explicit argument), and the
+    feature (``LowComm``) reads the state the hook uses from ``state``."""
+
+    def __init__(self, lc: LowCommConfig, seed: int = 0):
+        self.lc, self.seed = lc, seed
+        self.state: CompressionState | None = None  # set once ``install`` has seen the DDP module
+
+    def install(self, ddp, group) -> None:
+        """Register the compressing hook on ``ddp`` (in place of the counting all-reduce)."""
+        names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self.state = CompressionState(self.lc, group, names, self.seed)
+        ddp.register_comm_hook(self.state, _hook)
+
+
+def build_compression(lc: LowCommConfig, seed: int = 0) -> DDPCompression | None:
+    """The hook owner when ``lowcomm.compression`` asks for one, else None."""
+    return None if lc.compression == "none" else DDPCompression(lc, seed)

@@ -127,13 +127,17 @@ def _counting_allreduce_hook(group: dist.ProcessGroup):
     return hook
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims, lowcomm=None) -> nn.Module:
+def apply_ddp(model: nn.Module, dims: ParallelDims, comm_hook=None) -> nn.Module:
+    """``comm_hook``: None, or ``install(ddp, group)`` registering the one communication
+    hook DDP takes in place of the counting all-reduce (``lowcomm.compression``'s,
+    ``lowcomm/compress.py``: the feature that owns it passes it down, so this layer never
+    imports it)."""
     group = dims.group("dp_cp")
     ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=25)
-    from meshfold.lowcomm.compress import install_compression  # lowcomm.compression: a compressing hook
-
-    if lowcomm is None or not install_compression(ddp, group, lowcomm):
+    if comm_hook is None:
         ddp.register_comm_hook(None, _counting_allreduce_hook(group))
+    else:
+        comm_hook(ddp, group)
     return ddp
 
 
@@ -241,7 +245,8 @@ def fsdp_policies(train) -> tuple[MixedPrecisionPolicy, object | None]:
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, offload_policy=None,
-                        lowcomm=None, train=None) -> nn.Module:
+                        comm_hook=None, train=None) -> nn.Module:
+    """``comm_hook``: see ``apply_ddp`` (used only when the layout is DDP's)."""
     if train is not None and mp_policy is None and offload_policy is None:
         mp_policy, offload_policy = fsdp_policies(train)
     if uses_fsdp(dims):
@@ -250,7 +255,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, of
     if uses_grad_reducer(dims):
         return attach_grad_reducer(model, dims)
     if uses_ddp(dims):
-        return apply_ddp(model, dims, lowcomm)
+        return apply_ddp(model, dims, comm_hook)
     return model
 
 

@@ -20,8 +20,10 @@ if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
 
 
-def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device | None = None) -> nn.Module:
-    """``device``: where a meta-built model's local shards are allocated."""
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device | None = None,
+                comm_hook=None) -> nn.Module:
+    """``device``: where a meta-built model's local shards are allocated. ``comm_hook``: the
+    DDP communication hook's installer of a feature above this layer (``apply_ddp``)."""
     meta = is_meta(model)
 
     def init(m: nn.Module) -> nn.Module:
@@ -43,5 +45,5 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     if not dims.distributed:
         return init(model)
     if uses_fsdp(dims):
-        return init(apply_data_parallel(model, dims, lowcomm=cfg.lowcomm, train=cfg.train))
-    return apply_data_parallel(init(model), dims, lowcomm=cfg.lowcomm, train=cfg.train)
+        return init(apply_data_parallel(model, dims, train=cfg.train))
+    return apply_data_parallel(init(model), dims, comm_hook=comm_hook, train=cfg.train)

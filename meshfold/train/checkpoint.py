@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from meshfold import comm
 from meshfold.parallel.data import unwrap
+from meshfold.train.progress import Progress
 
 MANIFEST = "meshfold.json"
 DCP_JSON = "dcp_metadata.json"  # DCP's metadata as JSON: what loading reads (never the pickled .metadata)
@@ -401,11 +402,6 @@ def _stage(value: Any, buffers: dict, key: str = "") -> Any:
     return buf
 
 
-def _model_parts(trainer) -> list[torch.nn.Module]:
-    """The model chunks this rank holds (pipeline stages may hold several)."""
-    return list(getattr(trainer, "model_parts", None) or [trainer.model])
-
-
 class _MergedChunks(torch.nn.Module):
     """Several pipeline chunks seen as one module with the full model's names: each chunk's
     ``layers`` entries (keyed by global index) and its embedding/norm/output. The state-dict
@@ -427,17 +423,21 @@ class _MergedChunks(torch.nn.Module):
                     self.add_module(name, child)
 
 
-def _whole_model(trainer) -> torch.nn.Module:
-    parts = _model_parts(trainer)
+def _whole_model(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """The model chunks this rank holds (pipeline stages may hold several) as one module."""
     return parts[0] if len(parts) == 1 else _MergedChunks(parts)
 
 
 class Checkpointer:
-    """Saves and restores a ``Trainer``'s whole state; see the module docstring."""
+    """Saves and restores a run's whole state; see the module docstring. Its inputs are
+    explicit (it never sees the Trainer): the run's config, the model chunks this rank
+    holds, the optimizer, scheduler and sampler the run steps, and the run's ``Progress``
+    (the step it saves, and sets when it loads a checkpoint)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        t = trainer.cfg.train
+    def __init__(self, cfg, parts: list[torch.nn.Module], optimizer, scheduler, sampler, progress: Progress):
+        self.cfg, self.parts, self.progress = cfg, list(parts), progress
+        self.optimizer, self.scheduler, self.sampler = optimizer, scheduler, sampler
+        t = cfg.train
         self.every = t.checkpoint_every
         self.keep = t.keep_checkpoints
         self.use_async = t.async_checkpoint
@@ -469,21 +469,21 @@ class Checkpointer:
     # ------------------------------------------------------------------ state dicts
 
     def _model_state(self) -> dict[str, Any]:
-        return get_model_state_dict(_whole_model(self.trainer))
+        return get_model_state_dict(_whole_model(self.parts))
 
     def _zero_one(self) -> ZeroRedundancyOptimizer | None:
-        opt = self.trainer.optimizer
+        opt = self.optimizer
         return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
 
     def _fqn_of_params(self) -> dict[int, str]:
 
-        return {id(p): name for name, p in unwrap(_whole_model(self.trainer)).named_parameters()}
+        return {id(p): name for name, p in unwrap(_whole_model(self.parts)).named_parameters()}
 
     def _optim_state(self) -> dict[str, Any]:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         zero = self._zero_one()
         if zero is None:
-            return get_state_dict(_whole_model(self.trainer), self.trainer.optimizer, options=opts)[1]
+            return get_state_dict(_whole_model(self.parts), self.optimizer, options=opts)[1]
         # ZeRO-1: each rank writes the Adam state of the parameters it owns, in the same
         # flattened naming as every other layout; param groups are the same everywhere.
         names = self._fqn_of_params()
@@ -505,13 +505,12 @@ class Checkpointer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        tr = self.trainer
         sd = {
             "model": self._model_state(),
             "optim": self._optim_state(),
-            "scheduler": tr.scheduler.state_dict(),
-            "sampler": tr.sampler.state_dict(),
-            "step": tr.step,
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "step": self.progress.step,
             f"rng.rank{self.rank}": self._rng_state(),
         }
         for name, obj in self.extras.items():
@@ -528,7 +527,7 @@ class Checkpointer:
     def maybe_save(self) -> None:
         """Called after every step: publish a finished async save; save if it is time."""
         self._poll()
-        step = self.trainer.step
+        step = self.progress.step
         if self.every > 0 and step % self.every == 0 and step != self.last_saved_step:
             self.save()
 
@@ -536,7 +535,7 @@ class Checkpointer:
         """Checkpoint the current step. Returns False (after logging why) if writing failed;
         the previous good checkpoints are untouched in that case."""
         self.wait()
-        step = self.trainer.step
+        step = self.progress.step
         tmp = self.root / f".tmp-step-{step}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -582,7 +581,7 @@ class Checkpointer:
         return True
 
     def _write_manifest(self, tmp: Path, step: int) -> None:
-        cfg = self.trainer.cfg.to_dict()
+        cfg = self.cfg.to_dict()
         write_manifest(tmp, {
             "step": step,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -653,8 +652,8 @@ class Checkpointer:
         return None
 
     def load(self, path: Path, restore_sampler: bool = True, strict_extras: bool = False) -> int:
-        """Load every piece of state from ``path`` into the trainer; returns its step."""
-        tr = self.trainer
+        """Load every piece of state from ``path`` into the run's objects; sets and returns
+        its step."""
         saved = read_dcp_metadata(path).state_dict_metadata
         meta_keys = set(saved)
         sd = self.state_dict()
@@ -681,19 +680,19 @@ class Checkpointer:
             sd["optim"] = {k: v for k, v in self._zero_one_template(meta_keys).items()}
         safe_load(sd, path)
 
-        flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in tr.optimizer.param_groups]
-        model = _whole_model(tr)
+        flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
+        model = _whole_model(self.parts)
         if zero is None:
-            set_state_dict(model, tr.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+            set_state_dict(model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                            options=StateDictOptions(flatten_optimizer_state_dict=True))
         else:
             set_model_state_dict(model, sd["model"])
             self._load_zero_one(sd["optim"])
-        for group, kept in zip(tr.optimizer.param_groups, flags):
+        for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
-        tr.scheduler.load_state_dict(sd["scheduler"])
+        self.scheduler.load_state_dict(sd["scheduler"])
         if restore_sampler:
-            tr.sampler.load_state_dict(sd["sampler"])
+            self.sampler.load_state_dict(sd["sampler"])
         rng = sd.get(f"rng.rank{self.rank}")
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
@@ -702,9 +701,9 @@ class Checkpointer:
         for name, obj in self.extras.items():
             if f"extra.{name}" in sd:
                 obj.load_state_dict(sd[f"extra.{name}"])
-        tr.step = int(sd["step"])
-        self.last_saved_step = tr.step
-        return tr.step
+        self.progress.step = int(sd["step"])
+        self.last_saved_step = self.progress.step
+        return self.progress.step
 
     def _zero_one_template(self, meta_keys: set[str]) -> dict[str, Any]:
         """Placeholders for the optimizer keys a ZeRO-1 rank loads: the state of the
@@ -749,12 +748,12 @@ class Checkpointer:
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
         sd = {"model": self._model_state()}
         safe_load(sd, path)
-        set_model_state_dict(_whole_model(self.trainer), sd["model"])
+        set_model_state_dict(_whole_model(self.parts), sd["model"])
 
     def resume(self) -> int | None:
         """At the start of ``fit``: resume from the newest good checkpoint
         (``train.resume = auto``), else start from ``train.init_from`` if set."""
-        t = self.trainer.cfg.train
+        t = self.cfg.train
         if t.resume == "auto":
             _barrier()  # a save of this job still being published by rank 0 is listed by all or none
             path = self.find_latest()
@@ -783,7 +782,7 @@ class Checkpointer:
 
     def _trim_metrics(self, step: int) -> None:
         """Drop metrics lines of steps after the resumed one (they will be redone)."""
-        path = Path(self.trainer.cfg.train.run_dir) / "metrics.jsonl"
+        path = Path(self.cfg.train.run_dir) / "metrics.jsonl"
         if not path.exists():
             return
         kept = []

@@ -57,13 +57,6 @@ MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
 MIN_LAG_S = 0.05  # lags below this are scheduler/logging noise, never reported
 WINDOW, PERSIST = 3, 2  # a rank is named when late in PERSIST of the last WINDOW straggler checks
 
-_BROKEN = False  # set when a collective timed out: the group cannot be trusted at shutdown
-
-
-def group_broken() -> bool:
-    return _BROKEN
-
-
 class CollectiveTimeoutError(RuntimeError):
     """A collective did not finish within ``train.collective_timeout_s``."""
 
@@ -109,18 +102,22 @@ def straggler_lag(stamps_by_rank: list[list[tuple[tuple, int, float]]]) -> list[
 
 
 class FaultMonitor:
-    """One per ``Trainer``: wraps each step (``with monitor.step():``), decides whether an
-    update may be applied, and runs the straggler check and rollback after the step."""
+    """One per run: wraps each step (``with monitor.step():``), decides whether an
+    update may be applied, and runs the straggler check and rollback after the step.
+    Explicit inputs (it never sees the Trainer): ``train`` (the config section), this
+    rank and the world size, the run's ``Progress`` (read to name steps) and the
+    ``checkpointer`` to roll back with (None: no rollback possible)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        t = trainer.cfg.train
-        self.rank = trainer.rank
-        self.world = trainer.world
+    def __init__(self, train, rank: int, world: int, progress, checkpointer=None):
+        self.progress, self.checkpointer = progress, checkpointer
+        t = train
+        self.rank = rank
+        self.world = world
         self.rollback_after = t.nan_guard_rollback
         self.every = t.straggler_every
         self.margin = t.straggler_margin
         self.timeout_s = t.collective_timeout_s
+        self.broken = False  # set when a collective timed out or a peer was lost: no group teardown at close
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self.rollbacks: dict[int, int] = defaultdict(int)
@@ -160,7 +157,7 @@ class FaultMonitor:
             return True
         self.nonfinite_in_a_row += 1
         self.skipped_steps += 1
-        step = self.trainer.step + 1
+        step = self.progress.step + 1
         self.metrics.update(nonfinite=True, skipped_steps=self.skipped_steps)
         if self.rank == 0:
             _log(f"non-finite gradient norm at step {step}: update skipped "
@@ -171,10 +168,9 @@ class FaultMonitor:
     def _maybe_rollback(self) -> None:
         if self.rollback_after <= 0 or self.nonfinite_in_a_row < self.rollback_after:
             return
-        step = self.trainer.step
+        step = self.progress.step
         self.nonfinite_in_a_row = 0
-        ckpt = getattr(self.trainer, "checkpointer", None)
-        target = ckpt.rollback() if ckpt is not None else None
+        target = self.checkpointer.rollback() if self.checkpointer is not None else None
         if target is None:
             raise NonFiniteError(
                 f"{self.rollback_after} non-finite steps in a row at step {step} and no checkpoint to roll back "
@@ -198,7 +194,7 @@ class FaultMonitor:
 
     def _begin(self) -> None:
         if self.tracker is not None:
-            check = self.every > 0 and (self.trainer.step + 1) % self.every == 0
+            check = self.every > 0 and (self.progress.step + 1) % self.every == 0
             self.tracker.reset(recording=check)
         self._step_started = time.time()
 
@@ -239,7 +235,7 @@ class FaultMonitor:
                                      "wait_s": [round(x, 4) for x in wait_s]}
         if slow and self.rank == 0:
             named = ", ".join(f"rank {r} (peers waited {lag[r]:.3f} s for it)" for r in slow)
-            self.last_report = (f"straggler at step {self.trainer.step}: {named}; more than train.straggler_margin = "
+            self.last_report = (f"straggler at step {self.progress.step}: {named}; more than train.straggler_margin = "
                  f"{self.margin} of the {median:.3f} s step in {PERSIST} of the last {WINDOW} checks. Lag by rank: "
                  f"{[round(x, 3) for x in lag]}; time blocked in collectives by rank: "
                  f"{[round(x, 3) for x in wait_s]}")
@@ -277,22 +273,20 @@ class FaultMonitor:
         return "none now (every rank answered the probe: a rank arrived late, or called a different collective)"
 
     def timed_out(self, err: BaseException) -> CollectiveTimeoutError:
-        global _BROKEN
-        _BROKEN = True
+        self.broken = True
         what = self._describe(err)
         missing = self._unresponsive()
         return CollectiveTimeoutError(
             f"rank {self.rank}: a collective did not finish within train.collective_timeout_s = "
-            f"{self.timeout_s:g} s at step {self.trainer.step + 1}: {what}. Not responding: {missing}. "
+            f"{self.timeout_s:g} s at step {self.progress.step + 1}: {what}. Not responding: {missing}. "
             f"Ending the job (backend said: {str(err).splitlines()[0][:200]})"
         )
 
     def peer_lost(self, err: BaseException) -> "PeerLostError":
-        global _BROKEN
-        _BROKEN = True
+        self.broken = True
         return PeerLostError(
             f"rank {self.rank}: lost the connection to a peer (it crashed or was killed) at step "
-            f"{self.trainer.step + 1}: {self._describe(err)}. Ending this worker so the job can restart from "
+            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker so the job can restart from "
             f"the last checkpoint (backend said: {str(err).splitlines()[0][:200]})"
         )
 
@@ -302,7 +296,7 @@ class FaultMonitor:
         while not self._stop.wait(1.0):
             started = self._step_started
             if started is not None and time.time() - started > grace:
-                _log(f"rank {self.rank}: step {self.trainer.step + 1} has run {time.time() - started:.0f} s, "
+                _log(f"rank {self.rank}: step {self.progress.step + 1} has run {time.time() - started:.0f} s, "
                      f"past train.collective_timeout_s = {self.timeout_s:g} s with no timeout firing; "
                      f"{self._describe()}. Ending the job.")
                 os._exit(124)
@@ -310,7 +304,7 @@ class FaultMonitor:
     def close(self) -> None:
         if self._probe_group is not None:
             self._stop.set()
-            if not _BROKEN:
+            if not self.broken:
                 dist.destroy_process_group(self._probe_group)
             self._probe_group = None
 

@@ -28,6 +28,7 @@ from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, 
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.device import resolve_device, resolve_dtypes
 from meshfold.lowcomm import build_lowcomm
+from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import moe_end_step
@@ -45,6 +46,7 @@ from meshfold.train.checkpoint import Checkpointer
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
+from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 
 
@@ -89,6 +91,9 @@ class Trainer:
         self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
 
         self.loss_fn = self.build_loss()
+        # lowcomm.compression: DDP's one communication hook, owned by the lowcomm feature and
+        # installed where DDP is built (build_engine -> parallelize); None when off.
+        self.compression = build_compression(cfg.lowcomm)
         self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
@@ -98,7 +103,7 @@ class Trainer:
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
         )
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.step = 0
+        self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
         self.peak_flops = device_peak_flops(self.device)
@@ -107,18 +112,30 @@ class Trainer:
         self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
-        # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
-        # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py).
-        self.checkpointer = Checkpointer(self)
-        self.fault = FaultMonitor(self)
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
-        self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train)))
+        self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
+                                                         self.compression))
         # The features' hooks, once everything they wrap exists.
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
+        # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
+        # and fault handling: NaN guard, stragglers, collective timeouts (train/fault.py). Both get
+        # the objects they read, once the features have wrapped them, and the run's Progress.
+        self.checkpointer = Checkpointer(cfg, self.model_parts, self.optimizer, self.scheduler, self.sampler,
+                                         self.progress)
+        self.fault = FaultMonitor(t, self.rank, self.world, self.progress, self.checkpointer)
         if not self.features.world_collectives:
             self.fault.every = 0  # a feature promises no collective over all ranks: no straggler check
         self.features.register_state(self.checkpointer)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (held by ``self.progress``)."""
+        return self.progress.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
 
     # ------------------------------------------------------------------ setup
 
@@ -143,7 +160,8 @@ class Trainer:
         model = build_on_meta(lambda: Transformer(cfg.model), self.param_dtype)
         if self.balancer is not None:  # packed rows: attention per document, cost sum l^2
             use_varlen_attention(model, self.balancer.spread)
-        model = parallelize(model, cfg, dims, self.device)
+        model = parallelize(model, cfg, dims, self.device,
+                            comm_hook=self.compression.install if self.compression is not None else None)
         return LocalEngine(model, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask)
 
     def barrier(self) -> None:
@@ -265,7 +283,7 @@ class Trainer:
             if self.rank == 0:
                 print("meshfold: built: " + ", ".join(f"{k} {v}" for k, v in report.items()), flush=True)
             return []
-        self.checkpointer.resume()  # train.resume / train.init_from; sets self.step
+        self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
