@@ -455,7 +455,7 @@ def _stub(rank: int, codec=None, workers: int = 1):
     """A LowComm holding only a codec (no Trainer): what its checkpoint methods need."""
     from types import SimpleNamespace
 
-    from meshfold.lowcomm import LowComm
+    from meshfold.lowcomm.feature import LowComm
 
     lc = LowComm.__new__(LowComm)
     model = torch.nn.Linear(6, 8, bias=False, dtype=torch.float64)

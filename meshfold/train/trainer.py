@@ -27,7 +27,7 @@ from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.device import resolve_device, resolve_dtypes
-from meshfold.lowcomm import build_lowcomm
+from meshfold.lowcomm.feature import build_lowcomm
 from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
