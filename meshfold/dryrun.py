@@ -42,6 +42,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import queue
 import time
 import warnings
 
@@ -323,6 +324,49 @@ def with_target_numerics(cfg: Config, cluster_spec: str) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))
 
 
+def _child(out, i: int, fn, args) -> None:
+    try:
+        out.put((i, True, fn(*args)))
+    except BaseException as e:  # handed to the parent, which raises it
+        out.put((i, False, e))
+
+
+def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
+    """``fn(*args)`` for each of ``calls``, each in a fresh spawned process (torch caches
+    meshes and groups per process), ``parallel`` at a time; results in order. A child's
+    exception is raised here; a child that dies without an answer (killed, out of memory)
+    is an error naming it, never a wait without end (as a ``multiprocessing.Pool`` whose
+    worker died would)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    results: list = [None] * len(calls)
+    pending, running, silent = list(enumerate(calls)), {}, {}
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                i, args = pending.pop(0)
+                running[i] = ctx.Process(target=_child, args=(out, i, fn, args), daemon=True)
+                running[i].start()
+            try:
+                i, ok, value = out.get(timeout=1.0)
+            except queue.Empty:
+                for i, proc in running.items():
+                    # exit code 0: its answer may still be in the pipe; give it a few checks
+                    silent[i] = silent.get(i, 0) + (not proc.is_alive())
+                    if proc.exitcode not in (0, None) or silent[i] > 5:
+                        raise RuntimeError(f"dry-run: the process simulating {calls[i][1:]} died with exit code "
+                                           f"{proc.exitcode} before answering (out of memory?)")
+                continue
+            running.pop(i).join()
+            if not ok:
+                raise value
+            results[i] = value
+    finally:
+        for proc in running.values():
+            proc.kill()
+    return results
+
+
 def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
     start = time.perf_counter()
     cfg = with_target_numerics(validate(cfg, world), cluster)
@@ -331,10 +375,8 @@ def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
                           "routing has data-dependent shapes (expert counts, all-to-all splits) that fake "
                           "tensors do not carry; use `meshfold plan` for MoE layouts")
     ranks = representative_ranks(cfg, world)
-    # One fresh process per simulated rank: torch caches meshes and groups per process.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(len(ranks), max(1, os.cpu_count() or 1)), maxtasksperchild=1) as pool:
-        results = pool.starmap(simulate_rank, [(cfg, world, r) for r in ranks])
+    results = _in_fresh_processes(simulate_rank, [(cfg, world, r) for r in ranks],
+                                  min(len(ranks), max(1, os.cpu_count() or 1)))
     per_rank = dict(zip(ranks, results))
     runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
     runtime["collectives"] = per_rank[0]["collectives"]

@@ -99,3 +99,18 @@ def test_moe_is_refused_with_a_clear_error(tmp_path):
     cfg = tiny_config(str(tmp_path), model={"moe_experts": 4}, parallel={"dp_shard": 4, "ep": 2, "zero": 3})
     with pytest.raises(ConfigError, match="MoE"):
         dry_run(from_dict(cfg), 4, cluster="cpu")
+
+
+def test_fresh_processes_answer_raise_or_report_a_dead_child():
+    # Each simulated rank runs in its own spawned process: answers come back in order, a
+    # child's exception is raised in the parent, and a child that dies without answering is
+    # an error naming it (a multiprocessing.Pool would wait for it forever).
+    import os
+
+    from meshfold.dryrun import _in_fresh_processes
+
+    assert _in_fresh_processes(pow, [(2, 3), (3, 2), (5, 1)], 2) == [8, 9, 5]
+    with pytest.raises(ValueError):
+        _in_fresh_processes(int, [("12",), ("not a number",)], 2)
+    with pytest.raises(RuntimeError, match="died with exit code 3"):
+        _in_fresh_processes(os._exit, [(3,)], 1)
