@@ -630,6 +630,14 @@ class CostModel:
         if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
             per_layer -= autocast_input_copies(m, w.s // cp, b, act, tp, L.sp)
         acts = inflight * (stage_layers[0] * per_layer + stage_in + copies)
+        if pp > 1 and L.pp_schedule in ("1f1b", "gpipe"):
+            # the balanced split can give a later rank more blocks than rank 0 (whose stage
+            # holds the embedding); 1F1B's rank r holds min(m, pp - r) micro-batches
+            for r in range(1, pp):
+                if r != last_rank:
+                    held = n_micro if L.pp_schedule == "gpipe" else min(n_micro, pp - r)
+                    mine = act * stage_params[r] if (amp and not fsdp) else 0.0
+                    acts = max(acts, held * (stage_layers[r] * per_layer + stage_in + mine))
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
         logits = (act + 8) * tokens * V / tp
