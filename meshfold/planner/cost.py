@@ -630,12 +630,14 @@ class CostModel:
         if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
             per_layer -= autocast_input_copies(m, w.s // cp, b, act, tp, L.sp)
         acts = inflight * (stage_layers[0] * per_layer + stage_in + copies)
-        if pp > 1 and L.pp_schedule in ("1f1b", "gpipe"):
-            # the balanced split can give a later rank more blocks than rank 0 (whose stage
-            # holds the embedding); 1F1B's rank r holds min(m, pp - r) micro-batches
+        if pp > 1:
+            # the balanced split can give a later rank more blocks than rank 0 (whose stages
+            # hold the embedding, and under zbv the output layer): the largest over ranks.
+            # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
+            # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
             for r in range(1, pp):
                 if r != last_rank:
-                    held = n_micro if L.pp_schedule == "gpipe" else min(n_micro, pp - r)
+                    held = {"gpipe": n_micro, "1f1b": min(n_micro, pp - r)}.get(L.pp_schedule, inflight)
                     mine = act * stage_params[r] if (amp and not fsdp) else 0.0
                     acts = max(acts, held * (stage_layers[r] * per_layer + stage_in + mine))
         if L.recompute == "full":
