@@ -292,6 +292,7 @@ class CostModel:
         self._layer_cache: dict = {}
         self._stage_cache: dict = {}
         self._split_cache: dict = {}
+        self._front_cache: dict = {}
         self._stage_sum_cache: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
@@ -475,6 +476,21 @@ class CostModel:
             hit = self._stage_cache[key] = (ranks, last)
         return hit
 
+    def _rank_front(self, schedule: str, stage_layers: list, stage_params: list, last_rank: int,
+                    n_micro: int, inflight: float) -> list:
+        """(in-flight micro-batches, blocks, parameters) of pipeline ranks 1.. (not the last
+        stage's, counted with its logits), without those another rank beats on all three:
+        the only candidates for the largest activations (cached: the search asks often)."""
+        key = (id(stage_layers), schedule, last_rank, n_micro, inflight)
+        hit = self._front_cache.get(key)
+        if hit is None:
+            pp = len(stage_layers)
+            rows = {({"gpipe": n_micro, "1f1b": min(n_micro, pp - r)}.get(schedule, inflight),
+                     stage_layers[r], stage_params[r]) for r in range(1, pp) if r != last_rank}
+            hit = [x for x in rows if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in rows)]
+            self._front_cache[key] = hit
+        return hit
+
     def _stage_sums(self, T: dict, stages: list, last_rank: int, pp: int, v: int, p2p: float):
         """Per-micro-batch forward/backward of the slowest stage, total busy time over
         stages, and each stage's parameters and layer count (cached per layer terms)."""
@@ -635,11 +651,10 @@ class CostModel:
             # hold the embedding, and under zbv the output layer): the largest over ranks.
             # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
             # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
-            for r in range(1, pp):
-                if r != last_rank:
-                    held = {"gpipe": n_micro, "1f1b": min(n_micro, pp - r)}.get(L.pp_schedule, inflight)
-                    mine = act * stage_params[r] if (amp and not fsdp) else 0.0
-                    acts = max(acts, held * (stage_layers[r] * per_layer + stage_in + mine))
+            for held, layers, params in self._rank_front(L.pp_schedule, stage_layers, stage_params,
+                                                          last_rank, n_micro, inflight):
+                mine = act * params if (amp and not fsdp) else 0.0
+                acts = max(acts, held * (layers * per_layer + stage_in + mine))
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
         logits = (act + 8) * tokens * V / tp
