@@ -91,6 +91,44 @@ def test_dry_run_runtime_agrees_with_planner(world, parallel, model, tmp_path):
         {d: x["count"] for d, x in rt["collectives"].items()}, (rt["collectives"], pl["collectives"])
 
 
+# A model whose output layer costs more than its blocks (vocab 2048 at dim 64), so the
+# runtime's cost-balanced split is uneven: pp 2 -> [4, 2] (count split: [3, 3]); zbv's four
+# stages -> [1, 2, 2, 1], rank 0 holding stages 0 and 3 (the embedding and the output).
+UNEVEN = {"n_layers": 6, "dim": 64, "seq_len": 64, "vocab_size": 2048}
+
+
+@pytest.mark.parametrize("parallel,split", [
+    ({"pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 4}, [4, 2]),
+    ({"pp": 2, "pp_schedule": "zbv", "dp_shard": 2, "zero": 1, "pp_microbatches": 4}, [1, 2, 2, 1]),
+    ({"pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 4, "pp_split": [2, 4]}, [2, 4]),
+], ids=["1f1b-balanced", "zbv-balanced", "1f1b-pp_split"])
+def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
+    from meshfold.config import from_dict, validate
+    from meshfold.dryrun import dry_run
+    from meshfold.parallel.stages import stage_split
+    from meshfold.planner.cluster import load_cluster
+    from meshfold.planner.cost import CostModel, layout_from_config, workload_from_config
+    from meshfold.schedule import chunks_per_rank, stage_of
+
+    cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})
+    cfg["model"].update(UNEVEN)
+    config = validate(from_dict(cfg), 4)
+    assert stage_split(config)[0] == split
+    layout = layout_from_config(config, 4)
+    cm = CostModel(workload_from_config(config, on_gpu=True), load_cluster("h100", devices=4))
+    assert cm.stage_split(layout) == split
+    ranks, last_rank = cm.stage_kinds(layout)
+    sched, pp = config.parallel.pp_schedule, config.parallel.pp
+    chunks = chunks_per_rank(sched, config.parallel.pp_virtual_stages)
+    assert [sum(r.values()) for r in ranks] == \
+        [sum(split[stage_of(sched, pp, r, c)] for c in range(chunks)) for r in range(pp)]
+    assert last_rank == (0 if sched == "zbv" else pp - 1)
+    out = dry_run(from_dict(cfg), 4, cluster="h100")
+    rt, pl = out["runtime"], out["planner"]
+    for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert pl[field] == pytest.approx(rt[field], rel=0.02), (field, rt, pl)
+
+
 def test_moe_is_refused_with_a_clear_error(tmp_path):
     # routing's shapes depend on the data, which fake tensors do not have
     from meshfold.config import ConfigError, from_dict

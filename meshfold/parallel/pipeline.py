@@ -8,7 +8,7 @@ are ``timeline.py``.
 
 A stage (``stages.py``: the model with the other layers deleted) is ``parallelize``d like
 any model (tensor parallel, FSDP), so pp composes with tp and dp. The model is cut into S
-contiguous stages (``stage_balance.py`` balances them by cost; ``parallel.pp_split``
+contiguous stages (``models/stage_balance.py`` balances them by cost; ``parallel.pp_split``
 overrides).
 
 Why not ``torch.distributed.pipelining`` schedules directly: we need every action timed
@@ -34,7 +34,7 @@ from meshfold import comm
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.exchange import Message, exchange_plan
-from meshfold.parallel.stage_balance import describe_split
+from meshfold.models.stage_balance import describe_split
 from meshfold.parallel.stages import build_stage, stage_split
 from meshfold.schedule import (Action, chunks_per_rank, rank_chunk_of_stage, schedule_actions, stage_of,
                                theoretical_bubble)

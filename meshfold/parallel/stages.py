@@ -11,7 +11,7 @@ import torch
 
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.materialize import build_on_meta
-from meshfold.parallel.stage_balance import balanced_split
+from meshfold.models.stage_balance import stage_split_of
 from meshfold.schedule import chunks_per_rank
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
@@ -19,12 +19,11 @@ if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
 
 
 def stage_split(cfg: Config) -> tuple[list[int], str]:
-    """Blocks per stage: ``parallel.pp_split`` if given, else the cost-balanced split."""
+    """Blocks per stage: ``parallel.pp_split`` if given, else the cost-balanced split (the
+    planner prices the same split: ``stage_split_of``)."""
     p = cfg.parallel
     n = p.pp * chunks_per_rank(p.pp_schedule, p.pp_virtual_stages)
-    if p.pp_split:
-        return list(p.pp_split), "parallel.pp_split"
-    return balanced_split(cfg.model, n), "balanced by cost"
+    return stage_split_of(cfg.model, n, p.pp_split)
 
 
 def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False,

@@ -20,10 +20,11 @@ from meshfold.layout import ParallelConfig
 from meshfold.models.config import ModelConfig
 from meshfold.data.micro import micro_batch_count
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
+from meshfold.models.stage_balance import stage_split_of
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
-from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time
+from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time, rank_chunk_of_stage, stage_of
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
@@ -107,6 +108,7 @@ class Layout:
     ep: int = 1
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     recompute: str = "none"  # none | selective | full
+    pp_split: tuple = ()  # blocks per stage (``parallel.pp_split``); () = balanced by cost, as the runtime
 
     @property
     def dp(self) -> int:
@@ -125,13 +127,13 @@ class Layout:
                               tp=self.tp, sp=self.sp, pp=self.pp, pp_schedule=self.pp_schedule,
                               pp_microbatches=self.microbatches(global_batch) if self.pp > 1 else 0,
                               pp_virtual_stages=self.pp_virtual_stages, cp=self.cp, cp_mode=self.cp_mode,
-                              ep=self.ep)
+                              ep=self.ep, pp_split=list(self.pp_split))
 
     def to_toml(self, global_batch: int) -> str:
         p = self.parallel_config(global_batch)
         lines = ["[parallel]"]
         for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp", "pp_schedule", "pp_microbatches",
-                    "pp_virtual_stages", "cp", "cp_mode", "ep"):
+                    "pp_virtual_stages", "cp", "cp_mode", "ep") + (("pp_split",) if self.pp_split else ()):
             value = getattr(p, key)
             lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value).replace(chr(39), chr(34))}")
         lines += ["", "[train]", f"global_batch = {global_batch}",
@@ -142,7 +144,7 @@ class Layout:
         parts = [f"dp{self.dp_replicate}x{self.dp_shard}", f"z{self.zero}", f"tp{self.tp}" + ("sp" if self.sp else "")]
         if self.pp > 1:
             v = f"v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
-            parts.append(f"pp{self.pp}{self.pp_schedule}{v}")
+            parts.append(f"pp{self.pp}{self.pp_schedule}{v}" + (f"split{list(self.pp_split)}" if self.pp_split else ""))
         if self.cp > 1:
             parts.append(f"cp{self.cp}{self.cp_mode}")
         if self.ep > 1:
@@ -274,11 +276,6 @@ def attention_tiles_per_rank(cp: int, ring: int) -> float:
     return t * (t + 1) / 2 / ring
 
 
-def _split(total: int, parts: int) -> list[int]:
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
 # --------------------------------------------------------------------------- the model
 
 
@@ -294,6 +291,8 @@ class CostModel:
         self.kinds = [m.is_moe_layer(i) for i in range(m.n_layers)]
         self._layer_cache: dict = {}
         self._stage_cache: dict = {}
+        self._split_cache: dict = {}
+        self._front_cache: dict = {}
         self._stage_sum_cache: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
@@ -446,22 +445,53 @@ class CostModel:
         self._layer_cache[key] = hit
         return hit
 
-    # ---- pipeline stages: contiguous chunks, the first chunks take the remainder
-    def stage_kinds(self, pp: int, v: int) -> list[dict]:
-        key = (pp, v)
-        hit = self._stage_cache.get(key)
+    # ---- pipeline stages: the runtime's split (``stage_split_of``: parallel.pp_split, else
+    # balanced by cost), stage -> rank as the schedule lays them out (``meshfold/schedule.py``)
+    def stage_split(self, L: Layout) -> list[int]:
+        """Blocks per pipeline stage (stage order), as ``parallel/stages.py::stage_split``
+        builds them; cached per (stages, pp_split) -- the model is fixed per CostModel."""
+        n = L.pp * chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if L.pp > 1 else 1
+        key = (n, tuple(L.pp_split))
+        hit = self._split_cache.get(key)
         if hit is None:
-            counts = _split(len(self.kinds), pp * v)
-            hit = [dict() for _ in range(pp)]
-            start = 0
-            for chunk, n in enumerate(counts):
-                for i in range(start, start + n):
-                    hit[chunk % pp][self.kinds[i]] = hit[chunk % pp].get(self.kinds[i], 0) + 1
-                start += n
-            self._stage_cache[key] = hit
+            hit = self._split_cache[key] = stage_split_of(self.w.model, n, L.pp_split)[0]
         return hit
 
-    def _stage_sums(self, T: dict, stages: list, pp: int, v: int, p2p: float):
+    def stage_kinds(self, L: Layout) -> tuple[list[dict], int]:
+        """Per pipeline rank, its blocks by kind ({is_moe: count}) over all its chunks, and
+        the rank holding the last stage (the output layer): pp - 1, or 0 under zbv's V."""
+        sched = L.pp_schedule if L.pp > 1 else "1f1b"
+        key = (L.pp, sched, L.pp_virtual_stages if sched == "interleaved" else 1, tuple(L.pp_split))
+        hit = self._stage_cache.get(key)
+        if hit is None:
+            split = self.stage_split(L)
+            ranks = [dict() for _ in range(L.pp)]
+            start = 0
+            for stage, n in enumerate(split):
+                rank = rank_chunk_of_stage(sched, L.pp, stage)[0] if L.pp > 1 else 0
+                for i in range(start, start + n):
+                    ranks[rank][self.kinds[i]] = ranks[rank].get(self.kinds[i], 0) + 1
+                start += n
+            last = rank_chunk_of_stage(sched, L.pp, len(split) - 1)[0] if L.pp > 1 else 0
+            hit = self._stage_cache[key] = (ranks, last)
+        return hit
+
+    def _rank_front(self, schedule: str, stage_layers: list, stage_params: list, last_rank: int,
+                    n_micro: int, inflight: float) -> list:
+        """(in-flight micro-batches, blocks, parameters) of pipeline ranks 1.. (not the last
+        stage's, counted with its logits), without those another rank beats on all three:
+        the only candidates for the largest activations (cached: the search asks often)."""
+        key = (id(stage_layers), schedule, last_rank, n_micro, inflight)
+        hit = self._front_cache.get(key)
+        if hit is None:
+            pp = len(stage_layers)
+            rows = {({"gpipe": n_micro, "1f1b": min(n_micro, pp - r)}.get(schedule, inflight),
+                     stage_layers[r], stage_params[r]) for r in range(1, pp) if r != last_rank}
+            hit = [x for x in rows if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in rows)]
+            self._front_cache[key] = hit
+        return hit
+
+    def _stage_sums(self, T: dict, stages: list, last_rank: int, pp: int, v: int, p2p: float):
         """Per-micro-batch forward/backward of the slowest stage, total busy time over
         stages, and each stage's parameters and layer count (cached per layer terms)."""
         m = self.w.model
@@ -475,7 +505,7 @@ class CostModel:
             if st == 0:
                 params += T["emb"]
                 f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
-            if st == pp - 1:
+            if st == last_rank:
                 f, bw = f + T["out_fwd"], bw + T["out_bwd"]
                 f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
                 bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
@@ -550,11 +580,11 @@ class CostModel:
             p2p = alpha + T["p2p_bytes"] / beta + c.pipeline_op_us * 1e-6
         else:
             p2p = 0.0
-        stages = self.stage_kinds(pp, v)
-        skey = (id(T), pp, v, p2p)
+        stages, last_rank = self.stage_kinds(L)
+        skey = (id(T), id(stages), pp, v, p2p)
         hit = self._stage_sum_cache.get(skey)
         if hit is None:
-            hit = self._stage_sums(T, stages, pp, v, p2p)
+            hit = self._stage_sums(T, stages, last_rank, pp, v, p2p)
             self._stage_sum_cache[skey] = hit
         t_f, t_b, busy_sum, stage_params, stage_layers = hit
         makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
@@ -649,6 +679,15 @@ class CostModel:
         if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
             per_layer -= autocast_input_copies(m, w.s // cp, b, act, tp, L.sp)
         acts = inflight * (stage_layers[0] * per_layer + stage_in + copies)
+        if pp > 1:
+            # the balanced split can give a later rank more blocks than rank 0 (whose stages
+            # hold the embedding, and under zbv the output layer): the largest over ranks.
+            # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
+            # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
+            for held, layers, params in self._rank_front(L.pp_schedule, stage_layers, stage_params,
+                                                          last_rank, n_micro, inflight):
+                mine = act * params if (amp and not fsdp) else 0.0
+                acts = max(acts, held * (layers * per_layer + stage_in + mine))
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
         logits = (act + 8) * tokens * V / tp
@@ -657,16 +696,17 @@ class CostModel:
         # the output projection's bf16 copy of its input
         saved_logits = (max(4, act) * V / tp + 8) * tokens \
             + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
-        memory = {**states, "activations": acts, "logits": logits if pp == 1 else 0.0,
+        logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
+        memory = {**states, "activations": acts, "logits": logits if logits_here else 0.0,
                   "buffers": 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
                   "reserved": c.device.reserved_gib * GiB}
         peak_mem = sum(memory.values())
-        activation_bytes = acts + (saved_logits if pp == 1 else 0.0)
-        if pp > 1:  # the last stage holds the logits but fewer in-flight micro-batches
-            last = model_state_bytes(stage_params[-1], zero, n_shard, w.dtype, accumulate)
+        activation_bytes = acts + (saved_logits if logits_here else 0.0)
+        if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
+            last = model_state_bytes(stage_params[last_rank], zero, n_shard, w.dtype, accumulate)
             last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
-            last_copies = act * stage_params[-1] if (amp and not fsdp) else 0.0
-            last_acts = last_inflight * (stage_layers[-1] * per_layer + last_copies)
+            last_copies = act * stage_params[last_rank] if (amp and not fsdp) else 0.0
+            last_acts = last_inflight * (stage_layers[last_rank] * per_layer + last_copies)
             peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
         return states, memory, peak_mem, activation_bytes
@@ -717,8 +757,9 @@ class CostModel:
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
                 elif L.pp_schedule == "interleaved":
-                    per = _split(m.n_layers, pp * L.pp_virtual_stages)
-                    shapes = [(per[c * pp], c == 0, False) for c in range(L.pp_virtual_stages)]
+                    split = self.stage_split(L)
+                    shapes = [(split[stage_of(L.pp_schedule, pp, 0, c)], c == 0, False)
+                              for c in range(L.pp_virtual_stages)]
                 else:
                     shapes = [(layers0, True, False)]
                 sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
@@ -833,7 +874,8 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     zero = p.zero if (p.dp_shard * p.cp > 1) else 0
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
-                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute)
+                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute,
+                  pp_split=tuple(p.pp_split) if p.pp > 1 else ())
 
 
 def _cuda_available() -> bool:
