@@ -156,7 +156,7 @@ def test_schedules_are_complete_and_deadlock_free():
 
 def test_balanced_split_weighs_output_layer():
     from meshfold.models.presets import preset
-    from meshfold.parallel.stage_balance import balanced_split, stage_costs
+    from meshfold.models.stage_balance import balanced_split, stage_costs
 
     cfg = preset("llama3-8b")
     split = balanced_split(cfg, 4)

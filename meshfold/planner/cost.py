@@ -532,7 +532,8 @@ class CostModel:
             raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
         n_micro = w.global_batch // dp // b
         T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute)
-        p2p, stages, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(L, T, n_micro, v)
+        p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(
+            L, T, n_micro, v)
         Pmax = max(stage_params)
         dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, t_f, t_b, v)
         per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
@@ -558,7 +559,8 @@ class CostModel:
             "stage_fwd_s": t_f,
             "stage_bwd_s": t_b,
         }
-        states, memory, peak_mem, activation_bytes = self._memory(L, T, stage_params, stage_layers, n_micro, v)
+        states, memory, peak_mem, activation_bytes = self._memory(L, T, stage_params, stage_layers, last_rank,
+                                                                  n_micro, v)
         fits = peak_mem <= c.device.memory_gib * GiB
         tflops = self.flops_model / step / L.world
         est = Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
@@ -571,7 +573,7 @@ class CostModel:
 
     def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int):
         """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
-        t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble)."""
+        the rank holding the last stage, t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble)."""
         c, tp, pp, cp, dp = self.c, L.tp, L.pp, L.cp, L.dp
         st_pp = tp * cp * dp  # pp groups' stride, tp innermost (meshfold/mesh.py)
         if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans,
@@ -598,7 +600,7 @@ class CostModel:
             shared = max(host_bound, critical)
             bubble = max(0.0, shared - n_micro * (t_f + t_b))
             makespan = shared
-        return p2p, stages, t_f, t_b, stage_params, stage_layers, makespan, bubble
+        return p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble
 
     def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
                     t_f: float, t_b: float, v: int) -> float:
@@ -650,7 +652,8 @@ class CostModel:
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
         return dp_exposed
 
-    def _memory(self, L: Layout, T: dict, stage_params: list, stage_layers: list, n_micro: int, v: int):
+    def _memory(self, L: Layout, T: dict, stage_params: list, stage_layers: list, last_rank: int, n_micro: int,
+                v: int):
         """The fullest device's bytes: (model states, memory by kind, peak, activation bytes)."""
         w, c, m, tp, pp, cp, b = self.w, self.c, self.w.model, L.tp, L.pp, L.cp, L.micro_batch
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
