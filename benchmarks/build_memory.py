@@ -1,13 +1,14 @@
 """Peak host memory of building a billion-parameter model sharded (issue 17): the model is
 built on the meta device and each process materialises only its ZeRO-3 shard
 (``parallel/materialize.py``), so a process's peak RSS should stay within its share of the
-parameters plus 1.5 GiB (torch itself, one unsharded parameter at a time, the corpus).
+parameters plus 1.5 GiB (torch itself, the corpus, one 4 MiB tile of initial values at a
+time: ``models/llama.py: fill_initial_`` generates only the tiles a shard overlaps).
 
 ``train.steps = 0`` builds, reports and exits. Every process reports its own peak RSS
 (getrusage, whole process life, torch included) and its own parameter bytes; the script
 prints them against the bound and exits 1 if a process exceeds it. Before running a case it
 checks the machine's available memory (other jobs may share it) and skips a case whose
-estimated total (processes x (share + largest parameter + 0.5 GiB)) would not fit.
+estimated total (processes x (share + 0.6 GiB)) would not fit.
 
 Usage: python benchmarks/build_memory.py [--case llama3-1b:2] [--case llama3-3b:8]
 """
@@ -45,8 +46,7 @@ def run_case(preset: str, procs: int, run_dir: str) -> bool:
 
     model = preset_config(preset)
     total = param_count(model) * 4
-    largest = model.vocab_size * model.dim * 4  # the embedding: the largest single parameter
-    need = procs * (total / procs + largest + 0.5 * GIB)
+    need = procs * (total / procs + 0.6 * GIB)
     avail = _available_bytes()
     print(f"{preset} on {procs} processes, zero 3, fp32: {total / 1e9:.2f} GB in all, "
           f"share {total / procs / GIB:.2f} GiB per process; estimated need {need / GIB:.1f} GiB, "

@@ -238,22 +238,80 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The initial value of parameter ``name`` as a full (unsharded) float32 tensor.
+# Random initial values are generated in tiles over the first two dimensions (the rest
+# whole), each tile from its own generator keyed by (seed, name, tile), so any box of a
+# parameter (a tensor/expert/FSDP shard) can be generated without the rest of it: a rank
+# pays CPU time and memory for the tiles its shard overlaps, never the whole parameter.
+_TILE_COLS = 1024
+_TILE_ELEMENTS = 1 << 20
 
-    Seeded by the parameter's name, so every layout (and every pipeline stage, which
-    holds only some names) produces the same numbers."""
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "bias":
-        return torch.zeros(shape)
-    if "norm" in name:
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(_param_seed(seed, name))
-    std = 0.02
+
+def _tile_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Rows and columns of one tile of a parameter of ``shape`` (at least 2-D; fixed by the
+    shape alone)."""
+    cols = min(shape[1], _TILE_COLS)
+    trailing = math.prod(shape[2:])
+    return max(1, _TILE_ELEMENTS // max(1, cols * trailing)), max(1, cols)
+
+
+def _tile_seed(param_seed: int, i: int, j: int) -> int:
+    digest = hashlib.sha256(f"{param_seed}:{i}:{j}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_std(name: str, cfg: ModelConfig) -> float:
     # GPT-2/Megatron: scale the residual-stream output projections by depth.
     if name.endswith(("wo.weight", "w2.weight", "w2")):
-        std = 0.02 / math.sqrt(2 * cfg.n_layers)
-    return torch.randn(shape, generator=gen) * std
+        return 0.02 / math.sqrt(2 * cfg.n_layers)
+    return 0.02
+
+
+@torch.no_grad()
+def fill_initial_(out: torch.Tensor, name: str, shape: tuple[int, ...], offset: tuple[int, ...],
+                  cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """Fill ``out`` with the box of parameter ``name``'s initial value (full shape ``shape``)
+    that starts at ``offset``: ``full[offset[0]:offset[0]+out.shape[0], ...]``.
+
+    The values depend on the name, the full shape and the seed only, so every layout (and
+    every pipeline stage, which holds only some names) gets the same numbers; memory beyond
+    ``out`` is one tile (4 MiB)."""
+    shape, offset = tuple(shape), tuple(offset)
+    if len(offset) != len(shape) or out.dim() != len(shape) or any(
+            o < 0 or o + n > s for o, n, s in zip(offset, out.shape, shape)):
+        raise ValueError(f"init of {name}: box at {offset} of size {tuple(out.shape)} "
+                         f"is not inside the parameter's shape {shape}")
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return out.zero_()
+    if "norm" in name:
+        return out.fill_(1.0)
+    if out.numel() == 0:
+        return out
+    std = init_std(name, cfg)
+    pseed = _param_seed(seed, name)
+    if len(shape) < 2:  # vectors: tiles along dim 0 only
+        shape, offset, view = shape + (1,), offset + (0,), out.unsqueeze(1)
+    else:
+        view = out
+    rows, cols = _tile_shape(shape)
+    lo0, hi0 = offset[0], offset[0] + view.shape[0]
+    lo1, hi1 = offset[1], offset[1] + view.shape[1]
+    rest = tuple(slice(o, o + n) for o, n in zip(offset[2:], view.shape[2:]))
+    gen = torch.Generator()
+    for i in range(lo0 // rows, (hi0 - 1) // rows + 1):
+        r0, r1 = i * rows, min((i + 1) * rows, shape[0])
+        for j in range(lo1 // cols, (hi1 - 1) // cols + 1):
+            c0, c1 = j * cols, min((j + 1) * cols, shape[1])
+            gen.manual_seed(_tile_seed(pseed, i, j))
+            tile = torch.randn((r1 - r0, c1 - c0) + shape[2:], generator=gen).mul_(std)
+            a0, a1, b0, b1 = max(lo0, r0), min(hi0, r1), max(lo1, c0), min(hi1, c1)
+            view[a0 - lo0:a1 - lo0, b0 - lo1:b1 - lo1].copy_(tile[(slice(a0 - r0, a1 - r0), slice(b0 - c0, b1 - c0)) + rest])
+    return out
+
+
+def init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The initial value of parameter ``name`` as a full (unsharded) float32 tensor."""
+    return fill_initial_(torch.empty(tuple(shape)), name, tuple(shape), (0,) * len(shape), cfg, seed)
 
 
 @torch.no_grad()
@@ -261,7 +319,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Initialise every parameter of an unsharded model (or pipeline stage) in place.
     (Sharded models built on the meta device: ``meshfold.parallel.materialize``.)"""
     for name, param in model.named_parameters():
-        param.copy_(init_value(name, param.shape, cfg, seed).to(param.dtype))
+        fill_initial_(param, name, tuple(param.shape), (0,) * param.dim(), cfg, seed)
     init_buffers(model, cfg)
 
 

@@ -3,16 +3,16 @@ initial values of the one-process model.
 
 A model is built on ``meta`` (no memory), parallelised there (tensor parallel slices,
 expert sharding, FSDP2 sharding all work on meta tensors), and only then materialised:
-``to_empty`` allocates each parameter's *local* piece, and every parameter is filled from
-its full name-seeded initial value (``models/llama.py: init_value``), generated one
-parameter at a time and sliced to this rank's piece. Peak host memory is therefore this
-rank's share of the model plus one unsharded parameter, and the values are identical to
-the one-process initialisation whatever the layout.
+``to_empty`` allocates each parameter's *local* piece, and each piece is filled with its box
+of the parameter's name-seeded initial value (``models/llama.py: fill_initial_``), which is
+generated in fixed tiles keyed by name and tile index: only the tiles the piece overlaps are
+generated. Peak host memory is therefore this rank's share of the model plus one 4 MiB tile,
+and the values are identical to the one-process initialisation whatever the layout.
 
-The local piece of a DTensor is found from its placements: ``Shard(d)`` takes this mesh
+The box of a DTensor's local piece is found from its placements: ``Shard(d)`` takes this mesh
 coordinate's ``torch.chunk`` along d, in mesh order; a ``_StridedShard`` (FSDP2 sharding a
 dimension tensor/expert parallel already split) means the right-hand shardings were applied
-first (in mesh order among themselves), so it is applied last. The result's shape is checked
+first (in mesh order among themselves), so it is applied last. The box's size is checked
 against the local tensor's.
 """
 
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.models.config import ModelConfig
-from meshfold.models.llama import init_buffers, init_value
+from meshfold.models.llama import fill_initial_, init_buffers
 
 
 def build_on_meta(make: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
@@ -50,39 +50,44 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def local_piece(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``dt``'s mesh and placements."""
+def local_box(shape: tuple[int, ...], dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, size) of this rank's piece of a tensor of global ``shape`` under ``dt``'s mesh
+    and placements: each ``Shard(d)`` takes this mesh coordinate's ``torch.chunk`` range
+    along d."""
     mesh, placements = dt.device_mesh, dt.placements
     coords = mesh.get_coordinate()
     strided = [isinstance(pl, _StridedShard) for pl in placements]
     # The right-hand (non-strided) shardings first, in mesh order (e.g. experts Shard(0) on
     # ep, then again on tp), then the strided FSDP one.
     order = [i for i, s in enumerate(strided) if not s] + [i for i, s in enumerate(strided) if s]
-    t = full
+    lo, hi = [0] * len(shape), list(shape)
     for i in order:
         pl = placements[i]
         if isinstance(pl, (Shard, _StridedShard)):
-            chunks = torch.chunk(t, mesh.size(i), dim=pl.dim)
-            r = coords[i]
-            t = chunks[r] if r < len(chunks) else t.narrow(pl.dim, 0, 0)
-    return t
+            d, n = pl.dim, hi[pl.dim] - lo[pl.dim]
+            step = -(-n // mesh.size(i)) if n else 0
+            start = lo[d] + min(coords[i] * step, n)
+            lo[d], hi[d] = start, lo[d] + min((coords[i] + 1) * step, n)
+    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> nn.Module:
-    """Allocate this rank's pieces on ``device`` and fill them with the initial values."""
+    """Allocate this rank's pieces on ``device`` and fill them with the initial values,
+    generating only the tiles of each parameter that the piece overlaps
+    (``models/llama.py: fill_initial_``)."""
     model.to_empty(device=device)
     for name, p in model.named_parameters():
-        full = init_value(name, p.shape, cfg, seed)
+        shape = tuple(p.shape)
         if isinstance(p, DTensor):
             local = p.to_local()
-            piece = local_piece(full, p)
-            if piece.shape != local.shape:
-                raise RuntimeError(f"materialize: {name}: local piece {tuple(piece.shape)} for placements "
+            offset, size = local_box(shape, p)
+            if size != tuple(local.shape):
+                raise RuntimeError(f"materialize: {name}: local piece {size} for placements "
                                    f"{p.placements} does not match the shard {tuple(local.shape)}")
-            local.copy_(piece)
         else:
-            p.copy_(full)
-        del full
+            local, offset = p, (0,) * len(shape)
+        # Tiles are generated on the host (one RNG every device agrees on) and copied in.
+        fill_initial_(local, name, shape, offset, cfg, seed)
     init_buffers(model, cfg)
     return model
