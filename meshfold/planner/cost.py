@@ -65,6 +65,20 @@ def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int
     return count
 
 
+def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
+    """One tp rank's attention and dense-MLP parameters (norms aside) under
+    parallel/tensor.py's layout: wq, wo, w1, w3, w2 (and wk, wv when tp divides the kv
+    heads) split over tp; whole on every rank: wk, wv otherwise, the per-head q/k norms and
+    the biases of the row-parallel wo and w2. Equals the model's count at tp = 1."""
+    h, hd = m.dim, m.head_dim
+    qkv = 1 if (m.bias or m.qkv_bias) else 0
+    kv_tp = tp if m.kv_heads % tp == 0 else 1
+    attention = (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
+                 + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
+    row_bias = 2 * h if m.bias else 0  # wo's and w2's
+    return attention + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
+
+
 def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[float] | None:
     """Local parameter elements of one pipeline chunk (``layers`` blocks, the embedding if
     ``first``, the final norm and output if ``last``) in registration order, for the dense
@@ -398,7 +412,10 @@ class CostModel:
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = 4 * RING["all_to_all"](ep) * routed
-            params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
+            if moe:
+                params = attn_p / tp + ffn_total / (tp * ep) + norm_p
+            else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
+                params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
