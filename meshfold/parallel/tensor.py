@@ -35,6 +35,13 @@ positional embeddings) see only their slice's gradient; an ``f`` on the weight s
 over ``tp``. Replicated kv weights (tp > n_kv_heads) get the same treatment, because each
 rank feeds only its own kv head's rows.
 
+Under ``train.dtype = bfloat16`` (fp32 master weights, fp32 residual stream, bf16 autocast)
+activations and their gradients cross the tp link in bf16 (``wire_dtype``: the embedding's
+reduction and its sp gradient gather, ``f``'s gradient all-reduce; the row-parallel outputs
+and the sp-gathered linear inputs are bf16 already), as in Megatron-LM; the gradients of
+replicated weights are summed in their own dtype (fp32, or bf16 under FSDP2's param_dtype),
+and the vocabulary-parallel loss's statistics in fp32 (``loss.py``).
+
 Every collective is recorded in the comm ledger under ``"tp"``.
 """
 
