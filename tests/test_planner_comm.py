@@ -90,6 +90,22 @@ def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, tra
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)
 
 
+# train.dtype = bfloat16 (fp32 master weights, bf16 autocast, fp32 residual stream): the tp
+# activations and their gradients travel in bf16 (parallel/tensor.py's wire_dtype), the
+# loss's per-token statistics in fp32, and replicated weights' gradients in the dtype backward
+# makes them (fp32; bf16 under FSDP2's param_dtype). Exact, as in float64.
+@pytest.mark.parametrize("world,parallel,model", [
+    (8, {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1}, None),  # f's gradient all-reduce, embedding all-reduce
+    (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 1}, None),  # embedding reduce-scatter + all-gather
+    (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},  # FSDP2: bf16 weight gradients; per-head norms
+     {"n_kv_heads": 1, "qk_norm": True}),  # and replicated kv weights summed over tp
+    (2, {"tp": 2, "sp": True, "dp_shard": 1},  # norm biases, wo/w2 biases, learned positions
+     {"bias": True, "norm": "layernorm", "pos": "learned", "mlp": "gelu"}),
+], ids=["tp2xpp2xdp2-zero1", "tp2-sp-zero1", "tp2-sp-fsdp-qknorm-kv1", "tp2-sp-gpt2"])
+def test_tp_collectives_match_runtime_in_bfloat16(tmp_path, world, parallel, model):
+    _compare(parallel, model=model, train={"dtype": "bfloat16"}, world=world, tmp_path=tmp_path)
+
+
 @pytest.mark.parametrize("model", [
     {"preset": "llama3-405b"},  # 126 blocks, GQA 8 kv heads: 8 buckets a block at tp 1
     {"preset": "llama3-1b"},  # tied embeddings

@@ -214,6 +214,20 @@ def test_bf16_autocast_sequence_parallel(tmp_path):
     assert all(g.dtype == torch.float32 for g in got["grads"].values())
 
 
+def test_bf16_autocast_tensor_parallel_without_sp(tmp_path):
+    # Without sp the fp32 residual stream's tp collectives (the embedding's all-reduce, the
+    # column-parallel input's gradient all-reduce) travel in bf16 and come back as fp32
+    # (tensor.py's wire_dtype): losses within 2% of one process, gradients fp32.
+    import torch
+
+    train = {"dtype": "bfloat16"}
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), train=train))
+    got = run_on(2, train_collect, tiny_config(str(tmp_path / "tp"), train=train,
+                                                parallel={"tp": 2, "dp_shard": 1}))[0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=0)
+    assert all(g.dtype == torch.float32 for g in got["grads"].values())
+
+
 def test_micro_batches_and_recompute(reference, tmp_path):
     # Gradient accumulation over 2 micro-batches per rank, every block recomputed in backward
     # (its all-gathers / reduce-scatters run again inside the checkpoint).

@@ -35,6 +35,13 @@ positional embeddings) see only their slice's gradient; an ``f`` on the weight s
 over ``tp``. Replicated kv weights (tp > n_kv_heads) get the same treatment, because each
 rank feeds only its own kv head's rows.
 
+Under ``train.dtype = bfloat16`` (fp32 master weights, fp32 residual stream, bf16 autocast)
+activations and their gradients cross the tp link in bf16 (``wire_dtype``: the embedding's
+reduction and its sp gradient gather, ``f``'s gradient all-reduce; the row-parallel outputs
+and the sp-gathered linear inputs are bf16 already), as in Megatron-LM; the gradients of
+replicated weights are summed in their own dtype (fp32, or bf16 under FSDP2's param_dtype),
+and the vocabulary-parallel loss's statistics in fp32 (``loss.py``).
+
 Every collective is recorded in the comm ledger under ``"tp"``.
 """
 
@@ -104,16 +111,19 @@ class TensorParallelGroup:
 
     # -- Megatron's conjugate operators (autograd)
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Into a column-parallel region: f (no sp) or all-gather of the sequence (sp)."""
-        return _GatherSeq.apply(x, self) if self.sp else _CopyToTP.apply(x, self)
+        """Into a column-parallel region: f (no sp) or all-gather of the sequence (sp).
+        Under autocast the collective carries the compute dtype (``wire_dtype``)."""
+        return _GatherSeq.apply(x, self) if self.sp else _CopyToTP.apply(x, self, wire_dtype(x))
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
-        """Out of a row-parallel region: all-reduce (no sp) or reduce-scatter of the sequence."""
+        """Out of a row-parallel region: all-reduce (no sp) or reduce-scatter of the sequence.
+        Under autocast the collective carries the compute dtype (``wire_dtype``)."""
         return _ScatterSeq.apply(x, self) if self.sp else _ReduceFromTP.apply(x, self)
 
     def grad_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Identity forward; the gradient is summed over tp ranks in backward."""
-        return _CopyToTP.apply(t, self)
+        """Identity forward; the gradient is summed over tp ranks in backward, in its own
+        dtype (a replicated parameter's gradient: fp32 under bf16 autocast)."""
+        return _CopyToTP.apply(t, self, None)
 
     def replicated(self, p: torch.Tensor | None) -> torch.Tensor | None:
         """A replicated parameter used on this rank's activations: with sp they hold only a
@@ -124,25 +134,48 @@ class TensorParallelGroup:
         return self.grad_sum(t) if self.sp else t
 
 
+def wire_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype an activation (or its gradient) crosses the tp link in: under autocast the
+    compute dtype, when ``x`` is a wider floating-point tensor (the fp32 residual stream and
+    norm outputs of ``train.dtype = bfloat16``); None (as it is) otherwise. Megatron-LM's tp
+    and sp collectives carry bf16 activations, and pipeline parallel's sends here do too
+    (``PipelineRunner.wire_dtype``). Without autocast (float32, float64) nothing changes."""
+    device = x.device.type
+    if not x.is_floating_point() or not torch.is_autocast_enabled(device):
+        return None
+    cast = torch.get_autocast_dtype(device)
+    return cast if cast != x.dtype else None
+
+
+def _to_wire(t: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
+    """``t`` as the collective's input: a fresh contiguous tensor (collectives work in place)."""
+    return t.contiguous().clone() if wire is None or t.dtype == wire else t.to(wire).contiguous()
+
+
+def _on_wire(t: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
+    """``t`` in the wire dtype (the collective helpers copy it as they need)."""
+    return t if wire is None or t.dtype == wire else t.to(wire)
+
+
 class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
+    """f: identity forward, all-reduce backward (in ``wire`` dtype, then the gradient's)."""
 
     @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
+    def forward(ctx, x, tp, wire):
+        ctx.tp, ctx.wire = tp, wire
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_reduce_(grad.contiguous().clone()), None
+        return ctx.tp.all_reduce_(_to_wire(grad, ctx.wire)).to(grad.dtype), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: all-reduce forward (in the wire dtype, then the input's), identity backward."""
 
     @staticmethod
     def forward(ctx, x, tp):
-        return tp.all_reduce_(x.contiguous().clone())
+        return tp.all_reduce_(_to_wire(x, wire_dtype(x))).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -150,29 +183,29 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence forward, reduce-scatter backward."""
+    """All-gather along the sequence forward, reduce-scatter backward (both in the wire dtype)."""
 
     @staticmethod
     def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.all_gather(x, SEQ_DIM)
+        ctx.tp, ctx.wire = tp, wire_dtype(x)
+        return tp.all_gather(_on_wire(x, ctx.wire), SEQ_DIM).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.reduce_scatter(grad, SEQ_DIM), None
+        return ctx.tp.reduce_scatter(_on_wire(grad, ctx.wire), SEQ_DIM).to(grad.dtype), None
 
 
 class _ScatterSeq(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward, all-gather backward."""
+    """Reduce-scatter along the sequence forward, all-gather backward (both in the wire dtype)."""
 
     @staticmethod
     def forward(ctx, x, tp):
-        ctx.tp = tp
-        return tp.reduce_scatter(x, SEQ_DIM)
+        ctx.tp, ctx.wire = tp, wire_dtype(x)
+        return tp.reduce_scatter(_on_wire(x, ctx.wire), SEQ_DIM).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_gather(grad, SEQ_DIM), None
+        return ctx.tp.all_gather(_on_wire(grad, ctx.wire), SEQ_DIM).to(grad.dtype), None
 
 
 class _GatheredLinears(torch.autograd.Function):

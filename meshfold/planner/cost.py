@@ -41,6 +41,13 @@ FSDP_WIRE = {"bf16": (2, 2), "bf16-amp": (2, 4), "float32": (4, 4), "float64": (
 BUCKET_BYTES = 25 * 2**20
 
 
+def tp_grad_bytes(dtype: str, fsdp: bool) -> int:
+    """Bytes per element of a replicated weight's gradient as tensor parallel sums it over
+    tp (``TensorParallelGroup.grad_sum``): the dtype backward makes it in, the parameter's,
+    which under FSDP2 is its mixed-precision ``param_dtype`` (bf16 for meshfold's bfloat16)."""
+    return FSDP_WIRE[dtype][0] if fsdp else DTYPE_BYTES[dtype][0]
+
+
 def buckets(size_bytes: float) -> int:
     """Collective calls that move ``size_bytes`` in BUCKET_BYTES buckets."""
     return max(1, math.ceil(size_bytes / BUCKET_BYTES)) if size_bytes > 0 else 0
@@ -56,6 +63,20 @@ def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int
             count, size = count + 1, 0
         size += nbytes
     return count
+
+
+def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
+    """One tp rank's attention and dense-MLP parameters (norms aside) under
+    parallel/tensor.py's layout: wq, wo, w1, w3, w2 (and wk, wv when tp divides the kv
+    heads) split over tp; whole on every rank: wk, wv otherwise, the per-head q/k norms and
+    the biases of the row-parallel wo and w2. Equals the model's count at tp = 1."""
+    h, hd = m.dim, m.head_dim
+    qkv = 1 if (m.bias or m.qkv_bias) else 0
+    kv_tp = tp if m.kv_heads % tp == 0 else 1
+    attention = (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
+                 + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
+    row_bias = 2 * h if m.bias else 0  # wo's and w2's
+    return attention + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
 
 
 def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[float] | None:
@@ -391,7 +412,10 @@ class CostModel:
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = 4 * RING["all_to_all"](ep) * routed
-            params = attn_p / tp + ffn_total / (tp * (ep if moe else 1)) + norm_p
+            if moe:
+                params = attn_p / tp + ffn_total / (tp * ep) + norm_p
+            else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
+                params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
@@ -407,33 +431,42 @@ class CostModel:
         loss_bytes = 3 * tokens * max(4, act)
         norm_bytes = (2 * m.n_layers + 1) * h * pb if sp else 0.0
         # Calls and bytes each tp collective of the runtime (parallel/tensor.py, loss.py)
-        # sends, per micro-batch: per layer, on the first stage, on the last stage.
-        tp_layer = tp_first = tp_last = (0, 0.0)
+        # sends, per micro-batch: per layer, on the first stage, on the last stage, each as
+        # (calls, activation bytes, weight-gradient elements): activations (and their
+        # gradients) cross the tp link in the compute dtype (``act``: bf16 under autocast,
+        # tensor.py's ``wire_dtype``), the loss's per-token statistics in >= fp32, and the
+        # gradients of replicated weights in the dtype backward makes them, which depends on
+        # FSDP (``collectives`` prices them: ``tp_grad_bytes``), so counted in elements here.
+        tp_layer = tp_first = tp_last = (0, 0.0, 0.0)
         if tp > 1:
             r_ar, A = RING["all_reduce"](tp), act * tokens * h
-            weight_ar = r_ar * pb  # all-reduce of a replicated weight's gradient, per element
             # Full recompute re-runs the block's forward up to its last saved tensor (torch's
             # non-reentrant checkpoint stops early), so the MLP's exit is not repeated.
             recomputed = 1 if recompute == "full" else 0
+            weights = 0.0  # replicated weights' gradient elements summed over tp, per layer
             if sp:  # per block: gathered entry (AG fwd; AG + RS bwd) and exit (RS fwd, AG bwd)
                 calls, sent = 10 + 3 * recomputed, (5 + 1.5 * recomputed) * r_ar * A
                 norm_calls = 2 if (m.norm == "layernorm" and m.bias) else 1
                 calls += 2 * norm_calls + (2 if m.bias else 0)  # norm weights and wo/w2 biases
-                sent += (2 * norm_calls + (2 if m.bias else 0)) * weight_ar * h
+                weights += (2 * norm_calls + (2 if m.bias else 0)) * h
             else:  # f (all-reduce bwd) into, g (all-reduce fwd) out of attention and MLP
                 calls, sent = 4 + recomputed, (4 + recomputed) * r_ar * A
             if m.kv_heads % tp:  # wk, wv replicated: their gradients are summed over tp
-                calls += 2 * (2 if m.bias else 1)
-                sent += 2 * weight_ar * hkv * (h + (1 if m.bias else 0))
-            tp_layer = (calls, sent)
-            pos = weight_ar * s * h if (sp and m.pos == "learned") else 0.0
-            tp_first = (2 + (1 if pos else 0), r_ar * A + pos) if sp else (1, r_ar * A)
+                kv_bias = m.bias or m.qkv_bias
+                calls += 2 * (2 if kv_bias else 1)
+                weights += 2 * hkv * (h + (1 if kv_bias else 0))
+            if m.qk_norm:  # per-head q/k norms: each rank's gradient covers its own heads
+                calls += 2
+                weights += 2 * m.head_dim
+            tp_layer = (calls, sent, r_ar * weights)
+            pos = r_ar * s * h if (sp and m.pos == "learned") else 0.0
+            tp_first = (2 + (1 if pos else 0), r_ar * A, pos) if sp else (1, r_ar * A, 0.0)
             loss = (2, r_ar * 3 * tokens * max(4, act))  # max logit, (sum exp, target)
             if sp:
                 norm_calls = 2 if (m.norm == "layernorm" and m.bias) else 1
-                tp_last = (3 + loss[0] + norm_calls, 1.5 * r_ar * A + loss[1] + norm_calls * weight_ar * h)
+                tp_last = (3 + loss[0] + norm_calls, 1.5 * r_ar * A + loss[1], r_ar * norm_calls * h)
             else:
-                tp_last = (1 + loss[0], r_ar * A + loss[1])
+                tp_last = (1 + loss[0], r_ar * A + loss[1], 0.0)
         hit = dict(kinds=out, out_fwd=out_fwd, out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
@@ -775,11 +808,10 @@ class CostModel:
                 add("dp", 1 if tp > 1 else buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
-            calls, sent = T["tp_layer"]
-            add("tp", n_micro * layers0 * calls, n_micro * layers0 * sent)
-            add("tp", n_micro * T["tp_first"][0], n_micro * T["tp_first"][1])
-            if last_on_rank0:
-                add("tp", n_micro * T["tp_last"][0], n_micro * T["tp_last"][1])
+            grad = tp_grad_bytes(w.dtype, fsdp=L.zero >= 2 and n_shard > 1)
+            for part, times in (("tp_layer", layers0), ("tp_first", 1), ("tp_last", 1 if last_on_rank0 else 0)):
+                calls, sent, weights = T[part]
+                add("tp", n_micro * times * calls, n_micro * times * (sent + weights * grad))
         # pipeline: activations to the next stage, gradients to the previous one, per
         # micro-batch and chunk; then the loss and the bubble statistics over pp
         if pp > 1:
