@@ -250,9 +250,11 @@ def representative_ranks(cfg: Config, world: int) -> list[int]:
 @contextlib.contextmanager
 def _real_mesh_tensors():
     """DeviceMesh computes its rank tables with tensor ops (FSDP2 over tensor-parallel
-    DTensors joins two meshes); under the fake mode those would become fake tensors with no
-    values. Run them for real."""
+    DTensors joins two meshes; expert parallel unflattens the dp_cp mesh into (edp, ep) and
+    joins ep with tp); under the fake mode those would become fake tensors with no values.
+    Run them for real."""
     original, init = DeviceMesh.mesh, DeviceMesh.__init__
+    unflatten, concatenate = DeviceMesh._unflatten, DeviceMesh.__dict__["_concatenate"]
 
     def mesh(self):
         with unset_fake_temporarily():
@@ -262,11 +264,21 @@ def _real_mesh_tensors():
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
 
+    def real_unflatten(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return unflatten(self, *args, **kwargs)
+
+    def real_concatenate(*args, **kwargs):
+        with unset_fake_temporarily():
+            return concatenate.__func__(*args, **kwargs)
+
     DeviceMesh.mesh, DeviceMesh.__init__ = property(mesh), real_init
+    DeviceMesh._unflatten, DeviceMesh._concatenate = real_unflatten, staticmethod(real_concatenate)
     try:
         yield
     finally:
         DeviceMesh.mesh, DeviceMesh.__init__ = original, init
+        DeviceMesh._unflatten, DeviceMesh._concatenate = unflatten, concatenate
 
 
 @contextlib.contextmanager
@@ -370,10 +382,6 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
 def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
     start = time.perf_counter()
     cfg = with_target_numerics(validate(cfg, world), cluster)
-    if cfg.model.moe_experts:
-        raise ConfigError("meshfold dry-run cannot simulate MoE models (model.moe_experts > 0) yet: token "
-                          "routing has data-dependent shapes (expert counts, all-to-all splits) that fake "
-                          "tensors do not carry; use `meshfold plan` for MoE layouts")
     ranks = representative_ranks(cfg, world)
     results = _in_fresh_processes(simulate_rank, [(cfg, world, r) for r in ranks],
                                   min(len(ranks), max(1, os.cpu_count() or 1)))
