@@ -28,6 +28,11 @@ pipeline stage changes what a rank holds. So rank ``s * N / pp`` (coordinate 0 o
 other dimension) is simulated for every stage ``s``, and the report takes the maximum over
 them; N ranks never need to exist.
 
+MoE layers route as a perfectly balanced router would (the planner's assumption): fake
+tensors carry no routing, so the counts the dispatch needs come from one seam
+(``models/moe.py``: ``count_rows`` / ``read_counts``) that gives the balanced counts for
+tensors without values and is exactly ``bincount`` / ``tolist`` otherwise.
+
 Next to it, the planner's prediction for the same layout (``planner/cost.py``). Both are
 for the target's numerics: ``train.dtype = auto`` is resolved for ``--cluster`` (bfloat16 on
 a GPU cluster) before the simulation, which itself runs on this CPU. docs/memory.md says
@@ -61,6 +66,7 @@ from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
 from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
+from meshfold.models.moe import moe_layers
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
@@ -160,6 +166,8 @@ class DryTrainer(Trainer):
         self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for _, moe in moe_layers(self.model):  # the step's routing statistics, as the Trainer ends a step
+            moe.end_step()
         return self.ledger.pop_step_collectives(), activations
 
     def inflight(self) -> float:

@@ -36,6 +36,31 @@ def test_balanced_counts_seam_is_bincount_on_real_tensors_and_balanced_on_fake_o
         assert read_counts(counts.sum(), lambda: 64) == 64
 
 
+def test_compiled_moe_reads_the_real_routing():
+    # torch.compile traces with fake tensors too: the compiled block must still count and read
+    # the real routing (``has_values`` answers True while compiling; balanced counts baked into
+    # a graph would compute the wrong rows). A skewed router
+    # (one expert takes most tokens) makes balanced and real counts differ. float64: the
+    # padded kernel (torch's shape function for the grouped GEMM takes bf16 only).
+    from meshfold.models.config import ModelConfig
+    from meshfold.models.moe import MoE
+
+    torch.manual_seed(0)
+    for capacity in (0.0, 1.0):
+        moe = MoE(ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=32, seq_len=8, moe_experts=4, moe_topk=2,
+                              moe_capacity_factor=capacity)).double().eval()
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        with torch.no_grad():
+            moe.router.weight[0] += 3.0
+        x = torch.randn(2, 8, 16, dtype=torch.float64)
+        with torch.no_grad():
+            eager = moe(x)
+            torch._dynamo.reset()
+            compiled = torch.compile(moe, backend="aot_eager")(x)
+        torch.testing.assert_close(compiled, eager)
+
+
 def _real_step(cfg_dict: dict) -> dict:
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer

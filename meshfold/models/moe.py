@@ -73,8 +73,10 @@ def balanced_counts(total: int, n: int) -> list[int]:
 
 def has_values(t: torch.Tensor) -> bool:
     """False for a tensor that carries shapes but no data (under a ``FakeTensorMode``, as
-    ``meshfold dry-run`` runs the step): its routing cannot be read."""
-    return detect_fake_mode(t) is None
+    ``meshfold dry-run`` runs the step): its routing cannot be read. While ``torch.compile``
+    traces (with fake tensors too) the answer is True: the compiled code must read the real
+    routing, so the count and the host read stay what they were (a graph break)."""
+    return torch.compiler.is_compiling() or detect_fake_mode(t) is None
 
 
 def count_rows(key: torch.Tensor, n: int, balanced) -> torch.Tensor:

@@ -805,7 +805,7 @@ class CostModel:
         experts) on dim 0 over the edp ranks: each rank holds ceil(E_l / edp) experts (the
         last ones padding), all-gathers and reduce-scatters that many: edp ceil(E_l / edp) / E_l
         times the experts (8x for deepseek-moe-16b at ep 8, tp 2 over 256 dp ranks)."""
-        E_l, edp = self.w.model.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep
+        E_l, edp = self.w.model.moe_experts / (L.ep * L.tp), L.dp * L.cp // L.ep
         return edp * math.ceil(E_l / edp) / E_l
 
     def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
