@@ -28,6 +28,11 @@ pipeline stage changes what a rank holds. So rank ``s * N / pp`` (coordinate 0 o
 other dimension) is simulated for every stage ``s``, and the report takes the maximum over
 them; N ranks never need to exist.
 
+MoE layers route as a perfectly balanced router would (the planner's assumption): fake
+tensors carry no routing, so the counts the dispatch needs come from one seam
+(``models/moe.py``: ``count_rows`` / ``read_counts``) that gives the balanced counts for
+tensors without values and is exactly ``bincount`` / ``tolist`` otherwise.
+
 Next to it, the planner's prediction for the same layout (``planner/cost.py``). Both are
 for the target's numerics: ``train.dtype = auto`` is resolved for ``--cluster`` (bfloat16 on
 a GPU cluster) before the simulation, which itself runs on this CPU. docs/memory.md says
@@ -61,6 +66,7 @@ from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
 from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
+from meshfold.models.moe import moe_layers
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
@@ -160,6 +166,8 @@ class DryTrainer(Trainer):
         self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for _, moe in moe_layers(self.model):  # the step's routing statistics, as the Trainer ends a step
+            moe.end_step()
         return self.ledger.pop_step_collectives(), activations
 
     def inflight(self) -> float:
@@ -250,9 +258,11 @@ def representative_ranks(cfg: Config, world: int) -> list[int]:
 @contextlib.contextmanager
 def _real_mesh_tensors():
     """DeviceMesh computes its rank tables with tensor ops (FSDP2 over tensor-parallel
-    DTensors joins two meshes); under the fake mode those would become fake tensors with no
-    values. Run them for real."""
+    DTensors joins two meshes; expert parallel unflattens the dp_cp mesh into (edp, ep) and
+    joins ep with tp); under the fake mode those would become fake tensors with no values.
+    Run them for real."""
     original, init = DeviceMesh.mesh, DeviceMesh.__init__
+    unflatten, concatenate = DeviceMesh._unflatten, DeviceMesh.__dict__["_concatenate"]
 
     def mesh(self):
         with unset_fake_temporarily():
@@ -262,11 +272,21 @@ def _real_mesh_tensors():
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
 
+    def real_unflatten(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return unflatten(self, *args, **kwargs)
+
+    def real_concatenate(*args, **kwargs):
+        with unset_fake_temporarily():
+            return concatenate.__func__(*args, **kwargs)
+
     DeviceMesh.mesh, DeviceMesh.__init__ = property(mesh), real_init
+    DeviceMesh._unflatten, DeviceMesh._concatenate = real_unflatten, staticmethod(real_concatenate)
     try:
         yield
     finally:
         DeviceMesh.mesh, DeviceMesh.__init__ = original, init
+        DeviceMesh._unflatten, DeviceMesh._concatenate = unflatten, concatenate
 
 
 @contextlib.contextmanager
@@ -370,10 +390,6 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
 def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
     start = time.perf_counter()
     cfg = with_target_numerics(validate(cfg, world), cluster)
-    if cfg.model.moe_experts:
-        raise ConfigError("meshfold dry-run cannot simulate MoE models (model.moe_experts > 0) yet: token "
-                          "routing has data-dependent shapes (expert counts, all-to-all splits) that fake "
-                          "tensors do not carry; use `meshfold plan` for MoE layouts")
     ranks = representative_ranks(cfg, world)
     results = _in_fresh_processes(simulate_rank, [(cfg, world, r) for r in ranks],
                                   min(len(ranks), max(1, os.cpu_count() or 1)))

@@ -50,7 +50,8 @@ class SavedActivationCounter:
         self.bytes += storage.nbytes()
 
     def _gathered_storages(self) -> set[int]:
-        return {_storage_key(u) for fp in self.fsdp_params
+        # (a DTensor parameter's unsharded form is a DTensor: expert or tensor parallel)
+        return {_storage_key(u.to_local() if hasattr(u, "to_local") else u) for fp in self.fsdp_params
                 if (u := getattr(fp, "_unsharded_param", None)) is not None}
 
     def _pack(self, t):

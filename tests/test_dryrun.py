@@ -129,16 +129,6 @@ def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
         assert pl[field] == pytest.approx(rt[field], rel=0.02), (field, rt, pl)
 
 
-def test_moe_is_refused_with_a_clear_error(tmp_path):
-    # routing's shapes depend on the data, which fake tensors do not have
-    from meshfold.config import ConfigError, from_dict
-    from meshfold.dryrun import dry_run
-
-    cfg = tiny_config(str(tmp_path), model={"moe_experts": 4}, parallel={"dp_shard": 4, "ep": 2, "zero": 3})
-    with pytest.raises(ConfigError, match="MoE"):
-        dry_run(from_dict(cfg), 4, cluster="cpu")
-
-
 def test_fresh_processes_answer_raise_or_report_a_dead_child():
     # Each simulated rank runs in its own spawned process: answers come back in order, a
     # child's exception is raised in the parent, and a child that dies without answering is

@@ -31,6 +31,12 @@ with one micro-batch per rank this is the exact global-batch loss.
 
 The expert computation goes through ``self.dispatcher``: ``LocalDispatcher`` here; expert
 parallel swaps in an all-to-all dispatcher that holds only this rank's experts.
+
+Routing counts are data: their shapes and host reads depend on the values. Every place that
+counts rows per expert or reads a count on the host goes through ``count_rows`` /
+``read_counts``, which on tensors without values (a ``FakeTensorMode``: ``meshfold
+dry-run``) give what a perfectly balanced router gives (``balanced_counts``: the planner's
+assumption), and otherwise are exactly ``torch.bincount`` / ``tolist``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._guards import detect_fake_mode
 
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
@@ -58,6 +65,34 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def balanced_counts(total: int, n: int) -> list[int]:
+    """``total`` (token, expert) assignments spread over ``n`` experts by a perfectly balanced
+    router: ``total // n`` each, the first ``total % n`` experts one more."""
+    return [total // n + (e < total % n) for e in range(n)]
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """False for a tensor that carries shapes but no data (under a ``FakeTensorMode``, as
+    ``meshfold dry-run`` runs the step): its routing cannot be read. While ``torch.compile``
+    traces (with fake tensors too) the answer is True: the compiled code must read the real
+    routing, so the count and the host read stay what they were (a graph break)."""
+    return torch.compiler.is_compiling() or detect_fake_mode(t) is None
+
+
+def count_rows(key: torch.Tensor, n: int, balanced) -> torch.Tensor:
+    """``torch.bincount(key, minlength=n)`` (rows per key, on the device); for a key without
+    values, the host ints ``balanced()`` as a tensor of that shape (a balanced router's counts)."""
+    if has_values(key):
+        return torch.bincount(key, minlength=n)
+    return torch.tensor(balanced(), dtype=torch.int64, device=key.device)
+
+
+def read_counts(t: torch.Tensor, balanced):
+    """``t.tolist()``: a routing count read on the host; for a tensor without values,
+    ``balanced()`` (what a balanced router gives there)."""
+    return t.tolist() if has_values(t) else balanced()
+
+
 def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     """A DTensor's local shard (expert parallel shards expert weights as DTensors)."""
     t = t.to_local() if hasattr(t, "to_local") else t
@@ -72,6 +107,8 @@ def grouped_gemm_supported(x: torch.Tensor) -> bool:
     """``torch._grouped_mm`` runs here: CPU fp32/bf16/fp16, CUDA bf16 on sm90+ (torch 2.13)."""
     if _GROUPED_MM is None:
         return False
+    if not has_values(x):  # torch's shape function for it takes bf16 only (torch 2.13)
+        return x.dtype == torch.bfloat16
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
@@ -105,7 +142,8 @@ class _Groups:
             self.offsets = torch.cumsum(counts, 0).to(torch.int32)
             return
         E = counts.shape[0]
-        self.E, self.cap = E, (int(counts.max()) if rows else 0)  # the padded path's one host read
+        # the padded path's one host read (balanced: ceil(rows / E))
+        self.E, self.cap = E, (int(read_counts(counts.max(), lambda: -(-rows // E))) if rows else 0)
         if expert is None:  # rows sorted by expert
             start = torch.cumsum(counts, 0) - counts
             self.expert = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=rows)
@@ -209,7 +247,7 @@ class LocalDispatcher(nn.Module):
 
     def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
-        counts = torch.bincount(expert, minlength=n_experts)
+        counts = count_rows(expert, n_experts, lambda: balanced_counts(expert.shape[0], n_experts))
         kernel = expert_kernel(x.to(_compute_dtype(x)), experts.kernel)
         if kernel == "padded_bmm":
             y = experts(gather_rows(x, token), counts, _Groups(counts, token.shape[0], kernel, expert), weight)
@@ -288,12 +326,23 @@ class MoE(nn.Module):
             self._aux_terms(logits, probs, idx, keep)
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
-        keep_flat = keep.flatten()
-        out = self.dispatcher(flat, tokens[keep_flat], idx.flatten()[keep_flat], gates.flatten()[keep_flat],
-                              self.experts, self.n_experts)
+        expert, gate = idx.flatten(), gates.flatten()
+        if self.capacity_factor > 0:  # dropless keeps every assignment: nothing to select
+            tokens, expert, gate = self._kept(keep.flatten(), batch, seq, tokens, expert, gate)
+        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(batch, seq, dim)
+
+    def _kept(self, keep: torch.Tensor, batch: int, seq: int, *rows: torch.Tensor) -> tuple:
+        """The kept assignments of each of ``rows``. Without values (``has_values``): as many
+        as a balanced router keeps (per sequence, each expert's share of s * k, at most the
+        capacity), the first ones (only their number matters there)."""
+        if has_values(keep):
+            return tuple(r[keep] for r in rows)
+        cap = math.ceil(self.capacity_factor * seq * self.topk / self.n_experts)
+        n = batch * sum(min(c, cap) for c in balanced_counts(seq * self.topk, self.n_experts))
+        return tuple(r[:n] for r in rows)
 
     def _aux_terms(self, logits, probs, idx, keep) -> None:
         """Global routing statistics of this forward, and this rank's share of the aux losses.
@@ -306,7 +355,8 @@ class MoE(nn.Module):
         if recomputing and self._replay:
             f, n_tokens = self._replay.pop(0)
         else:
-            counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(torch.float64)
+            counts = count_rows(idx.flatten(), self.n_experts,
+                                lambda: balanced_counts(idx.numel(), self.n_experts)).to(torch.float64)
             extra = torch.stack([torch.full((), idx.shape[0], dtype=torch.float64, device=idx.device),
                                  (~keep).sum().to(torch.float64)])  # on the device: no host read
             stats = torch.cat([counts, extra])

@@ -44,7 +44,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.comm import all_reduce, all_to_all_single
 from meshfold.mesh import ParallelDims
-from meshfold.models.moe import MoE, combine, gather_rows, moe_layers, scatter_add_rows
+from meshfold.models.moe import (MoE, balanced_counts, combine, count_rows, gather_rows, moe_layers, read_counts,
+                                  scatter_add_rows)
+from meshfold.parallel.data import fsdp_policies
 from meshfold.parallel.tensor import TensorParallelGroup, _distribute, _parallelize_ffn, shard_range
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
@@ -101,13 +103,18 @@ class AllToAllDispatcher(nn.Module):
             mine = (within >= 0) & (within < local_e)
             key = torch.where(mine, (expert // per_ep) * local_e + within, P * local_e)  # others sort last
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=P * local_e + 1)[: P * local_e]  # experts of rank j contiguous
+        # (without values: a balanced router's counts, the same on every rank)
+        column = lambda: self._balanced_column(expert.shape[0], n_experts, local_e)  # noqa: E731
+        counts = count_rows(key, P * local_e + 1,
+                            lambda: sum(column(), []) + [expert.shape[0] - sum(map(sum, column()))])
+        counts = counts[: P * local_e]  # experts of rank j contiguous
         # Tell every rank how many rows it gets for each of its experts: recv[src, e_local].
         recv = torch.empty_like(counts)
         all_to_all_single(recv, counts, self.group, "ep")
         recv = recv.view(P, local_e)
-        splits = torch.stack([counts.view(P, local_e).sum(1), recv.sum(1)]).tolist()  # the one host read
-        send_splits, recv_splits = splits
+        send_splits, recv_splits = read_counts(  # the one host read
+            torch.stack([counts.view(P, local_e).sum(1), recv.sum(1)]),
+            lambda: [[sum(c) for c in column()], [sum(column()[self.ep_rank])] * P])
         order = order[: sum(send_splits)]  # with tp: this column's assignments only
         token = token[order]
         rows = AllToAll.apply(gather_rows(x, token), recv_splits, send_splits, self.group)
@@ -122,6 +129,13 @@ class AllToAllDispatcher(nn.Module):
         y = AllToAll.apply(y[back], send_splits, recv_splits, self.group)
         out = combine(x, token, y, weight[order])
         return out if self.tp is None else self.tp.leave(out)
+
+    def _balanced_column(self, assignments: int, n_experts: int, local_e: int) -> list[list[int]]:
+        """A balanced router's rows from this rank to each ep rank's experts of this tp column
+        (``balanced_counts`` over all experts, by global expert id)."""
+        every = balanced_counts(assignments, n_experts)
+        per_ep, r = n_experts // self.ep, (self.tp.rank if self.tp is not None else 0)
+        return [every[j * per_ep + r * local_e: j * per_ep + (r + 1) * local_e] for j in range(self.ep)]
 
 
 class TensorParallelExpertDispatcher(nn.Module):
@@ -139,8 +153,10 @@ class TensorParallelExpertDispatcher(nn.Module):
         n_local = self.stop - self.start
         local = (expert >= self.start) & (expert < self.stop)
         key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
-        counts = torch.bincount(key, minlength=n_local + 1)[:n_local]
-        order = torch.argsort(key, stable=True)[: int(local.sum())]  # host read: this rank's row count
+        mine = lambda: balanced_counts(expert.shape[0], n_experts)[self.start:self.stop]  # noqa: E731
+        counts = count_rows(key, n_local + 1, lambda: mine() + [expert.shape[0] - sum(mine())])[:n_local]
+        rows = int(read_counts(local.sum(), lambda: sum(mine())))  # host read: this rank's row count
+        order = torch.argsort(key, stable=True)[:rows]
         token = token[order]
         y = experts(gather_rows(x, token), counts, gates=weight[order])
         return self.tp.leave(scatter_add_rows(x, token, y))
@@ -223,12 +239,14 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
 
     mesh = expert_mesh(dims)
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
+    mp, _ = fsdp_policies(cfg.train)
     dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp)
     for _, moe in layers:
         shard_experts(moe, ep_mesh, tp)
         moe.dispatcher = dispatcher
         # Validation guarantees zero >= 2: experts get their own FSDP group over edp.
         moe.experts.grad_scale = 1.0 / ep_mesh.size()
-        fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3)
+        # with the blocks' mixed precision (bf16: bf16 gathers, reduce_dtype reductions)
+        fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp)
         moe.experts.fsdp_group_sizes = (edp_mesh.size(), 1)  # for the ledger (parallel/data.py)
     return model

@@ -12,6 +12,7 @@ Conventions shared with the runtime:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -222,6 +223,22 @@ def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16"
             "optimizer": params * ob / (n if zero >= 1 else 1)}
 
 
+def routed_params(m: ModelConfig) -> int:
+    """Parameters of one MoE layer's routed experts (stacked ``experts.w*``, no biases)."""
+    return m.moe_experts * mlp_params(dataclasses.replace(m, bias=False), m.expert_dim)
+
+
+def kept_fraction(m: ModelConfig, s: int) -> float:
+    """Fraction of the (token, expert) assignments a balanced router keeps: 1 when dropless;
+    with ``moe_capacity_factor`` c, per sequence of s tokens each expert gets its even share
+    of s k (``models/moe.py: balanced_counts``) and keeps at most C = ceil(c s k / E)."""
+    if m.moe_capacity_factor <= 0 or not m.moe_experts:
+        return 1.0
+    total, E = s * m.moe_topk, m.moe_experts
+    cap = math.ceil(m.moe_capacity_factor * total / E)
+    return sum(min(total // E + (e < total % E), cap) for e in range(E)) / total
+
+
 def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp: bool) -> float:
     """The bf16 copies autocast makes of the fp32 norm outputs, one per projection that
     reads them (q, k, v; w1 and w3, or w1), for one micro-batch of one layer. Not made under
@@ -231,7 +248,8 @@ def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp:
 
 
 def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, recompute: str,
-                           act: int, flash: bool, dropout: bool, amp: bool = False) -> float:
+                           act: int, flash: bool, dropout: bool, amp: bool = False,
+                           moe: bool | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch of
     ``b`` sequences of ``s`` tokens on one device (Korthikanti et al. 2022, Sec. 4,
     generalised to GQA and SwiGLU; with GPT's shape, act=2, dropout and no flash it is
@@ -241,7 +259,11 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     residual stream stays fp32: each RMSNorm keeps its fp32 input, its fp32 normalised
     output and 1/rms (8h + 4 bytes a token, ``models/llama.py``), and autocast makes a
     separate bf16 copy of the (fp32) norm output for every projection that reads it
-    (q, k, v; w1 and w3), where the formula above has one act-sized input each."""
+    (q, k, v; w1 and w3), where the formula above has one act-sized input each.
+
+    ``moe``: the layer is a MoE block (default: the model has experts); its experts keep
+    the SwiGLU/GELU activations of the top-k rows each token is routed to (the kept ones
+    under a capacity; ``moe_activation_bytes`` adds what routing and dispatch keep)."""
     h, a = m.dim, m.n_heads
     hkv = m.kv_heads * m.head_dim
     if recompute == "full":  # only the layer input survives
@@ -257,8 +279,8 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     # product), and the attention output dropout mask.
     f = m.hidden_dim
     mlp = (2 if m.mlp == "gelu" else 4) * act * s * b * f
-    if m.moe_experts:  # top-k experts each see the token
-        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk + m.moe_shared_experts)
+    if (m.moe_experts > 0) if moe is None else moe:  # top-k experts each see the token
+        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * kept_fraction(m, s) + m.moe_shared_experts)
     split = act * s * b * (2 * h + 2 * hkv) + mlp
     # Scores: softmax output, dropout mask and dropout output (5 a s^2 b with act=2);
     # fused attention keeps only the log-sum-exp.
@@ -267,6 +289,29 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     else:
         scores = a * s * s * b * (act + (1 + act if dropout else 0))
     return (replicated / (tp if sp else 1)) + (split + scores) / tp
+
+
+def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int) -> float:
+    """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
+    activations, for one micro-batch of b sequences of s tokens on one rank, as
+    ``models/moe.py`` and ``parallel/expert.py`` run it under a balanced router: the router's
+    scores (T x E, >= fp32), the chosen experts and gates; the A = T k / tp assignments of
+    this rank's expert column (kept ones under a capacity) enter the experts as act-sized
+    rows, with their int64 row indices; the rows coming back are added per token with an
+    ``index_add`` in >= fp32, which keeps its A x dim source. With ep > 1 the all-to-all
+    dispatcher weights the returned rows by their gates first (``combine``: the product
+    keeps the fp32 rows, A x dim more); without ep the gates are folded into the experts
+    (the gated A x min(expert_dim, dim) product). Not here: the fused w1|w3 weight copy
+    (``CostModel._memory``: it depends on FSDP)."""
+    T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
+    A = T * k * kept_fraction(m, s) / tp
+    wide = max(4, act)
+    router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
+    if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
+        dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
+    else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source
+        dispatch = A * h * act + A * 8 + A * (min(m.expert_dim, h) + 1) * act + A * h * wide
+    return router + dispatch
 
 
 def matmul_efficiency(cluster: Cluster, width: float) -> float:
@@ -358,6 +403,10 @@ class CostModel:
         amp = w.dtype == "bf16-amp"
         act_full = layer_activation_bytes(m, s_loc, b, tp, sp, "none", act, w.flash, w.dropout, amp)
         act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
+        # per layer kind (dense / MoE): a model with leading dense layers has both
+        act_kinds = {moe: layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp, moe)
+                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act) if moe and recompute != "full" else 0.0)
+                     for moe in set(self.kinds)}
         elementwise_fwd = c.elementwise_traffic * act_full / hbm / 3  # forward a third, backward two
         overhead = c.device.layer_overhead_us * 1e-6
         # Tensor parallel: 2 all-reduces (with sp: all-gather + reduce-scatter, the same
@@ -406,14 +455,18 @@ class CostModel:
             ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
-                # (top-k copies of each) forward, and their transposes backward, over the
-                # ep ranks (innermost of dp x cp: stride tp)
-                routed = act * tokens * m.moe_topk * h
+                # (top-k copies of each, the kept ones under a capacity; with tp each tp rank
+                # sends only its expert column's 1/tp) forward, and their transposes backward,
+                # over the ep ranks (innermost of dp x cp: stride tp); before them the
+                # per-expert row counts (E/tp int64)
+                routed = act * tokens * m.moe_topk * kept_fraction(m, s) * h / tp
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
-                ep_sent = 4 * RING["all_to_all"](ep) * routed
-            if moe:
-                params = attn_p / tp + ffn_total / (tp * ep) + norm_p
+                ep_sent = RING["all_to_all"](ep) * (4 * routed + 8 * m.moe_experts / tp)
+            if moe:  # the router is replicated over tp; the routed experts split over ep too
+                router = m.dim * m.moe_experts
+                params = (attn_p / tp + ffn_total / tp + norm_p
+                          + router - router / tp - routed_params(m) / tp * (1 - 1 / ep))
             else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
                 params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
@@ -437,7 +490,7 @@ class CostModel:
         # tensor.py's ``wire_dtype``), the loss's per-token statistics in >= fp32, and the
         # gradients of replicated weights in the dtype backward makes them, which depends on
         # FSDP (``collectives`` prices them: ``tp_grad_bytes``), so counted in elements here.
-        tp_layer = tp_first = tp_last = (0, 0.0, 0.0)
+        tp_layer = tp_first = tp_last = tp_moe = (0, 0.0, 0.0)
         if tp > 1:
             r_ar, A = RING["all_reduce"](tp), act * tokens * h
             # Full recompute re-runs the block's forward up to its last saved tensor (torch's
@@ -459,6 +512,12 @@ class CostModel:
                 calls += 2
                 weights += 2 * m.head_dim
             tp_layer = (calls, sent, r_ar * weights)
+            if True in self.kinds:  # a MoE block (sp refused): its gates' gradient summed over tp in
+                # backward (the expert output leaves, its input enters like a dense MLP's), and the
+                # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
+                shared = 1 if m.moe_shared_experts else 0
+                gates = tokens * m.moe_topk * kept_fraction(m, s) * max(4, act)
+                tp_moe = (1 + 2 * shared, r_ar * (gates + 2 * shared * A), 0.0)
             pos = r_ar * s * h if (sp and m.pos == "learned") else 0.0
             tp_first = (2 + (1 if pos else 0), r_ar * A, pos) if sp else (1, r_ar * A, 0.0)
             loss = (2, r_ar * 3 * tokens * max(4, act))  # max logit, (sum exp, target)
@@ -467,8 +526,13 @@ class CostModel:
                 tp_last = (3 + loss[0] + norm_calls, 1.5 * r_ar * A + loss[1], r_ar * norm_calls * h)
             else:
                 tp_last = (1 + loss[0], r_ar * A + loss[1], 0.0)
-        hit = dict(kinds=out, out_fwd=out_fwd, out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
-                   tp_layer=tp_layer, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
+        # with ep > 1 the routed experts are their own FSDP group, sharded over the edp ranks
+        expert_p = routed_params(m) / (tp * ep) if ep > 1 else 0.0
+        # the experts' fused w1|w3 (torch.cat), kept for the backward of their first GEMM
+        w13 = 2 * m.moe_experts / (tp * ep) * m.expert_dim * h * act if m.mlp == "swiglu" else 0.0
+        hit = dict(kinds=out, expert_p=expert_p, act_kinds=act_kinds, w13=w13, out_fwd=out_fwd,
+                   out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
+                   tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
@@ -509,12 +573,12 @@ class CostModel:
             hit = self._stage_cache[key] = (ranks, last)
         return hit
 
-    def _rank_front(self, schedule: str, stage_layers: list, stage_params: list, last_rank: int,
+    def _rank_front(self, schedule: str, stage_layers: tuple, stage_params: list, last_rank: int,
                     n_micro: int, inflight: float) -> list:
-        """(in-flight micro-batches, blocks, parameters) of pipeline ranks 1.. (not the last
-        stage's, counted with its logits), without those another rank beats on all three:
-        the only candidates for the largest activations (cached: the search asks often)."""
-        key = (id(stage_layers), schedule, last_rank, n_micro, inflight)
+        """(in-flight micro-batches, blocks' activations, parameters) of pipeline ranks 1..
+        (not the last stage's, counted with its logits), without those another rank beats on
+        all three: the only candidates for the largest activations (cached: the search asks often)."""
+        key = (stage_layers, id(stage_params), schedule, last_rank, n_micro, inflight)
         hit = self._front_cache.get(key)
         if hit is None:
             pp = len(stage_layers)
@@ -698,7 +762,9 @@ class CostModel:
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
         zero = L.zero if n_shard > 1 else 0  # nothing to shard over: replicated states
         accumulate = n_micro > 1
-        states = model_state_bytes(Pmax, zero, n_shard, w.dtype, accumulate)
+        moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
+        top = stage_params.index(Pmax)
+        states = self._model_states(L, T, Pmax, moe_layers[top], zero, accumulate)
         if fsdp and L.zero == 3:
             states["gathered_blocks"] = 2 * max_block * pb  # the running block and the prefetched one
         inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
@@ -711,19 +777,23 @@ class CostModel:
         tied_out = m.tie_embeddings and pp == 1
         copies = act * (stage_params[0] - (0 if tied_out else T["emb"])) if (amp and not fsdp) else 0.0
         stage_in = 0.0 if amp else act * tokens * h
-        per_layer = T["act_kept"]
+        per_layer = dict(T["act_kinds"])
         if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
-            per_layer -= autocast_input_copies(m, w.s // cp, b, act, tp, L.sp)
-        acts = inflight * (stage_layers[0] * per_layer + stage_in + copies)
+            per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
+        if True in per_layer and L.recompute != "full" and (fsdp or not amp):
+            per_layer[True] += T["w13"]  # (amp without FSDP: within the weight copies below)
+        # blocks' activations per pipeline rank, by layer kind
+        layer_acts = tuple(sum(per_layer[k] * n for k, n in r.items()) for r in self.stage_kinds(L)[0])
+        acts = inflight * (layer_acts[0] + stage_in + copies)
         if pp > 1:
             # the balanced split can give a later rank more blocks than rank 0 (whose stages
             # hold the embedding, and under zbv the output layer): the largest over ranks.
             # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
             # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
-            for held, layers, params in self._rank_front(L.pp_schedule, stage_layers, stage_params,
+            for held, layers, params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
                                                           last_rank, n_micro, inflight):
                 mine = act * params if (amp and not fsdp) else 0.0
-                acts = max(acts, held * (layers * per_layer + stage_in + mine))
+                acts = max(acts, held * (layers + stage_in + mine))
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
         logits = (act + 8) * tokens * V / tp
@@ -739,13 +809,37 @@ class CostModel:
         peak_mem = sum(memory.values())
         activation_bytes = acts + (saved_logits if logits_here else 0.0)
         if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
-            last = model_state_bytes(stage_params[last_rank], zero, n_shard, w.dtype, accumulate)
+            last = self._model_states(L, T, stage_params[last_rank], moe_layers[last_rank], zero, accumulate)
             last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
             last_copies = act * stage_params[last_rank] if (amp and not fsdp) else 0.0
-            last_acts = last_inflight * (stage_layers[last_rank] * per_layer + last_copies)
+            last_acts = last_inflight * (layer_acts[last_rank] + last_copies)
             peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
         return states, memory, peak_mem, activation_bytes
+
+    def _model_states(self, L: Layout, T: dict, params: float, moe_layers: int, zero: int,
+                      accumulate: bool) -> dict:
+        """``model_state_bytes`` of a pipeline rank with ``params`` parameters: sharded over
+        dp_shard x cp, except (ep > 1) the routed experts of its ``moe_layers`` MoE layers, an
+        own FSDP group over the edp = dp x cp / ep ranks (``parallel/expert.py``)."""
+        n_shard = L.dp_shard * L.cp
+        experts = moe_layers * T["expert_p"]
+        states = model_state_bytes(params - experts, zero, n_shard, self.w.dtype, accumulate)
+        if experts:
+            edp = L.dp * L.cp // L.ep
+            sharded = model_state_bytes(experts * self._expert_padding(L), zero, edp, self.w.dtype, accumulate)
+            whole = model_state_bytes(experts, zero, edp, self.w.dtype, accumulate)
+            for k in states:  # gradients held unsharded between micro-batches: not padded
+                states[k] += whole[k] if (k == "grads" and accumulate) else sharded[k]
+        return states
+
+    def _expert_padding(self, L: Layout) -> float:
+        """FSDP2 shards the stacked expert weights [E_l, out, in] (E_l = E / (ep tp) local
+        experts) on dim 0 over the edp ranks: each rank holds ceil(E_l / edp) experts (the
+        last ones padding), all-gathers and reduce-scatters that many: edp ceil(E_l / edp) / E_l
+        times the experts (8x for deepseek-moe-16b at ep 8, tp 2 over 256 dp ranks)."""
+        E_l, edp = self.w.model.moe_experts / (L.ep * L.tp), L.dp * L.cp // L.ep
+        return edp * math.ceil(E_l / edp) / E_l
 
     def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
                     n_micro: int) -> dict:
@@ -772,19 +866,25 @@ class CostModel:
         # data parallel (over dp x cp: FSDP shards over dp_shard x cp, replicas over dp_replicate)
         P0 = stage_params[0]
         n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, L.dp * cp
+        moe0 = stages[0].get(True, 0)  # rank 0's MoE layers
         if L.zero >= 2 and n_shard > 1:
             wg, wr = FSDP_WIRE[w.dtype]
             modules = stage_layers[0] + chunks
-            ag = RING["all_gather"](n_shard)
-            if L.zero == 3:  # every module, the roots too, gathered in forward and again in
-                # backward (apply_fsdp passes reshard_after_forward=True explicitly, so FSDP2's
-                # "keep the root unsharded" default for reshard_after_forward=None is off)
-                add("dp", n_micro * 2 * modules, n_micro * ag * 2 * P0 * wg)
-            else:
-                add("dp", modules, ag * P0 * wg)
-            add("dp", modules, RING["reduce_scatter"](n_shard) * P0 * wr)
+            # (ep > 1) each MoE layer's routed experts: an own FSDP group over edp ranks
+            E0, edp = moe0 * T["expert_p"], n_all // max(1, L.ep)
+            groups = [(modules, n_shard, P0 - E0)] + ([(moe0, edp, E0 * self._expert_padding(L))]
+                                                      if E0 and edp > 1 else [])
+            for mods, n, P in groups:
+                ag = RING["all_gather"](n)
+                if L.zero == 3:  # every module, the roots too, gathered in forward and again in
+                    # backward (apply_fsdp passes reshard_after_forward=True explicitly, so FSDP2's
+                    # "keep the root unsharded" default for reshard_after_forward=None is off)
+                    add("dp", n_micro * 2 * mods, n_micro * ag * 2 * P * wg)
+                else:
+                    add("dp", mods, ag * P * wg)
+                add("dp", mods, RING["reduce_scatter"](n) * P * wr)
             if n_rep > 1:
-                add("dp", modules, RING["all_reduce"](n_rep) * P0 * wr / n_shard)
+                add("dp", modules, RING["all_reduce"](n_rep) * (P0 - E0) * wr / n_shard)
         elif n_all > 1:
             # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
             calls = chunks * buckets(P0 * gb / chunks)
@@ -809,7 +909,9 @@ class CostModel:
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             grad = tp_grad_bytes(w.dtype, fsdp=L.zero >= 2 and n_shard > 1)
-            for part, times in (("tp_layer", layers0), ("tp_first", 1), ("tp_last", 1 if last_on_rank0 else 0)):
+            moe_layers0 = stages[0].get(True, 0)
+            for part, times in (("tp_layer", layers0), ("tp_moe", moe_layers0), ("tp_first", 1),
+                                ("tp_last", 1 if last_on_rank0 else 0)):
                 calls, sent, weights = T[part]
                 add("tp", n_micro * times * calls, n_micro * times * (sent + weights * grad))
         # pipeline: activations to the next stage, gradients to the previous one, per
@@ -836,6 +938,10 @@ class CostModel:
             meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp
             add("cp", n_micro, n_micro * RING["all_gather"](cp) * meta)
             add("cp", 1, RING["all_gather"](cp) * 8 * cp)
+        # MoE: the global balance statistics, per MoE layer and micro-batch forward (E + 2
+        # float64 all-reduced over dp x cp, recorded as dp; replayed, not re-sent, under recompute)
+        if moe0 and n_all > 1:
+            add("dp", n_micro * moe0, n_micro * moe0 * RING["all_reduce"](n_all) * 8 * (w.model.moe_experts + 2))
         # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
         # the two transposes backward
         ep_layers = sum(n for k, n in stages[0].items() if k)

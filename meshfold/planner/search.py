@@ -69,7 +69,9 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 sps = [False] + ([True] if tp > 1 and s % tp == 0 and not m.moe_experts else [])
                 for dpr in _divisors(dp):
                     dps = dp // dpr
-                    eps_here = [e for e in eps if (dps * cp) % e == 0]
+                    # (as parallel/config.py validates: with tp, ep x tp divides the experts)
+                    eps_here = [e for e in eps if (dps * cp) % e == 0
+                                and (e == 1 or tp == 1 or m.moe_experts % (e * tp) == 0)]
                     for b in _divisors(local):
                         for sp in sps:
                             for mode in modes:
