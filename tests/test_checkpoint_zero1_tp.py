@@ -124,14 +124,23 @@ def test_tp_zero1_resume_is_bitwise(straight, tp_saved, tmp_path, async_save):
         assert torch.equal(second["params"][name], value), name
 
 
-def test_tp_zero1_checkpoint_loads_into_one_process(tp_saved, tmp_path):
+PP_TP_ZERO1 = {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 2}
+
+
+@pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xtp2xdp2"])
+def test_zero1_checkpoint_loads_into_one_process(tp_saved, tmp_path, layout):
+    # ShardedAdamW under tp 2 x dp_shard 2, and under pp 2 x tp 2 x dp_shard 2 (each stage's
+    # ranks cut their own parameters into segments; a stage saves only its layers).
     # Loaded by one process, the checkpoint holds the parameters and Adam moments the
     # one-process run has at that step, to float64 rounding (tp and the data-parallel
     # average reduce in other orders). Parameters: rtol 1e-9, atol 1e-12; moments (from
     # ~1e-15 to ~1e-2): rtol 1e-8, atol 1e-18, elementwise. Measured on the 2-core VM:
     # largest elementwise relative difference 5e-11 (parameters), 2e-10 (moments).
     own = segment(_cfg(tmp_path / "one"), SPLIT, save=False, moments=True)
-    shutil.copytree(tp_saved[0], tmp_path / "loaded")
+    if layout == "tp2xdp2":
+        shutil.copytree(tp_saved[0], tmp_path / "loaded")
+    else:
+        run_on(8, segment, _cfg(tmp_path / "loaded", PP_TP_ZERO1), SPLIT)
     loaded = segment(_cfg(tmp_path / "loaded"), SPLIT, save=False, moments=True)
     assert loaded["start"] == SPLIT and loaded["losses"] == []
     assert loaded["steps"] == own["steps"] and set(own["steps"].values()) == {float(SPLIT)}
