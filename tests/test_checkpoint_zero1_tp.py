@@ -35,8 +35,9 @@ def state_at(cfg_dict: dict) -> dict:
             "steps": {k: float(v) for k, v in optim.items() if k.endswith(".step")}}
 
 
-def _cfg(run_dir, parallel=None, **train):
-    return tiny_config(str(run_dir), parallel=parallel or {"dp_shard": -1}, train={"steps": STEPS, **train})
+def _cfg(run_dir, parallel=None, model=None, **train):
+    return tiny_config(str(run_dir), parallel=parallel or {"dp_shard": -1}, model=model or {},
+                       train={"steps": STEPS, **train})
 
 
 def _tp_cfg(run_dir, **train):
@@ -124,26 +125,35 @@ def test_tp_zero1_resume_is_bitwise(straight, tp_saved, tmp_path, async_save):
         assert torch.equal(second["params"][name], value), name
 
 
-PP_TP_ZERO1 = {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 2}
+LOADS_INTO_ONE_PROCESS = {  # id: (world, [parallel], [model] updates)
+    "tp2xdp2": (4, TP_ZERO1, {}),
+    # each stage's ranks cut their own parameters into segments; a stage saves only its layers
+    "pp2xtp2xdp2": (8, {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 2}, {}),
+    # MoE: 3-D expert weights (experts x rows x columns); with one layer a dp segment ends
+    # inside experts.w2, cut into partial rows of partial matrices (asserted below)
+    "moe-tp2xdp2": (4, TP_ZERO1, {"moe_experts": 4, "moe_topk": 2, "n_layers": 1}),
+}
 
 
-@pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xtp2xdp2"])
-def test_zero1_checkpoint_loads_into_one_process(tp_saved, tmp_path, layout):
-    # ShardedAdamW under tp 2 x dp_shard 2, and under pp 2 x tp 2 x dp_shard 2 (each stage's
-    # ranks cut their own parameters into segments; a stage saves only its layers).
+@pytest.mark.parametrize("layout", list(LOADS_INTO_ONE_PROCESS))
+def test_zero1_checkpoint_loads_into_one_process(tmp_path, layout):
+    # ShardedAdamW under tp 2 x dp_shard 2, pp 2 x tp 2 x dp_shard 2, and with MoE blocks.
     # Loaded by one process, the checkpoint holds the parameters and Adam moments the
     # one-process run has at that step (read back from its own checkpoint, which the
     # one-process resume test shows to be exact), to float64 rounding (tp and the data-parallel
     # average reduce in other orders). Parameters: rtol 1e-9, atol 1e-12; moments (from
     # ~1e-15 to ~1e-2): rtol 1e-8, atol 1e-18, elementwise. Measured on the 2-core VM:
     # largest elementwise relative difference 5e-11 (parameters), 2e-10 (moments).
-    segment(_cfg(tmp_path / "one"), SPLIT)  # its own state, through its own checkpoint (exact in one process)
-    own = state_at(_cfg(tmp_path / "one"))
-    if layout == "tp2xdp2":
-        shutil.copytree(tp_saved[0], tmp_path / "loaded")
-    else:
-        run_on(8, segment, _cfg(tmp_path / "loaded", PP_TP_ZERO1), SPLIT)
-    loaded = state_at(_cfg(tmp_path / "loaded"))
+    world, parallel, model = LOADS_INTO_ONE_PROCESS[layout]
+    segment(_cfg(tmp_path / "one", model=model), SPLIT)  # its own state, through its own checkpoint (exact here)
+    own = state_at(_cfg(tmp_path / "one", model=model))
+    run_on(world, segment, _cfg(tmp_path / "loaded", parallel, model), SPLIT)
+    if "moe_experts" in model:
+        meta = read_dcp_metadata(tmp_path / "loaded" / "checkpoints" / f"step-{SPLIT}").state_dict_metadata
+        w2 = meta["optim.state.layers.0.feed_forward.experts.w2.exp_avg"]
+        sizes = [tuple(c.sizes) for c in w2.chunks]
+        assert any(z[0] == 1 and z[1] == 1 and z[2] < w2.size[2] for z in sizes), sizes
+    loaded = state_at(_cfg(tmp_path / "loaded", model=model))
     assert own["start"] == loaded["start"] == SPLIT
     assert loaded["steps"] == own["steps"] and set(own["steps"].values()) == {float(SPLIT)}
     assert set(loaded["moments"]) == set(own["moments"]) and own["moments"]
