@@ -129,6 +129,8 @@ LOADS_INTO_ONE_PROCESS = {  # id: (world, [parallel], [model] updates)
     "tp2xdp2": (4, TP_ZERO1, {}),
     # each stage's ranks cut their own parameters into segments; a stage saves only its layers
     "pp2xtp2xdp2": (8, {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 2}, {}),
+    # dp_replicate replicas write identical boxes, which DCP keeps once
+    "tp2xdp_replicate2xdp_shard2": (8, {"tp": 2, "dp_replicate": 2, "dp_shard": 2, "zero": 1}, {}),
     # MoE: 3-D expert weights (experts x rows x columns); with one layer a dp segment ends
     # inside experts.w2, cut into partial rows of partial matrices (asserted below)
     "moe-tp2xdp2": (4, TP_ZERO1, {"moe_experts": 4, "moe_topk": 2, "n_layers": 1}),

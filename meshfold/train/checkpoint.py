@@ -9,7 +9,8 @@ What a checkpoint holds (``RUN_DIR/checkpoints/step-N/``, written with
   so a checkpoint saved under one ``[parallel]`` loads under another (resharding).
 - ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<fqn>.<key>``:
   the optimizer, flattened by parameter name (layout-independent). ZeRO-1 ranks each
-  contribute the state of the parameters they own.
+  contribute the state they own: whole parameters (``ZeroRedundancyOptimizer``), or the
+  rectangular boxes of their flat segment (``ShardedAdamW``, tensor parallel: ``Chunks``).
 - ``scheduler``, ``sampler`` (data-loader position), ``step``, ``rng.rank<R>`` (this
   rank's RNG states) and ``extra.<name>``: state of components registered with
   ``Checkpointer.register(name, obj)`` (anything with ``state_dict``/``load_state_dict``,
@@ -893,6 +894,8 @@ class Checkpointer:
     def _load_param_groups(self, opt: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
         names = self._fqn_of_params()
         for group in opt.param_groups:
+            if not group["params"]:
+                continue
             fqn = names[id(group["params"][0])]
             for k in list(group):
                 if k != "params" and f"param_groups.{fqn}.{k}" in flat:
