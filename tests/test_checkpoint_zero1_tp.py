@@ -171,20 +171,19 @@ def test_zero1_checkpoint_loads_into_one_process(tmp_path, layout):
 RESHARD_CHAIN = [  # (world, [parallel], stop step): every segment resumes the previous one's checkpoint
     (1, {"dp_shard": -1}, 1),  # one process
     (4, TP_ZERO1, 2),  # tp 2 x dp_shard 2, ZeRO-1: reads the one-process tensors into its boxes
-    (4, {"dp_shard": 4, "zero": 3}, 3),  # FSDP2 ZeRO-3: reads the boxes into its shards
-    (4, {"dp_replicate": 2, "dp_shard": 2, "zero": 1}, STEPS),  # DDP ZeRO-1 (ZeroRedundancyOptimizer)
+    (8, {"tp": 2, "dp_shard": 4, "zero": 1}, 3),  # tp 2 x dp_shard 4, ZeRO-1: other segments, other boxes
+    (4, {"dp_shard": 4, "zero": 3}, STEPS),  # FSDP2 ZeRO-3: reads the boxes into its shards
 ]
 
 
 def test_reshard_through_tp_zero1(reference, tmp_path):
-    # One process -> tp2 x dp2 ZeRO-1 -> FSDP2 ZeRO-3 -> dp_replicate 2 x dp_shard 2 ZeRO-1:
+    # One process -> tp 2 x dp_shard 2 ZeRO-1 -> tp 2 x dp_shard 4 ZeRO-1 -> FSDP2 ZeRO-3:
     # every step's loss and the final parameters equal the one-process run that never
     # stopped, to float64 rounding: rtol 1e-9, atol 1e-11.
     losses, starts = [], []
     for world, parallel, stop in RESHARD_CHAIN:
         cfg = _cfg(tmp_path, parallel)
-        args = (segment, cfg, stop)
-        got = run_on(world, *args, save=stop < STEPS)[0] if world > 1 else segment(cfg, stop)
+        got = run_on(world, segment, cfg, stop, save=stop < STEPS)[0] if world > 1 else segment(cfg, stop)
         starts.append(got["start"])
         losses += got["losses"]
     assert starts == [0, 1, 2, 3]
