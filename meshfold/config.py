@@ -271,11 +271,6 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 def validate_train_layout(t: TrainConfig, p: ParallelConfig) -> None:
     """Trainer options that only some ZeRO stages and layouts support."""
-    if p.tp > 1 and p.zero == 1 and p.dp_shard * p.cp > 1 and t.checkpoint_every:
-        raise ConfigError(
-            f"parallel.tp = {p.tp} with parallel.zero = 1 (the flat distributed optimizer) cannot save "
-            "checkpoints yet; set train.checkpoint_every = 0, or parallel.zero to 0, 2 or 3"
-        )
     if t.offload == "params" and (p.zero < 2 or p.dp_shard * p.cp == 1):
         raise ConfigError(
             "train.offload = params uses FSDP2's CPU offload: it needs parallel.zero >= 2 and "

@@ -79,10 +79,13 @@ class ShardedAdamW(torch.optim.Optimizer):
     more than ceil(total/n) elements of Adam state however uneven the parameters are);
     rank r keeps Adam state for segment r only, as views into the parameters it covers,
     updates them, and one all-gather of the segments hands every rank the updated values.
-    ``param_groups`` still list every parameter, so schedulers work."""
+    ``param_groups`` still list every parameter, with every key AdamW's groups have (so
+    schedulers work, and a checkpoint's param groups load into any layout's optimizer).
+    ``pieces``/``_views`` and the inner optimizer's state are what checkpoints save."""
 
     def __init__(self, groups: list[dict], group: dist.ProcessGroup, **adam_kwargs):
-        super().__init__(groups, dict(adam_kwargs, weight_decay=0.0))
+        adamw_defaults = torch.optim.AdamW([torch.empty(0, requires_grad=True)], **adam_kwargs).defaults
+        super().__init__(groups, dict(adamw_defaults, weight_decay=0.0))
         self.group = group
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -195,7 +198,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
                     zero_one: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
     """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tensor
     parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
-    ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages; checkpointable)."""
+    ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages). Both checkpoint
+    (meshfold/train/checkpoint.py)."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = adamw_kwargs(cfg, device_type)
     if zero_one and sharded:

@@ -9,7 +9,8 @@ What a checkpoint holds (``RUN_DIR/checkpoints/step-N/``, written with
   so a checkpoint saved under one ``[parallel]`` loads under another (resharding).
 - ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<fqn>.<key>``:
   the optimizer, flattened by parameter name (layout-independent). ZeRO-1 ranks each
-  contribute the state of the parameters they own.
+  contribute the state they own: whole parameters (``ZeroRedundancyOptimizer``), or the
+  rectangular boxes of their flat segment (``ShardedAdamW``, tensor parallel: ``Chunks``).
 - ``scheduler``, ``sampler`` (data-loader position), ``step``, ``rng.rank<R>`` (this
   rank's RNG states) and ``extra.<name>``: state of components registered with
   ``Checkpointer.register(name, obj)`` (anything with ``state_dict``/``load_state_dict``,
@@ -37,6 +38,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -61,6 +63,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -69,10 +72,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshfold import comm
 from meshfold.parallel.data import unwrap
+from meshfold.parallel.optim import ShardedAdamW
 from meshfold.train.progress import Progress
 
 MANIFEST = "meshfold.json"
@@ -382,6 +387,75 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int, int]]:
+    """The flat elements [a, b) of a row-major tensor of ``shape`` as rectangular boxes
+    ``(offsets, sizes, start, stop)``, in order, each box the contiguous flat range
+    [start, stop): a partial first row, whole rows, a partial last row, and the same
+    recursively inside a partial row (at most 2 per dimension less one)."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a,), (b - a,), a, b)] if shape else [((), (), a, b)]
+    inner = math.prod(shape[1:])
+    (i0, r0), (i1, r1) = divmod(a, inner), divmod(b, inner)
+
+    def row(i: int, lo: int, hi: int) -> list:
+        return [((i, *o), (1, *z), i * inner + x, i * inner + y) for o, z, x, y in flat_boxes(shape[1:], lo, hi)]
+
+    if i0 == i1:
+        return row(i0, r0, r1)
+    out = []
+    if r0:
+        out += row(i0, r0, inner)
+        i0 += 1
+    if i1 > i0:
+        out.append(((i0,) + (0,) * (len(shape) - 1), (i1 - i0, *shape[1:]), i0 * inner, i1 * inner))
+    if r1:
+        out += row(i1, 0, r1)
+    return out
+
+
+class Chunks(torch.Tensor):
+    """A tensor of global ``shape`` of which this rank holds some rectangular chunks,
+    ``[(global offsets, tensor)]`` (views into storage it owns: a ZeRO-1 rank's Adam
+    state). It speaks DCP's checkpointable protocol, as DTensor does: DCP saves exactly
+    these chunks (duplicates across ranks, at the same offsets, once) and, loading, reads
+    into them whatever overlaps them in a checkpoint of any layout. Only DCP uses it; any
+    tensor operation on it is an error. ``flat``: the 1-D tensor the chunks view, if any."""
+
+    chunks: list[tuple[tuple[int, ...], torch.Tensor]]
+    flat: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, shape, chunks: list[tuple[tuple[int, ...], torch.Tensor]], flat: torch.Tensor | None = None):
+        first = chunks[0][1]
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=first.dtype, device=first.device)
+        r.chunks, r.flat = chunks, flat
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on checkpoint Chunks (only DCP reads and writes them)")
+
+    def _metadata(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in self.chunks]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.chunks[0][1])
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))
+                for c in self._metadata()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._metadata()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, t in self.chunks:
+            if torch.Size(offsets) == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at {tuple(index.offset or ())}")
+
+
 def _stage(value: Any, buffers: dict, key: str = "") -> Any:
     """A private CPU copy of a state dict for an asynchronous save: tensors copied to CPU
     (DTensors keep their mesh and placements), everything else deep-copied. ``buffers``
@@ -389,6 +463,8 @@ def _stage(value: Any, buffers: dict, key: str = "") -> Any:
     the previous async save has finished before the next one stages, so reuse is safe."""
     if isinstance(value, dict):
         return {k: _stage(v, buffers, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, Chunks):
+        return Chunks(value.shape, [(o, _stage(t, buffers, f"{key}.{i}")) for i, (o, t) in enumerate(value.chunks)])
     if not torch.is_tensor(value):
         return copy.deepcopy(value)
     local = value.to_local() if isinstance(value, DTensor) else value
@@ -445,6 +521,7 @@ class Checkpointer:
         self.extras: dict[str, Any] = {}
         self.rank = _rank()
         self.last_saved_step: int | None = None
+        self._layout: list | None = None  # ShardedAdamW's boxes (_sharded_layout), computed once
         # Async: the upload and rank 0's publishing (hashing, manifest, rename, pruning)
         # run on this one background thread; ``_pending`` is its future.
         self._pending: Future | None = None
@@ -475,27 +552,86 @@ class Checkpointer:
         opt = self.optimizer
         return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
 
+    def _sharded(self) -> ShardedAdamW | None:
+        opt = self.optimizer
+        return opt if isinstance(opt, ShardedAdamW) else None
+
     def _fqn_of_params(self) -> dict[int, str]:
 
         return {id(p): name for name, p in unwrap(_whole_model(self.parts)).named_parameters()}
 
-    def _optim_state(self) -> dict[str, Any]:
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        zero = self._zero_one()
-        if zero is None:
-            return get_state_dict(_whole_model(self.parts), self.optimizer, options=opts)[1]
-        # ZeRO-1: each rank writes the Adam state of the parameters it owns, in the same
-        # flattened naming as every other layout; param groups are the same everywhere.
+    def _param_group_entries(self, opt: torch.optim.Optimizer, meta_keys: set[str] | None = None) -> dict[str, Any]:
+        """``param_groups.<fqn>.<key>`` of every parameter (the same on every rank); given
+        ``meta_keys``, only those the checkpoint has."""
         names = self._fqn_of_params()
-        state = {}
-        for p, s in zero.optim.state.items():
-            for k, v in s.items():
-                state[f"state.{names[id(p)]}.{k}"] = v
-        for group in zero.param_groups:
+        out = {}
+        for group in opt.param_groups:
             for p in group["params"]:
                 for k, v in group.items():
-                    if k != "params":
-                        state[f"param_groups.{names[id(p)]}.{k}"] = v
+                    key = f"param_groups.{names[id(p)]}.{k}"
+                    if k != "params" and (meta_keys is None or f"optim.{key}" in meta_keys):
+                        out[key] = v
+        return out
+
+    def _sharded_layout(self) -> list[tuple[torch.Tensor, str, torch.Size, list, bool]]:
+        """For each piece ``ShardedAdamW`` updates on this rank: (its flat view, the
+        parameter's name, its global shape, the boxes ``(global offsets, sizes, start,
+        stop)`` the piece covers, with [start, stop) its range of the piece's flat state,
+        and whether this rank writes them). A parameter replicated over a mesh dimension
+        (a norm under tp) is written only by coordinate 0 there: the other coordinates
+        cut the same values into their own, possibly different, boxes. Fixed for a run:
+        computed once."""
+        if self._layout is not None:
+            return self._layout
+        opt = self._sharded()
+        names = self._fqn_of_params()
+        layout = []
+        for view, (p, a, b) in zip(opt._views, opt.pieces):
+            local, offset, writes = p, (0,) * p.ndim, True
+            if isinstance(p, DTensor):
+                if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
+                    raise CheckpointError(f"{names[id(p)]} has placements {p.placements}: ZeRO-1 checkpoints take "
+                                          f"Shard and Replicate only")
+                local = p.to_local()
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if tuple(shape) != tuple(local.shape):
+                    raise CheckpointError(f"{names[id(p)]}: local shape {tuple(local.shape)} is not the "
+                                          f"{tuple(shape)} its placements give")
+                coord = p.device_mesh.get_coordinate()
+                writes = all(c == 0 for c, pl in zip(coord, p.placements) if isinstance(pl, Replicate))
+            boxes = [(tuple(o + g for o, g in zip(off, offset)), size, lo - a, hi - a)
+                     for off, size, lo, hi in flat_boxes(tuple(local.shape), a, b)]
+            layout.append((view, names[id(p)], p.shape, boxes, writes))
+        self._layout = layout
+        return layout
+
+    @staticmethod
+    def _chunks(shape: torch.Size, boxes: list, flat: torch.Tensor) -> Chunks:
+        return Chunks(shape, [(off, flat[lo:hi].view(size)) for off, size, lo, hi in boxes], flat)
+
+    def _optim_state(self) -> dict[str, Any]:
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        zero, sharded = self._zero_one(), self._sharded()
+        if zero is None and sharded is None:
+            return get_state_dict(_whole_model(self.parts), self.optimizer, options=opts)[1]
+        # ZeRO-1: each rank writes the Adam state it owns, in the same flattened naming and
+        # global shapes as every other layout; param groups are the same everywhere.
+        state = {}
+        if zero is not None:  # whole parameters
+            names = self._fqn_of_params()
+            for p, s in zero.optim.state.items():
+                for k, v in s.items():
+                    state[f"state.{names[id(p)]}.{k}"] = v
+        else:  # flat pieces of parameters: their boxes, views into the state (no copy)
+            for view, fqn, shape, boxes, writes in self._sharded_layout():
+                s = sharded.optim.state.get(view)
+                if not s:
+                    continue
+                state[f"state.{fqn}.step"] = s["step"]  # the same on every rank (saved once)
+                if writes:
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        state[f"state.{fqn}.{k}"] = self._chunks(shape, boxes, s[k])
+        state.update(self._param_group_entries(zero or sharded))
         return state
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
@@ -675,19 +811,25 @@ class Checkpointer:
                         {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
                 except ValueError as err:
                     raise CheckpointError(f"{path}: {err}") from None
-        zero = self._zero_one()
+        zero, sharded = self._zero_one(), self._sharded()
         if zero is not None:
-            sd["optim"] = {k: v for k, v in self._zero_one_template(meta_keys).items()}
+            sd["optim"] = self._zero_one_template(meta_keys)
+        elif sharded is not None:
+            sd["optim"] = self._sharded_template(meta_keys)
         safe_load(sd, path)
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
         model = _whole_model(self.parts)
-        if zero is None:
+        if zero is None and sharded is None:
             set_state_dict(model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                            options=StateDictOptions(flatten_optimizer_state_dict=True))
         else:
             set_model_state_dict(model, sd["model"])
-            self._load_zero_one(sd["optim"])
+            if zero is not None:
+                self._load_zero_one(sd["optim"])
+            else:
+                self._load_sharded(sd["optim"])
+            self._load_param_groups(self.optimizer, sd["optim"])
         for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
         self.scheduler.load_state_dict(sd["scheduler"])
@@ -718,12 +860,46 @@ class Checkpointer:
                 key = f"state.{fqn}.{k}"
                 if f"optim.{key}" in meta_keys:
                     out[key] = torch.zeros((), dtype=torch.float32) if k == "step" else torch.empty_like(p)
-        for group in zero.param_groups:
-            for p in group["params"]:
-                for k, v in group.items():
-                    if k != "params" and f"optim.param_groups.{names[id(p)]}.{k}" in meta_keys:
-                        out[f"param_groups.{names[id(p)]}.{k}"] = v
+        out.update(self._param_group_entries(zero, meta_keys))
         return out
+
+    def _sharded_template(self, meta_keys: set[str]) -> dict[str, Any]:
+        """Placeholders for the optimizer keys a ``ShardedAdamW`` rank loads: its boxes of
+        every parameter the checkpoint has state for (views into this rank's state, made
+        now where it has none yet: DCP reads straight into them, whatever layout wrote
+        them), the step, and every param-group entry."""
+        opt = self._sharded()
+        out: dict[str, Any] = {}
+        for view, fqn, shape, boxes, _ in self._sharded_layout():
+            if not all(f"optim.state.{fqn}.{k}" in meta_keys for k in ("step", "exp_avg", "exp_avg_sq")):
+                continue
+            s = opt.optim.state.get(view, {})
+            out[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
+            for k in ("exp_avg", "exp_avg_sq"):
+                flat = s.get(k)
+                out[f"state.{fqn}.{k}"] = self._chunks(shape, boxes, torch.zeros_like(view) if flat is None else flat)
+        out.update(self._param_group_entries(opt, meta_keys))
+        return out
+
+    def _load_sharded(self, flat: dict[str, Any]) -> None:
+        opt = self._sharded()
+        for view, fqn, _, _, _ in self._sharded_layout():
+            if f"state.{fqn}.exp_avg" not in flat:
+                continue
+            old = opt.optim.state.get(view, {}).get("step")
+            step = flat[f"state.{fqn}.step"].to(torch.float32 if old is None else old.dtype)
+            opt.optim.state[view] = {"step": step.clone(), "exp_avg": flat[f"state.{fqn}.exp_avg"].flat,
+                                     "exp_avg_sq": flat[f"state.{fqn}.exp_avg_sq"].flat}
+
+    def _load_param_groups(self, opt: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
+        names = self._fqn_of_params()
+        for group in opt.param_groups:
+            if not group["params"]:
+                continue
+            fqn = names[id(group["params"][0])]
+            for k in list(group):
+                if k != "params" and f"param_groups.{fqn}.{k}" in flat:
+                    group[k] = flat[f"param_groups.{fqn}.{k}"]
 
     def _load_zero_one(self, flat: dict[str, Any]) -> None:
         zero = self._zero_one()
@@ -735,11 +911,6 @@ class Checkpointer:
                          if f"state.{fqn}.{k}" in flat}
                 if state:
                     zero.optim.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in state.items()}
-        for group in zero.param_groups:
-            fqn = names[id(group["params"][0])]
-            for k in list(group):
-                if k != "params" and f"param_groups.{fqn}.{k}" in flat:
-                    group[k] = flat[f"param_groups.{fqn}.{k}"]
 
     def load_model_only(self, path: Path) -> None:
         """``train.init_from``: parameters only (e.g. a converted Hugging Face model)."""
