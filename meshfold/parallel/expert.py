@@ -97,7 +97,9 @@ class AllToAllDispatcher(nn.Module):
             local_e, key = per_ep, expert
         else:
             tp = self.tp
-            x, weight = tp.grad_sum(x), tp.grad_sum(weight)
+            # the tokens enter like a column-parallel layer's input (f: its gradient crosses the
+            # tp link in the compute dtype; sp is refused with MoE); the gates' in their own
+            x, weight = tp.enter(x), tp.grad_sum(weight)
             local_e = per_ep // tp.size
             within = expert % per_ep - tp.rank * local_e  # index among this tp column's experts
             mine = (within >= 0) & (within < local_e)
@@ -149,7 +151,7 @@ class TensorParallelExpertDispatcher(nn.Module):
         self.tp, self.start, self.stop = tp, start, stop
 
     def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
-        x, weight = self.tp.grad_sum(x), self.tp.grad_sum(weight)
+        x, weight = self.tp.enter(x), self.tp.grad_sum(weight)  # as AllToAllDispatcher's
         n_local = self.stop - self.start
         local = (expert >= self.start) & (expert < self.stop)
         key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
