@@ -144,8 +144,11 @@ def test_zero1_checkpoint_loads_into_one_process(tmp_path, layout):
     # one-process run has at that step (read back from its own checkpoint, which the
     # one-process resume test shows to be exact), to float64 rounding (tp and the data-parallel
     # average reduce in other orders). Parameters: rtol 1e-9, atol 1e-12; moments (from
-    # ~1e-15 to ~1e-2): rtol 1e-8, atol 1e-18, elementwise. Measured on the 2-core VM:
-    # largest elementwise relative difference 5e-11 (parameters), 2e-10 (moments).
+    # ~1e-15 to ~1e-2): rtol 1e-8 elementwise, atol 1e-12 x the tensor's largest magnitude
+    # (an element that is a near-cancelling sum carries the rounding of its largest terms:
+    # measured 1.7e-17 absolute, 2.9e-8 relative, on an exp_avg element of 6e-10).
+    # Measured on the 2-core VM: largest elementwise relative difference 5e-11 (parameters),
+    # 2e-10 (moments) elsewhere.
     world, parallel, model = LOADS_INTO_ONE_PROCESS[layout]
     segment(_cfg(tmp_path / "one", model=model), SPLIT)  # its own state, through its own checkpoint (exact here)
     own = state_at(_cfg(tmp_path / "one", model=model))
@@ -164,7 +167,8 @@ def test_zero1_checkpoint_loads_into_one_process(tmp_path, layout):
                                    msg=lambda m, n=name: f"{n}: {m}")
     for name, value in own["moments"].items():
         assert not torch.equal(value, torch.zeros_like(value)), name
-        torch.testing.assert_close(loaded["moments"][name], value, rtol=1e-8, atol=1e-18,
+        scale = value.abs().max().item()  # reordered float64 sums err relative to the largest terms
+        torch.testing.assert_close(loaded["moments"][name], value, rtol=1e-8, atol=1e-12 * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
