@@ -1,7 +1,7 @@
 """``meshfold convert``: Hugging Face folders <-> meshfold checkpoints, and ``convert check``.
 
 The name and value mapping (and the HF config reading) is ``models/hf.py``; this module adds
-what needs the checkpoint format (``train/checkpoint.py``) and the composed config, so it
+what needs the checkpoint format (``train/checkpoint_files.py``) and the composed config, so it
 sits in the tools layer (docs/architecture.md). Features and refusals: docs/hf.md.
 """
 
@@ -21,8 +21,8 @@ from meshfold.models.config import ModelConfig
 from meshfold.models.hf import (ARCHITECTURES, FAMILIES, from_hf, hf_config_from_model, hf_family, model_config_from_hf,
                                read_safetensors, to_hf, write_safetensors)
 from meshfold.models.llama import Transformer, rope_tables
-from meshfold.train.checkpoint import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
-                                       validate_checkpoint, write_manifest)
+from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
+                                             validate_checkpoint, write_manifest)
 
 
 # --------------------------------------------------------------------------- meshfold side

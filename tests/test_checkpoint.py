@@ -14,7 +14,7 @@ import torch
 
 from meshfold.config import from_dict
 from meshfold.testing import run_on, tiny_config
-from meshfold.train.checkpoint import CheckpointError, published, validate_checkpoint
+from meshfold.train.checkpoint_files import CheckpointError, published, validate_checkpoint
 
 STEPS = 6
 
@@ -323,10 +323,10 @@ def _tamper_plain_value(ckpt: Path, key: str, payload) -> None:
     with (ckpt / ".metadata").open("wb") as f:  # and the pickled metadata DCP wrote: never read
         torch.save(payload, f)
     manifest = json.loads((ckpt / "meshfold.json").read_text())
-    from meshfold.train.checkpoint import _sha256
+    from meshfold.train.checkpoint_files import sha256_of
 
     for name in manifest["files"]:
-        manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": _sha256(ckpt / name)}
+        manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": sha256_of(ckpt / name)}
     (ckpt / "meshfold.json").write_text(json.dumps(manifest))
 
 
@@ -362,17 +362,17 @@ def _save_and_resume_hashes(run_dir: str) -> dict:
     """Two ranks save, then resume: which files each rank hashed at save and at resume."""
     import torch.distributed as dist
 
-    import meshfold.train.checkpoint as ckpt_mod
+    import meshfold.train.checkpoint_files as files_mod
     from meshfold.train.trainer import Trainer
 
     hashed: list[str] = []
-    real = ckpt_mod._sha256
+    real = files_mod.sha256_of
 
     def counting(path):
         hashed.append(Path(path).name)
         return real(path)
 
-    ckpt_mod._sha256 = counting
+    files_mod.sha256_of = counting
     try:
         cfg = _cfg(run_dir, parallel={"dp_shard": 2})
         tr = Trainer(from_dict(cfg))
@@ -385,7 +385,7 @@ def _save_and_resume_hashes(run_dir: str) -> dict:
         assert again.checkpointer.resume() == 1
         at_resume = sorted(hashed)
     finally:
-        ckpt_mod._sha256 = real
+        files_mod.sha256_of = real
     return {"rank": dist.get_rank(), "save": at_save, "resume": at_resume}
 
 

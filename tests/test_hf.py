@@ -95,7 +95,7 @@ def test_training_starts_from_import(tmp_path):
 
 
 def test_import_rejects_mismatched_model(tmp_path):
-    from meshfold.train.checkpoint import CheckpointError
+    from meshfold.train.checkpoint_files import CheckpointError
     from meshfold.train.trainer import Trainer
 
     _, folder = _hf_model(tmp_path, tied=False)

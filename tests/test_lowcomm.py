@@ -478,7 +478,7 @@ def _save_stubs(stubs, folder) -> None:
     """What DCP stores when these ranks save (keys shared by ranks are stored once)."""
     import torch.distributed.checkpoint as dcp
 
-    from meshfold.train.checkpoint import SafeWriter
+    from meshfold.train.checkpoint_files import SafeWriter
 
     merged = {}
     for s in stubs:
@@ -487,7 +487,7 @@ def _save_stubs(stubs, folder) -> None:
 
 
 def _load_stub(stub, folder) -> None:
-    from meshfold.train.checkpoint import safe_load, read_dcp_metadata
+    from meshfold.train.checkpoint_files import read_dcp_metadata, safe_load
 
     saved = read_dcp_metadata(folder).state_dict_metadata
     prefix = "extra.lowcomm."

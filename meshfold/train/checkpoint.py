@@ -31,18 +31,20 @@ first: it checks every file's size, hashes its share of the files (rank k: every
 from the k-th) and checks its own model tensors' shapes; the first checkpoint no rank
 objects to is loaded by all. Each one skipped is reported (by the rank that found the
 fault) with what is wrong.
+
+Modules: ``checkpoint_files.py`` (the folder on disk: manifest, validation, atomic
+publishing, the pickle-free reader and writer), ``zero_state.py`` (ZeRO-1's Adam state
+as boxes under tensor/pipeline parallel); this one assembles the state and decides
+when to save, what to resume from and how to load it.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import math
 import os
 import shutil
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,20 +52,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -72,24 +60,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
 
 from meshfold import comm
 from meshfold.parallel.data import unwrap
 from meshfold.parallel.optim import ShardedAdamW
+from meshfold.train.checkpoint_files import (
+    CheckpointError,
+    SafeWriter,
+    publish,
+    published,
+    read_dcp_metadata,
+    root_cause,
+    safe_load,
+    validate_checkpoint,
+    write_manifest,
+)
 from meshfold.train.progress import Progress
+from meshfold.train.zero_state import Chunks, Piece, chunks_of, sharded_layout
 
-MANIFEST = "meshfold.json"
-DCP_JSON = "dcp_metadata.json"  # DCP's metadata as JSON: what loading reads (never the pickled .metadata)
-HASHES = "_sha256.json"  # per-rank sidecar "__<rank>_sha256.json", merged into the manifest
-FORMAT_VERSION = 1
 # Optimizer flags that describe the implementation, not the state: keep this run's.
 _IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the folder and what is wrong."""
 
 
 def _log(message: str) -> None:
@@ -123,337 +114,6 @@ def _any_rank(flag: bool, group=None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
     comm.all_reduce(t, group or dist.group.WORLD, "ckpt", op="max")
     return bool(t.item())  # outside the step: a checkpoint decision every rank must share
-
-
-def step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith("step-"):
-        return None
-    try:
-        return int(name[5:])
-    except ValueError:
-        return None
-
-
-def published(ckpt_root: Path) -> list[Path]:
-    """Published checkpoint folders, newest first (no validation)."""
-    if not ckpt_root.is_dir():
-        return []
-    found = [(step_of(p), p) for p in ckpt_root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = None,
-                        share: tuple[int, int] = (0, 1)) -> dict:
-    """The manifest of ``path`` if it is complete, intact and (given ``expected_shapes``,
-    key -> global shape) fits this model; else ``CheckpointError`` saying what is wrong.
-    ``share`` = (k, n): hash only every n-th file from the k-th (the ranks of a resume split
-    the hashing between them); sizes are checked for every file."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        raise CheckpointError(f"{path}: no {MANIFEST} (partial or foreign checkpoint)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as err:
-        raise CheckpointError(f"{path}: {MANIFEST} is unreadable ({err})") from None
-    k, n = share
-    for i, (name, info) in enumerate(sorted(files.items())):
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{path}: file {name} is missing")
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path}: file {name} has {size} bytes, the manifest says {info['bytes']} "
-                                  f"(truncated or overwritten)")
-        if i % n == k and _sha256(f) != info["sha256"]:
-            raise CheckpointError(f"{path}: file {name} does not match its SHA-256 (corrupted bytes)")
-    if expected_shapes:
-        meta = read_dcp_metadata(path).state_dict_metadata
-        for key, shape in expected_shapes.items():
-            got = meta.get(key)
-            if got is None:
-                raise CheckpointError(f"{path}: has no tensor {key} (saved from a different model)")
-            if isinstance(got, TensorStorageMetadata) and tuple(got.size) != tuple(shape):
-                raise CheckpointError(
-                    f"{path}: {key} has shape {tuple(got.size)} in the checkpoint but {tuple(shape)} in this "
-                    f"model; check the [model] section against {path / MANIFEST}"
-                )
-    return manifest
-
-
-# ---------------------------------------------------------------------------- no pickle
-# DCP pickles its metadata (.metadata) and loads plain values with an unrestricted torch.load:
-# a checkpoint someone hands us could run code. meshfold writes the metadata again as JSON
-# and reads only that, and loads plain values with weights_only=True (tensors, numbers,
-# strings, lists, dicts), so a tampered file is refused, never executed.
-
-_LAYOUTS = {str(x): x for x in (torch.strided, torch.sparse_coo)}
-_MEMORY = {str(x): x for x in (torch.contiguous_format, torch.channels_last, torch.preserve_format)}
-
-
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError(f"{DCP_JSON}: unknown dtype {name!r}")
-    return value
-
-
-def metadata_to_json(md: Metadata) -> dict:
-    entries = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, TensorStorageMetadata):
-            p = m.properties
-            entries[fqn] = {"tensor": {
-                "dtype": str(p.dtype), "layout": str(p.layout), "requires_grad": p.requires_grad,
-                "memory_format": str(p.memory_format), "pin_memory": p.pin_memory, "size": list(m.size),
-                "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}}
-        else:
-            entries[fqn] = {"bytes": {}}
-    storage = [{"fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset), "index": idx.index,
-                "path": info.relative_path, "start": info.offset, "length": info.length,
-                "transforms": None if info.transform_descriptors is None else list(info.transform_descriptors)}
-               for idx, info in (md.storage_data or {}).items()]
-    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
-    return {"version": md.version, "state_dict_metadata": entries, "storage_data": storage,
-            "planner_data": {k: list(v) for k, v in planner.items()}}
-
-
-def metadata_from_json(data: dict) -> Metadata:
-    entries = {}
-    for fqn, e in data["state_dict_metadata"].items():
-        if "tensor" in e:
-            t = e["tensor"]
-            props = TensorProperties(dtype=_dtype(t["dtype"]), layout=_LAYOUTS[t["layout"]],
-                                     requires_grad=bool(t["requires_grad"]),
-                                     memory_format=_MEMORY[t["memory_format"]], pin_memory=bool(t["pin_memory"]))
-            entries[fqn] = TensorStorageMetadata(props, torch.Size(t["size"]),
-                                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(z))
-                                                  for o, z in t["chunks"]])
-        else:
-            entries[fqn] = BytesStorageMetadata()
-    storage = {}
-    for s in data["storage_data"]:
-        idx = MetadataIndex(s["fqn"], None if s["offset"] is None else torch.Size(s["offset"]), s["index"])
-        storage[idx] = _StorageInfo(str(s["path"]), int(s["start"]), int(s["length"]), s["transforms"])
-    return Metadata(state_dict_metadata=entries, storage_data=storage, version=data.get("version"),
-                    planner_data={k: tuple(v) for k, v in data.get("planner_data", {}).items()},
-                    storage_meta=StorageMeta())
-
-
-def read_dcp_metadata(path: Path) -> Metadata:
-    f = Path(path) / DCP_JSON
-    if not f.exists():
-        raise CheckpointError(f"{path}: no {DCP_JSON} (saved by an older meshfold; its pickled .metadata is not "
-                              f"read)")
-    try:
-        return metadata_from_json(json.loads(f.read_text()))
-    except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path}: {DCP_JSON} is unreadable ({type(err).__name__}: {err})") from None
-
-
-class SafeWriter(FileSystemWriter):
-    """DCP's file writer, plus: each rank hashes the files it wrote, right after writing
-    them (all ranks in parallel), into ``__<rank>_sha256.json``; the coordinator also
-    writes the metadata as JSON."""
-
-    def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)
-        results = fut.wait()
-        names = sorted({r.storage_data.relative_path for r in results})
-        hashes = {n: {"bytes": (Path(self.path) / n).stat().st_size, "sha256": _sha256(Path(self.path) / n)}
-                  for n in names}
-        prefix = plan.storage_data.prefix  # "__<rank>_"
-        _write_json(Path(self.path) / f"{prefix.rstrip('_')}{HASHES}", hashes)
-        return fut
-
-    def finish(self, metadata: Metadata, results) -> None:
-        super().finish(metadata, results)
-        _write_json(Path(self.path) / DCP_JSON, metadata_to_json(metadata))
-
-
-class SafeReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        return read_dcp_metadata(Path(self.path))
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Plain values (counters, config, the sampler position) with ``weights_only=True``."""
-
-    def load_bytes(self, read_item, value) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as err:  # noqa: BLE001 - anything not plain data is refused
-            lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [type(err).__name__]
-            why = next((x for x in lines if "Unsupported global" in x), lines[0])[:120]
-            raise CheckpointError(f"refusing {read_item.dest_index.fqn}: not plain data ({why}); the checkpoint "
-                                  f"was tampered with or is foreign, nothing in it was run") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def safe_load(sd: dict, path: Path, no_dist: bool = False) -> None:
-    """``dcp.load`` through the JSON metadata and the weights-only planner; a refusal on
-    any rank comes out as its one-line ``CheckpointError`` (DCP wraps it per rank)."""
-    try:
-        dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), no_dist=no_dist)
-    except dcp.CheckpointException as err:
-        for failure in getattr(err, "failures", {}).values():
-            failure = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(failure, CheckpointError):
-                raise CheckpointError(f"{path}: {failure}") from None
-        raise
-
-
-def _write_json(path: Path, data: dict) -> None:
-    part = path.with_name(path.name + ".part")
-    with part.open("w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(part, path)
-
-
-def _root_cause(err: BaseException) -> str:
-    """The first rank's underlying error of a DCP ``CheckpointException`` (e.g. the
-    OSError of a full disk), else the error itself, as one line."""
-    failures = getattr(err, "failures", None)
-    if failures:
-        rank, first = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
-        first = first[0] if isinstance(first, tuple) else first
-        return f"rank {rank}: {type(first).__name__}: {str(first).splitlines()[0][:300]}"
-    text = str(err).splitlines()[0][:300] if str(err) else ""
-    return f"{type(err).__name__}: {text}"
-
-
-def write_manifest(folder: Path, info: dict) -> None:
-    """Write ``meshfold.json`` into a finished checkpoint folder: ``info`` plus the size and
-    SHA-256 of every file, fsynced, through a rename (a reader sees all of it or nothing).
-    The data files were hashed by the ranks that wrote them (``SafeWriter``): their
-    sidecars are merged here and removed; only the few files with no sidecar entry (DCP's
-    metadata) are hashed now."""
-    files = {}
-    sidecars = sorted(folder.glob(f"*{HASHES}"))
-    for side in sidecars:
-        files.update(json.loads(side.read_text()))
-    for f in sorted(folder.iterdir()):
-        if (f.is_file() and f.name != MANIFEST and f.name not in files and not f.name.endswith(".part")
-                and f not in sidecars):
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-    files = dict(sorted(files.items()))
-    manifest = {"format": FORMAT_VERSION, **info, "time": time.time(), "files": files}
-    part = folder / (MANIFEST + ".part")
-    with part.open("w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(part, folder / MANIFEST)
-    for side in sidecars:
-        side.unlink()
-    _fsync_dir(folder)
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Make a finished folder visible under its final name with one ``rename``; an
-    existing folder of that name is moved aside first and removed after."""
-    trash = None
-    if final.exists():
-        trash = final.parent / f".trash-{final.name}-{time.time_ns()}"
-        os.rename(final, trash)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int, int]]:
-    """The flat elements [a, b) of a row-major tensor of ``shape`` as rectangular boxes
-    ``(offsets, sizes, start, stop)``, in order, each box the contiguous flat range
-    [start, stop): a partial first row, whole rows, a partial last row, and the same
-    recursively inside a partial row (at most 2 per dimension less one)."""
-    if a >= b:
-        return []
-    if len(shape) <= 1:
-        return [((a,), (b - a,), a, b)] if shape else [((), (), a, b)]
-    inner = math.prod(shape[1:])
-    (i0, r0), (i1, r1) = divmod(a, inner), divmod(b, inner)
-
-    def row(i: int, lo: int, hi: int) -> list:
-        return [((i, *o), (1, *z), i * inner + x, i * inner + y) for o, z, x, y in flat_boxes(shape[1:], lo, hi)]
-
-    if i0 == i1:
-        return row(i0, r0, r1)
-    out = []
-    if r0:
-        out += row(i0, r0, inner)
-        i0 += 1
-    if i1 > i0:
-        out.append(((i0,) + (0,) * (len(shape) - 1), (i1 - i0, *shape[1:]), i0 * inner, i1 * inner))
-    if r1:
-        out += row(i1, 0, r1)
-    return out
-
-
-class Chunks(torch.Tensor):
-    """A tensor of global ``shape`` of which this rank holds some rectangular chunks,
-    ``[(global offsets, tensor)]`` (views into storage it owns: a ZeRO-1 rank's Adam
-    state). It speaks DCP's checkpointable protocol, as DTensor does: DCP saves exactly
-    these chunks (duplicates across ranks, at the same offsets, once) and, loading, reads
-    into them whatever overlaps them in a checkpoint of any layout. Only DCP uses it; any
-    tensor operation on it is an error. ``flat``: the 1-D tensor the chunks view, if any."""
-
-    chunks: list[tuple[tuple[int, ...], torch.Tensor]]
-    flat: torch.Tensor | None
-
-    @staticmethod
-    def __new__(cls, shape, chunks: list[tuple[tuple[int, ...], torch.Tensor]], flat: torch.Tensor | None = None):
-        first = chunks[0][1]
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=first.dtype, device=first.device)
-        r.chunks, r.flat = chunks, flat
-        return r
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(f"{func} on checkpoint Chunks (only DCP reads and writes them)")
-
-    def _metadata(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in self.chunks]
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        props = TensorProperties.create_from_tensor(self.chunks[0][1])
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))
-                for c in self._metadata()]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return self._metadata()
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, t in self.chunks:
-            if torch.Size(offsets) == index.offset:
-                return t
-        raise ValueError(f"{index.fqn}: this rank holds no chunk at {tuple(index.offset or ())}")
 
 
 def _stage(value: Any, buffers: dict, key: str = "") -> Any:
@@ -573,41 +233,15 @@ class Checkpointer:
                         out[key] = v
         return out
 
-    def _sharded_layout(self) -> list[tuple[torch.Tensor, str, torch.Size, list, bool]]:
-        """For each piece ``ShardedAdamW`` updates on this rank: (its flat view, the
-        parameter's name, its global shape, the boxes ``(global offsets, sizes, start,
-        stop)`` the piece covers, with [start, stop) its range of the piece's flat state,
-        and whether this rank writes them). A parameter replicated over a mesh dimension
-        (a norm under tp) is written only by coordinate 0 there: the other coordinates
-        cut the same values into their own, possibly different, boxes. Fixed for a run:
-        computed once."""
-        if self._layout is not None:
-            return self._layout
-        opt = self._sharded()
-        names = self._fqn_of_params()
-        layout = []
-        for view, (p, a, b) in zip(opt._views, opt.pieces):
-            local, offset, writes = p, (0,) * p.ndim, True
-            if isinstance(p, DTensor):
-                if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
-                    raise CheckpointError(f"{names[id(p)]} has placements {p.placements}: ZeRO-1 checkpoints take "
-                                          f"Shard and Replicate only")
-                local = p.to_local()
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                if tuple(shape) != tuple(local.shape):
-                    raise CheckpointError(f"{names[id(p)]}: local shape {tuple(local.shape)} is not the "
-                                          f"{tuple(shape)} its placements give")
-                coord = p.device_mesh.get_coordinate()
-                writes = all(c == 0 for c, pl in zip(coord, p.placements) if isinstance(pl, Replicate))
-            boxes = [(tuple(o + g for o, g in zip(off, offset)), size, lo - a, hi - a)
-                     for off, size, lo, hi in flat_boxes(tuple(local.shape), a, b)]
-            layout.append((view, names[id(p)], p.shape, boxes, writes))
-        self._layout = layout
-        return layout
-
-    @staticmethod
-    def _chunks(shape: torch.Size, boxes: list, flat: torch.Tensor) -> Chunks:
-        return Chunks(shape, [(off, flat[lo:hi].view(size)) for off, size, lo, hi in boxes], flat)
+    def _sharded_layout(self) -> list[Piece]:
+        """``ShardedAdamW``'s pieces as checkpoint boxes (``zero_state.sharded_layout``),
+        computed once: they are fixed for a run."""
+        if self._layout is None:
+            try:
+                self._layout = sharded_layout(self._sharded(), self._fqn_of_params())
+            except ValueError as err:
+                raise CheckpointError(str(err)) from None
+        return self._layout
 
     def _optim_state(self) -> dict[str, Any]:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -630,7 +264,7 @@ class Checkpointer:
                 state[f"state.{fqn}.step"] = s["step"]  # the same on every rank (saved once)
                 if writes:
                     for k in ("exp_avg", "exp_avg_sq"):
-                        state[f"state.{fqn}.{k}"] = self._chunks(shape, boxes, s[k])
+                        state[f"state.{fqn}.{k}"] = chunks_of(shape, boxes, s[k])
         state.update(self._param_group_entries(zero or sharded))
         return state
 
@@ -696,7 +330,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             good = [p.name for p in published(self.root)]
-            _log(f"saving step {step} failed ({_root_cause(err)}); the previous checkpoints are kept: "
+            _log(f"saving step {step} failed ({root_cause(err)}); the previous checkpoints are kept: "
                  f"{', '.join(good) or 'none yet'}")
 
     def _publish(self, tmp: Path, step: int) -> bool:
@@ -877,7 +511,7 @@ class Checkpointer:
             out[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
             for k in ("exp_avg", "exp_avg_sq"):
                 flat = s.get(k)
-                out[f"state.{fqn}.{k}"] = self._chunks(shape, boxes, torch.zeros_like(view) if flat is None else flat)
+                out[f"state.{fqn}.{k}"] = chunks_of(shape, boxes, torch.zeros_like(view) if flat is None else flat)
         out.update(self._param_group_entries(opt, meta_keys))
         return out
 
