@@ -85,7 +85,10 @@ def test_dp_collectives_match_runtime(tmp_path, parallel, train):
     ({"pp": 2, "dp_replicate": 2, "zero": 0, "pp_schedule": "interleaved", "pp_virtual_stages": 2},
      {"n_layers": 4}, {}),  # interleaved: stage 0 also sends gradients back from its second chunk
     ({"tp": 2, "sp": True, "pp": 2}, None, {}),  # rank 0 is stage 0: embedding, no output or loss
-], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "cp-ulysses", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp"])
+    ({"tp": 2, "dp_shard": 2, "zero": 1},  # learned positions: whole on every tp rank, in dp's buckets
+     {"pos": "learned", "norm": "layernorm", "bias": True, "mlp": "gelu"}, {}),
+], ids=["tp-fsdp", "tp-sp", "tp-sp-recompute", "cp-ring", "cp-ulysses", "pp-zero1", "pp-interleaved-ddp", "tp-sp-pp",
+        "tp-zero1-gpt2"])
 def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, train):
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)
 

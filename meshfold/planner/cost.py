@@ -535,6 +535,7 @@ class CostModel:
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
+                   pos_emb=s * h if m.pos == "learned" else 0.0,  # learned positions: whole on every tp rank
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
                    loss_t=self.ct("all_reduce", loss_bytes / 3, tp, 1),
                    norm_t=self.ct("all_reduce", norm_bytes, tp, 1) if sp else 0.0,
@@ -600,7 +601,7 @@ class CostModel:
             bw = sum(kinds[k][1] * n for k, n in counts.items())
             params = sum(kinds[k][2] * n for k, n in counts.items())
             if st == 0:
-                params += T["emb"]
+                params += T["emb"] + T["pos_emb"]
                 f, bw = f + T["emb_ops"][0] * T["tp_ar"], bw + T["emb_ops"][1] * T["tp_ar"]
             if st == last_rank:
                 f, bw = f + T["out_fwd"], bw + T["out_bwd"]
@@ -775,7 +776,8 @@ class CostModel:
         # micro-batch's forward to its backward; with amp the stage input is layer 0's
         # (fp32) norm input, already counted.
         tied_out = m.tie_embeddings and pp == 1
-        copies = act * (stage_params[0] - (0 if tied_out else T["emb"])) if (amp and not fsdp) else 0.0
+        looked_up = T["pos_emb"] + (0 if tied_out else T["emb"])
+        copies = act * (stage_params[0] - looked_up) if (amp and not fsdp) else 0.0
         stage_in = 0.0 if amp else act * tokens * h
         per_layer = dict(T["act_kinds"])
         if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
@@ -971,7 +973,7 @@ class CostModel:
         shared_host = c.host_cores and L.world > c.host_cores
         if L.pp > 1 and not shared_host:  # (on a shared host a bubble can cost nothing)
             bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
-        P = (sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"]) / L.pp  # average stage's parameters
+        P = (sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"]) / L.pp  # average stage's
         n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
         opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.hbm
         small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
