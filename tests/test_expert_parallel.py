@@ -155,3 +155,50 @@ def test_checkpoint_from_expert_parallel_resumes_in_one_process(tmp_path):
     assert len(first["losses"]) == 3 and len(got["losses"]) == 2  # the resumed run reports steps 4 and 5
     got["losses"] = first["losses"] + got["losses"]  # steps 1-3 from the ep run itself: all 5 compared
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+
+
+# Fewer local experts than edp ranks: 2 experts at ep 2 over 4 data ranks leave E_l = 1 expert
+# per ep rank for edp = 2 FSDP ranks. Dim 0 would pad to a whole expert per rank; FSDP2 shards
+# dim 1 instead (parallel/expert_shard.py). train.offload = params reaches the experts' group too.
+TWO = {**MOE, "moe_experts": 2}
+
+
+def _train_and_expert_layout(cfg_dict: dict) -> dict | None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from meshfold.models.moe import moe_layers
+    from meshfold.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(cfg_dict))
+    trainer.capture_grads = True
+    losses = trainer.fit()
+    params, grads = trainer.full_state(), trainer.last_grads
+    layout = []
+    for _, moe in moe_layers(trainer.model):
+        assert isinstance(moe.experts, FSDPModule)
+        for group in moe.experts._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                layout.append((fp.fsdp_placement.dim, tuple(fp.sharded_param.to_local().shape),
+                               tuple(fp.sharded_param.placements), fp.offload_to_cpu,
+                               fp.sharded_param.to_local().device.type))
+    if dist.get_rank() != 0:
+        return None
+    return {"losses": losses, "params": params, "grads": grads, "layout": layout}
+
+
+@pytest.mark.parametrize("train", [{}, {"offload": "params"}], ids=["fsdp", "offload-params"])
+def test_fewer_local_experts_than_edp_ranks_shard_dim1(train, tmp_path):
+    from torch.distributed.tensor import Shard
+
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=TWO))
+    got = run_on(4, _train_and_expert_layout, tiny_config(str(tmp_path / "ep"), model=TWO,
+                                                          parallel={"dp_shard": 4, "ep": 2}, train=train))[0]
+    layout = got.pop("layout")
+    assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+    m = from_dict(tiny_config("/tmp/x", model=TWO)).model
+    h, d = m.expert_dim, m.dim
+    # w1, w2, w3 of each MoE layer: [1, out, in] halved on out; Shard(1) on edp, Shard(0) on ep
+    assert layout and {x[:3] for x in layout} == {(1, (1, h // 2, d), (Shard(1), Shard(0))),
+                                                  (1, (1, d // 2, h), (Shard(1), Shard(0)))}
+    assert {x[3] for x in layout} == {train.get("offload") == "params"}
