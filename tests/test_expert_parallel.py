@@ -142,11 +142,14 @@ def test_pipeline_with_expert_parallel(tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
-def test_checkpoint_from_expert_parallel_resumes_in_one_process(tmp_path):
+@pytest.mark.parametrize("experts", [4, 2], ids=["experts-dim0", "experts-dim1"])
+def test_checkpoint_from_expert_parallel_resumes_in_one_process(experts, tmp_path):
     # Sharded experts (ep x FSDP), Adam state and the balancing bias go through the distributed
     # checkpoint and reload unsharded: 3 steps at ep 2 + 2 resumed steps = 5 one-process steps.
-    # Constant LR after warm-up, so the shorter first run has the same schedule.
-    model, train = {**MOE, "moe_bias_balance": True, "moe_bias_update_rate": 1e-2}, {"min_lr_ratio": 1.0}
+    # Constant LR after warm-up, so the shorter first run has the same schedule. With 2 experts
+    # FSDP2 shards the experts' dim 1 (1 local expert over edp = 2 ranks).
+    model = {**MOE, "moe_experts": experts, "moe_bias_balance": True, "moe_bias_update_rate": 1e-2}
+    train = {"min_lr_ratio": 1.0}
     ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model, train=train))
     run_dir = str(tmp_path / "ep")
     first = run_on(4, train_collect, tiny_config(run_dir, model=model, parallel={"dp_shard": 4, "ep": 2},
@@ -202,3 +205,18 @@ def test_fewer_local_experts_than_edp_ranks_shard_dim1(train, tmp_path):
     assert layout and {x[:3] for x in layout} == {(1, (1, h // 2, d), (Shard(1), Shard(0))),
                                                   (1, (1, d // 2, h), (Shard(1), Shard(0)))}
     assert {x[3] for x in layout} == {train.get("offload") == "params"}
+
+
+def test_expert_shard_dim_picks_the_dimension_that_wastes_least():
+    from meshfold.parallel.expert_shard import expert_shard_dim, expert_shard_padding
+
+    cases = [((8, 6, 6), 4, 0, 1.0),           # edp divides the experts: whole experts per rank
+             ((4, 1408, 2048), 32, 1, 1.0),    # deepseek-moe-16b w1 at ep 8, tp 2, edp 32
+             ((6, 1408, 2048), 4, 1, 1.0),     # more experts than ranks, but uneven
+             ((1, 3, 4), 2, 2, 1.0),           # only `in` divides
+             ((1, 3, 5), 2, 0, 2.0),           # nothing divides: dim 0 padded, a whole expert each
+             ((3, 5, 5), 2, 0, 4 / 3),
+             ((3, 5, 5), 1, 0, 1.0)]           # no FSDP peers
+    for shape, edp, dim, padding in cases:
+        assert expert_shard_dim(shape, edp) == dim, shape
+        assert expert_shard_padding(shape, edp) == pytest.approx(padding), shape
