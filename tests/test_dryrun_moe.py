@@ -98,6 +98,10 @@ AGREEMENT = [
     pytest.param(8, {"dp_shard": 8, "ep": 4, "zero": 3}, {}, id="ep4-fsdp8-zero3"),
     pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 2, "zero": 3}, {}, id="ep2xtp2-fsdp4-zero3"),
     pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 4, "zero": 3}, {}, id="ep4xtp2-edp1"),  # experts: no FSDP peers
+    # 4 experts at ep 2: E_l = 2 local experts over edp = 4 ranks (HSDP 2 x 4: the experts' FSDP
+    # group spans the replicas; the router's 4 rows divide dp_shard), sharded on dim 1, no padding
+    pytest.param(8, {"dp_replicate": 2, "dp_shard": 4, "ep": 2, "zero": 3}, {"moe_experts": 4},
+                 id="ep2-hsdp2x4-experts-dim1"),
     pytest.param(4, {"tp": 2, "dp_shard": 2, "zero": 3},
                  {"n_layers": 3, "moe_first_dense": 1, "moe_shared_experts": 1}, id="tp2-experts-dense+moe-shared"),
     pytest.param(8, {"pp": 2, "dp_shard": 4, "ep": 2, "zero": 3, "pp_microbatches": 2},

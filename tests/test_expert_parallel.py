@@ -142,11 +142,14 @@ def test_pipeline_with_expert_parallel(tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
-def test_checkpoint_from_expert_parallel_resumes_in_one_process(tmp_path):
+@pytest.mark.parametrize("experts", [4, 2], ids=["experts-dim0", "experts-dim1"])
+def test_checkpoint_from_expert_parallel_resumes_in_one_process(experts, tmp_path):
     # Sharded experts (ep x FSDP), Adam state and the balancing bias go through the distributed
     # checkpoint and reload unsharded: 3 steps at ep 2 + 2 resumed steps = 5 one-process steps.
-    # Constant LR after warm-up, so the shorter first run has the same schedule.
-    model, train = {**MOE, "moe_bias_balance": True, "moe_bias_update_rate": 1e-2}, {"min_lr_ratio": 1.0}
+    # Constant LR after warm-up, so the shorter first run has the same schedule. With 2 experts
+    # FSDP2 shards the experts' dim 1 (1 local expert over edp = 2 ranks).
+    model = {**MOE, "moe_experts": experts, "moe_bias_balance": True, "moe_bias_update_rate": 1e-2}
+    train = {"min_lr_ratio": 1.0}
     ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model, train=train))
     run_dir = str(tmp_path / "ep")
     first = run_on(4, train_collect, tiny_config(run_dir, model=model, parallel={"dp_shard": 4, "ep": 2},
@@ -155,3 +158,65 @@ def test_checkpoint_from_expert_parallel_resumes_in_one_process(tmp_path):
     assert len(first["losses"]) == 3 and len(got["losses"]) == 2  # the resumed run reports steps 4 and 5
     got["losses"] = first["losses"] + got["losses"]  # steps 1-3 from the ep run itself: all 5 compared
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+
+
+# Fewer local experts than edp ranks: 2 experts at ep 2 over 4 data ranks leave E_l = 1 expert
+# per ep rank for edp = 2 FSDP ranks. Dim 0 would pad to a whole expert per rank; FSDP2 shards
+# dim 1 instead (parallel/expert_shard.py). train.offload = params reaches the experts' group too.
+TWO = {**MOE, "moe_experts": 2}
+
+
+def _train_and_expert_layout(cfg_dict: dict) -> dict | None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from meshfold.models.moe import moe_layers
+    from meshfold.train.trainer import Trainer
+
+    trainer = Trainer(from_dict(cfg_dict))
+    trainer.capture_grads = True
+    losses = trainer.fit()
+    params, grads = trainer.full_state(), trainer.last_grads
+    layout = []
+    for _, moe in moe_layers(trainer.model):
+        assert isinstance(moe.experts, FSDPModule)
+        for group in moe.experts._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                layout.append((fp.fsdp_placement.dim, tuple(fp.sharded_param.to_local().shape),
+                               tuple(fp.sharded_param.placements), fp.offload_to_cpu,
+                               fp.sharded_param.to_local().device.type))
+    if dist.get_rank() != 0:
+        return None
+    return {"losses": losses, "params": params, "grads": grads, "layout": layout}
+
+
+@pytest.mark.parametrize("train", [{}, {"offload": "params"}], ids=["fsdp", "offload-params"])
+def test_fewer_local_experts_than_edp_ranks_shard_dim1(train, tmp_path):
+    from torch.distributed.tensor import Shard
+
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=TWO))
+    got = run_on(4, _train_and_expert_layout, tiny_config(str(tmp_path / "ep"), model=TWO,
+                                                          parallel={"dp_shard": 4, "ep": 2}, train=train))[0]
+    layout = got.pop("layout")
+    assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+    m = from_dict(tiny_config("/tmp/x", model=TWO)).model
+    h, d = m.expert_dim, m.dim
+    # w1, w2, w3 of each MoE layer: [1, out, in] halved on out; Shard(1) on edp, Shard(0) on ep
+    assert layout and {x[:3] for x in layout} == {(1, (1, h // 2, d), (Shard(1), Shard(0))),
+                                                  (1, (1, d // 2, h), (Shard(1), Shard(0)))}
+    assert {x[3] for x in layout} == {train.get("offload") == "params"}
+
+
+def test_expert_shard_dim_picks_the_dimension_that_wastes_least():
+    from meshfold.parallel.expert_shard import expert_shard_dim, expert_shard_padding
+
+    cases = [((8, 6, 6), 4, 0, 1.0),           # edp divides the experts: whole experts per rank
+             ((4, 1408, 2048), 32, 1, 1.0),    # deepseek-moe-16b w1 at ep 8, tp 2, edp 32
+             ((6, 1408, 2048), 4, 1, 1.0),     # more experts than ranks, but uneven
+             ((1, 3, 4), 2, 2, 1.0),           # only `in` divides
+             ((1, 3, 5), 2, 0, 2.0),           # nothing divides: dim 0 padded, a whole expert each
+             ((3, 5, 5), 2, 0, 4 / 3),
+             ((3, 5, 5), 1, 0, 1.0)]           # no FSDP peers
+    for shape, edp, dim, padding in cases:
+        assert expert_shard_dim(shape, edp) == dim, shape
+        assert expert_shard_padding(shape, edp) == pytest.approx(padding), shape

@@ -8,7 +8,10 @@ neighbouring dp_shard/cp ranks:
 * each ep rank holds E/ep experts: the stacked expert weights become DTensors sharded on
   dim 0 over ``ep`` (``Shard(0)``);
 * FSDP2 shards those local experts again over the remaining ``edp = R/ep`` ranks (its own
-  ``fully_shard`` group inside the block), so expert weights are sharded R ways in all;
+  ``fully_shard`` group inside the block, with the blocks' mixed precision and CPU offload),
+  so expert weights are sharded R ways in all. The local stack [E_l, out, in] is sharded on
+  dim 0 when edp divides E_l, else on out or in when edp divides it (no padding), else on
+  dim 0 padded (``expert_shard.py``, which the planner prices too);
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
   the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped;
 * with tp > 1 no expert FLOP is done twice, in every composition: with ep = 1 (FSDP2,
@@ -47,6 +50,7 @@ from meshfold.mesh import ParallelDims
 from meshfold.models.moe import (MoE, balanced_counts, combine, count_rows, gather_rows, moe_layers, read_counts,
                                   scatter_add_rows)
 from meshfold.parallel.data import fsdp_policies
+from meshfold.parallel.expert_shard import expert_shard_dim
 from meshfold.parallel.tensor import TensorParallelGroup, _distribute, _parallelize_ffn, shard_range
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
@@ -217,6 +221,16 @@ def shard_experts(moe: MoE, ep_mesh, tp: TensorParallelGroup | None = None) -> N
         setattr(moe.experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
+def _expert_placement(edp: int):
+    """FSDP2's ``shard_placement_fn`` for a stacked expert weight: ``Shard(d)`` on the
+    dimension of its local piece [E_l, out, in] that ``expert_shard_dim`` picks."""
+    def placement(p: nn.Parameter) -> Shard:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return Shard(expert_shard_dim(tuple(local.shape), edp))
+
+    return placement
+
+
 def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> nn.Module:
     """Make the balance statistics global and (ep > 1) shard the experts; call before data
     parallel wraps the model."""
@@ -241,7 +255,8 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
 
     mesh = expert_mesh(dims)
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
-    mp, _ = fsdp_policies(cfg.train)
+    mp, offload = fsdp_policies(cfg.train)
+    kwargs = {"offload_policy": offload} if offload is not None else {}  # train.offload = params
     dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp)
     for _, moe in layers:
         shard_experts(moe, ep_mesh, tp)
@@ -249,6 +264,8 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         # Validation guarantees zero >= 2: experts get their own FSDP group over edp.
         moe.experts.grad_scale = 1.0 / ep_mesh.size()
         # with the blocks' mixed precision (bf16: bf16 gathers, reduce_dtype reductions)
-        fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp)
+        # on the dimension that wastes least (expert_shard.py): E_l < edp pads dim 0
+        fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp,
+                    shard_placement_fn=_expert_placement(edp_mesh.size()), **kwargs)
         moe.experts.fsdp_group_sizes = (edp_mesh.size(), 1)  # for the ledger (parallel/data.py)
     return model

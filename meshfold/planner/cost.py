@@ -22,6 +22,7 @@ from meshfold.models.config import ModelConfig
 from meshfold.data.micro import micro_batch_count
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
+from meshfold.parallel.expert_shard import expert_shard_padding
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
@@ -836,12 +837,20 @@ class CostModel:
         return states
 
     def _expert_padding(self, L: Layout) -> float:
-        """FSDP2 shards the stacked expert weights [E_l, out, in] (E_l = E / (ep tp) local
-        experts) on dim 0 over the edp ranks: each rank holds ceil(E_l / edp) experts (the
-        last ones padding), all-gathers and reduce-scatters that many: edp ceil(E_l / edp) / E_l
-        times the experts (8x for deepseek-moe-16b at ep 8, tp 2 over 256 dp ranks)."""
-        E_l, edp = self.w.model.moe_experts / (L.ep * L.tp), L.dp * L.cp // L.ep
-        return edp * math.ceil(E_l / edp) / E_l
+        """The routed experts' bytes per rank (held, all-gathered, reduce-scattered) relative to
+        their even share over the edp ranks. Each stacked expert weight [E_l, out, in]
+        (E_l = E / (ep tp) local experts) is sharded on the dimension
+        ``parallel/expert_shard.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
+        edp divides E_l, out or in; else dim 0 padded to ceil(E_l / edp) experts per rank."""
+        m = self.w.model
+        E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep
+        if not E_l:
+            return 1.0
+        # w1 (and w3 with swiglu) [E_l, hidden, dim], w2 [E_l, dim, hidden]: equal sizes
+        shapes = [(E_l, m.expert_dim, m.dim), (E_l, m.dim, m.expert_dim)]
+        if m.mlp == "swiglu":
+            shapes.append(shapes[0])
+        return sum(expert_shard_padding(s, edp) for s in shapes) / len(shapes)
 
     def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
                     n_micro: int) -> dict:

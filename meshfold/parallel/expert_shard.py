@@ -1,0 +1,42 @@
+"""Which dimension FSDP2 shards a stacked expert weight on (pure: no torch, so the planner
+prices the same layout the runtime builds).
+
+Under expert parallel each rank's routed experts are stacked weights ``[E_l, out, in]``
+(E_l = E / (ep tp) local experts) that get their own FSDP2 group over the ``edp`` ranks
+(``parallel/expert.py``). FSDP2 shards dim 0 by default and pads it: each rank holds
+ceil(E_l / edp) experts, so with E_l < edp (e.g. deepseek-moe-16b at ep 8, tp 2 over 256
+data-parallel ranks: E_l = 4, edp = 32) every rank holds a whole expert, edp/E_l = 8 times
+its even share, and the all-gathers and reduce-scatters move that padded size.
+
+FSDP2 (torch 2.13, ``fully_shard(shard_placement_fn=...)``) can shard any dimension but
+refuses uneven sharding of a dimension other than 0 (``_fsdp_param.py``: "FSDP does not
+support uneven sharding on dim d"), so the choice is:
+
+* dim 0 when edp divides E_l (whole experts per rank, no padding);
+* otherwise the first of the other dimensions (out, then in) that edp divides: no padding;
+* otherwise dim 0, padded (the only uneven sharding FSDP2 accepts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def expert_shard_dim(shape: Sequence[int], edp: int) -> int:
+    """The dimension of a local stacked expert weight ``shape`` = (E_l, out, in) that FSDP2
+    shards over ``edp`` ranks: the one that wastes least (see the module docstring)."""
+    if edp <= 1 or shape[0] % edp == 0:
+        return 0
+    for d in range(1, len(shape)):
+        if shape[d] % edp == 0:
+            return d
+    return 0
+
+
+def expert_shard_padding(shape: Sequence[int], edp: int) -> float:
+    """Bytes every rank holds (and every collective moves) relative to the even share, for
+    the dimension :func:`expert_shard_dim` picks: 1.0 when the sharding is even, else
+    edp ceil(E_l / edp) / E_l (dim 0 padded)."""
+    d = expert_shard_dim(shape, edp)
+    n = shape[d]
+    return edp * -(-n // edp) / n if edp > 1 and n else 1.0
