@@ -352,12 +352,15 @@ def _child(out, i: int, fn, args) -> None:
 
 
 def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
-    """``fn(*args)`` for each of ``calls``, each in a fresh spawned process (torch caches
-    meshes and groups per process), ``parallel`` at a time; results in order. A child's
-    exception is raised here; a child that dies without an answer (killed, out of memory)
-    is an error naming it, never a wait without end (as a ``multiprocessing.Pool`` whose
-    worker died would)."""
-    ctx = multiprocessing.get_context("spawn")
+    """``fn(*args)`` for each of ``calls``, each in a fresh process (torch caches meshes and
+    groups per process), ``parallel`` at a time; results in order. A child's exception is
+    raised here; a child that dies without an answer (killed, out of memory) is an error
+    naming it, never a wait without end (as a ``multiprocessing.Pool`` whose worker died
+    would). The children are forked from a forkserver that has imported this module once
+    (and nothing else has run there), so each starts without any process group or mesh and
+    without paying torch's import again."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     out = ctx.Queue()
     results: list = [None] * len(calls)
     pending, running, silent = list(enumerate(calls)), {}, {}
