@@ -176,6 +176,39 @@ def train_collect(cfg_dict: dict) -> dict | None:
     return {"losses": losses, "params": params, "grads": grads}
 
 
+def train_segment(cfg_dict: dict, stop: int, save: bool = True) -> dict | None:
+    """Resume (train.resume = auto) from the run directory, train up to step ``stop``,
+    checkpoint there (unless ``save`` is False). Global rank 0 returns the step it resumed
+    at, the losses of the steps it ran and the final unsharded parameters."""
+    import torch.distributed as dist
+
+    tr = Trainer(from_dict(cfg_dict))
+    start = tr.checkpointer.resume() or 0
+    losses = []
+    while tr.step < stop:
+        with tr.fault.step():
+            losses.append(tr.train_step())
+    if save:
+        tr.checkpointer.save()
+    tr.checkpointer.close()
+    tr.fault.close()
+    params = tr.full_state()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return {"start": start, "losses": losses, "params": params}
+
+
+def one_step_report(cfg_dict: dict) -> dict:
+    """This rank's parameter bytes (float64 local pieces) and the collectives of one real
+    training step, as the communication layer recorded them (what ``meshfold dry-run``
+    predicts for the same layout)."""
+    trainer = Trainer(from_dict(cfg_dict))
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 8 for p in trainer.model.parameters())
+    trainer.ledger.pop_step()
+    trainer.train_step()
+    return {"param_bytes": local, "collectives": trainer.ledger.pop_step_collectives()}
+
+
 def assert_runs_match(ref: dict, got: dict, rtol: float = 1e-9, atol: float = 1e-11) -> None:
     """Losses step by step, then every parameter and gradient, within the tolerances."""
     import torch

@@ -13,39 +13,16 @@ import pytest
 import torch
 
 from meshfold.config import from_dict
-from meshfold.testing import run_on, tiny_config
+from meshfold.testing import run_on, tiny_config, train_segment
 from meshfold.train.checkpoint_files import CheckpointError, published, validate_checkpoint
 
 STEPS = 6
 
 
-def segment(cfg_dict: dict, stop: int, save: bool = True) -> dict | None:
-    """Resume (train.resume = auto) from the run directory, train up to step ``stop``,
-    checkpoint there. Rank 0 returns the losses of the steps it ran and the final params."""
-    import torch.distributed as dist
-
-    from meshfold.train.trainer import Trainer
-
-    tr = Trainer(from_dict(cfg_dict))
-    start = tr.checkpointer.resume() or 0
-    losses = []
-    while tr.step < stop:
-        with tr.fault.step():
-            losses.append(tr.train_step())
-    if save:
-        tr.checkpointer.save()
-    tr.checkpointer.close()
-    tr.fault.close()
-    params = tr.full_state()
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    return {"start": start, "losses": losses, "params": params}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, STEPS steps straight, no checkpoints."""
-    return segment(tiny_config(str(tmp_path_factory.mktemp("ref")), train={"steps": STEPS}), STEPS, save=False)
+    return train_segment(tiny_config(str(tmp_path_factory.mktemp("ref")), train={"steps": STEPS}), STEPS, save=False)
 
 
 def _cfg(run_dir, parallel=None, **train):
@@ -57,8 +34,8 @@ def _cfg(run_dir, parallel=None, **train):
 def test_exact_resume_is_bitwise(reference, tmp_path, async_save):
     # N/2 steps, stop, resume, N/2 steps == N steps straight, bit for bit (same layout, CPU).
     cfg = _cfg(tmp_path, async_checkpoint=async_save)
-    first = segment(cfg, STEPS // 2)
-    second = segment(cfg, STEPS, save=False)
+    first = train_segment(cfg, STEPS // 2)
+    second = train_segment(cfg, STEPS, save=False)
     assert second["start"] == STEPS // 2
     assert first["losses"] + second["losses"] == reference["losses"]
     for name, value in reference["params"].items():
@@ -68,9 +45,9 @@ def test_exact_resume_is_bitwise(reference, tmp_path, async_save):
 def test_exact_resume_on_two_ranks_is_bitwise(tmp_path):
     # The same holds inside a process group: FSDP2 (ZeRO-3) on 2 ranks, 3 + 3 steps == 6 steps.
     parallel = {"dp_shard": 2, "zero": 3}
-    straight = run_on(2, segment, _cfg(tmp_path / "straight", parallel), STEPS, save=False)[0]
-    run_on(2, segment, _cfg(tmp_path / "resumed", parallel), STEPS // 2)
-    second = run_on(2, segment, _cfg(tmp_path / "resumed", parallel), STEPS, save=False)[0]
+    straight = run_on(2, train_segment, _cfg(tmp_path / "straight", parallel), STEPS, save=False)[0]
+    run_on(2, train_segment, _cfg(tmp_path / "resumed", parallel), STEPS // 2)
+    second = run_on(2, train_segment, _cfg(tmp_path / "resumed", parallel), STEPS, save=False)[0]
     assert second["start"] == STEPS // 2
     assert second["losses"] == straight["losses"][STEPS // 2:]
     for name, value in straight["params"].items():
@@ -94,7 +71,7 @@ def test_reshard_through_every_layout(reference, tmp_path):
     losses, starts = [], []
     for world, parallel, stop in RESHARD_CHAIN:
         cfg = _cfg(tmp_path, parallel, async_checkpoint=world == 2)
-        got = run_on(world, segment, cfg, stop, save=stop < STEPS)[0]
+        got = run_on(world, train_segment, cfg, stop, save=stop < STEPS)[0]
         starts.append(got["start"])
         losses += got["losses"]
     assert starts == [0, 1, 2, 3, 4]
@@ -106,8 +83,8 @@ def test_reshard_through_every_layout(reference, tmp_path):
 
 def test_reshard_zero1_to_one_process(reference, tmp_path):
     # ZeRO-1 ranks each write the Adam state of the parameters they own; one process reads it all.
-    a = run_on(2, segment, _cfg(tmp_path, {"dp_shard": 2, "zero": 1}), 3)[0]
-    b = segment(_cfg(tmp_path), STEPS, save=False)
+    a = run_on(2, train_segment, _cfg(tmp_path, {"dp_shard": 2, "zero": 1}), 3)[0]
+    b = train_segment(_cfg(tmp_path), STEPS, save=False)
     got = torch.tensor(a["losses"] + b["losses"], dtype=torch.float64)
     torch.testing.assert_close(got, torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
 
@@ -119,8 +96,8 @@ def test_reshard_zero1_to_one_process(reference, tmp_path):
 def saved_run(tmp_path_factory):
     """A run directory with checkpoints at steps 2 and 4 (one process)."""
     run = tmp_path_factory.mktemp("saved")
-    segment(_cfg(run), 2)
-    segment(_cfg(run), 4)
+    train_segment(_cfg(run), 2)
+    train_segment(_cfg(run), 4)
     return run
 
 
@@ -142,7 +119,7 @@ def _damage_shape(ckpt: Path, tmp_path: Path):
     other = tmp_path / "other"
     cfg = _cfg(other)
     cfg["model"]["dim"] = 48
-    segment(cfg, 1)
+    train_segment(cfg, 1)
     shutil.rmtree(ckpt)
     shutil.copytree(other / "checkpoints" / "step-1", ckpt)
 
@@ -166,7 +143,7 @@ def test_damaged_checkpoint_is_skipped(reference, saved_run, tmp_path, capfd, da
     else:
         {"truncate": _damage_truncate, "flip": _damage_flip, "partial": _damage_partial}[damage](step4)
     capfd.readouterr()
-    resumed = segment(_cfg(run), STEPS, save=False)
+    resumed = train_segment(_cfg(run), STEPS, save=False)
     err = capfd.readouterr().err
     assert "skipping step-4" in err and expected in err, err
     assert resumed["start"] == 2  # the previous good checkpoint
@@ -208,7 +185,7 @@ def test_failed_save_keeps_last_good_and_publishes_atomically(reference, tmp_pat
     assert not list(root.glob(".tmp-*"))
     assert {p.name: p.read_bytes() for p in (root / "step-1").iterdir()} == before
     validate_checkpoint(root / "step-1")
-    resumed = segment(cfg, STEPS, save=False)
+    resumed = train_segment(cfg, STEPS, save=False)
     assert resumed["start"] == 1 and resumed["losses"] == reference["losses"][1:]
 
 

@@ -8,10 +8,8 @@ import shutil
 import pytest
 import torch
 
-from test_checkpoint import segment
-
 from meshfold.config import from_dict
-from meshfold.testing import run_on, tiny_config
+from meshfold.testing import run_on, tiny_config, train_segment
 from meshfold.train.checkpoint_files import read_dcp_metadata
 from meshfold.train.zero_state import flat_boxes
 
@@ -49,20 +47,20 @@ def _tp_cfg(run_dir, **train):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, STEPS steps straight, no checkpoints."""
-    return segment(_cfg(tmp_path_factory.mktemp("ref")), STEPS, save=False)
+    return train_segment(_cfg(tmp_path_factory.mktemp("ref")), STEPS, save=False)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """tp 2 x dp_shard 2, ZeRO-1: STEPS steps straight."""
-    return run_on(4, segment, _tp_cfg(tmp_path_factory.mktemp("straight")), STEPS, save=False)[0]
+    return run_on(4, train_segment, _tp_cfg(tmp_path_factory.mktemp("straight")), STEPS, save=False)[0]
 
 
 @pytest.fixture(scope="module")
 def tp_saved(tmp_path_factory):
     """tp 2 x dp_shard 2, ZeRO-1: SPLIT steps, checkpointed (a run directory to copy)."""
     run_dir = tmp_path_factory.mktemp("tp_saved")
-    return run_dir, run_on(4, segment, _tp_cfg(run_dir), SPLIT)[0]
+    return run_dir, run_on(4, train_segment, _tp_cfg(run_dir), SPLIT)[0]
 
 
 def test_flat_boxes_cover_exactly_the_flat_range():
@@ -115,11 +113,11 @@ def test_tp_zero1_resume_is_bitwise(straight, tp_saved, tmp_path, async_save):
     # SPLIT steps, checkpoint, resume, the rest == STEPS steps straight, bit for bit
     # (the same layout, so the same reduction order).
     if async_save:
-        first = run_on(4, segment, _tp_cfg(tmp_path, async_checkpoint=True), SPLIT)[0]
+        first = run_on(4, train_segment, _tp_cfg(tmp_path, async_checkpoint=True), SPLIT)[0]
     else:
         shutil.copytree(tp_saved[0], tmp_path, dirs_exist_ok=True)
         first = tp_saved[1]
-    second = run_on(4, segment, _tp_cfg(tmp_path), STEPS, save=False)[0]
+    second = run_on(4, train_segment, _tp_cfg(tmp_path), STEPS, save=False)[0]
     assert second["start"] == SPLIT
     assert first["losses"] + second["losses"] == straight["losses"]
     for name, value in straight["params"].items():
@@ -151,9 +149,9 @@ def test_zero1_checkpoint_loads_into_one_process(tmp_path, layout):
     # Measured on the 2-core VM: largest elementwise relative difference 5e-11 (parameters),
     # 2e-10 (moments) elsewhere.
     world, parallel, model = LOADS_INTO_ONE_PROCESS[layout]
-    segment(_cfg(tmp_path / "one", model=model), SPLIT)  # its own state, through its own checkpoint (exact here)
+    train_segment(_cfg(tmp_path / "one", model=model), SPLIT)  # its own state, through its own checkpoint (exact here)
     own = state_at(_cfg(tmp_path / "one", model=model))
-    run_on(world, segment, _cfg(tmp_path / "loaded", parallel, model), SPLIT)
+    run_on(world, train_segment, _cfg(tmp_path / "loaded", parallel, model), SPLIT)
     if "moe_experts" in model:
         meta = read_dcp_metadata(tmp_path / "loaded" / "checkpoints" / f"step-{SPLIT}").state_dict_metadata
         w2 = meta["optim.state.layers.0.feed_forward.experts.w2.exp_avg"]
@@ -188,7 +186,7 @@ def test_reshard_through_tp_zero1(reference, tmp_path):
     losses, starts = [], []
     for world, parallel, stop in RESHARD_CHAIN:
         cfg = _cfg(tmp_path, parallel)
-        got = run_on(world, segment, cfg, stop, save=stop < STEPS)[0] if world > 1 else segment(cfg, stop)
+        got = run_on(world, train_segment, cfg, stop, save=stop < STEPS)[0] if world > 1 else train_segment(cfg, stop)
         starts.append(got["start"])
         losses += got["losses"]
     assert starts == [0, 1, 2, 3]

@@ -10,20 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshfold.testing import run_on, tiny_config
+from meshfold.testing import one_step_report, run_on, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _real_step(cfg_dict: dict) -> dict:
-    from meshfold.config import from_dict
-    from meshfold.train.trainer import Trainer
-
-    trainer = Trainer(from_dict(cfg_dict))
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 8 for p in trainer.model.parameters())
-    trainer.ledger.pop_step()
-    trainer.train_step()
-    return {"param_bytes": local, "collectives": trainer.ledger.pop_step_collectives()}
 
 
 LAYOUTS = [
@@ -39,7 +28,7 @@ def test_dry_run_matches_real_run(world, parallel, tmp_path):
     from meshfold.dryrun import dry_run
 
     cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1})
-    real = run_on(world, _real_step, cfg)
+    real = run_on(world, one_step_report, cfg)
     dry = dry_run(from_dict(cfg), world, cluster="cpu")
     assert dry["runtime"]["param_bytes"] == max(r["param_bytes"] for r in real)
     for rank, sim in dry["runtime"]["ranks"].items():

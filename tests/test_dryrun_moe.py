@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from meshfold.testing import run_on, tiny_config
+from meshfold.testing import one_step_report, run_on, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = {"moe_experts": 8, "moe_topk": 2}
@@ -61,17 +61,6 @@ def test_compiled_moe_reads_the_real_routing():
         torch.testing.assert_close(compiled, eager)
 
 
-def _real_step(cfg_dict: dict) -> dict:
-    from meshfold.config import from_dict
-    from meshfold.train.trainer import Trainer
-
-    trainer = Trainer(from_dict(cfg_dict))
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 8 for p in trainer.model.parameters())
-    trainer.ledger.pop_step()
-    trainer.train_step()
-    return {"param_bytes": local, "collectives": trainer.ledger.pop_step_collectives()}
-
-
 def test_moe_dry_run_matches_a_real_run(tmp_path):
     # ep 2 folded on FSDP 4 (float64, the padded expert kernel): the same parameter bytes,
     # collective calls on every dimension, and data-parallel bytes (FSDP and the balance
@@ -82,7 +71,7 @@ def test_moe_dry_run_matches_a_real_run(tmp_path):
 
     cfg = tiny_config(str(tmp_path), model=MOE, parallel={"dp_shard": 4, "ep": 2, "zero": 3},
                       train={"steps": 1, "micro_batch": 1})
-    real = run_on(4, _real_step, cfg)
+    real = run_on(4, one_step_report, cfg)
     dry = dry_run(from_dict(cfg), 4, cluster="cpu")
     assert dry["runtime"]["param_bytes"] == max(r["param_bytes"] for r in real)
     sim = dry["runtime"]["ranks"]["0"]["collectives"]
