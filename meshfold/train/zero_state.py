@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshfold.parallel.materialize import local_box
 from meshfold.parallel.optim import ShardedAdamW
 
 
@@ -106,7 +106,7 @@ def sharded_layout(opt: ShardedAdamW, names: dict[int, str]) -> list[Piece]:
                 raise ValueError(f"{names[id(p)]} has placements {p.placements}: ZeRO-1 checkpoints take "
                                  f"Shard and Replicate only")
             local = p.to_local()
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            offset, shape = local_box(tuple(p.shape), p)  # the box materialize fills, too
             if tuple(shape) != tuple(local.shape):
                 raise ValueError(f"{names[id(p)]}: local shape {tuple(local.shape)} is not the "
                                  f"{tuple(shape)} its placements give")
