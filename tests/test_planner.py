@@ -11,8 +11,8 @@ import pytest
 from meshfold.config import ConfigError, ModelConfig
 from meshfold.models.presets import preset
 from meshfold.planner.cluster import cluster_from_dict, load_cluster
-from meshfold.planner.cost import (CostModel, Layout, Workload, estimate, layer_activation_bytes,
-                                   megatron_flops_per_iteration, model_state_bytes)
+from meshfold.planner.cost import CostModel, Layout, Workload, estimate, megatron_flops_per_iteration
+from meshfold.planner.counts import layer_activation_bytes, model_state_bytes
 from meshfold.planner.search import RECOMPUTE, brute_force, search
 from meshfold.planner.simulate import schedule_events, simulate
 from meshfold.schedule import chunks_per_rank, makespan, pipeline_time

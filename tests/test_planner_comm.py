@@ -124,7 +124,7 @@ def test_planner_knows_the_parameter_list_the_grad_reducer_buckets(model):
     from meshfold.config import ModelConfig
     from meshfold.models.llama import Transformer
     from meshfold.models.presets import preset
-    from meshfold.planner.cost import chunk_param_sizes, reducer_buckets
+    from meshfold.planner.counts import chunk_param_sizes, reducer_buckets
 
     m = preset(model.pop("preset")) if "preset" in model else ModelConfig(**model)
     with torch.device("meta"):

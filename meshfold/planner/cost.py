@@ -12,8 +12,6 @@ Conventions shared with the runtime:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from meshfold.config import Config, validate
@@ -24,79 +22,25 @@ from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
 from meshfold.parallel.expert_shard import expert_shard_padding
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
+from meshfold.planner.counts import (
+    BUCKET_BYTES,
+    DTYPE_BYTES,
+    FSDP_WIRE,
+    autocast_input_copies,
+    buckets,
+    chunk_param_sizes,
+    dense_layer_params_local,
+    kept_fraction,
+    layer_activation_bytes,
+    model_state_bytes,
+    moe_activation_bytes,
+    reducer_buckets,
+    routed_params,
+    tp_grad_bytes,
+)
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
 from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time, rank_chunk_of_stage, stage_of
-
-DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
-    "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
-    # meshfold's train.dtype = bfloat16: fp32 parameters and gradients, autocast to bf16
-    "bf16-amp": (4, 4, 8, 2),
-    "float32": (4, 4, 8, 4),
-    "float64": (8, 8, 16, 8),
-}
-# Bytes per parameter on the wire for FSDP2 (all-gather in the compute dtype, gradient
-# reduce-scatter in train.reduce_dtype = float32); DDP and ZeRO-1 send the stored dtypes.
-FSDP_WIRE = {"bf16": (2, 2), "bf16-amp": (2, 4), "float32": (4, 4), "float64": (8, 8)}
-# Data-parallel gradient buckets (DDP's bucket_cap_mb = 25; the same size for the
-# once-per-step reductions of tp/pp layouts and ZeRO-1's parameter gather).
-BUCKET_BYTES = 25 * 2**20
-
-
-def tp_grad_bytes(dtype: str, fsdp: bool) -> int:
-    """Bytes per element of a replicated weight's gradient as tensor parallel sums it over
-    tp (``TensorParallelGroup.grad_sum``): the dtype backward makes it in, the parameter's,
-    which under FSDP2 is its mixed-precision ``param_dtype`` (bf16 for meshfold's bfloat16)."""
-    return FSDP_WIRE[dtype][0] if fsdp else DTYPE_BYTES[dtype][0]
-
-
-def buckets(size_bytes: float) -> int:
-    """Collective calls that move ``size_bytes`` in BUCKET_BYTES buckets."""
-    return max(1, math.ceil(size_bytes / BUCKET_BYTES)) if size_bytes > 0 else 0
-
-
-def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Buckets ``GradReducer`` (parallel/data.py) makes of parameters of ``sizes`` bytes in
-    registration order: packed greedily in reverse order, a new bucket whenever the next
-    parameter would overflow the current one (a parameter larger than a bucket gets its own)."""
-    count, size = 0, bucket_bytes + 1
-    for nbytes in reversed(sizes):
-        if size + nbytes > bucket_bytes:
-            count, size = count + 1, 0
-        size += nbytes
-    return count
-
-
-def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
-    """One tp rank's attention and dense-MLP parameters (norms aside) under
-    parallel/tensor.py's layout: wq, wo, w1, w3, w2 (and wk, wv when tp divides the kv
-    heads) split over tp; whole on every rank: wk, wv otherwise, the per-head q/k norms and
-    the biases of the row-parallel wo and w2. Equals the model's count at tp = 1."""
-    h, hd = m.dim, m.head_dim
-    qkv = 1 if (m.bias or m.qkv_bias) else 0
-    kv_tp = tp if m.kv_heads % tp == 0 else 1
-    attention = (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
-                 + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
-    row_bias = 2 * h if m.bias else 0  # wo's and w2's
-    return attention + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
-
-
-def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[float] | None:
-    """Local parameter elements of one pipeline chunk (``layers`` blocks, the embedding if
-    ``first``, the final norm and output if ``last``) in registration order, for the dense
-    RMSNorm, bias-free, RoPE models whose tensors this knows; None for others."""
-    if m.moe_experts or m.bias or m.qkv_bias or m.qk_norm or m.norm != "rmsnorm" or m.pos != "rope":
-        return None
-    h, hd, V = m.dim, m.head_dim, m.vocab_size
-    kv_tp = tp if m.kv_heads % tp == 0 else 1  # replicated wk, wv when the kv heads do not split
-    ffn = [h * m.hidden_dim / tp] * (3 if m.mlp == "swiglu" else 2)
-    block = [h, h * m.n_heads * hd / tp, h * m.kv_heads * hd / kv_tp, h * m.kv_heads * hd / kv_tp,
-             m.n_heads * hd * h / tp, h] + ffn
-    sizes = ([V * h / tp] if first else []) + block * layers
-    if last:
-        sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
-    return sizes
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -209,110 +153,6 @@ class Estimate:
 
 
 # --------------------------------------------------------------------------- pieces
-
-
-def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16",
-                      accumulate: bool = False) -> dict:
-    """Parameters, gradients and optimizer states per device under ZeRO stage ``zero``
-    with ``shards`` ranks sharing them (Rajbhandari et al. 2020, Sec. 5). ``accumulate``:
-    gradients are reduced once per optimizer step over several micro-batches, so ZeRO-2/3
-    hold them unsharded until then (FSDP2 without gradient sync keeps unsharded grads)."""
-    pb, gb, ob, _ = DTYPE_BYTES[dtype]
-    n = max(1, shards)
-    return {"params": params * pb / (n if zero >= 3 else 1),
-            "grads": params * gb / (n if zero >= 2 and not accumulate else 1),
-            "optimizer": params * ob / (n if zero >= 1 else 1)}
-
-
-def routed_params(m: ModelConfig) -> int:
-    """Parameters of one MoE layer's routed experts (stacked ``experts.w*``, no biases)."""
-    return m.moe_experts * mlp_params(dataclasses.replace(m, bias=False), m.expert_dim)
-
-
-def kept_fraction(m: ModelConfig, s: int) -> float:
-    """Fraction of the (token, expert) assignments a balanced router keeps: 1 when dropless;
-    with ``moe_capacity_factor`` c, per sequence of s tokens each expert gets its even share
-    of s k (``models/moe.py: balanced_counts``) and keeps at most C = ceil(c s k / E)."""
-    if m.moe_capacity_factor <= 0 or not m.moe_experts:
-        return 1.0
-    total, E = s * m.moe_topk, m.moe_experts
-    cap = math.ceil(m.moe_capacity_factor * total / E)
-    return sum(min(total // E + (e < total % E), cap) for e in range(E)) / total
-
-
-def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp: bool) -> float:
-    """The bf16 copies autocast makes of the fp32 norm outputs, one per projection that
-    reads them (q, k, v; w1 and w3, or w1), for one micro-batch of one layer. Not made under
-    FSDP2's bf16 mixed precision, which casts each block's input to bf16 itself (the norm
-    then keeps a bf16 output, which the projections share: within the norm's 8h + 4)."""
-    return (3 + (2 if m.mlp == "swiglu" else 1)) * act * s * b * m.dim / (tp if sp else 1)
-
-
-def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, recompute: str,
-                           act: int, flash: bool, dropout: bool, amp: bool = False,
-                           moe: bool | None = None) -> float:
-    """Activation bytes one transformer layer keeps for backward, for one micro-batch of
-    ``b`` sequences of ``s`` tokens on one device (Korthikanti et al. 2022, Sec. 4,
-    generalised to GQA and SwiGLU; with GPT's shape, act=2, dropout and no flash it is
-    exactly ``s b h (34 + 5 a s / h)`` at tp=1 and ``s b h (10 + 24/t + 5 a s / (h t))``).
-
-    ``amp``: meshfold's ``train.dtype = bfloat16`` (autocast over fp32 weights), whose
-    residual stream stays fp32: each RMSNorm keeps its fp32 input, its fp32 normalised
-    output and 1/rms (8h + 4 bytes a token, ``models/llama.py``), and autocast makes a
-    separate bf16 copy of the (fp32) norm output for every projection that reads it
-    (q, k, v; w1 and w3), where the formula above has one act-sized input each.
-
-    ``moe``: the layer is a MoE block (default: the model has experts); its experts keep
-    the SwiGLU/GELU activations of the top-k rows each token is routed to (the kept ones
-    under a capacity; ``moe_activation_bytes`` adds what routing and dispatch keep)."""
-    h, a = m.dim, m.n_heads
-    hkv = m.kv_heads * m.head_dim
-    if recompute == "full":  # only the layer input survives
-        return (4 if amp else act) * s * b * h / (tp if sp else 1)
-    # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
-    # the QKV and first MLP projections, and the two dropout masks (1 byte each).
-    replicated = s * b * h * (2 * act + act + act) + (2 * s * b * h if dropout else 0)
-    if amp:
-        replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
-            + (2 * s * b * h if dropout else 0)
-    # Split over tp ranks: Q, K, V, attention output (input of the out-projection), the MLP
-    # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate, silu(gate), up,
-    # product), and the attention output dropout mask.
-    f = m.hidden_dim
-    mlp = (2 if m.mlp == "gelu" else 4) * act * s * b * f
-    if (m.moe_experts > 0) if moe is None else moe:  # top-k experts each see the token
-        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * kept_fraction(m, s) + m.moe_shared_experts)
-    split = act * s * b * (2 * h + 2 * hkv) + mlp
-    # Scores: softmax output, dropout mask and dropout output (5 a s^2 b with act=2);
-    # fused attention keeps only the log-sum-exp.
-    if flash or recompute == "selective":
-        scores = 0.0 if not flash else 4 * a * s * b
-    else:
-        scores = a * s * s * b * (act + (1 + act if dropout else 0))
-    return (replicated / (tp if sp else 1)) + (split + scores) / tp
-
-
-def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int) -> float:
-    """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
-    activations, for one micro-batch of b sequences of s tokens on one rank, as
-    ``models/moe.py`` and ``parallel/expert.py`` run it under a balanced router: the router's
-    scores (T x E, >= fp32), the chosen experts and gates; the A = T k / tp assignments of
-    this rank's expert column (kept ones under a capacity) enter the experts as act-sized
-    rows, with their int64 row indices; the rows coming back are added per token with an
-    ``index_add`` in >= fp32, which keeps its A x dim source. With ep > 1 the all-to-all
-    dispatcher weights the returned rows by their gates first (``combine``: the product
-    keeps the fp32 rows, A x dim more); without ep the gates are folded into the experts
-    (the gated A x min(expert_dim, dim) product). Not here: the fused w1|w3 weight copy
-    (``CostModel._memory``: it depends on FSDP)."""
-    T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
-    A = T * k * kept_fraction(m, s) / tp
-    wide = max(4, act)
-    router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
-    if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
-        dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
-    else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source
-        dispatch = A * h * act + A * 8 + A * (min(m.expert_dim, h) + 1) * act + A * h * wide
-    return router + dispatch
 
 
 def matmul_efficiency(cluster: Cluster, width: float) -> float:
