@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -255,6 +256,18 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
     if t.global_batch < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {t.global_batch}")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ConfigError(f"train.lr must be a finite number > 0, got {t.lr}")
+    if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip must be a finite number >= 0 (0 = off), got {t.grad_clip}")
+    for key in ("checkpoint_every", "keep_checkpoints", "log_every", "eval_every", "nan_guard_rollback"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.log_every < 1:
+        raise ConfigError(f"train.log_every must be >= 1, got {t.log_every}")
+    if t.init_from and Path(t.init_from).expanduser().resolve() == (Path(t.run_dir).expanduser().resolve()):
+        raise ConfigError(f"train.init_from = {t.init_from!r} is train.run_dir itself; give a checkpoint folder "
+                          f"(e.g. {t.init_from}/checkpoints/step-N)")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

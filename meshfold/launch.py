@@ -1,11 +1,18 @@
 """Starting processes: ``--nproc N`` runs N local workers through torchrun's elastic
-launcher; under ``torchrun`` (or Slurm + torchrun) the usual environment is read instead."""
+launcher; under ``torchrun`` (or Slurm + torchrun) the usual environment is read instead.
+
+Signals (docs/checkpoints.md, "What is safe"): the launcher passes SIGTERM, SIGINT and
+SIGUSR1 on to its workers once (torchrun's agent does it; SIGUSR1 is added to the signals it
+handles), gives them ``STOP_GRACE_S`` to finish the step and write a checkpoint, and exits
+``EXIT_STOPPED``. A worker dies with its launcher (``die_with_parent``), so a launcher killed
+with SIGKILL never leaves workers training on in the run directory."""
 
 from __future__ import annotations
 
 import datetime
 import logging
 import os
+import signal
 import sys
 import uuid
 
@@ -13,6 +20,16 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
+from meshfold.train.checkpoint_files import CheckpointError
+from meshfold.train.run_dir import RunDirError, describe_os_error
+from meshfold.train.stop import EXIT_STOPPED, Stopped, StopRequest
+
+__all__ = ["EXIT_STOPPED", "CheckpointError", "RunDirError", "Stopped", "StopRequest", "describe_os_error",
+           "die_with_parent", "env_world_size", "init_distributed", "launch_local", "shutdown_distributed",
+           "under_torchrun"]
+
+STOP_GRACE_S = 300  # seconds the workers get to finish the step and checkpoint after a signal
+PR_SET_PDEATHSIG = 1
 
 
 def under_torchrun() -> bool:
@@ -21,6 +38,24 @@ def under_torchrun() -> bool:
 
 def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def die_with_parent() -> None:
+    """Under a launcher (torchrun, ``--nproc``): have the kernel SIGKILL this worker when its
+    launcher dies, however it dies (Linux ``PR_SET_PDEATHSIG``); if the launcher is already
+    gone, exit now."""
+    if not under_torchrun() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:  # re-parented before the call took effect
+        os._exit(1)
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
@@ -56,6 +91,7 @@ def shutdown_distributed(clean: bool = True) -> None:
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -65,15 +101,23 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"meshfold-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-        monitor_interval=0.5,
+        monitor_interval=0.5, shutdown_timeout=STOP_GRACE_S,
+        signals_to_handle="SIGTERM,SIGINT,SIGUSR1,SIGHUP,SIGQUIT",
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "meshfold", *argv)
+    except SignalException as err:
+        # The agent passed the signal on and waited for the workers (rank 0 said whether
+        # the checkpoint was written); a second signal lands here at once.
+        print(f"meshfold: launcher: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
+        return EXIT_STOPPED
     except ChildFailedError as err:
         ranks = sorted(err.failures)
         first = err.failures[ranks[0]]
         if all(f.exitcode == 2 for f in err.failures.values()):
             return 2  # a configuration error: rank 0 has already said it in one line
+        if all(f.exitcode == EXIT_STOPPED for f in err.failures.values()):
+            return EXIT_STOPPED  # stopped on a signal with a checkpoint: rank 0 said so
         print(f"meshfold: {len(ranks)} of {nproc} processes failed (ranks {ranks}); first exit code "
               f"{first.exitcode}", file=sys.stderr)
         return 1

@@ -54,6 +54,7 @@ from meshfold import comm
 from meshfold.comm import ledger
 
 MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
+MAX_TOTAL_ROLLBACKS = 6  # rollbacks in one run (to any checkpoints) before giving up
 MIN_LAG_S = 0.05  # lags below this are scheduler/logging noise, never reported
 WINDOW, PERSIST = 3, 2  # a rank is named when late in PERSIST of the last WINDOW straggler checks
 
@@ -121,6 +122,7 @@ class FaultMonitor:
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self.rollbacks: dict[int, int] = defaultdict(int)
+        self.rollback_targets: list[int] = []  # every rollback of the run, in order (the give-up line names them)
         self.step_times: list[float] = []
         self.last_report = ""  # the last straggler line logged (rank 0)
         self.metrics: dict = {}  # fields for metrics.jsonl (nonfinite, straggler, rolled_back_to); see pop_metrics
@@ -165,22 +167,35 @@ class FaultMonitor:
                  f"{self.rollback_after})")
         return False
 
+    @property
+    def healthy(self) -> bool:
+        """False while the last step was non-finite: no checkpoint is published then."""
+        return self.nonfinite_in_a_row == 0
+
     def _maybe_rollback(self) -> None:
         if self.rollback_after <= 0 or self.nonfinite_in_a_row < self.rollback_after:
             return
         step = self.progress.step
         self.nonfinite_in_a_row = 0
+        tried = (f" (tried {len(self.rollback_targets)} rollbacks, to steps "
+                 f"{', '.join(map(str, self.rollback_targets))}; {self.skipped_steps} updates skipped)"
+                 if self.rollback_targets else f" ({self.skipped_steps} updates skipped)")
+        if len(self.rollback_targets) >= MAX_TOTAL_ROLLBACKS:
+            raise NonFiniteError(
+                f"non-finite steps again at step {step} after {MAX_TOTAL_ROLLBACKS} rollbacks{tried}; giving up: "
+                f"lower train.lr, raise train.warmup_steps, set train.grad_clip or check the data")
         target = self.checkpointer.rollback() if self.checkpointer is not None else None
         if target is None:
             raise NonFiniteError(
                 f"{self.rollback_after} non-finite steps in a row at step {step} and no checkpoint to roll back "
-                f"to; set train.checkpoint_every, lower train.lr or raise train.grad_clip"
+                f"to{tried}; set train.checkpoint_every, lower train.lr or raise train.grad_clip"
             )
         self.rollbacks[target] += 1
+        self.rollback_targets.append(target)
         if self.rollbacks[target] > MAX_ROLLBACKS:
             raise NonFiniteError(
                 f"rolled back to step {target} {MAX_ROLLBACKS} times and the steps after it keep going "
-                f"non-finite; lower train.lr or check the data"
+                f"non-finite{tried}; giving up: lower train.lr or check the data"
             )
         self.metrics["rolled_back_to"] = target
         if self.rank == 0:

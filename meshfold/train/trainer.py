@@ -12,8 +12,10 @@ loss over the global batch.
 
 from __future__ import annotations
 
+import json
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
+from meshfold.data.prepared import check_verified
 from meshfold.device import resolve_device, resolve_dtypes
 from meshfold.lowcomm.feature import build_lowcomm
 from meshfold.lowcomm.compress import build_compression
@@ -42,7 +45,13 @@ from meshfold.parallel.loss import vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
 from meshfold.parallel.pipeline import Pipeline
+from meshfold.data.tokenizer import tokenizer_sha256
+from meshfold.errors import ConfigError
 from meshfold.train.checkpoint import Checkpointer
+from meshfold.train.checkpoint_files import published
+from meshfold.train.run_dir import (RunDirError, RunLock, check_resume, explain_write_failure, prepare_run_dir,
+                                    read_record, run_record, write_record)
+from meshfold.train.stop import Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
@@ -127,6 +136,10 @@ class Trainer:
         if not self.features.world_collectives:
             self.fault.every = 0  # a feature promises no collective over all ranks: no straggler check
         self.features.register_state(self.checkpointer)
+        self.stop: StopRequest | None = None  # the CLI's signal handler (train/stop.py); None in-process
+        self.lock: RunLock | None = None
+        self.record: dict = {}
+        self.resume_changes: list[str] = []
 
     @property
     def step(self) -> int:
@@ -258,8 +271,68 @@ class Trainer:
 
     def write_run_dir(self) -> None:
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+            path = self.run_dir / "config.toml"
+            try:
+                path.write_text(dump_toml(self.cfg))
+            except OSError as err:
+                raise RunDirError(f"cannot write the run's config: {explain_write_failure(path, err)}") from None
+
+    def data_identity(self) -> dict:
+        """What makes two data sets the same for a resume: the tokenizer and the training
+        sequences (count, and the corpus's tokens)."""
+        train = self.data.train
+        corpus = getattr(train, "corpus", None)
+        return {"tokenizer_sha256": tokenizer_sha256(self.data.tokenizer), "train_sequences": len(train),
+                **({"train_tokens": int(corpus.n_tokens)} if corpus is not None else {})}
+
+    def open_run_dir(self) -> None:
+        """Before anything is written: the run directory is a writable folder, this run holds
+        its lock, and (resuming) it holds a run of this model and data. Rank 0 checks; every
+        rank raises the same one-line error."""
+        problem = None
+        if self.rank == 0:
+            try:
+                prepare_run_dir(self.run_dir)
+                self.lock = RunLock(self.run_dir)
+                self.lock.acquire()
+                self.record = run_record(self.cfg, self.data_identity(), self.world)
+                self.resume_changes = self.check_record()
+            except (RunDirError, ConfigError) as err:
+                problem = (type(err).__name__, str(err))
+        if dist.is_initialized() and self.world > 1:
+            problem = comm.broadcast_object(problem)  # start-up, once
+        if problem is not None:
+            self.release_lock()
+            kind, message = problem
+            if self.rank != 0:
+                message = "rank 0 refused the run directory (see its line)"
+            raise (ConfigError if kind == "ConfigError" else RunDirError)(message)
+
+    def check_record(self) -> list[str]:
+        """Rank 0: compare with the run directory's record (or, for a run directory from
+        before records, with its newest checkpoint's manifest)."""
+        ckpts = published(self.run_dir / "checkpoints")
+        if self.cfg.train.resume == "never" and ckpts:
+            raise ConfigError(
+                f"train.resume = never but train.run_dir = {str(self.run_dir)!r} holds checkpoints "
+                f"({', '.join(p.name for p in ckpts[:3])}) that this run would replace; choose a new train.run_dir "
+                f"(with train.init_from = {ckpts[0]} to start from its weights)")
+        saved = read_record(self.run_dir)
+        if saved is None and ckpts:
+            try:
+                manifest = json.loads((ckpts[0] / "meshfold.json").read_text())
+                saved = {"model": manifest.get("model", {})}
+            except (OSError, ValueError):
+                saved = None
+        if saved is None or self.cfg.train.resume == "never":
+            return []
+        return check_resume(self.run_dir, saved, self.record, ckpts[0].name if ckpts else None)
+
+    def release_lock(self) -> None:
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+            self.lock = None
 
     def build_report(self) -> dict:
         """This rank's share of the model as built (max over ranks): parameter count and
@@ -283,7 +356,20 @@ class Trainer:
             if self.rank == 0:
                 print("meshfold: built: " + ", ".join(f"{k} {v}" for k, v in report.items()), flush=True)
             return []
+        self.open_run_dir()  # a writable folder, locked by this run, of this model and data
+        try:
+            return self._fit()
+        finally:
+            self.release_lock()
+
+    def _fit(self) -> list[float]:
+        t = self.cfg.train
         self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
+        if self.rank == 0:
+            if self.step and self.resume_changes:
+                print(f"meshfold: resuming at step {self.step} with changes: {'; '.join(self.resume_changes)}",
+                      file=sys.stderr, flush=True)
+            write_record(self.run_dir, self.record)
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
@@ -303,13 +389,33 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(record)
                 self.fault.after_step()  # NaN-guard rollback
-                self.checkpointer.maybe_save()
+                check_verified()  # a shard a background verification found corrupt stops the run
+                healthy = self.fault.healthy and math.isfinite(loss)
+                if self.stop is not None and self.stop.agreed(self.device):
+                    self.stop_now(healthy)
+                self.checkpointer.maybe_save(healthy)
+            self.checkpointer.wait()
+            if self.checkpointer.save_failure is not None:  # the run's last save: never exit 0 without it
+                raise RunDirError(self.checkpointer.save_failure)
         finally:
             self.prefetcher.close()
             logger.close()
             self.checkpointer.close()
             self.fault.close()
         return self.losses
+
+    def stop_now(self, healthy: bool) -> None:
+        """Every rank agreed to stop after this step (a signal): write its checkpoint (unless
+        the step was non-finite) and raise ``Stopped``."""
+        saved = failure = None
+        if self.step != self.checkpointer.last_saved_step and healthy:
+            if self.checkpointer.save():
+                self.checkpointer.wait()
+        if self.checkpointer.save_failure is None and self.checkpointer.last_saved_step is not None:
+            saved = str(self.checkpointer.root / f"step-{self.checkpointer.last_saved_step}")
+        else:
+            failure = self.checkpointer.save_failure or "the last step was non-finite: no checkpoint written"
+        raise Stopped(self.stop.name, self.step, saved, failure)
 
     def step_record(self, loss: float, elapsed: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / elapsed
