@@ -240,6 +240,12 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
     folders, found_tokenizer = _origins(ckpt)
     sources = [ckpt, *folders] + ([tokenizer] if tokenizer is not None else []) + \
         ([found_tokenizer] if found_tokenizer is not None else [])
+    try:  # an import remembers the Hugging Face folder it came from: never written into either
+        origin = json.loads((ckpt / "meshfold.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        origin = None
+    if isinstance(origin, str) and origin:
+        sources.append(Path(origin))
     check_output(out, sources, overwrite, "export")
     state, m = read_checkpoint_model(ckpt)
     family = hf_family(m, arch)  # refuse before writing anything

@@ -95,7 +95,9 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):  # torch sets the children's levels itself
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # One thread per worker unless the user says otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(

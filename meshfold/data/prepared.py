@@ -50,7 +50,7 @@ TOKENIZER = "tokenizer.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 OFFSET_DTYPE = np.dtype("<i8")
 SYNC_VERIFY_BYTES = 256 << 20  # data sets up to this size are verified before the first step
-_VERIFY_ERRORS: list[str] = []  # what the background verifiers found (the trainer raises the first)
+_VERIFY_ERRORS: dict[str, str] = {}  # folder -> what a background verifier found (the trainer raises it)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -218,6 +218,7 @@ def verify_shards(folder: str | Path, m: dict, stamp_dir: Path | None = None, ra
     for ``check_verified``."""
     folder = Path(folder).expanduser()
     dtype, vocab = DTYPES[m["dtype"]], int(m["vocab_size"])
+    _VERIFY_ERRORS.pop(str(folder), None)
     todo, size = [], 0
     for s in m["shards"]:
         if not s["tokens"]:
@@ -232,12 +233,12 @@ def verify_shards(folder: str | Path, m: dict, stamp_dir: Path | None = None, ra
         todo.append((path, s, stamp))
         size += st.st_size
 
-    def run(items) -> None:
+    def run(items) -> str | None:
         for path, s, stamp in items:
             problem = _verify_one(path, s, dtype, vocab)
             if problem:
-                _VERIFY_ERRORS.append(problem)
-                return
+                _VERIFY_ERRORS[str(folder)] = problem
+                return problem
             if stamp is not None:
                 try:
                     stamp.parent.mkdir(parents=True, exist_ok=True)
@@ -246,8 +247,10 @@ def verify_shards(folder: str | Path, m: dict, stamp_dir: Path | None = None, ra
                     pass  # an unwritable cache only costs a re-check next time
 
     if size <= SYNC_VERIFY_BYTES:
-        run(todo)
-        check_verified()
+        problem = run(todo)
+        if problem:
+            _VERIFY_ERRORS.pop(str(folder), None)
+            raise ConfigError(problem)
     elif todo[rank::world]:
         threading.Thread(target=run, args=(todo[rank::world],), daemon=True, name="meshfold-verify").start()
 
@@ -255,4 +258,4 @@ def verify_shards(folder: str | Path, m: dict, stamp_dir: Path | None = None, ra
 def check_verified() -> None:
     """Raise the first problem a shard verification found (one line naming the file)."""
     if _VERIFY_ERRORS:
-        raise ConfigError(_VERIFY_ERRORS[0])
+        raise ConfigError(next(iter(_VERIFY_ERRORS.values())))
