@@ -188,15 +188,15 @@ class FaultMonitor:
         if target is None:
             raise NonFiniteError(
                 f"{self.rollback_after} non-finite steps in a row at step {step} and no checkpoint to roll back "
-                f"to{tried}; set train.checkpoint_every, lower train.lr or raise train.grad_clip"
+                f"to; set train.checkpoint_every, lower train.lr or raise train.grad_clip{tried}"
             )
         self.rollbacks[target] += 1
-        self.rollback_targets.append(target)
         if self.rollbacks[target] > MAX_ROLLBACKS:
             raise NonFiniteError(
                 f"rolled back to step {target} {MAX_ROLLBACKS} times and the steps after it keep going "
-                f"non-finite{tried}; giving up: lower train.lr or check the data"
+                f"non-finite; giving up: lower train.lr or check the data{tried}"
             )
+        self.rollback_targets.append(target)
         self.metrics["rolled_back_to"] = target
         if self.rank == 0:
             _log(f"{self.rollback_after} non-finite steps in a row: rolled back from step {step} to the "
