@@ -7,7 +7,10 @@ NaN/Inf guard
     another collective); the step is logged with ``nonfinite: true``. After
     ``train.nan_guard_rollback`` such steps in a row the trainer goes back to the newest
     good checkpoint (model, optimizer, scheduler, step) but keeps its data position, so the
-    batches that blew up are not replayed.
+    batches that blew up are not replayed. It cannot loop: no checkpoint is published while
+    the last step is non-finite (the trainer asks ``healthy``), the checkpoint rolled back
+    to is pinned against pruning, and the run gives up (``NonFiniteError``, naming the
+    rollbacks tried) after ``MAX_ROLLBACKS`` to one checkpoint or ``MAX_TOTAL_ROLLBACKS``.
 
 Straggler detection (C4 / MegaScale style)
     The communication layer (``meshfold.comm.timer()``) stamps every collective that goes

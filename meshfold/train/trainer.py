@@ -324,8 +324,8 @@ class Trainer:
                 saved = {"model": manifest.get("model", {})}
             except (OSError, ValueError):
                 saved = None
-        if saved is None or self.cfg.train.resume == "never":
-            return []
+        if saved is None or self.cfg.train.resume == "never" or not ckpts:
+            return []  # nothing to resume: a fresh start, whatever ran here before
         return check_resume(self.run_dir, saved, self.record, ckpts[0].name if ckpts else None)
 
     def release_lock(self) -> None:
