@@ -199,6 +199,12 @@ class Trainer:
         """This rank's slice of a global batch, on the host (runs in the prefetch thread)."""
         local = rank_slice(global_indices, self.dims.rank("dp"), self.dims.size("dp"))
         batch = self.data.train.batch(local)
+        top = int(batch["inputs"].max()) if batch["inputs"].numel() else 0  # host, off the step's path
+        if top >= self.cfg.model.vocab_size:  # a corrupt shard the verification has not reached yet
+            check_verified()
+            raise ConfigError(f"token id {top} in the training data ({self.cfg.data.source}) is outside "
+                              f"model.vocab_size = {self.cfg.model.vocab_size}: a shard is corrupt; re-run "
+                              f"`meshfold prepare` into a new folder")
         return shard_for_context_parallel(batch, self.cfg, self.dims)  # cp: this rank's slice + positions
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
