@@ -305,6 +305,8 @@ class Trainer:
                 self.resume_changes = self.check_record()
             except (RunDirError, ConfigError) as err:
                 problem = (type(err).__name__, str(err))
+            except Exception as err:  # noqa: BLE001 - the other ranks wait on this answer: never leave them hanging
+                problem = ("RunDirError", f"{self.run_dir}: {type(err).__name__}: {err}")
         if dist.is_initialized() and self.world > 1:
             problem = comm.broadcast_object(problem)  # start-up, once
         if problem is not None:
