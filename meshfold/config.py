@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -84,6 +85,8 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     eval_every: int = 0
     eval_batches: int = 4
+    live_recovery: bool = False  # replica groups drop out and rejoin without stopping the job (docs/resilience.md)
+    live_rejoin_wait_s: float = 0.0  # at a step boundary, wait this long for a replica being restarted
 
 
 SECTIONS: dict[str, type] = {
@@ -234,9 +237,34 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     parallel_config.validate(cfg)
     data_config.validate(cfg)
     validate_train(cfg.train)
+    validate_live(cfg)
     if world_size is not None:
         validate_world(cfg, world_size)
     return cfg
+
+
+def validate_live(cfg: Config) -> None:
+    """``train.live_recovery``: replica groups as failure domains (train/live.py). A replica
+    group's own processes run its inner layout (``dp_replicate = 1``), marked by the launcher."""
+    t, p = cfg.train, cfg.parallel
+    if not t.live_recovery or os.environ.get("MESHFOLD_LIVE_REPLICA") is not None:
+        return
+    if cfg.lowcomm.workers > 1 and p.dp_replicate < 2:
+        raise ConfigError("train.live_recovery over lowcomm.workers is not built yet (parallel.dp_replicate replica "
+                          "groups are the failure domains); set parallel.dp_replicate >= 2 and lowcomm.workers = 1")
+    if p.dp_replicate < 2:
+        raise ConfigError("train.live_recovery needs replica groups that fail independently: set "
+                          "parallel.dp_replicate >= 2")
+    if cfg.lowcomm.method != "none" or cfg.lowcomm.compression != "none":
+        raise ConfigError('train.live_recovery with [lowcomm] is not built yet: set lowcomm.method = "none" and '
+                          'lowcomm.compression = "none"')
+    if cfg.data.balance != "none":
+        raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
+    if t.global_batch % p.dp_replicate:
+        raise ConfigError(f"train.global_batch = {t.global_batch} must split into parallel.dp_replicate = "
+                          f"{p.dp_replicate} equal slices (one per replica group)")
+    if t.live_rejoin_wait_s < 0:
+        raise ConfigError(f"train.live_rejoin_wait_s = {t.live_rejoin_wait_s} must be >= 0")
 
 
 def validate_choices(cfg: Config) -> None:

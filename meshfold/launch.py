@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import subprocess
 import sys
 import uuid
 
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
+from meshfold.train import live
+from meshfold.train.quorum import QuorumClient, QuorumServer
 
 
 def under_torchrun() -> bool:
@@ -55,7 +58,41 @@ def shutdown_distributed(clean: bool = True) -> None:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code."""
+    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code.
+    As one replica group of a live-recovery job (``MESHFOLD_LIVE_REPLICA`` set), this agent
+    tells the quorum server it is alive, so the group is waited for while it restarts."""
+    env = live.replica_env()
+    agent = QuorumClient(os.environ[live.ENV_QUORUM], env[0], agent=True) if env is not None else None
+    try:
+        return _launch_local(nproc, argv, max_restarts)
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int) -> int:
+    """``train.live_recovery``: one elastic agent per replica group (each a world of its own,
+    restarted alone: a failed worker restarts its group, not the job), the quorum server and
+    the store the cross-replica groups meet through, here in the launcher."""
+    server = QuorumServer(replicas, rejoin_wait_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    per = nproc // replicas
+    env = dict(os.environ, **{live.ENV_REPLICAS: str(replicas), live.ENV_QUORUM: server.address,
+                              live.ENV_STORE: f"127.0.0.1:{store.port}"})
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "meshfold", *argv, "--nproc", str(per), "--max-restarts", str(max_restarts)]
+    agents = [subprocess.Popen(cmd, env=dict(env, **{live.ENV_REPLICA: str(r)})) for r in range(replicas)]
+    codes = [a.wait() for a in agents]
+    server.close()
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if failed:
+        print(f"meshfold: replica group(s) {failed} of {replicas} failed for good (exit codes "
+              f"{[codes[r] for r in failed]}) after --max-restarts {max_restarts}", file=sys.stderr)
+        return 2 if all(c == 2 for c in codes) else 1
+    return 0
+
+
+def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
