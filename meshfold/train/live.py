@@ -335,7 +335,11 @@ class LiveReplicas:
         if self.world > 1:
             comm.all_reduce(ok, None, None, op="min")  # the replica's own world: healthy
         if int(ok) == 0:
-            raise LiveStepFailed(error or f"a peer rank of replica {self.replica} lost its exchange")
+            if self.world > 1:  # the failure path only: say what the ranks that saw it saw
+                seen = [e for e in comm.all_gather_object(error) if e]
+                error = seen[0] if seen else error
+            raise LiveStepFailed(f"replica {self.replica} lost its cross-replica exchange in step "
+                                 f"{self.progress.step + 1}: {error}")
         return loss_sum, tokens
 
     # ------------------------------------------------------------------ inspection

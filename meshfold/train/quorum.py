@@ -176,9 +176,13 @@ class QuorumServer:
                 ev["seen_as"] = self.failures[-1]
         for r in members:
             if r not in self.last_members:
-                how = f"received step {top}'s state from replica {source}" if r in heal else "joined"
-                self._event({"event": "rejoin" if self.round > 0 else "join", "replica": r, "step": top + 1,
-                             "cause": f"replica {r} is back (attempt {self.pending[r].get('attempt', 0)}): {how}"})
+                attempt = self.pending[r].get("meta", {}).get("attempt", 0)
+                if self.round == 0:
+                    ev = {"event": "join", "cause": "at the start"}
+                else:
+                    how = f"received step {top}'s state from replica {source}" if r in heal else "was up to date"
+                    ev = {"event": "rejoin", "cause": f"replica {r} is back (restart {attempt} of its group): {how}"}
+                self._event(dict(ev, replica=r, step=top + 1))
         if members != self.last_members or heal or any(self.pending[r].get("failed") for r in members):
             self.quorum_id += 1
         self.last_members = members
