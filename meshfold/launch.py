@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import multiprocessing
 import os
-import subprocess
 import sys
 import uuid
 
@@ -77,12 +77,17 @@ def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float
     server = QuorumServer(replicas, rejoin_wait_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     per = nproc // replicas
-    env = dict(os.environ, **{live.ENV_REPLICAS: str(replicas), live.ENV_QUORUM: server.address,
-                              live.ENV_STORE: f"127.0.0.1:{store.port}"})
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "meshfold", *argv, "--nproc", str(per), "--max-restarts", str(max_restarts)]
-    agents = [subprocess.Popen(cmd, env=dict(env, **{live.ENV_REPLICA: str(r)})) for r in range(replicas)]
-    codes = [a.wait() for a in agents]
+    env = {live.ENV_REPLICAS: str(replicas), live.ENV_QUORUM: server.address, live.ENV_STORE: f"127.0.0.1:{store.port}"}
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Forked, not spawned: the agents need nothing but this process's imports.
+    ctx = multiprocessing.get_context("fork")
+    agents = [ctx.Process(target=_replica_agent, args=(dict(env, **{live.ENV_REPLICA: str(r)}), per, argv, max_restarts),
+                          name=f"meshfold-replica-{r}") for r in range(replicas)]
+    for a in agents:
+        a.start()
+    for a in agents:
+        a.join()
+    codes = [a.exitcode for a in agents]
     server.close()
     failed = [r for r, c in enumerate(codes) if c != 0]
     if failed:
@@ -90,6 +95,13 @@ def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float
               f"{[codes[r] for r in failed]}) after --max-restarts {max_restarts}", file=sys.stderr)
         return 2 if all(c == 2 for c in codes) else 1
     return 0
+
+
+def _replica_agent(env: dict, nproc: int, argv: list[str], max_restarts: int) -> None:
+    """One replica group's elastic agent (a forked child of ``launch_live``): it restarts its
+    own workers, up to ``max_restarts`` times, and never the other groups'."""
+    os.environ.update(env)
+    sys.exit(launch_local(nproc, argv, max_restarts))
 
 
 def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
