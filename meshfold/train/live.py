@@ -237,6 +237,11 @@ class LiveReplicas:
 
     def _begin(self) -> None:
         q = self._ask()
+        if q.get("done"):  # restarted after the others finished: nothing is left to train
+            if self.rank == 0:
+                print(f"meshfold: replica {self.replica}: the run finished at step {q['step']} while this group "
+                      "was restarting; nothing left to train", flush=True)
+            raise SystemExit(0)
         self.redo_cause = None
         if q["quorum_id"] != self.quorum.get("quorum_id"):
             if self.group is not None:
@@ -354,7 +359,7 @@ class LiveReplicas:
 
     def close(self) -> None:
         if self.client is not None:
-            self.client.bye()
+            self.client.bye(self.progress.step)
 
 
 def comm_local(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ Connections:
 - a replica's rank-0 *worker* says ``{"op": "hello", "replica": r, "attempt": k}`` and then
   asks ``{"op": "quorum", "step": s, "meta": {...}, "failed": "..."}`` before each step
   (``failed``: the error that made it redo the step). Its connection closing without
-  ``{"op": "bye"}`` is a departure (the process died or was killed).
+  ``{"op": "bye", "step": s}`` is a departure (the process died or was killed); after a bye
+  (the run is finished) a replica still asking is told ``{"done": true}``.
 
 A round completes when every replica with a connected worker has asked, and then: the
 first round when all the configured replicas are there (or ``start_timeout_s`` passed); a
@@ -80,6 +81,7 @@ class QuorumServer:
         self.last_step: dict[int, int] = {}
         self.failures: list[str] = []
         self.log: list[dict] = []  # every quorum decided (tests, docs)
+        self.done_step: int | None = None  # a replica finished the run at this step
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="meshfold-quorum").start()
 
@@ -122,6 +124,8 @@ class QuorumServer:
                 break
             if msg["op"] == "bye":
                 said_bye = True
+                with self.cond:
+                    self.done_step = max(self.done_step or 0, int(msg.get("step", 0)))
                 break
             if msg["op"] == "quorum":
                 reply = self._quorum(replica, token, msg)
@@ -200,6 +204,8 @@ class QuorumServer:
 
     def _quorum(self, replica: int, token, msg: dict) -> dict:
         with self.cond:
+            if self.done_step is not None and not self.pending:  # the others finished the run meanwhile
+                return {"done": True, "step": self.done_step}
             self.replies.pop(replica, None)
             self.pending[replica] = msg
             self.last_step[replica] = int(msg["step"])
@@ -240,9 +246,9 @@ class QuorumClient:
             raise ConnectionError("live recovery: the quorum server closed the connection")
         return reply
 
-    def bye(self) -> None:
+    def bye(self, step: int = 0) -> None:
         try:
-            _send(self.sock, {"op": "bye"})
+            _send(self.sock, {"op": "bye", "step": step})
         except OSError:
             pass
         self.close()
