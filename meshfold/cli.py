@@ -67,7 +67,9 @@ def run_train(args) -> int:
         validate(cfg, args.nproc)  # one line now, before any process starts
         argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
         if cfg.train.live_recovery and replica is None:  # one agent per replica group
-            return launch_live(args.nproc, argv, cfg.parallel.dp_replicate, cfg.train.live_rejoin_wait_s,
+            replicas = live.replica_count(cfg)
+            validate(live.replica_config(cfg, 0, 0), args.nproc // replicas)  # what each group runs
+            return launch_live(args.nproc, argv, replicas, cfg.train.live_rejoin_wait_s,
                                args.max_restarts or LIVE_RESTARTS)
         if args.nproc > 1 or args.max_restarts:
             return launch_local(args.nproc, argv, args.max_restarts)

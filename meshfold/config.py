@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -245,22 +244,25 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 
 def validate_live(cfg: Config) -> None:
     """``train.live_recovery``: replica groups as failure domains (train/live.py). A replica
-    group's own processes run its inner layout (``dp_replicate = 1``), marked by the launcher."""
+    group's own processes run its inner layout (``dp_replicate = 1``, ``lowcomm.workers = 1``):
+    ``replica_config`` marks that config with ``live_replica``."""
     t, p = cfg.train, cfg.parallel
-    if not t.live_recovery or os.environ.get("MESHFOLD_LIVE_REPLICA") is not None:
+    if not t.live_recovery or getattr(cfg, "live_replica", False):  # train/live.py::replica_config
         return
-    if cfg.lowcomm.workers > 1 and p.dp_replicate < 2:
-        raise ConfigError("train.live_recovery over lowcomm.workers is not built yet (parallel.dp_replicate replica "
-                          "groups are the failure domains); set parallel.dp_replicate >= 2 and lowcomm.workers = 1")
-    if p.dp_replicate < 2:
+    lc = cfg.lowcomm
+    if lc.workers > 1:  # the DiLoCo workers are the failure domains
+        if lc.method != "diloco" or lc.compression != "none" or p.dp_replicate > 1:
+            raise ConfigError('train.live_recovery over lowcomm.workers is built for lowcomm.method = "diloco" '
+                              'with lowcomm.compression = "none" and parallel.dp_replicate = 1')
+    elif p.dp_replicate < 2:
         raise ConfigError("train.live_recovery needs replica groups that fail independently: set "
-                          "parallel.dp_replicate >= 2")
-    if cfg.lowcomm.method != "none" or cfg.lowcomm.compression != "none":
-        raise ConfigError('train.live_recovery with [lowcomm] is not built yet: set lowcomm.method = "none" and '
-                          'lowcomm.compression = "none"')
+                          "parallel.dp_replicate >= 2 (or lowcomm.workers >= 2 with DiLoCo)")
+    elif lc.method != "none" or lc.compression != "none":
+        raise ConfigError('train.live_recovery over parallel.dp_replicate with [lowcomm] is not built: set '
+                          'lowcomm.method = "none" and lowcomm.compression = "none"')
     if cfg.data.balance != "none":
         raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
-    if t.global_batch % p.dp_replicate:
+    if lc.workers <= 1 and t.global_batch % p.dp_replicate:
         raise ConfigError(f"train.global_batch = {t.global_batch} must split into parallel.dp_replicate = "
                           f"{p.dp_replicate} equal slices (one per replica group)")
     if t.live_rejoin_wait_s < 0:

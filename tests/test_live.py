@@ -18,7 +18,7 @@ import tomli_w
 from meshfold.config import from_dict
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.planner.goodput import FailureModel, goodput
-from meshfold.testing import tiny_config
+from meshfold.testing import run_on, tiny_config, train_collect
 from meshfold.train.quorum import QuorumClient, QuorumServer
 from meshfold.train.trainer import Trainer
 
@@ -26,32 +26,38 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS, KILL_STEP = 5, 3
 
 
-def _traces(run_dir: Path) -> dict[tuple[int, int], dict[int, dict]]:
-    """(replica, rank) -> step -> what that rank trained and its parameter digest."""
+def _traces(run_dir: Path, healed: bool = False) -> dict[tuple[int, int], dict[int, dict]]:
+    """(replica, rank) -> step -> what that rank trained and its parameter digest (after the
+    step; ``healed``: also the digest a rejoined rank has right after receiving the state)."""
     out = {}
     for path in run_dir.glob("live-trace-r*-rank*.jsonl"):
         replica, rank = (int(x) for x in path.stem[len("live-trace-r"):].split("-rank"))
-        out[(replica, rank)] = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+        out[(replica, rank)] = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())
+                                if healed or not r["healed"]}
     return out
 
 
-def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = tiny_config(str(run_dir), parallel={"dp_replicate": 2, "dp_shard": 2},
-                      train={"steps": STEPS, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+def _run_live(tmp_path: Path, cfg: dict, kill: str) -> tuple[list[dict], list[dict], float]:
+    """``meshfold train --nproc 4`` of ``cfg`` with one process SIGKILLed (``kill``):
+    the metrics records, their events, and the wall time."""
     (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=f"1:1:{KILL_STEP}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", "4"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (Path(cfg["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return records, [e for r in records for e in r.get("events", [])], took
 
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
+    cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_replicate": 2, "dp_shard": 2},
+                      train={"steps": STEPS, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+    records, events, took = _run_live(tmp_path, cfg, f"1:1:{KILL_STEP}")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none repeated, none missing
     replicas = [r["replicas"] for r in records]
     assert replicas == [2] * (KILL_STEP - 1) + [1] + [2] * (STEPS - KILL_STEP), replicas
-    events = [e for r in records for e in r.get("events", [])]
     departure = [e for e in events if e["event"] == "departure"]
     rejoin = [e for e in events if e["event"] == "rejoin"]
     assert [(e["replica"], e["step"]) for e in departure] == [(1, KILL_STEP)], events
@@ -59,7 +65,7 @@ def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
     assert [(e["replica"], e["step"]) for e in rejoin] == [(1, KILL_STEP + 1)], events
     assert "received step 3's state from replica 0" in rejoin[0]["cause"]
 
-    traces = _traces(run_dir)
+    traces = _traces(tmp_path / "run")
     for rank in (0, 1):
         survivor, rejoined = traces[(0, rank)], traces[(1, rank)]
         assert KILL_STEP not in rejoined and rejoined[KILL_STEP + 1]["attempt"] == 1
@@ -82,6 +88,38 @@ def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
     for got, ref in zip([r["loss"] for r in records], ref_losses, strict=True):
         assert abs(got - ref) <= 1e-9 * abs(ref), ([r["loss"] for r in records], ref_losses)
     print(f"live recovery run: {took:.1f} s")
+
+
+def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
+    """2 DiLoCo workers x 2 FSDP shards (outer step every 2 steps); worker 1's rank 1 killed
+    in step 3. Worker 0 trains on; at the outer step 4 the quorum waits for the restarted
+    worker, averages the outer gradient over the one worker that trained the phase, and the
+    rejoined worker receives the new global copy, outer momentum and inner Adam state.
+    Data: at most once (worker 1's sequences of steps 3-4 are not trained)."""
+    lowcomm = {"method": "diloco", "workers": 2, "inner_steps": 2}
+    cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_shard": 2}, lowcomm=lowcomm,
+                      train={"steps": 6, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+    records, events, took = _run_live(tmp_path, cfg, "1:1:3")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r.get("outer_step") for r in records] == [None, 1, None, 2, None, 3]
+    assert [r["replicas"] for r in records] == [2, 2, 2, 1, 2, 2]  # outer step 2: worker 0's phase only
+    assert [(e["event"], e["replica"]) for e in events if e["event"] != "join"] == [("departure", 1), ("rejoin", 1)]
+    assert all("rejoin" not in e["event"] and "departure" not in e["event"]
+               for r in records if r["step"] != 4 for e in r.get("events", []))
+    traces = _traces(tmp_path / "run", healed=True)
+    for rank in (0, 1):
+        survivor, rejoined = traces[(0, rank)], traces[(1, rank)]
+        assert 3 not in rejoined and rejoined[4]["healed"] and rejoined[4]["attempt"] == 1
+        for step in (4, 6):  # right after the rejoin (theta = phi) and at the next outer step
+            assert rejoined[step]["params"] == survivor[step]["params"], (rank, step)
+    # Losses (worker 0, as metrics.jsonl logs): the run without the fault (2 processes, the
+    # same seed and batches) up to the outer step the lost phase would have joined, then not.
+    ref = run_on(2, train_collect, tiny_config(str(tmp_path / "ref"), lowcomm=lowcomm, train={"steps": 6}))[0]
+    got = [r["loss"] for r in records]
+    for step in range(4):
+        assert abs(got[step] - ref["losses"][step]) <= 1e-9 * abs(ref["losses"][step]), (got, ref["losses"])
+    assert abs(got[4] - ref["losses"][4]) > 1e-6  # outer step 2 averaged one worker's phase, not two
+    print(f"live recovery (DiLoCo) run: {took:.1f} s")
 
 
 def test_quorum_rounds_start_redo_and_rejoin_wait():

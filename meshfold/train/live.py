@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from meshfold import comm
 from meshfold.data.dataset import make_sampler
+from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.train.quorum import QuorumClient
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ class LiveStepFailed(RuntimeError):
 
 
 def replica_count(cfg: Config) -> int:
-    return cfg.parallel.dp_replicate
+    """The failure domains: the DiLoCo workers, else the data-parallel replica groups."""
+    return cfg.lowcomm.workers if cfg.lowcomm.workers > 1 else cfg.parallel.dp_replicate
 
 
 def replica_env() -> tuple[int, int] | None:
@@ -82,10 +84,13 @@ def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
     the global batch; only replica 0 writes checkpoints (they are all equal); a restarted
     replica never reads one (it receives the state from a healthy replica)."""
     out = copy.deepcopy(cfg)
-    replicas = cfg.parallel.dp_replicate
-    out.parallel.dp_replicate = 1
-    out.train.global_batch = cfg.train.global_batch // replicas
+    if cfg.lowcomm.workers > 1:  # DiLoCo: train.global_batch is per worker already
+        out.lowcomm.workers = 1
+    else:
+        out.parallel.dp_replicate = 1
+        out.train.global_batch = cfg.train.global_batch // cfg.parallel.dp_replicate
     out.data.prefetch = 0  # which slices this replica trains is known only once the quorum is
+    out.live_replica = True  # config.validate_live: one replica group's own layout
     if replica != 0:
         out.train.checkpoint_every = 0
     if attempt > 0:
@@ -155,7 +160,7 @@ class LiveReplicas:
     name = None
 
     def __init__(self, cfg: Config, replica: int, replicas: int, model_parts, device: torch.device,
-                 train_data, progress):
+                 train_data, progress, lowcomm=None):
         self.cfg, self.replica, self.replicas = cfg, replica, replicas
         self.parts, self.device, self.train_data, self.progress = model_parts, device, train_data, progress
         self.rank, self.world = dist.get_rank() if dist.is_initialized() else 0, (
@@ -178,6 +183,13 @@ class LiveReplicas:
         self.trace = os.environ.get(ENV_TRACE) == "1"
         self.kill = self._parse_kill(os.environ.get(ENV_KILL, ""))
         self.healed_bytes = 0
+        # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
+        # the outer gradient is averaged over the workers that trained the phase.
+        self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
+        if self.outer is not None:
+            self.outer.mean_fn = self._outer_mean
+        self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
+        self.pending_heal: dict | None = None
 
     def _parse_kill(self, text: str):
         if not text or self.attempt > 0:
@@ -189,6 +201,9 @@ class LiveReplicas:
 
     def wrap_sampler(self, sampler):
         t = self.cfg.train
+        if self.outer is not None:  # worker w's slice of the W x B batch, as without live recovery
+            self.sampler = WorkerSampler(len(self.train_data), t.global_batch, self.replicas, self.replica, t.seed)
+            return self.sampler
         self.sampler = LiveSampler(make_sampler(self.train_data, t.global_batch * self.replicas, t.seed),
                                    self.replicas)
         return self.sampler
@@ -201,7 +216,11 @@ class LiveReplicas:
         return _Writer(logger, self)
 
     def after_step(self, step: int) -> dict:
-        out = {"replicas": len(self.members)}
+        if self.pending_heal is not None:  # DiLoCo: after the outer step, the joiners receive it
+            self._heal(self.pending_heal)
+            self.pending_heal = None
+        out = {"replicas": self.trainers if self.trainers is not None else len(self.members)}
+        self.trainers = None
         if self.events and self.writes_metrics:
             out["events"] = self.events
         self.events = []
@@ -214,6 +233,10 @@ class LiveReplicas:
     def step(self, train_step):
         """Run ``train_step`` (the trainer's step, which calls ``reduce``) until a quorum
         commits it."""
+        if self.outer is not None:
+            if not self.members:  # the start, or a restarted worker: join at the next outer step
+                self._outer_join()
+            return train_step()
         while True:
             self._begin()
             try:
@@ -228,8 +251,9 @@ class LiveReplicas:
         """Rank 0 asks the quorum server; every rank of the replica gets the answer."""
         reply = None
         if self.rank == 0:
-            meta = {"sampler": self.sampler.boundary_state(), "scheduler": _plain(self.scheduler.state_dict()),
-                    "attempt": self.attempt}
+            position = getattr(self.sampler, "boundary_state", self.sampler.state_dict)()
+            meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
+                    "attempt": self.attempt, "outer_steps": self.outer.outer_steps if self.outer is not None else 0}
             reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
         if self.world > 1:
             reply = comm.broadcast_object(reply, 0)
@@ -237,6 +261,15 @@ class LiveReplicas:
 
     def _begin(self) -> None:
         q = self._ask()
+        self._apply(q)
+        if q["heal"]:
+            self._heal(q)
+        me = self.members.index(self.replica)
+        self.sampler.slices = [i for i in range(self.replicas) if i % len(self.members) == me]
+        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+
+    def _apply(self, q: dict) -> None:
+        """Take a quorum's answer: the standalone group of its members, the events."""
         if q.get("done"):  # restarted after the others finished: nothing is left to train
             if self.rank == 0:
                 print(f"meshfold: replica {self.replica}: the run finished at step {q['step']} while this group "
@@ -254,11 +287,72 @@ class LiveReplicas:
                                                   len(q["members"]), self.timeout_s, self.device.type)
         self.quorum, self.members = q, q["members"]
         self.events.extend(q.get("events", []))
-        if q["heal"]:
-            self._heal(q)
-        me = self.members.index(self.replica)
-        self.sampler.slices = [i for i in range(self.replicas) if i % len(self.members) == me]
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+
+    # ------------------------------------------------------------------ DiLoCo workers
+
+    def _outer_join(self) -> None:
+        """Before a worker's first step: the start (everyone at step 0: nothing to do), or a
+        restarted worker, which waits for the others' next outer step, takes part in its
+        exchange with nothing to add, then receives the new state."""
+        while True:
+            q = self._ask()
+            self._apply(q)
+            if self.replica not in q["heal"]:
+                return
+            ok, error = self._outer_exchange(None)
+            if ok:
+                self._heal(q)
+                return
+            self.redo_cause = error
+
+    def _outer_mean(self, delta: torch.Tensor) -> None:
+        """``DiLoCo``'s outer all-reduce (its ``mean_fn``): the mean of the outer gradient over
+        the workers of this outer step's quorum that trained the phase; retried with a new
+        quorum when one is lost during the exchange."""
+        keep = delta.clone()
+        while True:
+            q = self._ask()
+            self._apply(q)
+            ok, error = self._outer_exchange(delta)
+            if ok:
+                self.pending_heal = q if q["heal"] else None
+                return
+            delta.copy_(keep)
+            self.redo_cause = error
+
+    def _outer_exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:
+        """Sum of the trainers' outer gradients and their count (a joiner adds zeros), then
+        this worker's vote; ``delta`` becomes the mean."""
+        flat = delta if delta is not None else torch.zeros_like(self.outer.phi[0])
+        count = torch.full((), 1.0 if delta is not None else 0.0, dtype=torch.float64, device=self.device)
+        ok = torch.ones((), dtype=torch.int64, device=self.device)
+        error = ""
+        if self.group is not None:
+            try:
+                comm.group_all_reduce(flat, self.group, "outer")
+                comm.group_all_reduce(count, self.group, None)
+            except RuntimeError as err:
+                ok.zero_()
+                error = str(err).splitlines()[0][:200]
+        ok, error = self._vote(ok, error)
+        if ok and delta is not None:
+            delta.div_(count.to(delta.dtype))
+            self.trainers = int(count)
+        return ok, error
+
+    def _vote(self, ok: torch.Tensor, error: str) -> tuple[bool, str]:
+        """Every rank of this replica group agrees whether its exchange succeeded (one
+        all-reduce over its own, healthy, world); on failure, what the ranks that saw it saw."""
+        if self.world > 1:
+            comm.all_reduce(ok, None, None, op="min")
+        if int(ok) == 1:
+            return True, ""
+        if self.world > 1:  # the failure path only
+            seen = [e for e in comm.all_gather_object(error) if e]
+            error = seen[0] if seen else error
+        return False, (f"replica {self.replica} lost its cross-replica exchange in step "
+                       f"{self.progress.step + 1}: {error}")
 
     # ------------------------------------------------------------------ healing
 
@@ -269,6 +363,8 @@ class LiveReplicas:
         for p in params:
             st = self.optimizer.state.get(p, {})
             out.extend(comm_local(st[k]) for k in sorted(st) if torch.is_tensor(st[k]))
+        if self.outer is not None:  # DiLoCo's global copy and outer momentum
+            out.extend(self.outer.phi + self.outer.momentum)
         return params, out
 
     @torch.no_grad()
@@ -302,6 +398,10 @@ class LiveReplicas:
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
             self.progress.step = q["step"]
+            if self.outer is not None:  # healed after the outer step the meta was taken before
+                self.outer.outer_steps = meta["outer_steps"] + 1
+            if self.trace:
+                self._trace(q["step"], healed=True)
             self.events.append({"event": "healed", "replica": self.replica, "step": q["step"] + 1,
                                 "cause": f"received {sent} bytes of model and optimizer state from replica "
                                          f"{q['source']} in {time.perf_counter() - start:.3f} s (rank {self.rank})"})
@@ -315,6 +415,8 @@ class LiveReplicas:
         Raises ``LiveStepFailed`` when a member was lost (every rank of this replica agrees)."""
         if self.kill is not None and self.progress.step + 1 == self.kill:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a hard crash mid-step
+        if self.outer is not None:  # DiLoCo: nothing crosses the workers between outer steps
+            return loss_sum, tokens
         grads = [comm_local(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
         ok = torch.ones((), dtype=torch.int64, device=self.device)
         error = ""
@@ -337,23 +439,19 @@ class LiveReplicas:
             except RuntimeError as err:  # a member died (gloo: connection closed; NCCL: aborted)
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
-        if self.world > 1:
-            comm.all_reduce(ok, None, None, op="min")  # the replica's own world: healthy
-        if int(ok) == 0:
-            if self.world > 1:  # the failure path only: say what the ranks that saw it saw
-                seen = [e for e in comm.all_gather_object(error) if e]
-                error = seen[0] if seen else error
-            raise LiveStepFailed(f"replica {self.replica} lost its cross-replica exchange in step "
-                                 f"{self.progress.step + 1}: {error}")
+        good, error = self._vote(ok, error)
+        if not good:
+            raise LiveStepFailed(error)
         return loss_sum, tokens
 
     # ------------------------------------------------------------------ inspection
 
-    def _trace(self, step: int) -> None:
+    def _trace(self, step: int, healed: bool = False) -> None:
         path = Path(self.cfg.train.run_dir) / f"live-trace-r{self.replica}-rank{self.rank}.jsonl"
         params = [comm_local(p) for part in self.parts for p in part.parameters()]
-        rec = {"step": step, "replica": self.replica, "attempt": self.attempt, "members": self.members,
-               "slices": self.sampler.slices, "indices": self.sampler.trained.tolist(), "params": digest(params)}
+        rec = {"step": step, "healed": healed, "replica": self.replica, "attempt": self.attempt, "members": self.members,
+               "slices": getattr(self.sampler, "slices", [self.replica]), "params": digest(params),
+               "indices": self.sampler.trained.tolist() if getattr(self.sampler, "trained", None) is not None else None}
         with path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -372,9 +470,10 @@ def _plain(sd: dict) -> dict:
     return json.loads(json.dumps(sd, default=lambda _: None))
 
 
-def build_live(cfg: Config, model_parts, device: torch.device, train_data, progress) -> LiveReplicas | None:
+def build_live(cfg: Config, model_parts, device: torch.device, train_data, progress,
+               lowcomm=None) -> LiveReplicas | None:
     """The live-recovery feature of a replica group's process, or None (not a live replica)."""
     env = replica_env()
     if not cfg.train.live_recovery or env is None:
         return None
-    return LiveReplicas(cfg, env[0], env[1], model_parts, device, train_data, progress)
+    return LiveReplicas(cfg, env[0], env[1], model_parts, device, train_data, progress, lowcomm)

@@ -117,7 +117,8 @@ class Trainer:
         self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
                                                          self.compression))
         # train.live_recovery: this replica group's quorum, heal and cross-replica reduce (train/live.py).
-        self.live = self.features.add(build_live(cfg, self.model_parts, self.device, self.data.train, self.progress))
+        self.live = self.features.add(build_live(cfg, self.model_parts, self.device, self.data.train, self.progress,
+                                                   self.lowcomm))
         # The features' hooks, once everything they wrap exists.
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
