@@ -37,13 +37,13 @@ def _traces(run_dir: Path, healed: bool = False) -> dict[tuple[int, int], dict[i
     return out
 
 
-def _run_live(tmp_path: Path, cfg: dict, kill: str) -> tuple[list[dict], list[dict], float]:
-    """``meshfold train --nproc 4`` of ``cfg`` with one process SIGKILLed (``kill``):
+def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int = 4) -> tuple[list[dict], list[dict], float]:
+    """``meshfold train --nproc N`` of ``cfg`` with one process SIGKILLed (``kill``):
     the metrics records, their events, and the wall time."""
     (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", "4"],
+    proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", str(nproc)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -91,15 +91,15 @@ def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
 
 
 def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
-    """2 DiLoCo workers x 2 FSDP shards (outer step every 2 steps); worker 1's rank 1 killed
-    in step 3. Worker 0 trains on; at the outer step 4 the quorum waits for the restarted
+    """2 DiLoCo workers, one process each (the inner layout's part is shown above; this keeps
+    the suite's time), outer step every 2 steps; worker 1 killed in step 3. Worker 0 trains on; at the outer step 4 the quorum waits for the restarted
     worker, averages the outer gradient over the one worker that trained the phase, and the
     rejoined worker receives the new global copy, outer momentum and inner Adam state.
     Data: at most once (worker 1's sequences of steps 3-4 are not trained)."""
     lowcomm = {"method": "diloco", "workers": 2, "inner_steps": 2}
-    cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_shard": 2}, lowcomm=lowcomm,
+    cfg = tiny_config(str(tmp_path / "run"), lowcomm=lowcomm,
                       train={"steps": 6, "live_recovery": True, "live_rejoin_wait_s": 300.0})
-    records, events, took = _run_live(tmp_path, cfg, "1:1:3")
+    records, events, took = _run_live(tmp_path, cfg, "1:0:3", nproc=2)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r.get("outer_step") for r in records] == [None, 1, None, 2, None, 3]
     assert [r["replicas"] for r in records] == [2, 2, 2, 1, 2, 2]  # outer step 2: worker 0's phase only
@@ -107,7 +107,7 @@ def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
     assert all("rejoin" not in e["event"] and "departure" not in e["event"]
                for r in records if r["step"] != 4 for e in r.get("events", []))
     traces = _traces(tmp_path / "run", healed=True)
-    for rank in (0, 1):
+    for rank in (0,):
         survivor, rejoined = traces[(0, rank)], traces[(1, rank)]
         assert 3 not in rejoined and rejoined[4]["healed"] and rejoined[4]["attempt"] == 1
         for step in (4, 6):  # right after the rejoin (theta = phi) and at the next outer step

@@ -140,6 +140,9 @@ class QuorumServer:
                 if said_bye:
                     self.finished.add(replica)
                 else:
+                    # No longer a member: when it comes back (even before any round without it,
+                    # as DiLoCo workers meet only at outer steps) that is a rejoin.
+                    self.last_members = [m for m in self.last_members if m != replica]
                     step = self.last_step.get(replica, 0)
                     self._event({"event": "departure", "replica": replica, "step": step + 1,
                                  "cause": f"replica {replica}'s rank-0 worker disconnected during step {step + 1} "
