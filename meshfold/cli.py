@@ -36,6 +36,9 @@ def _fail(message: str) -> int:
 # --------------------------------------------------------------------------- train
 
 
+LIVE_RESTARTS = 3  # train.live_recovery: restarts per replica group when --max-restarts is not given
+
+
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("config", help="TOML config, e.g. configs/debug.toml")
@@ -43,24 +46,35 @@ def add_train_parser(sub) -> None:
                    help="override a config key (repeatable)")
     p.add_argument("--nproc", type=int, default=None, help="start N local processes (torchrun's launcher)")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: restart all workers this many times after a failure")
+                   help="with --nproc: restart all workers this many times after a failure (with "
+                        f"train.live_recovery: each replica group's own, default {LIVE_RESTARTS})")
 
 
 def run_train(args) -> int:
     from meshfold.config import load_config, validate
     from meshfold.launch import (EXIT_STOPPED, CheckpointError, RunDirError, Stopped, StopRequest, die_with_parent,
-                                 describe_os_error, env_world_size, init_distributed, launch_local,
+                                 describe_os_error, env_world_size, init_distributed, launch_live, launch_local,
                                  shutdown_distributed, under_torchrun)
+    from meshfold.train import live
 
     cfg = load_config(args.config, args.set)
+    replica = live.replica_env() if cfg.train.live_recovery else None
+    if replica is not None:  # one replica group of a live-recovery job: its inner layout
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        cfg = live.replica_config(cfg, replica[0], attempt)
     if args.nproc is not None and not under_torchrun():
         if args.nproc < 1:
             return _fail(f"--nproc must be >= 1, got {args.nproc}")
         if args.max_restarts < 0:
             return _fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
         validate(cfg, args.nproc)  # one line now, before any process starts
+        argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
+        if cfg.train.live_recovery and replica is None:  # one agent per replica group
+            replicas = live.replica_count(cfg)
+            validate(live.replica_config(cfg, 0, 0), args.nproc // replicas)  # what each group runs
+            return launch_live(args.nproc, argv, replicas, cfg.train.live_rejoin_wait_s,
+                               args.max_restarts or LIVE_RESTARTS)
         if args.nproc > 1 or args.max_restarts:
-            argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
             return launch_local(args.nproc, argv, args.max_restarts)
     world = env_world_size()
     validate(cfg, world)

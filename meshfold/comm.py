@@ -36,6 +36,7 @@ send the size).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import sys
@@ -272,13 +273,16 @@ def _group_device_type(group) -> str:
 
 def check_tensors(tensors: Sequence[torch.Tensor], group, what: str) -> None:
     """Every tensor must live where the group's backend computes (NCCL: the GPU)."""
-    expected = _group_device_type(group)
+    _check_device(tensors, _group_device_type(group), str(dist.get_backend(group)), what)
+
+
+def _check_device(tensors: Sequence[torch.Tensor], expected: str, backend: str, what: str) -> None:
     for t in tensors:
         if t.device.type == "meta":
             raise CommError(f"{what}: a tensor on the meta device reached a collective; it was "
                             "created without device= (create it on the compute device)")
         if t.device.type != expected:
-            raise CommError(f"{what}: tensor on {t.device} handed to a {dist.get_backend(group)} "
+            raise CommError(f"{what}: tensor on {t.device} handed to a {backend} "
                             f"group, which needs {expected} tensors; create it on the compute device")
         if is_host_marked(t):
             raise CommError(f"{what} called from {_caller()}: strict mode: a host tensor (created without "
@@ -504,3 +508,49 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
 def wait_all(works: Sequence) -> None:
     for w in works:
         w.wait()
+
+
+# ---------------------------------------------------------------------------- standalone groups
+# Live recovery (train/live.py) links rank j of every replica group in a group of its own,
+# outside the default world (each replica group is a world of its own, restarted alone),
+# rebuilt from a shared store whenever the quorum changes. Same rules: device tensors,
+# counted bytes, timed calls.
+
+
+class StandaloneGroup:
+    """A process group over ``size`` ranks met through ``store`` (NCCL for cuda, gloo for cpu)."""
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float, device_type: str):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.size, self.device_type = rank, size, device_type
+        if device_type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.backend = "nccl" if device_type == "cuda" else "gloo"
+
+    def abort(self) -> None:
+        """After a member died: NCCL must be aborted (its kernels would wait forever); gloo's
+        pairs are closed with the object."""
+        if self.backend == "nccl" and hasattr(self.pg, "abort"):
+            self.pg.abort()
+
+
+def group_all_reduce(t: torch.Tensor, group: StandaloneGroup, dim: str | None, op: str = "sum") -> None:
+    _check_device([t], group.device_type, group.backend, "all_reduce")
+    ledger().record(dim, "all_reduce", _nbytes(t), group.size)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _OPS[op]
+    with _TIMER.call("all_reduce(standalone)", None, async_op=False):
+        group.pg.allreduce([t], opts).wait()
+
+
+def group_broadcast(t: torch.Tensor, src: int, group: StandaloneGroup, dim: str | None) -> None:
+    _check_device([t], group.device_type, group.backend, "broadcast")
+    ledger().record(dim, "broadcast", _nbytes(t), group.size)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    with _TIMER.call("broadcast(standalone)", None, async_op=False):
+        group.pg.broadcast([t], opts).wait()

@@ -55,6 +55,7 @@ from meshfold.train.stop import Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
+from meshfold.train.live import build_live
 from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 
@@ -124,6 +125,9 @@ class Trainer:
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
         self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
                                                          self.compression))
+        # train.live_recovery: this replica group's quorum, heal and cross-replica reduce (train/live.py).
+        self.live = self.features.add(build_live(cfg, self.model_parts, self.device, self.data.train, self.progress,
+                                                   self.lowcomm))
         # The features' hooks, once everything they wrap exists.
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
@@ -227,6 +231,8 @@ class Trainer:
 
     def train_step(self) -> float:
         with self.strict_scope():
+            if self.live is not None:  # until a quorum of replicas commits the step
+                return self.live.step(self._train_step)
             return self._train_step()
 
     def _train_step(self) -> float:
@@ -234,6 +240,8 @@ class Trainer:
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
         loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
         self.step_metrics.update(self.engine.pop_metrics())
+        if self.live is not None:  # over the replica groups that took part (raises to redo the step)
+            loss_sum, global_tokens = self.live.reduce(loss_sum, global_tokens)
         self.last_grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         if self.capture_grads:
             self.last_grads = self.full_state(grads=True)
@@ -381,6 +389,7 @@ class Trainer:
         self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
+        logger = self.features.wrap_logger(logger)
         tokens_per_step = t.global_batch * self.cfg.model.seq_len * self.dims.size("worker")  # batch is per worker
         try:
             while self.step < t.steps:
@@ -405,6 +414,7 @@ class Trainer:
             self.checkpointer.wait()
             if self.checkpointer.save_failure is not None:  # the run's last save: never exit 0 without it
                 raise RunDirError(self.checkpointer.save_failure)
+            self.features.close()
         finally:
             self.prefetcher.close()
             logger.close()
