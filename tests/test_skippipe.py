@@ -15,7 +15,7 @@ from meshfold.testing import assert_runs_match, run_on, tiny_config, train_colle
 MODEL = {"n_layers": 4}
 TRAIN = {"steps": 2, "micro_batch": 2}  # 8 sequences: 4 micro-batches
 SLOW = [[0, 1, 1.0], [2, 3, 1.0]]  # Mbit/s; the other links are free (pp_link_mbit = 0)
-SKIP = {"pp": 4, "pp_schedule": "skippipe", "pp_microbatches": 4, "pp_skip": 0.25, "pp_reorder": True,
+SKIP = {"pp": 4, "pp_schedule": "skippipe", "pp_microbatches": 4, "pp_skip": 0.5, "pp_reorder": True,
         "pp_links": SLOW}
 
 
@@ -79,7 +79,7 @@ def test_skippipe_is_1f1b_without_skips_and_the_skipping_reference_with_them(tmp
     full = (0, 1, 2, 3)
     # the plan really skips and reorders, and every stage still trains on some micro-batch
     assert any(len(p) < 4 for p in paths) and any(list(p) != sorted(p) for p in paths), paths
-    assert all(sum(s in p for p in paths) >= 3 for s in full), paths
+    assert all(sum(s in p for p in paths) >= 2 for s in full), paths  # cap: 2 of 4 may skip
     ref = _skipping_reference(cfg("ref", {"pp": 1}), split, paths)
     assert_runs_match(ref, skipping)
     assert abs(skipping["losses"][0] - no_skip["losses"][0]) > 1e-6  # skipping changes the function
@@ -121,8 +121,10 @@ def test_planner_prices_skippipe_below_1f1b_on_slow_links():
     w = Workload(ModelConfig(dim=64, n_layers=4, n_heads=4, vocab_size=512, seq_len=64), global_batch=8)
     cm = CostModel(w, load_cluster("cpu", nodes=1, devices=4))
     base = dict(pp=4, dp_shard=1, zero=0, micro_batch=1, pp_links=((0, 1, 1.0), (2, 3, 1.0)))
+    fast = cm.estimate(Layout(pp_schedule="1f1b", **{**base, "pp_links": ()})).step_time_s
     t_1f1b = cm.estimate(Layout(pp_schedule="1f1b", **base)).step_time_s
     t_plain = cm.estimate(Layout(pp_schedule="skippipe", **base)).step_time_s
     t_skip = cm.estimate(Layout(pp_schedule="skippipe", pp_skip=0.25, pp_reorder=True, **base)).step_time_s
-    assert t_plain > t_1f1b  # the slow links cost what 1F1B does not price ...
-    assert t_skip < t_plain  # ... and paths around them win it back
+    assert t_1f1b > fast  # the slow links are priced, link by link ...
+    assert t_plain == t_1f1b  # ... skippipe without skips is 1F1B ...
+    assert t_skip < t_plain  # ... and its paths around the slow links win time back
