@@ -79,8 +79,8 @@ def _default_part(spec: str, cfg: Config, dst: Path) -> str:
     if not 0 <= k < n:
         raise ConfigError(f"--domain source {spec!r}: K must be in [0, N)")
     data = copy.deepcopy(cfg.data)
-    data.source, data.max_docs = "default", 0
-    docs = load_documents(data)
+    data.source = "default"
+    docs = load_documents(data)  # the first data.max_docs of them when set
     part = docs[k * len(docs) // n:(k + 1) * len(docs) // n]
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(dst, "w") as f:
@@ -281,12 +281,18 @@ def ensemble_loss(models: dict, prior: dict[str, float], batches: list[dict], do
     return total / tokens, {n: float(x) for n, x in zip(names, w)}
 
 
+def load_checkpoint(ckpt: Path):
+    """A whole ``Transformer`` in the dtype the checkpoint holds, in eval mode."""
+    meta = _model_meta(Path(ckpt))[1]
+    return load_model(Path(ckpt), next(iter(meta.values())).properties.dtype).eval()
+
+
 def load_ensemble(path: Path) -> tuple[dict, dict[str, float], int]:
     path = Path(path)
     if not (path / ENSEMBLE).is_file():
         raise ConfigError(f"{path} has no {ENSEMBLE}; make it with `meshfold btm merge DIR --ensemble --out {path}`")
     spec = json.loads((path / ENSEMBLE).read_text())
-    models = {n: load_model(path / rel).eval() for n, rel in spec["members"].items()}
+    models = {n: load_checkpoint(path / rel) for n, rel in spec["members"].items()}
     return models, spec["prior"], int(spec.get("posterior_batches", 1))
 
 
@@ -303,7 +309,7 @@ def evaluate(folder: Path, extra: dict[str, str] | None = None, ensemble: Path |
     models = {f"branch {n}": p for n, p in branch_checkpoints(folder).items()}
     models.update(extra or {})
     for label, ckpt in models.items():
-        model = load_model(Path(ckpt)).eval()
+        model = load_checkpoint(Path(ckpt))
         rows[label] = {d: model_loss(model, b, doc_mask) for d, b in batches.items()}
     posteriors = {}
     if ensemble is not None:
