@@ -37,9 +37,10 @@ def main() -> None:
     common = ["--set", "data.val_docs=16", "--set", "train.progress=false", "--set", "train.tensorboard=false",
               "--set", "train.log_every=10"]
     seed_run = work / "seed"
-    meshfold("train", "configs/debug.toml", *common, "--set", f"train.steps={args.seed_steps}",
-             "--set", f"train.checkpoint_every={args.seed_steps}", "--set", f'train.run_dir="{seed_run}"')
     seed = seed_run / "checkpoints" / f"step-{args.seed_steps}"
+    if not seed.is_dir():  # a seed of an earlier run with the same steps is reused
+        meshfold("train", "configs/debug.toml", *common, "--set", f"train.steps={args.seed_steps}",
+                 "--set", f"train.checkpoint_every={args.seed_steps}", "--set", f'train.run_dir="{seed_run}"')
     btm_dir = work / "btm"
     domains = [x for k in range(DOMAINS) for x in ("--domain", f"d{k}=default:{k}/{DOMAINS}")]
     meshfold("btm", "branch", str(seed), *domains, "--out", str(btm_dir), "--set", f"train.steps={args.branch_steps}",

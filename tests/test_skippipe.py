@@ -10,7 +10,7 @@ import torch
 from meshfold import skippipe
 from meshfold.parallel.exchange import exchange_plan
 from meshfold.schedule import makespan, schedule_actions, simulate
-from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect, train_segment
 
 MODEL = {"n_layers": 4}
 TRAIN = {"steps": 2, "micro_batch": 2}  # 8 sequences: 4 micro-batches
@@ -21,6 +21,11 @@ SKIP = {"pp": 4, "pp_schedule": "skippipe", "pp_microbatches": 4, "pp_skip": 0.5
 
 def _train_each(cfgs: list[dict]) -> list:
     return [train_collect(c) for c in cfgs]
+
+
+def _resume(cfg: dict) -> list:
+    """Train to step 1, checkpoint, resume from there to step 2."""
+    return [train_segment(cfg, 1), train_segment(cfg, 2, save=False)]
 
 
 def _paths(cfg_dict: dict):
@@ -71,6 +76,7 @@ def test_skippipe_is_1f1b_without_skips_and_the_skipping_reference_with_them(tmp
         cfg("1f1b", {"pp": 4, "pp_schedule": "1f1b"}),
         cfg("noskip", {"pp": 4, "pp_schedule": "skippipe", "pp_links": SLOW}),
         cfg("skip", SKIP)])[0]
+    first, second = run_on(4, _resume, cfg("resume", SKIP))[0]
     assert one_f_one_b["losses"] == no_skip["losses"]
     for kind in ("params", "grads"):
         for name, value in one_f_one_b[kind].items():
@@ -83,6 +89,10 @@ def test_skippipe_is_1f1b_without_skips_and_the_skipping_reference_with_them(tmp
     ref = _skipping_reference(cfg("ref", {"pp": 1}), split, paths)
     assert_runs_match(ref, skipping)
     assert abs(skipping["losses"][0] - no_skip["losses"][0]) > 1e-6  # skipping changes the function
+    # checkpoint at step 1, resume: the same paths are planned again, the same run results
+    assert second["start"] == 1 and first["losses"] + second["losses"] == skipping["losses"]
+    for name, value in skipping["params"].items():
+        assert torch.equal(second["params"][name], value), name
 
 
 def _tables(pp=4):
