@@ -28,6 +28,10 @@ from functools import lru_cache
 from meshfold.schedule import Action, makespan, schedule_actions, simulate
 
 NAME = "skippipe"
+# Beyond this many stage-micro-batches (pp * m) a simulated step per candidate costs more
+# than planning may (the list schedule is quadratic in them): ``plan`` then scores a
+# candidate by its own path cost alone, one pass.
+SIMULATED_MAX = 256
 
 
 def limits(n_stages: int, m: int, skip: float) -> tuple[int, int]:
@@ -166,12 +170,15 @@ def plan(pp: int, m: int, skip: float, reorder: bool, cost, link, passes: int = 
         per_mb = 0
     skipped = {s: 0 for s in range(1, pp - 1)}
 
+    simulated = pp * m <= SIMULATED_MAX
+
     def score(ps):
-        return step_time(pp, tuple(ps), cost, link), sum(_path_cost(p, cost, link) for p in ps)
+        paths_cost = sum(_path_cost(p, cost, link) for p in ps)
+        return (step_time(pp, tuple(ps), cost, link) if simulated else 0.0), paths_cost
 
     cache: dict[frozenset, list] = {}
     current = score(paths)
-    for _ in range(passes):
+    for _ in range(passes if simulated else 1):
         changed = False
         for i in range(m):
             mine = set(full) - set(paths[i])
