@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.calibration",
     "netlab": "meshfold.netlab_cli",
     "dry-run": "meshfold.dryrun",
+    "btm": "meshfold.btm",
 }
 
 

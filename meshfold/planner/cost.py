@@ -41,6 +41,7 @@ from meshfold.planner.counts import (
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
 from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time, rank_chunk_of_stage, stage_of
+from meshfold.skippipe import link_table, plan_orders, table_step_time
 
 @dataclass(frozen=True)
 class Workload:
@@ -76,6 +77,11 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     recompute: str = "none"  # none | selective | full
     pp_split: tuple = ()  # blocks per stage (``parallel.pp_split``); () = balanced by cost, as the runtime
+    # skippipe's skip cap and reorder option, and links between pp ranks slower or faster
+    # than the cluster's ((a, b, Mbit/s), ...: ``parallel.pp_links``), priced per link
+    pp_skip: float = 0.0
+    pp_reorder: bool = False
+    pp_links: tuple = ()
 
     @property
     def dp(self) -> int:
@@ -94,7 +100,8 @@ class Layout:
                               tp=self.tp, sp=self.sp, pp=self.pp, pp_schedule=self.pp_schedule,
                               pp_microbatches=self.microbatches(global_batch) if self.pp > 1 else 0,
                               pp_virtual_stages=self.pp_virtual_stages, cp=self.cp, cp_mode=self.cp_mode,
-                              ep=self.ep, pp_split=list(self.pp_split))
+                              ep=self.ep, pp_split=list(self.pp_split), pp_skip=self.pp_skip,
+                              pp_reorder=self.pp_reorder, pp_links=[list(x) for x in self.pp_links])
 
     def to_toml(self, global_batch: int) -> str:
         p = self.parallel_config(global_batch)
@@ -528,7 +535,11 @@ class CostModel:
             hit = self._stage_sums(T, stages, last_rank, pp, v, p2p)
             self._stage_sum_cache[skey] = hit
         t_f, t_b, busy_sum, stage_params, stage_layers = hit
-        makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
+        if pp > 1 and (L.pp_schedule == "skippipe" or (L.pp_links and L.pp_schedule == "1f1b")):
+            makespan = self._path_time(L, T, n_micro, t_f - p2p, t_b - p2p, p2p)
+            bubble = max(0.0, makespan - n_micro * (t_f + t_b))
+        else:
+            makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
         if c.host_cores and L.world > c.host_cores and pp > 1:
             # Processes sharing host_cores cores: the calibrated rate is with every process
             # busy; a stage waiting in the bubble frees its core, so the step is the larger
@@ -540,6 +551,18 @@ class CostModel:
             bubble = max(0.0, shared - n_micro * (t_f + t_b))
             makespan = shared
         return p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble
+
+    def _path_time(self, L: Layout, T: dict, n_micro: int, t_f: float, t_b: float, p2p: float) -> float:
+        """One step of stage-per-rank paths (``meshfold/skippipe.py``: 1F1B without skips)
+        over links priced one by one: ``p2p`` on the cluster's link, ``alpha + bytes/rate``
+        on the ``pp_links``; the slowest stage's times on every stage."""
+        slow = {(a, b): p2p - T["p2p_bytes"] / self.link(L.tp * L.cp * L.dp, L.pp)[1] + T["p2p_bytes"] * 8 / (r * 1e6)
+                for a, b, r in L.pp_links}
+        stage_s = tuple((t_f, t_b) for _ in range(L.pp))
+        links = link_table(L.pp, p2p, slow)
+        paths, _ = plan_orders(L.pp, n_micro, float(L.pp_skip) if L.pp_schedule == "skippipe" else 0.0,
+                               bool(L.pp_reorder) and L.pp_schedule == "skippipe", stage_s, links)
+        return table_step_time(L.pp, paths, stage_s, links)
 
     def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
                     t_f: float, t_b: float, v: int) -> float:
@@ -867,7 +890,8 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
                   cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute,
-                  pp_split=tuple(p.pp_split) if p.pp > 1 else ())
+                  pp_split=tuple(p.pp_split) if p.pp > 1 else (), pp_skip=p.pp_skip, pp_reorder=p.pp_reorder,
+                  pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else ())
 
 
 def _cuda_available() -> bool:
