@@ -79,7 +79,7 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
     per_layer = max(overhead, (r["tiny_step_z0_l3"] - r["tiny_step_z0"]) / 2)
     device = Device("cpu-calibrated", peak_tflops=peak / 1e12, memory_gib=24.0 / max(1, n),
                     hbm_GBps=optimizer_GBps, matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3,
-                    layer_overhead_us=per_layer * 1e6, attention_tile_us=tile_us)
+                    layer_overhead_us=per_layer * 1e6, attention_tile_us=tile_us, hbm_eff=1.0, gemm_tile=0)
     # elementwise work is inside the measured block times already: no separate term
     cluster = Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
                       inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
