@@ -91,7 +91,7 @@ DEVICES: dict[str, Device] = {
                              2400.0, fp8_tflops=2 * (835.0 + (989.4 - 835.0) / 3), sms=132, **_H100),
     "h200": Device("h200", 989.4, 141.0, 4800.0, fp8_tflops=1978.9, sms=132, **_H100),
     # Blackwell: no published MAMF or attention figure yet: Hopper's efficiencies (assumed).
-    "b200": Device("b200", 2250.0, 180.0, 7700.0, fp8_tflops=4500.0, sms=148, **_H100),
+    "b200": Device("b200", 2250.0, 180.0, 8000.0, fp8_tflops=4500.0, sms=148, **_H100),
     "mi300x": Device("mi300x", 1307.4, 192.0, 5300.0, fp8_tflops=2614.9, matmul_eff=0.601,
                      attention_eff=0.35, attention_bwd_eff=0.35, sms=304),
     # One Graphics Compute Die of an MI250X: 383 TF bf16 per package / 2 GCDs, 64 GiB HBM2e.
