@@ -18,10 +18,14 @@ def test_published_rows_within_their_bounds():
     """Every row within its bound: 15 % for the A100 tables (as the tests in
     test_planner.py), 20 % for torchtitan's H100 rows (issue 33)."""
     out = [predict(r) for r in ROWS]
-    bad = [(r["name"], round(100 * r["error"], 1)) for r in out if abs(r["error"]) > r["bound"]]
+    bad = [(r["name"], round(100 * r["error"], 1)) for r in out if r["bound"] and abs(r["error"]) > r["bound"]]
     assert not bad, bad
     assert {r["device"] for r in out} == {"a100-dgx", "h100-grand-teton"}
-    assert sum(r["source"].startswith("torchtitan") for r in out) == 3
+    checked = [r["name"] for r in out if r["source"].startswith("torchtitan") and r["bound"]]
+    assert len(checked) == 3 and sum("A100" in r["name"] or r["device"] == "a100-dgx" for r in out) == 13
+    # torch.compile's fused memory-bound ops are priced faster than eager, as measured
+    by_name = {r["name"]: r["predicted"] for r in out}
+    assert by_name["8B FSDP + torch.compile, 8 GPUs (Table 1)"] > by_name["8B FSDP, 8 GPUs (Table 1)"]
 
 
 def test_where_time_goes_on_h100():

@@ -1016,12 +1016,15 @@ def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
 
 def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     """The model and batch of a config, with the numerics the run would use: ``bfloat16``
-    (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs."""
+    (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs, fused
+    memory-bound kernels under ``train.compile``."""
     dtype = cfg.train.dtype
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     dtype = {"bfloat16": "bf16-amp"}.get(dtype, dtype)
-    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu)
+    # ``train.compile`` compiles each block: inductor fuses its memory-bound ops
+    kernels = "fused" if cfg.train.compile else "eager"
+    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels)
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:

@@ -27,7 +27,7 @@ class Row:
     gpus: int
     published: float
     unit: str  # "TFLOP/s/GPU" (Megatron's Eq. 3 FLOPs) | "s/step" | "tokens/s/GPU"
-    bound: float  # relative error the tests allow
+    bound: float | None  # relative error the tests allow (None: reported, not checked)
     model: ModelConfig
     workload: dict  # Workload fields besides the model
     layout: Layout
@@ -59,14 +59,19 @@ MEGATRON_TABLE1 = [
 # Table 2 (PTD-P, GPT-3 175B, batch 1536, tp 8 x pp 8): GPUs, TFLOP/s per GPU.
 MEGATRON_TABLE2 = [(384, 153), (768, 149), (1536, 141)]
 # torchtitan, end of 2024, Grand Teton H100 96GB at 500 W, bf16 (FSDP2 mixed precision:
-# bf16 parameters in compute, fp32 reduce), seq 8192, eager unless noted.
+# bf16 parameters in compute, fp32 reduce), seq 8192, eager unless noted (torch.compile:
+# the blocks' memory-bound ops fused, ``kernels = "fused"``).
 TORCHTITAN_ROWS = [
     # Table 1: Llama 3.1 8B, FSDP 8, local batch 2, selective (op) activation checkpointing
     ("8B FSDP, 8 GPUs (Table 1)", "llama3-8b", 8, 5762, Layout(dp_shard=8, zero=3, micro_batch=2,
                                                                 recompute="selective"), dict(selective="op")),
+    ("8B FSDP + torch.compile, 8 GPUs (Table 1)", "llama3-8b", 8, 6667,
+     Layout(dp_shard=8, zero=3, micro_batch=2, recompute="selective"), dict(selective="op", kernels="fused")),
     # Table 3: the same on 128 GPUs
     ("8B FSDP, 128 GPUs (Table 3)", "llama3-8b", 128, 5605,
      Layout(dp_shard=128, zero=3, micro_batch=2, recompute="selective"), dict(selective="op")),
+    ("8B FSDP + torch.compile, 128 GPUs (Table 3)", "llama3-8b", 128, 6514,
+     Layout(dp_shard=128, zero=3, micro_batch=2, recompute="selective"), dict(selective="op", kernels="fused")),
     # Table 4: Llama 3.1 70B, FSDP 32 x TP 8 (torchtitan's TP plan shards norms and residuals
     # over the sequence: sp), local batch 16, full AC, torch.compile + Float8
     ("70B FSDP 32 x TP 8, 256 GPUs (Table 4)", "llama3-70b", 256, 829,
@@ -89,7 +94,11 @@ def rows() -> list[Row]:
                        Layout(dp_shard=gpus // 64, zero=1, tp=8, pp=8, micro_batch=1, recompute="full"),
                        overlap=0.0))
     for name, model, gpus, tps, layout, extra in TORCHTITAN_ROWS:
-        out.append(Row(name, TORCHTITAN, "h100-grand-teton", gpus, tps, "tokens/s/GPU", 0.20, preset(model),
+        # issue 33 bounds the eager 8B rows and the 70B row; the 8B torch.compile rows are
+        # reported beside them (the fused profile is what compile could reach: +24-28 %)
+        compiled_8b = "compile" in name and "8B" in name
+        out.append(Row(name, TORCHTITAN, "h100-grand-teton", gpus, tps, "tokens/s/GPU",
+                       None if compiled_8b else 0.20, preset(model),
                        dict(global_batch=layout.dp * layout.micro_batch, seq_len=8192, dtype="bf16", flash=True,
                             **extra), layout))
     return out
