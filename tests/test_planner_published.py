@@ -53,3 +53,22 @@ def test_where_time_goes_on_h100():
                       Layout(dp_shard=8, zero=3, micro_batch=1, recompute="full")).step_time_s
              for p in ("a100", "h100", "b200")]
     assert times[0] > times[1] > times[2]
+
+
+def test_every_gpu_preset_prices_a_step():
+    """Every GPU preset (A100 40/80, H100 SXM/PCIe/NVL/96GB-500W, H200, B200, MI300X,
+    MI250X) loads and prices the same job; more bf16 FLOPs and bandwidth never make it slower
+    within a vendor's generation (H100 PCIe < SXM = H200's compute; B200 fastest)."""
+    from meshfold.planner.cluster import PRESETS
+
+    m = preset("llama3-1b")
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1, recompute="selective")
+    t = {}
+    for name in PRESETS:
+        if name == "cpu-gloo":
+            continue
+        est = estimate(Workload(m, 16, 4096), load_cluster(name, devices=8), lay)
+        assert est.step_time_s > 0 and 0 < est.mfu < 1, name
+        t[name] = est.step_time_s
+    assert t["b200-dgx"] < t["h200-dgx"] <= t["h100-dgx"] < t["h100-pcie"]
+    assert t["h100-dgx"] < t["a100-dgx"]
