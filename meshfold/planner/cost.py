@@ -354,11 +354,12 @@ class CostModel:
         # The attention core: fused (flash) kernels at their measured efficiency, forward
         # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
         # two batched GEMMs per head (QK^T, AV) priced as GEMMs, whose s x s output makes
-        # them memory bound at short head dims, the softmax in the memory-bound bytes.
+        # them memory bound at short head dims, the softmax in the memory-bound bytes; a
+        # device without a measured attention efficiency: its FLOPs at the GEMM rate.
         if w.flash and d.attention_eff:
             attn_f = attn_core / (peak * d.attention_eff)
             attn_b = 2.5 * attn_core / (peak * (d.attention_bwd_eff or d.attention_eff))
-        elif d.gemm_tile:
+        elif d.gemm_tile and not w.flash:
             per_head = gemm_time(d, tokens, s, m.head_dim, h / tp, act)
             attn_f = 2 * per_head * (m.n_heads / tp) * self.causal
             attn_b = 2 * attn_f
