@@ -426,8 +426,8 @@ class CostModel:
                 rec = attn_f + ew_attn * scale
             else:
                 rec = 0.0
-            bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar + 2 * cp_fwd + rec
-                   + 2 * (overhead + tile_t) / 3)
+            bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
+                   + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
             ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
