@@ -260,9 +260,13 @@ def _wait_for_step(run: Path, proc: subprocess.Popen, step: int, timeout: float 
 def test_sigterm_under_nproc_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     proc = _meshfold(["train", write_config(tmp_path, run, steps=10_000, checkpoint_every=0), "--nproc", "2"])
-    _wait_for_step(run, proc, 1)
-    proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on
-    out, err = proc.communicate(timeout=600)
+    try:
+        _wait_for_step(run, proc, 1)
+        proc.send_signal(signal.SIGTERM)  # to the launcher, which passes it on
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 75, err
     line = the_line(err, "meshfold: stopped by SIGTERM after step")
     assert "Traceback" not in err and "SignalException" not in err
@@ -302,10 +306,14 @@ def _running(pid: int) -> bool:
 def test_second_signal_exits_at_once(tmp_path):
     run = tmp_path / "run"
     proc = _meshfold(["train", write_config(tmp_path, run, steps=10_000, checkpoint_every=0)])
-    _wait_for_step(run, proc, 1)
-    proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _wait_for_step(run, proc, 1)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), err  # the kernel picks the order
     assert "again: stopping now, without a checkpoint" in the_line(err, "meshfold: rank 0:")
     assert "Traceback" not in err and published(run / "checkpoints") == []
