@@ -77,6 +77,9 @@ def run_train(args) -> int:
                                args.max_restarts or LIVE_RESTARTS)
         if args.nproc > 1 or args.max_restarts:
             return launch_local(args.nproc, argv, args.max_restarts)
+    if cfg.train.live_recovery and replica is None and env_world_size() > 1:
+        return _fail("train.live_recovery needs its launcher: meshfold train --nproc N (one torchrun agent per "
+                     "replica group with MESHFOLD_LIVE_* set; docs/resilience.md), not a plain torchrun")
     world = env_world_size()
     validate(cfg, world)
     die_with_parent()  # a worker of a launcher (--nproc, torchrun) never outlives it

@@ -107,11 +107,10 @@ def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
     assert all("rejoin" not in e["event"] and "departure" not in e["event"]
                for r in records if r["step"] != 4 for e in r.get("events", []))
     traces = _traces(tmp_path / "run", healed=True)
-    for rank in (0,):
-        survivor, rejoined = traces[(0, rank)], traces[(1, rank)]
-        assert 3 not in rejoined and rejoined[4]["healed"] and rejoined[4]["attempt"] == 1
-        for step in (4, 6):  # right after the rejoin (theta = phi) and at the next outer step
-            assert rejoined[step]["params"] == survivor[step]["params"], (rank, step)
+    survivor, rejoined = traces[(0, 0)], traces[(1, 0)]
+    assert 3 not in rejoined and rejoined[4]["healed"] and rejoined[4]["attempt"] == 1
+    for step in (4, 6):  # right after the rejoin (theta = phi) and at the next outer step
+        assert rejoined[step]["params"] == survivor[step]["params"], step
     # Losses (worker 0, as metrics.jsonl logs): the run without the fault (2 processes, the
     # same seed and batches) up to the outer step the lost phase would have joined, then not.
     ref = run_on(2, train_collect, tiny_config(str(tmp_path / "ref"), lowcomm=lowcomm, train={"steps": 6}))[0]

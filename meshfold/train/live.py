@@ -30,6 +30,13 @@ One step (``LiveReplicas.step``):
 
 Data guarantee: **exactly once** per step. Every optimizer step trains the whole global
 batch of that step; a failure only changes who trains which slice.
+
+DiLoCo workers (``lowcomm.workers``, ``method = "diloco"``) as failure domains: nothing
+crosses the workers between outer steps, so the quorum is asked at the outer steps only,
+from DiLoCo's outer all-reduce (``OuterOptimizer.mean_fn``): the outer gradient is averaged
+over the workers that trained the phase; a restarted worker waits for the next outer step,
+adds nothing to it, then receives the new state (parameters, inner Adam, phi, outer
+momentum). Data there: **at most once** (the phase a lost worker was in is lost with it).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import torch.distributed as dist
 from meshfold import comm
 from meshfold.data.dataset import make_sampler
 from meshfold.lowcomm.feature import WorkerSampler
+from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.quorum import QuorumClient
 
 if TYPE_CHECKING:
@@ -99,6 +107,7 @@ def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
 
 
 def digest(tensors) -> str:
+    """A short SHA-1 of the tensors' bytes (bitwise comparisons across processes)."""
     h = hashlib.sha1()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
@@ -359,10 +368,10 @@ class LiveReplicas:
     def _state_tensors(self):
         """Parameters, then each parameter's optimizer state, in one fixed order."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        out = [comm_local(p) for p in params]
+        out = [local_tensor(p) for p in params]
         for p in params:
             st = self.optimizer.state.get(p, {})
-            out.extend(comm_local(st[k]) for k in sorted(st) if torch.is_tensor(st[k]))
+            out.extend(local_tensor(st[k]) for k in sorted(st) if torch.is_tensor(st[k]))
         if self.outer is not None:  # DiLoCo's global copy and outer momentum
             out.extend(self.outer.phi + self.outer.momentum)
         return params, out
@@ -417,7 +426,7 @@ class LiveReplicas:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a hard crash mid-step
         if self.outer is not None:  # DiLoCo: nothing crosses the workers between outer steps
             return loss_sum, tokens
-        grads = [comm_local(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
         ok = torch.ones((), dtype=torch.int64, device=self.device)
         error = ""
         if self.group is not None:
@@ -448,7 +457,7 @@ class LiveReplicas:
 
     def _trace(self, step: int, healed: bool = False) -> None:
         path = Path(self.cfg.train.run_dir) / f"live-trace-r{self.replica}-rank{self.rank}.jsonl"
-        params = [comm_local(p) for part in self.parts for p in part.parameters()]
+        params = [local_tensor(p) for part in self.parts for p in part.parameters()]
         rec = {"step": step, "healed": healed, "replica": self.replica, "attempt": self.attempt, "members": self.members,
                "slices": getattr(self.sampler, "slices", [self.replica]), "params": digest(params),
                "indices": self.sampler.trained.tolist() if getattr(self.sampler, "trained", None) is not None else None}
@@ -458,11 +467,6 @@ class LiveReplicas:
     def close(self) -> None:
         if self.client is not None:
             self.client.bye(self.progress.step)
-
-
-def comm_local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds (its shard of a DTensor)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _plain(sd: dict) -> dict:
