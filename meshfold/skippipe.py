@@ -156,11 +156,15 @@ def step_time(pp: int, paths, cost, link) -> float:
     return makespan(simulate(NAME, path_orders(pp, paths, cost, link), cost, link))
 
 
-def plan(pp: int, m: int, skip: float, reorder: bool, cost, link, passes: int = 3) -> tuple[tuple[int, ...], ...]:
+def plan(pp: int, m: int, skip: float, reorder: bool, cost, link, passes: int = 3,
+         feasible=None) -> tuple[tuple[int, ...], ...]:
     """Paths of the step's ``m`` micro-batches minimising the simulated makespan under the
     caps (``limits``); ties go to the cheaper paths (``_path_cost``), then to the earlier
     candidate (fewer skips). ``cost(kind, stage)``: seconds of a forward/backward of one
-    micro-batch on a stage; ``link(a, b)``: seconds of one message from rank a to rank b."""
+    micro-batch on a stage; ``link(a, b)``: seconds of one message from rank a to rank b.
+    ``feasible(orders)``: whether the point-to-point plan of an order exists under NCCL's
+    rules (``parallel/exchange.py``'s replay); a better candidate is taken only if so (the
+    full paths, 1F1B, always are)."""
     full = tuple(range(pp))
     per_mb, per_stage = limits(pp, m, skip)
     paths = [full] * m
@@ -187,16 +191,18 @@ def plan(pp: int, m: int, skip: float, reorder: bool, cost, link, passes: int = 
             allowed = frozenset(s for s, n in skipped.items() if n < per_stage) | frozenset(mine)
             if allowed not in cache:
                 cache[allowed] = candidates(pp, per_mb, set(allowed), reorder, cost, link)
-            best_path, best = paths[i], current
-            for cand in cache[allowed]:
+            better = []
+            for k, cand in enumerate(cache[allowed]):
                 if cand == paths[i]:
                     continue
+                sc = score(paths[:i] + [cand] + paths[i + 1:])
+                if sc < current:
+                    better.append((sc, k, cand))
+            for sc, _, cand in sorted(better):
                 trial = paths[:i] + [cand] + paths[i + 1:]
-                sc = score(trial)
-                if sc < best:
-                    best_path, best = cand, sc
-            if best_path != paths[i]:
-                paths[i], current, changed = best_path, best, True
+                if feasible is None or feasible(path_orders(pp, tuple(trial), cost, link)):
+                    paths[i], current, changed = cand, sc, True
+                    break
             for s in set(full) - set(paths[i]):
                 skipped[s] += 1
         if not changed:
@@ -206,13 +212,14 @@ def plan(pp: int, m: int, skip: float, reorder: bool, cost, link, passes: int = 
 
 @lru_cache(maxsize=64)
 def plan_orders(pp: int, m: int, skip: float, reorder: bool, stage_s: tuple[tuple[float, float], ...],
-                link_s: tuple[tuple[float, ...], ...]) -> tuple[tuple[tuple[int, ...], ...], list[list[Action]]]:
+                link_s: tuple[tuple[float, ...], ...],
+                feasible=None) -> tuple[tuple[tuple[int, ...], ...], list[list[Action]]]:
     """``plan`` and its orders from plain tables: ``stage_s[s]`` = (forward, backward)
     seconds of one micro-batch on stage s, ``link_s[a][b]`` = seconds of one message from
     rank a to rank b. Cached: every rank (and the planner) asks with the same tables."""
     cost = _table_cost(stage_s)
     link = _table_link(link_s)
-    paths = plan(pp, m, skip, reorder, cost, link)
+    paths = plan(pp, m, skip, reorder, cost, link, feasible=feasible)
     return paths, path_orders(pp, paths, cost, link)
 
 

@@ -19,10 +19,6 @@ SKIP = {"pp": 4, "pp_schedule": "skippipe", "pp_microbatches": 4, "pp_skip": 0.5
         "pp_links": SLOW}
 
 
-def _train_each(cfgs: list[dict]) -> list:
-    return [train_collect(c) for c in cfgs]
-
-
 def _resume(cfg: dict) -> list:
     """Train to step 1, checkpoint, resume from there to step 2."""
     return [train_segment(cfg, 1), train_segment(cfg, 2, save=False)]
@@ -72,10 +68,11 @@ def test_skippipe_is_1f1b_without_skips_and_the_skipping_reference_with_them(tmp
         return tiny_config(str(tmp_path / name), model=MODEL, train=TRAIN,
                            parallel={"dp_shard": -1, "pp_microbatches": 4, **parallel})
 
-    one_f_one_b, no_skip, skipping = run_on(4, _train_each, [
+    # one pooled call per run, as in the other pipeline tests (each well inside the pool's timeout)
+    one_f_one_b, no_skip, skipping = (run_on(4, train_collect, c)[0] for c in [
         cfg("1f1b", {"pp": 4, "pp_schedule": "1f1b"}),
         cfg("noskip", {"pp": 4, "pp_schedule": "skippipe", "pp_links": SLOW}),
-        cfg("skip", SKIP)])[0]
+        cfg("skip", SKIP)])
     first, second = run_on(4, _resume, cfg("resume", SKIP))[0]
     assert one_f_one_b["losses"] == no_skip["losses"]
     for kind in ("params", "grads"):

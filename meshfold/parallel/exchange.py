@@ -194,3 +194,13 @@ def exchange_plan(schedule: str, orders: list[list[Action]]) -> list[ExchangePla
         if not changed:
             raise RuntimeError(f"{schedule}: no deadlock-free exchange found; replay stopped at {blocked}")
     raise RuntimeError(f"{schedule}: exchange planning did not converge")
+
+
+def plan_exists(schedule: str, orders: list[list[Action]]) -> bool:
+    """Whether ``exchange_plan`` finds a deadlock-free plan for these orders (skippipe's
+    path scheduler keeps only paths whose orders have one)."""
+    try:
+        exchange_plan(schedule, orders)
+    except RuntimeError:
+        return False
+    return True

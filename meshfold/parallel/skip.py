@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfold.models.stage_balance import stage_costs
+from meshfold.parallel.exchange import plan_exists
 from meshfold.schedule import Action
-from meshfold.skippipe import link_table, plan_orders
+from meshfold.skippipe import NAME, link_table, plan_orders
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -45,11 +46,16 @@ def skippipe_orders(cfg: Config, split: list[int], m: int, micro_batch: int, wir
     """Every pp rank's order for ``m`` micro-batches on the planned paths."""
     stage_s, link_s = skip_tables(cfg, split, micro_batch, wire_bytes)
     p = cfg.parallel
-    return plan_orders(p.pp, m, float(p.pp_skip), bool(p.pp_reorder), stage_s, link_s)[1]
+    return plan_orders(p.pp, m, float(p.pp_skip), bool(p.pp_reorder), stage_s, link_s, nccl_safe)[1]
 
 
 def skippipe_paths(cfg: Config, split: list[int], m: int, micro_batch: int, wire_bytes: int):
     """The planned paths themselves (stage tuples per micro-batch), for references and reports."""
     stage_s, link_s = skip_tables(cfg, split, micro_batch, wire_bytes)
     p = cfg.parallel
-    return plan_orders(p.pp, m, float(p.pp_skip), bool(p.pp_reorder), stage_s, link_s)[0]
+    return plan_orders(p.pp, m, float(p.pp_skip), bool(p.pp_reorder), stage_s, link_s, nccl_safe)[0]
+
+
+def nccl_safe(orders: list[list[Action]]) -> bool:
+    """Paths are kept only if their orders have a point-to-point plan under NCCL's rules."""
+    return plan_exists(NAME, orders)

@@ -42,6 +42,7 @@ from meshfold.planner.counts import (
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
 from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time, rank_chunk_of_stage, stage_of
+from meshfold.parallel.skip import nccl_safe
 from meshfold.skippipe import link_table, plan_orders, table_step_time
 
 @dataclass(frozen=True)
@@ -721,7 +722,7 @@ class CostModel:
         stage_s = tuple((t_f, t_b) for _ in range(L.pp))
         links = link_table(L.pp, p2p, slow)
         paths, _ = plan_orders(L.pp, n_micro, float(L.pp_skip) if L.pp_schedule == "skippipe" else 0.0,
-                               bool(L.pp_reorder) and L.pp_schedule == "skippipe", stage_s, links)
+                               bool(L.pp_reorder) and L.pp_schedule == "skippipe", stage_s, links, nccl_safe)
         return table_step_time(L.pp, paths, stage_s, links)
 
     def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
