@@ -73,8 +73,11 @@ def run_train(args) -> int:
         if cfg.train.live_recovery and replica is None:  # one agent per replica group
             replicas = live.replica_count(cfg)
             validate(live.replica_config(cfg, 0, 0), args.nproc // replicas)  # what each group runs
-            return launch_live(args.nproc, argv, replicas, cfg.train.live_rejoin_wait_s,
-                               args.max_restarts or LIVE_RESTARTS)
+            try:
+                return launch_live(args.nproc, argv, replicas, cfg.train.live_rejoin_wait_s,
+                                   args.max_restarts or LIVE_RESTARTS, Path(cfg.train.run_dir))
+            except RunDirError as err:  # a busy or unusable run directory: one line
+                return _fail(str(err))
         if args.nproc > 1 or args.max_restarts:
             return launch_local(args.nproc, argv, args.max_restarts)
     if cfg.train.live_recovery and replica is None and env_world_size() > 1:

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from meshfold import comm
 from meshfold.train import live
 from meshfold.train.checkpoint_files import CheckpointError
-from meshfold.train.run_dir import RunDirError, describe_os_error
+from meshfold.train.run_dir import RunDirError, RunLock, describe_os_error, prepare_run_dir
 from meshfold.train.quorum import QuorumClient, QuorumServer
 from meshfold.train.stop import EXIT_STOPPED, Stopped, StopRequest
 
@@ -105,10 +106,21 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
             agent.close()
 
 
-def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int) -> int:
+def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int,
+                run_dir: Path) -> int:
     """``train.live_recovery``: one elastic agent per replica group (each a world of its own,
     restarted alone: a failed worker restarts its group, not the job), the quorum server and
-    the store the cross-replica groups meet through, here in the launcher."""
+    the store the cross-replica groups meet through, here in the launcher. The launcher holds
+    the run directory's lock for the whole job: the replica groups share that directory."""
+    lock = RunLock(prepare_run_dir(run_dir))
+    lock.acquire()
+    try:
+        return _launch_live(nproc, argv, replicas, rejoin_wait_s, max_restarts)
+    finally:
+        lock.release()
+
+
+def _launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int) -> int:
     server = QuorumServer(replicas, rejoin_wait_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     per = nproc // replicas

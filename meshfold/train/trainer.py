@@ -55,7 +55,7 @@ from meshfold.train.stop import Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
-from meshfold.train.live import build_live
+from meshfold.train.live import build_live, replica_env
 from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 
@@ -304,13 +304,18 @@ class Trainer:
         its lock, and (resuming) it holds a run of this model and data. Rank 0 checks; every
         rank raises the same one-line error."""
         problem = None
+        # train.live_recovery: replica groups share the run directory; the launcher holds its
+        # lock (launch.launch_live) and a restarted replica heals from a peer, not from disk.
+        live = getattr(self.cfg, "live_replica", False)
         if self.rank == 0:
             try:
                 prepare_run_dir(self.run_dir)
-                self.lock = RunLock(self.run_dir)
-                self.lock.acquire()
+                if not live:
+                    self.lock = RunLock(self.run_dir)
+                    self.lock.acquire()
                 self.record = run_record(self.cfg, self.data_identity(), self.world)
-                self.resume_changes = self.check_record()
+                if not (live and self.cfg.train.resume == "never"):
+                    self.resume_changes = self.check_record()
             except (RunDirError, ConfigError) as err:
                 problem = (type(err).__name__, str(err))
             except Exception as err:  # noqa: BLE001 - the other ranks wait on this answer: never leave them hanging
@@ -343,6 +348,12 @@ class Trainer:
         if saved is None or self.cfg.train.resume == "never" or not ckpts:
             return []  # nothing to resume: a fresh start, whatever ran here before
         return check_resume(self.run_dir, saved, self.record, ckpts[0].name if ckpts else None)
+
+    @property
+    def writes_run_files(self) -> bool:
+        """run.json and config.toml: written once per run (under live recovery, by replica 0)."""
+        replica = replica_env() if getattr(self.cfg, "live_replica", False) else None
+        return replica is None or replica[0] == 0
 
     def release_lock(self) -> None:
         lock = getattr(self, "lock", None)
@@ -381,12 +392,12 @@ class Trainer:
     def _fit(self) -> list[float]:
         t = self.cfg.train
         self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
-        if self.rank == 0:
+        if self.rank == 0 and self.writes_run_files:
             if self.step and self.resume_changes:
                 print(f"meshfold: resuming at step {self.step} with changes: {'; '.join(self.resume_changes)}",
                       file=sys.stderr, flush=True)
             write_record(self.run_dir, self.record)
-        self.write_run_dir()
+            self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
         logger = self.features.wrap_logger(logger)
