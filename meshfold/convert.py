@@ -172,8 +172,8 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
 
 def _expected_names(m: ModelConfig) -> set[str]:
 
-    with torch.device("meta"):
-        return {name for name, _ in Transformer(m).named_parameters()}
+    with torch.device("meta"):  # parameters and persistent buffers (MoE balancing biases)
+        return set(Transformer(m).state_dict())
 
 
 def load_model(ckpt: Path, dtype: torch.dtype | None = None):
@@ -224,7 +224,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3) <-> meshfold checkpoints")
+    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3, Mixtral, Qwen3-MoE, "
+                                        "DeepSeek-V2/V3) <-> meshfold checkpoints")
     direction = p.add_subparsers(dest="direction", required=True)
     imp = direction.add_parser("import",
                                help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
