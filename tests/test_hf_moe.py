@@ -125,7 +125,7 @@ def test_unsupported_moe_models_are_refused_in_one_line(config, needle, tmp_path
 
 
 def test_mla_layouts_not_yet_supported_are_refused():
-    m = dict(dataclasses.asdict(preset("deepseek-v2-lite", n_layers=2, dim=64, n_heads=4, vocab_size=320,
+    m = dict(dataclasses.asdict(preset("deepseek-v2-lite", n_layers=2, dim=64, n_heads=4, n_kv_heads=4, vocab_size=320,
                                        moe_experts=4, moe_topk=2, moe_ffn_dim=16, seq_len=16)))
     with pytest.raises(ConfigError, match="multi-head latent attention"):
         validate(from_dict(tiny_config("/tmp/x", model=m, parallel={"tp": 2})), 2)
@@ -226,8 +226,10 @@ DEEPSEEK_TINY = dict(dim=32, n_layers=4, n_heads=4, vocab_size=320, seq_len=16, 
 
 
 def test_deepseek_style_model_trains_under_ep2_pp2_as_one_process(tmp_path):
+    # stage 0: the dense first layer and a MoE layer, stage 1: two MoE layers; experts over ep 2
     ref = train_collect(tiny_config(str(tmp_path / "one"), model=DEEPSEEK_TINY, train={"steps": 3}))
     got = run_on(4, train_collect, tiny_config(str(tmp_path / "ep2pp2"), model=DEEPSEEK_TINY, train={"steps": 3},
-                                               parallel={"dp_shard": 2, "ep": 2, "pp": 2, "pp_microbatches": 2}))[0]
+                                               parallel={"dp_shard": 2, "ep": 2, "pp": 2, "pp_microbatches": 2}),
+                 timeout=600)[0]
     assert len(ref["losses"]) == 3
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
