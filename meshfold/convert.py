@@ -280,8 +280,8 @@ def _write_export(hf_state, m, dt, family, folders, out: Path, max_shard_bytes: 
 
 def _expected_shapes(m: ModelConfig) -> dict[str, tuple]:
 
-    with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in Transformer(m).named_parameters()}
+    with torch.device("meta"):  # parameters and persistent buffers (MoE balancing biases)
+        return {name: tuple(t.shape) for name, t in Transformer(m).state_dict().items()}
 
 
 def load_model(ckpt: Path, dtype: torch.dtype | None = None):
@@ -332,7 +332,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3) <-> meshfold checkpoints")
+    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3, Mixtral, Qwen3-MoE, "
+                                        "DeepSeek-V2/V3) <-> meshfold checkpoints")
     direction = p.add_subparsers(dest="direction", required=True)
     imp = direction.add_parser("import",
                                help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")

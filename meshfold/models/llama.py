@@ -18,6 +18,7 @@ from torch import nn
 
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
+from meshfold.models.mla import MLAttention
 from meshfold.models.moe import MoE
 
 
@@ -48,7 +49,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     factor, high ones kept, a smooth ramp between), ``dynamic`` (NTK-aware base for
     ``seq_len`` beyond the original context) and ``yarn`` (per-frequency ramp plus a
     temperature on cos/sin)."""
-    d, theta, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    d, theta, factor = cfg.rope_dim, cfg.rope_theta, cfg.rope_factor
     exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
     kind = cfg.rope_scaling
     if kind == "dynamic":
@@ -172,7 +173,11 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(cfg)
-        self.attention = Attention(cfg)
+        if cfg.mla:  # DeepSeek's multi-head latent attention (models/mla.py)
+            # its q/kv latent norms use eps 1e-6 whatever norm_eps is, as DeepSeek's do
+            self.attention = MLAttention(cfg, lambda d: RMSNorm(d, 1e-6), CoreAttention(), apply_rotary)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
         if cfg.is_moe_layer(layer_id):
             self.feed_forward = MoE(cfg)

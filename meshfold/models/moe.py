@@ -269,6 +269,10 @@ class MoE(nn.Module):
         self.aux_coef = cfg.moe_aux_loss_coef
         self.z_coef = cfg.moe_z_loss_coef
         self.bias_rate = cfg.moe_bias_update_rate
+        # DeepSeek routing: group-limited choice, scaled gates, sequence-wise balance loss.
+        self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
+        self.routed_scale = cfg.moe_routed_scale
+        self.seq_aux_coef = cfg.moe_seq_aux_loss_coef
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp)
         self.shared_experts = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim, cfg.mlp, cfg.bias)
@@ -297,11 +301,29 @@ class MoE(nn.Module):
         choice = scores.detach()
         if self.expert_bias is not None:
             choice = choice + self.expert_bias.to(choice.dtype)
+        if self.groups > 1:
+            choice = self.limit_groups(choice)
         idx = choice.topk(self.topk, dim=-1).indices
         gates = scores.gather(-1, idx)
         if self.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            gates = gates * self.routed_scale
         return probs, idx, gates
+
+    def limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited (node-limited) routing: the experts form ``groups`` equal groups, a
+        token keeps the ``topk_groups`` best groups and the others' experts leave the choice
+        (-inf). A group's score is its best expert's (DeepSeek-V2, softmax router) or the sum of
+        its two best (DeepSeek-V3, sigmoid router with the balancing bias)."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        if self.router_kind == "sigmoid":
+            score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            score = grouped.amax(-1)
+        best = score.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     def capacity_keep(self, idx: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """[T, k] bool: which assignments fit in their expert's per-sequence capacity."""
@@ -323,7 +345,7 @@ class MoE(nn.Module):
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
         if self.training and torch.is_grad_enabled():
-            self._aux_terms(logits, probs, idx, keep)
+            self._aux_terms(logits, probs, idx, keep, seq)
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         expert, gate = idx.flatten(), gates.flatten()
@@ -344,7 +366,7 @@ class MoE(nn.Module):
         n = batch * sum(min(c, cap) for c in balanced_counts(seq * self.topk, self.n_experts))
         return tuple(r[:n] for r in rows)
 
-    def _aux_terms(self, logits, probs, idx, keep) -> None:
+    def _aux_terms(self, logits, probs, idx, keep, seq: int) -> None:
         """Global routing statistics of this forward, and this rank's share of the aux losses.
 
         Activation recomputation re-runs this forward inside backward: it must build the same
@@ -367,15 +389,29 @@ class MoE(nn.Module):
             step_counts, step_tokens = self._step_stats[: self.n_experts], self._step_stats[self.n_experts]
             f = (step_counts / (step_tokens * self.topk)).to(probs.dtype)
             self._replay.append((f, n_tokens))
-        if not (self.aux_coef or self.z_coef):
+        if not (self.aux_coef or self.z_coef or self.seq_aux_coef):
             return  # no loss terms: nothing joins the backward
         aux = logits.new_zeros(())
         if self.aux_coef:
             aux = aux + self.aux_coef * self.n_experts * (f * probs.sum(0)).sum() / n_tokens
         if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(logits, -1).pow(2).sum() / n_tokens
+        if self.seq_aux_coef:
+            aux = aux + self.seq_aux_coef * self.sequence_balance(probs, idx, seq) / (n_tokens / seq)
         if not recomputing:
             self._aux = aux if self._aux is None else self._aux + aux
+
+    def sequence_balance(self, probs: torch.Tensor, idx: torch.Tensor, seq: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance term, summed over this rank's sequences (whole
+        sequences: context parallel is refused with it): per sequence of s tokens,
+        sum_i f_i P_i with f_i = E/(k s) * (tokens choosing i), P_i = mean over its tokens of
+        the normalised scores. The caller divides by the global number of sequences."""
+        per_seq = idx.view(-1, seq * self.topk)
+        counts = torch.zeros(per_seq.shape[0], self.n_experts, dtype=probs.dtype, device=probs.device)
+        counts.scatter_add_(1, per_seq, torch.ones_like(per_seq, dtype=probs.dtype))
+        f = counts * (self.n_experts / (self.topk * seq))  # no gradient, as in the paper
+        P = probs.view(-1, seq, self.n_experts).mean(1)
+        return (f * P).sum()
 
     # ------------------------------------------------------------------ step bookkeeping
 
