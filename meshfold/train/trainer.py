@@ -47,7 +47,7 @@ from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
 from meshfold.train.progress import Progress
-from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
+from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ class Trainer:
         self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
-        self.peak_flops = device_peak_flops(self.device)
+        self.peak_flops = device_peak_flops(self.device, t.peak_tflops)  # None: unknown GPU, no MFU
         self.losses: list[float] = []
         # This step's fields for metrics.jsonl (data wait, the engine's, MoE, the features' after_step).
         self.step_metrics: dict = {}
@@ -320,7 +320,7 @@ class Trainer:
             "grad_norm": float(self.last_grad_norm),
             "step_time_s": elapsed,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
+            "mfu": model_flops_utilization(self.flops_per_token * tokens_per_s, self.peak_flops, self.world),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes": self.ledger.pop_step(),
             "comm_bytes_total": {k: int(round(v)) for k, v in sorted(self.ledger.total.items())},
