@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshfold import comm
 from meshfold.comm import ledger
@@ -38,7 +37,7 @@ from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.balanced_loader import from_config
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.loss import vocab_parallel_loss
+from meshfold.parallel.loss import cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
 from meshfold.parallel.pipeline import Pipeline
@@ -48,12 +47,6 @@ from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
 from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses, computed in at least fp32."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class Trainer:
