@@ -197,15 +197,19 @@ def test_chunked_cross_entropy_equals_torch_in_value_and_gradient():
     import torch.nn.functional as F
 
     from meshfold.data.dataset import IGNORE_INDEX
-    from meshfold.parallel.loss import cross_entropy_sum
+    from meshfold.parallel.loss import _ChunkedCE, cross_entropy_sum
+
+    def vocab_parallel_formula(logits, labels, chunk_elements):  # the tp path's math, tp = 1
+        return _ChunkedCE.apply(logits, labels, 0, None, chunk_elements)
 
     gen = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 20, (2, 7), generator=gen)
     labels[0, 2] = labels[1, 6] = IGNORE_INDEX
-    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 1e-2)):
+    for fn, dtype, tol in ((cross_entropy_sum, torch.float64, 1e-12), (cross_entropy_sum, torch.bfloat16, 1e-2),
+                           (vocab_parallel_formula, torch.float64, 1e-12)):
         logits = (3 * torch.randn(2, 7, 20, generator=gen)).to(dtype).requires_grad_()
         ref = logits.detach().clone().requires_grad_()
-        loss = cross_entropy_sum(logits, labels, chunk_elements=60)
+        loss = fn(logits, labels, chunk_elements=60)
         want = F.cross_entropy(ref.float().flatten(0, 1) if dtype != torch.float64 else ref.flatten(0, 1),
                                labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         torch.testing.assert_close(loss, want.to(loss.dtype), rtol=tol, atol=tol)

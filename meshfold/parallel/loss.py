@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from meshfold.data.dataset import IGNORE_INDEX
 from meshfold.parallel.tensor import TensorParallelGroup
@@ -81,10 +82,43 @@ class _ChunkedCE(torch.autograd.Function):
         return out.view(logits.shape), None, None, None, None
 
 
+class _ChunkedLocalCE(torch.autograd.Function):
+    """Cross-entropy sum with the whole vocabulary on this rank, over token chunks: torch's
+    fused ``F.cross_entropy`` per chunk (so each token's loss and gradient are exactly
+    today's), keeping only the logits as they came; the backward recomputes each chunk's
+    log-softmax and takes its gradient there. No fp32 [tokens, vocab] copy, no saved
+    log-softmax of the whole batch."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_elements):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        flat, labels = logits.detach().flatten(0, -2), labels.flatten()
+        step = max(1, chunk_elements // max(1, flat.shape[-1]))
+        ctx.chunks = [slice(a, min(a + step, flat.shape[0])) for a in range(0, flat.shape[0], step)]
+        ctx.save_for_backward(logits, labels)
+        losses = [F.cross_entropy(flat[c].to(dtype), labels[c], ignore_index=IGNORE_INDEX, reduction="sum")
+                  for c in ctx.chunks]
+        return torch.stack(losses).sum() if len(losses) != 1 else losses[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        flat = logits.detach().flatten(0, -2)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty_like(flat)
+        for c in ctx.chunks:
+            with torch.enable_grad():
+                z = flat[c].to(dtype).requires_grad_()
+                loss = F.cross_entropy(z, labels[c], ignore_index=IGNORE_INDEX, reduction="sum")
+                (g,) = torch.autograd.grad(loss, z, grad.to(loss.dtype))
+            out[c] = g
+        return out.view(logits.shape), None, None
+
+
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Sum of token losses (labels equal to IGNORE_INDEX excluded), computed in at least fp32,
-    chunked over tokens (``_ChunkedCE``)."""
-    return _ChunkedCE.apply(logits, labels, 0, None, chunk_elements)
+    chunked over tokens (``_ChunkedLocalCE``)."""
+    return _ChunkedLocalCE.apply(logits, labels, chunk_elements)
 
 
 class VocabParallelCrossEntropy:
