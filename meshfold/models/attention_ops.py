@@ -205,6 +205,7 @@ def document_plan(doc_ids: torch.Tensor, positions: torch.Tensor | None, tile: i
     return plan
 
 
+@torch.compiler.disable  # compiled blocks call it eagerly: its plan lookup and group loop are Python
 def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.Tensor, tile: int = DOCUMENT_TILE,
                        key: torch.Tensor | None = None):
     """Causal attention within each packed document (``document_causal_mask`` semantics for
