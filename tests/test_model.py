@@ -145,6 +145,23 @@ def test_default_document_attention_matches_the_dense_mask_without_host_reads_in
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=name)
 
 
+def test_document_attention_runs_on_fake_tensors():
+    """The dry-run (fake tensors: shapes, no values) can run packed documents: the plan
+    assumes every tile reaches one tile back instead of reading the windows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshfold.models.llama import CoreAttention
+
+    with FakeTensorMode():
+        q = torch.randn(2, 40, 4, 8)
+        k = v = torch.randn(2, 40, 2, 8)
+        doc_ids = torch.zeros(2, 40, dtype=torch.int64)
+        core = CoreAttention()
+        core.document_tile = 16
+        out = core(q, k, v, doc_ids=doc_ids)
+    assert out.shape == (2, 40, 4, 8)
+
+
 def test_gqa_matches_repeated_kv_heads():
     cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=8)
     gqa = Transformer(cfg).double()

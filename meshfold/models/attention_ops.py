@@ -32,6 +32,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 KERNELS = ("auto", "math")  # "math" forces the reference path (tests compare the two)
 
@@ -174,10 +175,11 @@ class DocumentPlan:
         reach = document_windows(doc_ids, tile).flatten()  # [b * n], exact: tile i reaches tiles i-w..i
         pt, dt = positions.reshape(b, n, tile), doc_ids.reshape(b, n, tile)
         self.groups = []  # (flat tile indices, key rows, key tile spans, mask [m, 1, tile, (w+1)*tile])
-        for w in torch.unique(reach).tolist():  # the one host read
-            sel = (reach == w).nonzero().squeeze(1)
+        fake = is_fake(reach)  # the dry-run's tensors carry no values: every tile reaches one tile back
+        for w in [1] if fake else torch.unique(reach).tolist():  # the one host read
+            sel = torch.arange(b * n, device=device) if fake else (reach == w).nonzero().squeeze(1)
             row, ti = (sel // n).unsqueeze(1), sel % n
-            span = ti.unsqueeze(1) + torch.arange(-w, 1, device=device)  # key tiles [m, w + 1], all >= 0
+            span = (ti.unsqueeze(1) + torch.arange(-w, 1, device=device)).clamp(min=0)  # key tiles [m, w + 1]
             kd, kp = dt[row, span].flatten(1, 2), pt[row, span].flatten(1, 2)
             mask = ((dt.view(b * n, tile)[sel].unsqueeze(-1) == kd.unsqueeze(-2))
                     & (pt.reshape(b * n, tile)[sel].unsqueeze(-1) >= kp.unsqueeze(-2)))
