@@ -308,7 +308,8 @@ def test_calibration_times_one_block_never_the_whole_model(monkeypatch):
 
     fit = cost_calibration.measure_cost(cfg, lengths=[8, 32], repeats=1, autocast_dtype=torch.bfloat16)
     assert sorted(built) == [0, 1]  # layer 0 (dense) and layer 1 (MoE): two blocks for four layers
-    assert fit.a >= 0 and fit.b > 0 and all(s > 0 for s in fit.seconds)
+    # (At these tiny shapes the times are overhead and noise: only their presence is checked.)
+    assert fit.a >= 0 and fit.b >= 0 and len(fit.seconds) == 4 and all(s > 0 for s in fit.seconds)
 
 
 def test_cost_fit_recovers_known_costs_and_reports_its_error():
