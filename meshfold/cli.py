@@ -186,9 +186,9 @@ def run_calibrate_cost(args) -> int:
 
     cfg = validate(load_config(args.config, args.set))
     device = resolve_device(cfg.train.device)
-    dtype, _ = resolve_dtypes(cfg.train.dtype, device)
+    dtype, autocast_dtype = resolve_dtypes(cfg.train.dtype, device)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()] or None
-    fit = cost_calibration.measure_cost(cfg.model, device, dtype, lengths, args.repeats)
+    fit = cost_calibration.measure_cost(cfg.model, device, dtype, lengths, args.repeats, autocast_dtype=autocast_dtype)
     if args.json:
         print(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths, "counts": fit.counts,
                           "seconds": fit.seconds, "max_rel_error": fit.rel_error()}))

@@ -70,7 +70,8 @@ class TrainConfig:
     compile: bool = False
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
     offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
-    reduce_dtype: str = "float32"  # gradient reduction dtype under bf16 FSDP: float32 | bfloat16
+    reduce_dtype: str = "float32"  # gradient reduction dtype under bf16: float32 | bfloat16
+    peak_tflops: float = 0.0  # one device's dense peak for MFU; 0 = the table by device name (train/metrics.py)
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
@@ -284,6 +285,8 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.init_from = {t.init_from!r} does not exist; give an existing path")
     if t.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"train.peak_tflops must be >= 0 (0 = look the device up), got {t.peak_tflops}")
     if t.global_batch < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {t.global_batch}")
     if not (math.isfinite(t.lr) and t.lr > 0):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models.attention_ops import DOCUMENT_TILE, document_attention, document_plan
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.mla import MLAttention
@@ -113,9 +114,20 @@ class CoreAttention(nn.Module):
     A separate module so context parallel can swap in ring or Ulysses attention and
     selective recomputation can checkpoint exactly this part.
     Inputs are [batch, seq, heads, head_dim]; ``doc_ids`` and ``positions`` are [batch, seq].
+    With ``doc_ids`` (packed documents, contiguous runs of equal ids) attention runs per
+    document (``attention_ops.document_attention``: key windows per query tile, never an
+    S x S mask); ``dense = True`` is the S x S-mask reference the tests compare it with.
     """
 
+    def __init__(self, dense: bool = False):
+        super().__init__()
+        self.dense = dense
+        # Transformer.forward plans the micro-batch's windows once with this tile.
+        self.document_tile = None if dense else DOCUMENT_TILE
+
     def forward(self, q, k, v, positions=None, doc_ids=None):
+        if doc_ids is not None and not self.dense:
+            return document_attention(q, k, v, positions, doc_ids, self.document_tile)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if doc_ids is None:
@@ -221,6 +233,10 @@ class Transformer(nn.Module):
             pos = positions if positions is not None else torch.arange(seq, device=h.device)
             h = h + self.pos_embeddings(pos)
         rope = self._rope(positions, seq, h.device)
+        if doc_ids is not None:  # the documents' attention windows: once per micro-batch, not per layer
+            tile = next((getattr(layer.attention.core, "document_tile", None) for layer in self.layers.values()), None)
+            if tile is not None:
+                document_plan(doc_ids, positions, tile)
         for layer in self.layers.values():
             h = layer(h, rope, positions, doc_ids)
         if self.norm is not None:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshfold import comm
 from meshfold.comm import ledger
@@ -41,7 +40,7 @@ from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.balanced_loader import from_config
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.loss import vocab_parallel_loss
+from meshfold.parallel.loss import cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
 from meshfold.parallel.pipeline import Pipeline
@@ -57,13 +56,7 @@ from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
 from meshfold.train.live import build_live, replica_env
 from meshfold.train.progress import Progress
-from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses, computed in at least fp32."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
 
 
 class Trainer:
@@ -116,7 +109,7 @@ class Trainer:
         self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
-        self.peak_flops = device_peak_flops(self.device)
+        self.peak_flops = device_peak_flops(self.device, t.peak_tflops)  # None: unknown GPU, no MFU
         self.losses: list[float] = []
         # This step's fields for metrics.jsonl (data wait, the engine's, MoE, the features' after_step).
         self.step_metrics: dict = {}
@@ -455,7 +448,7 @@ class Trainer:
             "grad_norm": float(self.last_grad_norm),
             "step_time_s": elapsed,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
+            "mfu": model_flops_utilization(self.flops_per_token * tokens_per_s, self.peak_flops, self.world),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes": self.ledger.pop_step(),
             "comm_bytes_total": {k: int(round(v)) for k, v in sorted(self.ledger.total.items())},
