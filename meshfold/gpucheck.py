@@ -48,6 +48,7 @@ from collections import Counter, defaultdict
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -196,6 +197,7 @@ class GpuRecorder(TorchDispatchMode):
         self.in_layer: set[str] = set()
         self.attention: Counter = Counter()
         self.wire: dict[str, set] = defaultdict(set)
+        self.wire_places: dict[str, str] = {}  # "dim dtype" -> the first place it was sent from
         self.errors: list[str] = []
         self._comm_depth = 0
         self._naming = 0
@@ -269,7 +271,7 @@ class GpuRecorder(TorchDispatchMode):
     @contextlib.contextmanager
     def comm_call(self, op: str, tensors, group, dim):
         if dim is not None and tensors:
-            self.wire[dim].add(_dtype_name(tensors[0].dtype))
+            self._wire(dim, tensors[0].dtype)
         self._comm_depth += 1
         try:
             yield
@@ -300,7 +302,7 @@ class GpuRecorder(TorchDispatchMode):
             if kernel == "math":
                 self.error(f"math attention kernel at {where()} ({dtype} block: no fused CUDA kernel)")
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if x is None or comm.is_host_marked(x):
+        if not isinstance(x, FakeTensor) or comm.is_host_marked(x):  # real: the mesh's rank tables
             return False, None
         if name == "_local_scalar_dense":
             self.sync("scalar read")
@@ -351,18 +353,22 @@ class GpuRecorder(TorchDispatchMode):
                            "device tensors")
         if self._comm_depth or not tensors or name in ("wait_tensor", "barrier", "monitored_barrier"):
             return
-        group = next((a for a in list(args) + list(kwargs.values())
-                      if isinstance(a, torch._C._distributed_c10d.ProcessGroup)), None)
+        group = next((g for g in map(_process_group, list(args) + list(kwargs.values())) if g is not None), None)
         if group is not None:
             dim = self.groups.get(_group_key(group), _group_desc(group))
         else:  # functional collectives name their group
             dim = self.groups.get(next((a for a in args if isinstance(a, str)), ""), "?")
         payload = tensors[-1] if name.startswith(("_allgather", "allgather", "all_gather")) else tensors[0]
         if payload.numel() > 1:  # control scalars are not traffic
-            self.wire[dim].add(_dtype_name(payload.dtype))
+            self._wire(dim, payload.dtype)
+
+    def _wire(self, dim: str, dtype: torch.dtype) -> None:
+        name = _dtype_name(dtype)
+        self.wire[dim].add(name)
+        self.wire_places.setdefault(f"{dim} {name}", where(skip_comm=True))
 
     def report(self) -> dict:
-        return {"wire_dtypes": {d: sorted(v) for d, v in sorted(self.wire.items())},
+        return {"wire_dtypes": {d: sorted(v) for d, v in sorted(self.wire.items())}, "wire_places": self.wire_places,
                 "errors": list(self.errors), "in_layer": sorted(self.in_layer)}
 
 
@@ -392,6 +398,17 @@ def _tensors(args, kwargs):
             for b in a:
                 if isinstance(b, torch.Tensor):
                     yield b
+
+
+def _process_group(a):
+    """The ProcessGroup a c10d op was given (boxed as a ScriptObject at the dispatcher)."""
+    pg = torch._C._distributed_c10d.ProcessGroup
+    if isinstance(a, pg):
+        return a
+    if isinstance(a, torch.ScriptObject):
+        with contextlib.suppress(Exception):
+            return pg.unbox(a)
+    return None
 
 
 def _group_key(group) -> str:
