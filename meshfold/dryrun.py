@@ -68,6 +68,7 @@ from meshfold.errors import ConfigError
 from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
 from meshfold.models.moe import moe_end_step, moe_layers
+from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
@@ -110,6 +111,8 @@ class DryTrainer(Trainer):
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)
+        if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
+            use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
         self.optimizer = build_optimizer(
             self.model, t, self.dims, device,  # cuda: the fused AdamW a GPU rank runs
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
@@ -461,7 +464,8 @@ def run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     cfg = load_config(args.config, args.set)
-    cfg.data.balance = "none"  # data placement does not change memory or collectives
+    if args.device == "cpu":
+        cfg.data.balance = "none"  # data placement does not change memory or collectives
     out = dry_run(cfg, args.world, args.cluster, args.device)
     failed = int(bool(out.get("gpu", {}).get("errors")))
     if args.json:

@@ -197,7 +197,7 @@ class GpuRecorder(TorchDispatchMode):
         self.in_layer: set[str] = set()
         self.attention: Counter = Counter()
         self.wire: dict[str, set] = defaultdict(set)
-        self.wire_places: dict[str, str] = {}  # "dim dtype" -> the first place it was sent from
+        self.wire_places: dict[str, str] = {}  # "dim dtype" -> "op from place" of the first such call
         self.errors: list[str] = []
         self._comm_depth = 0
         self._naming = 0
@@ -207,7 +207,7 @@ class GpuRecorder(TorchDispatchMode):
         """Once the rank is built: its mesh's groups and layers; what building did is not a step."""
         self.groups, self.layer_ids = _group_dims(dims), {id(m) for m in layer_modules}
         self.pop_step()
-        self.in_layer = set()
+        self.in_layer, self.wire, self.wire_places = set(), defaultdict(set), {}
 
     # -- bookkeeping
 
@@ -271,7 +271,7 @@ class GpuRecorder(TorchDispatchMode):
     @contextlib.contextmanager
     def comm_call(self, op: str, tensors, group, dim):
         if dim is not None and tensors:
-            self._wire(dim, tensors[0].dtype)
+            self._wire(dim, tensors[0].dtype, op)
         self._comm_depth += 1
         try:
             yield
@@ -360,12 +360,12 @@ class GpuRecorder(TorchDispatchMode):
             dim = self.groups.get(next((a for a in args if isinstance(a, str)), ""), "?")
         payload = tensors[-1] if name.startswith(("_allgather", "allgather", "all_gather")) else tensors[0]
         if payload.numel() > 1:  # control scalars are not traffic
-            self._wire(dim, payload.dtype)
+            self._wire(dim, payload.dtype, name.strip("_"))
 
-    def _wire(self, dim: str, dtype: torch.dtype) -> None:
+    def _wire(self, dim: str, dtype: torch.dtype, op: str) -> None:
         name = _dtype_name(dtype)
         self.wire[dim].add(name)
-        self.wire_places.setdefault(f"{dim} {name}", where(skip_comm=True))
+        self.wire_places.setdefault(f"{dim} {name}", f"{op} from {where(skip_comm=True)}")
 
     def report(self) -> dict:
         return {"wire_dtypes": {d: sorted(v) for d, v in sorted(self.wire.items())}, "wire_places": self.wire_places,
