@@ -61,7 +61,8 @@ _aten = torch.ops.aten
 # --------------------------------------------------------------------------- where
 
 
-_MODES = ("__torch_function__", "__torch_dispatch__", "marked")
+# frames that are machinery, not the place a sync comes from (the modes; moe.py's read seam)
+_MODES = ("__torch_function__", "__torch_dispatch__", "marked", "read_counts")
 
 
 def where(skip_comm: bool = False) -> str:
