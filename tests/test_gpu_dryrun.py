@@ -26,8 +26,11 @@ PENDING = ("meshfold/models/llama.py", "meshfold/models/attention_ops.py", "mesh
            "meshfold/parallel/optim.py", "meshfold/parallel/context.py", "meshfold/parallel/loss.py",
            "meshfold/parallel/tensor.py")
 # Inherent and documented: a variable all-to-all needs its split sizes on the host (one read
-# per MoE layer and micro-batch, both directions at once: parallel/expert.py).
+# per MoE layer and micro-batch, both directions at once: parallel/expert.py; tp without ep
+# reads its row count). Not done yet (docs/gpu.md): capacity mode (moe_capacity_factor > 0)
+# selects its kept assignments with a boolean mask, one host read per MoE layer.
 INHERENT = ("meshfold/parallel/expert.py",)
+NOT_YET = ("meshfold/models/moe.py",)
 WIRES = ("dp", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "tp", "cp", "pp")
 
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "seq_len": 64}
@@ -103,7 +106,8 @@ def test_fake_cuda_matrix(matrix):
         if "math" in g["attention"] and not any("math attention" in e for e in g["errors"]):
             failures.append(f"{name}: math attention without an error naming it")
         for place in g["in_layer"]:
-            if _pending(place) or place.startswith(INHERENT):
+            if _pending(place) or place.startswith(INHERENT) or (
+                    place.startswith(NOT_YET) and "boolean-mask" in place and cfg.model.moe_capacity_factor > 0):
                 pending.append(f"{name}: sync in a layer: {place}")
             else:
                 failures.append(f"{name}: host sync inside a layer: {place}")
@@ -114,9 +118,17 @@ def test_fake_cuda_matrix(matrix):
                 failures.append(f"{name}: no bf16 on the {dim} wire: {dtypes} ({g['wire_places']})")
             for dt in dtypes:
                 place = g["wire_places"].get(f"{dim} {dt}", "")
-                fp32_reduce = dt == "float32" and place.startswith("meshfold/parallel/data.py")  # train.reduce_dtype
-                if dt != "bfloat16" and not fp32_reduce and not _pending(place):
-                    failures.append(f"{name}: {dt} on the {dim} wire from {place}")
+                op, _, where = place.partition(" from ")
+                if dt == "bfloat16" or _pending(where):
+                    continue
+                if dt == "float32" and "reduce_scatter" in op and cfg.train.reduce_dtype == "float32":
+                    continue  # gradients reduced in train.reduce_dtype, as configured
+                if dt in ("float64", "int64") and where.startswith(INHERENT):
+                    continue  # MoE routing statistics and counts (E + 2 numbers per layer)
+                if dt == "float32" and cfg.parallel.zero <= 1:
+                    pending.append(f"{name}: fp32 on the {dim} wire ({place}): fp32 compute weights under ZeRO-0/1")
+                    continue
+                failures.append(f"{name}: {dt} on the {dim} wire from {place}")
         assert sum(g["syncs"].values()) >= 1, name  # the step's loss read is always there
     print("\n".join(["pending (issue #26, other branch):"] + sorted(set(pending))))
     assert not failures, "\n".join(failures)
@@ -129,3 +141,37 @@ def test_recorder_catches_what_it_claims(matrix):
     plain = results["no-doc-mask"]["gpu"]
     assert set(plain["attention"]) == {"flash"}, plain["attention"]
     assert plain["wire_dtypes"].get("dp_shard") or plain["wire_dtypes"].get("dp")
+
+
+class _Layer(__import__("torch").nn.Module):
+    def forward(self, x):
+        import torch
+
+        n = int(x.sum())  # a scalar read inside a layer
+        torch.bincount(x.long().flatten(), minlength=4)
+        y = x[x > 0]  # boolean-mask indexing
+        host = torch.ones(x.shape[-1])  # made without device=: a host tensor on a GPU run
+        return (x * host).sum() + n + y.numel()
+
+
+def test_recorder_names_syncs_layers_and_host_tensors():
+    """In-process: each kind of host sync is found inside the layer, and a host tensor mixed
+    into a device computation is an error; a host scalar is not. (Places name meshfold
+    frames; this test's layer is not one, so they read "torch (no meshfold frame)".)"""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshfold import gpucheck
+    from meshfold.comm import HostTensorMode
+
+    layer = _Layer()
+    with FakeTensorMode(), gpucheck.recording(layer_modules=[layer]) as rec:
+        x = torch.randn(4, 8)  # made before the step: a device tensor (the batch)
+        with HostTensorMode():
+            layer(x)
+            x * torch.tensor(2.0)  # a host scalar: fine on CUDA
+        syncs = rec.pop_step()["syncs"]
+    kinds = {k.split(" (")[-1].rstrip(")") for k in syncs}
+    assert kinds == {"scalar read", "bincount", "boolean-mask indexing"}, syncs
+    assert len(rec.errors) == 1 and "host tensor torch.float32[8]" in rec.errors[0], rec.errors
+    assert len(rec.in_layer) == 3, rec.in_layer
