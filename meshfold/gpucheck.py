@@ -303,8 +303,8 @@ class GpuRecorder(TorchDispatchMode):
             if kernel == "math":
                 self.error(f"math attention kernel at {where()} ({dtype} block: no fused CUDA kernel)")
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if not isinstance(x, FakeTensor) or comm.is_host_marked(x):  # real: the mesh's rank tables
-            return False, None
+        if not isinstance(x, FakeTensor) or comm.is_host_marked(x) or x.constant is not None:
+            return False, None  # real values (the mesh's rank tables, fake copies of them): not device data
         if name == "_local_scalar_dense":
             self.sync("scalar read")
             if x.dtype == torch.bool:
