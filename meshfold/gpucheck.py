@@ -379,12 +379,13 @@ def _to_host(args, kwargs) -> bool:
 
 
 def _enclosing(frame, name: str):
-    depth = 0
-    while frame is not None and depth < 6:
+    """The outermost FakeTensor ``name`` frame near ``frame`` (a 2-d ``tolist`` recurses per row)."""
+    found, depth = None, 0
+    while frame is not None and depth < 16:
         if frame.f_code.co_name == name and frame.f_code.co_filename.endswith("fake_tensor.py"):
-            return frame
+            found = frame
         frame, depth = frame.f_back, depth + 1
-    return None
+    return found
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
