@@ -271,6 +271,22 @@ def _group_device_type(group) -> str:
     return "cuda" if "nccl" in str(backend).lower() else "cpu"
 
 
+# The CUDA dry-run's recorder (meshfold/gpucheck.py): told of every call with its tensors
+# and mesh dimension; None otherwise.
+_OBSERVER = None
+
+
+def set_observer(observer) -> None:
+    global _OBSERVER
+    _OBSERVER = observer
+
+
+def _observed(op: str, tensors, group, dim):
+    if _OBSERVER is None:
+        return contextlib.nullcontext()
+    return _OBSERVER.comm_call(op, tensors, group, dim)
+
+
 def check_tensors(tensors: Sequence[torch.Tensor], group, what: str) -> None:
     """Every tensor must live where the group's backend computes (NCCL: the GPU)."""
     _check_device(tensors, _group_device_type(group), str(dist.get_backend(group)), what)
@@ -284,7 +300,9 @@ def _check_device(tensors: Sequence[torch.Tensor], expected: str, backend: str, 
         if t.device.type != expected:
             raise CommError(f"{what}: tensor on {t.device} handed to a {backend} "
                             f"group, which needs {expected} tensors; create it on the compute device")
-        if is_host_marked(t):
+        if is_host_marked(t) and _OBSERVER is not None:  # the CUDA dry-run records it and goes on
+            _OBSERVER.host_in_collective(what, t)
+        elif is_host_marked(t):
             raise CommError(f"{what} called from {_caller()}: strict mode: a host tensor (created without "
                             f"device=, or derived only from such tensors) reached a collective; NCCL refuses "
                             f"it. Create it with device= the compute device or move it with .to(device)")
@@ -397,7 +415,7 @@ class _TimedWork:
 def all_reduce(t: torch.Tensor, group, dim: str, op: str = "sum", async_op: bool = False):
     check_tensors([t], group, "all_reduce")
     ledger().record(dim, "all_reduce", _nbytes(t), _size(group))
-    with _TIMER.call("all_reduce", group, async_op):
+    with _TIMER.call("all_reduce", group, async_op), _observed("all_reduce", [t], group, dim):
         return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
 
 
@@ -405,7 +423,7 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, 
     """Concatenate every rank's ``t`` along dim 0 into ``out``."""
     check_tensors([out, t], group, "all_gather")
     ledger().record(dim, "all_gather", _nbytes(out), _size(group))
-    with _TIMER.call("all_gather_into_tensor", group, async_op):
+    with _TIMER.call("all_gather_into_tensor", group, async_op), _observed("all_gather", [t, out], group, dim):
         return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
 
 
@@ -413,7 +431,7 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, o
                           async_op: bool = False):
     check_tensors([out, t], group, "reduce_scatter")
     ledger().record(dim, "reduce_scatter", _nbytes(t), _size(group))
-    with _TIMER.call("reduce_scatter_tensor", group, async_op):
+    with _TIMER.call("reduce_scatter_tensor", group, async_op), _observed("reduce_scatter", [t, out], group, dim):
         return dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=group, async_op=async_op)
 
 
@@ -428,7 +446,7 @@ def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group, dim: str,
     else:
         row = _nbytes(t) // max(t.shape[0], 1) if t.dim() else t.element_size()
         ledger().add_sent(dim, (sum(in_splits) - in_splits[dist.get_rank(group)]) * row)
-    with _TIMER.call("all_to_all_single", group, async_op):
+    with _TIMER.call("all_to_all_single", group, async_op), _observed("all_to_all", [t, out], group, dim):
         return dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                       group=group, async_op=async_op)
 
@@ -437,7 +455,7 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, async_op: b
     check_tensors([t], group, "broadcast")
     ledger().record(dim, "broadcast", _nbytes(t), _size(group))
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
-    with _TIMER.call("broadcast", group, async_op):
+    with _TIMER.call("broadcast", group, async_op), _observed("broadcast", [t], group, dim):
         return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 
@@ -500,7 +518,8 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
         ops.append(dist.P2POp(dist.distributed_c10d.isend, t, dist.get_global_rank(group, peer), group))
     for t, peer in recvs:
         ops.append(dist.P2POp(dist.distributed_c10d.irecv, t, dist.get_global_rank(group, peer), group))
-    with _TIMER.call("exchange", group, async_op=True, collective=False):
+    with _TIMER.call("exchange", group, async_op=True, collective=False), \
+            _observed("exchange", [t for t, _ in sends] + [t for t, _ in recvs], group, dim):
         works = dist.batch_isend_irecv(ops)
     return [_TimedWork(w, "exchange", group) for w in works]
 

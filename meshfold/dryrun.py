@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import pickle
@@ -61,14 +62,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from meshfold import comm
+from meshfold import comm, gpucheck
 from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
 from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
 from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
-from meshfold.models.moe import moe_layers
+from meshfold.models.moe import moe_end_step, moe_layers
+from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
@@ -88,16 +90,19 @@ class DryTrainer(Trainer):
     """The parts of a ``Trainer`` that build and step the model; no data, checkpoints,
     metrics or fault handling (those do not change what a rank holds or sends)."""
 
-    def __init__(self, cfg: Config):
+    gpu = None  # --device cuda: the step's recorder (meshfold/gpucheck.py)
+
+    def __init__(self, cfg: Config, device: str = "cpu"):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.cfg = cfg = validate(cfg, self.world)
         t = cfg.train
-        self.device = torch.device("cpu")
+        self.device = torch.device("cpu")  # --device cuda: see meshfold/gpucheck.py for where tensors live
         self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
         workers = cfg.lowcomm.n_workers
         with unset_fake_temporarily():  # the mesh holds real rank tables
             self.dims = build_mesh(cfg.parallel, workers, "cpu")
-        self.balancer, self.use_doc_mask = None, False
+        # --device cuda runs the trainer's data settings (packed rows carry doc_ids)
+        self.balancer, self.use_doc_mask = None, device == "cuda" and cfg.data.pack and cfg.data.doc_mask
         self.ledger = ledger()
         self.step_metrics, self.progress, self.capture_grads = {}, Progress(), False
         self.grad_reducers = self.dims.size("dp_cp")
@@ -108,8 +113,10 @@ class DryTrainer(Trainer):
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)
+        if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
+            use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
         self.optimizer = build_optimizer(
-            self.model, t, self.dims, "cpu",
+            self.model, t, self.dims, device,  # cuda: the fused AdamW a GPU rank runs
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
         if self.pipeline is not None:  # timings need real values (no step number: no timeline)
@@ -148,7 +155,10 @@ class DryTrainer(Trainer):
         local = self.cfg.train.global_batch // p.dp
         tokens = torch.randint(0, m.vocab_size, (local, m.seq_len + 1))
         batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
-        return shard_for_context_parallel(batch, self.cfg, self.dims)
+        if self.use_doc_mask:
+            batch["doc_ids"] = torch.zeros_like(batch["inputs"])
+        batch = shard_for_context_parallel(batch, self.cfg, self.dims)
+        return {k: v.to(self.device) for k, v in batch.items()}  # as the trainer's prefetcher moves it
 
     def _step(self, micro: list[dict]) -> tuple[dict, float]:
         """One optimizer step over ``micro``: (collectives, activation bytes)."""
@@ -163,6 +173,15 @@ class DryTrainer(Trainer):
             loss_sum = self.engine.forward_backward(micro, tokens)
             activations = self.engine.pop_metrics().get("activation_bytes", 0)
         self.all_reduce_sum(loss_sum)
+        if self.gpu is not None:  # the trainer's step end: clip, norm and loss reads, MoE metrics
+            norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
+            math.isfinite(float(norm))
+            self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
+            self.optimizer.step()
+            moe_end_step(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+            float(loss_sum / tokens.double())
+            return self.ledger.pop_step_collectives(), activations
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
         self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
@@ -193,16 +212,23 @@ class DryTrainer(Trainer):
         self.n_micro = m = len(micro)
         p = self.cfg.parallel
         unit = p.pp if p.pp > 1 and p.pp_schedule == "interleaved" else 1
+        gpu = self.gpu
+        self._step = gpu.stepping(self._step) if gpu else self._step
         if m <= 2 * unit:
             coll, activations = self._step(micro)
+            g = gpu.pop_step() if gpu else None
         else:
             c1, activations = self._step(micro[:unit])
+            g1 = gpu.pop_step() if gpu else None
             c2, _ = self._step(micro[:2 * unit])
+            g2 = gpu.pop_step() if gpu else None
             k = (m - unit) / unit
             coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0)
                                                                     - c1.get(d, {}).get(f, 0))))
                         for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
-        return {"param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
+            g = {f: gpucheck.extrapolate(g1[f], g2[f], k) for f in g1} if gpu else None
+        extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
+        return {**extra, "param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
                 "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
 
@@ -304,14 +330,19 @@ def _ddp_without_shape_check():
         ddp_module._verify_param_shape_across_processes = original
 
 
-def simulate_rank(cfg: Config, world: int, rank: int) -> dict:
+def simulate_rank(cfg: Config, world: int, rank: int, device: str = "cpu") -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         reset_ledger()
+        cuda = device == "cuda"  # every op recorded as a CUDA run would do it (meshfold/gpucheck.py)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors(), \
-                _ddp_without_shape_check():
+                _ddp_without_shape_check(), gpucheck.recording() if cuda else contextlib.nullcontext() as gpu:
             warnings.simplefilter("ignore")
-            return DryTrainer(dataclasses.replace(cfg)).dry_step()
+            trainer = DryTrainer(dataclasses.replace(cfg), device)
+            if gpu is not None:
+                gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts))
+            trainer.gpu = gpu
+            return trainer.dry_step()
     finally:
         dist.destroy_process_group()
 
@@ -410,19 +441,23 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
     return results
 
 
-def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
+def dry_run(cfg: Config, world: int, cluster: str = "h100", device: str = "cpu") -> dict:
+    """``device = "cuda"``: the ranks run on fake CUDA tensors and the report adds ``gpu``
+    (host syncs, attention kernels, wire dtypes, errors: meshfold/gpucheck.py)."""
     start = time.perf_counter()
     cfg = with_target_numerics(validate(cfg, world), cluster)
     ranks = representative_ranks(cfg, world)
-    results = _in_fresh_processes(simulate_rank, [(cfg, world, r) for r in ranks],
+    results = _in_fresh_processes(simulate_rank, [(cfg, world, r, device) for r in ranks],
                                   min(len(ranks), max(1, os.cpu_count() or 1)))
     per_rank = dict(zip(ranks, results))
+    gpu = {"gpu": gpucheck.summary({r: v["gpu"] for r, v in per_rank.items()})} if device == "cuda" else {}
     runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
     runtime["collectives"] = per_rank[0]["collectives"]
     runtime["ranks"] = {str(r): v for r, v in per_rank.items()}
     layout = dataclasses.asdict(layout_from_config(cfg, world))
     return {"world": world, "layout": layout, "runtime": runtime,
-            "planner": planner_prediction(cfg, world, cluster), "seconds": round(time.perf_counter() - start, 2)}
+            "planner": planner_prediction(cfg, world, cluster), **gpu,
+            "seconds": round(time.perf_counter() - start, 2)}
 
 
 # --------------------------------------------------------------------------- cli
@@ -435,6 +470,9 @@ def add_parser(sub) -> None:
     p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs) to simulate")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--cluster", default="h100", help="planner cluster preset or TOML (default h100)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: fake CUDA tensors; adds host syncs, attention kernels, wire dtypes and errors "
+                        "(docs/gpu.md); exit 1 when there are errors")
     p.add_argument("--json", action="store_true")
 
 
@@ -446,15 +484,17 @@ def run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     cfg = load_config(args.config, args.set)
-    cfg.data.balance = "none"  # data placement does not change memory or collectives
+    if args.device == "cpu":
+        cfg.data.balance = "none"  # data placement does not change memory or collectives
     try:
-        out = dry_run(cfg, args.world, args.cluster)
+        out = dry_run(cfg, args.world, args.cluster, args.device)
     except DryRunError as e:
         print(f"meshfold: error: {e}", file=sys.stderr)
         return 1
+    failed = int(bool(out.get("gpu", {}).get("errors")))
     if args.json:
         print(json.dumps(out))
-        return 0
+        return failed
     rt, pl = out["runtime"], out["planner"]
     print(f"dry-run: {args.world} ranks, layout {out['layout']}; simulated ranks {list(rt['ranks'])} "
           f"in {out['seconds']} s")
@@ -467,4 +507,12 @@ def run(args: argparse.Namespace) -> int:
         r, p = rt["collectives"].get(d, {}), pl["collectives"].get(d, {})
         print(f"{d:24s} {r.get('count', '-')!s:>14s} {_gib(r.get('bytes')):>12s} {p.get('count', '-')!s:>14s} "
               f"{_gib(p.get('bytes')):>12s}")
-    return 0
+    if "gpu" in out:
+        g = out["gpu"]
+        print(f"gpu: {g['host_syncs_per_step']} host syncs per step (rank 0); attention {g['attention']}; "
+              f"wire dtypes {g['wire_dtypes']}")
+        for s in g["host_syncs"]:
+            print(f"  sync x{s['count']:<4d} {s['where']}")
+        for e in g["errors"]:
+            print(f"  error: {e}")
+    return failed

@@ -69,9 +69,14 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         comm.install_strict_p2p_guard()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {}
+    if backend == "nccl":  # bound to this rank's GPU: NCCL's communicator starts eagerly, not at the first collective
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
         return
     # After an elastic restart the agent's store still holds the dead workers' gloo
     # addresses under the same keys; a per-attempt prefix keeps the new ones apart.
@@ -79,7 +84,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
 
     store, rank, world = next(rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore(f"meshfold/attempt-{restart}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
 
 
 def shutdown_distributed(clean: bool = True) -> None:

@@ -189,4 +189,9 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
         dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
     else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source
         dispatch = A * h * act + A * 8 + A * (min(m.expert_dim, h) + 1) * act + A * h * wide
-    return router + dispatch
+    # The grouped GEMM's groups padded to 16 bytes of rows (models/moe.py GROUP_ALIGN_BYTES):
+    # up to align - 1 rows more per local expert, with their input and hidden activations,
+    # and each row's place in the padded layout (int64).
+    align = max(1, 16 // act)
+    padding = (align - 1) * (E / ep / (tp if ep == 1 else 1)) * (h + 4 * m.expert_dim) * act + A * 8
+    return router + dispatch + padding

@@ -17,7 +17,7 @@ Straggler detection (C4 / MegaScale style)
     through it (all of meshfold's: the trainer's reductions, the DDP comm hook, tensor,
     context, expert and pipeline parallel) with the wall-clock time this rank *entered* it;
     nothing patches ``torch.distributed``. Every ``train.straggler_every`` steps the stamps
-    of that step are gathered; for every collective (matched by group and sequence number)
+    of that step are gathered on rank 0 (which judges and reports); for every collective (matched by group and sequence number)
     a rank's lateness is how much later it entered than the earliest rank. The lag a rank
     adds is the sum of the increases of its lateness along each group's sequence (so a late
     rank issuing several back-to-back asynchronous collectives counts once). A rank is
@@ -240,8 +240,13 @@ class FaultMonitor:
 
     def _straggler_check(self, elapsed: float) -> None:
         mine = (self.tracker.stamps, elapsed, self.tracker.wait_s)
-        gathered = comm.all_gather_object(mine)
-        ledger().record("fault", "all_gather", sum(len(g[0]) for g in gathered) * 48, self.world)
+        # to rank 0 only (it judges and reports; metrics.jsonl is its): one gather, not every
+        # rank's stamps to every rank
+        gathered = comm.gather_object(mine)
+        if self.rank != 0:
+            ledger().add_sent("fault", len(mine[0]) * 48)
+        if gathered is None:
+            return
         stamps = [g[0] for g in gathered]
         step_s = [g[1] for g in gathered]
         wait_s = [g[2] for g in gathered]
