@@ -6,10 +6,9 @@ attention, dense [S, S] masks), no host sync inside a layer (per-step reads are 
 counted), bf16 on the dp/tp/cp/pp wires when the compute dtype is bf16 (``train.dtype = auto``
 included, resolved for the h100 cluster as the dry-run resolves it).
 
-``PENDING`` names the code whose findings another branch fixes (issue #26: the dense
-document mask and per-window reads of attention, clipping's per-gradient reads, the fp32
-residual stream of Megatron layouts, the ring backward); findings there are listed, not
-asserted, until that branch lands: then the tuple is emptied.
+``PENDING`` names the code whose findings are still open (issue #26 item 2: the fp32 residual
+stream of Megatron layouts, which keep fp32 compute weights under ZeRO-0/1 until bf16 compute
+weights with fp32 master weights land); findings there are listed, not asserted.
 
 All cases run in one pass: one forkserver that imported meshfold once, a fresh child
 per case (torch caches meshes and groups per process), two at a time.
@@ -22,9 +21,7 @@ import pytest
 from meshfold.config import from_dict, validate
 from meshfold.dryrun import _in_fresh_processes, simulate_rank, with_target_numerics
 
-PENDING = ("meshfold/models/llama.py", "meshfold/models/attention_ops.py", "meshfold/models/varlen_attention.py",
-           "meshfold/parallel/optim.py", "meshfold/parallel/context.py", "meshfold/parallel/loss.py",
-           "meshfold/parallel/tensor.py")
+PENDING = ("meshfold/parallel/tensor.py",)  # fp32 residual stream of Megatron layouts (ZeRO-0/1): issue #26 item 2
 # Inherent and documented: a variable all-to-all needs its split sizes on the host (one read
 # per MoE layer and micro-batch, both directions at once: parallel/expert.py; tp without ep
 # reads its row count). Not done yet (docs/gpu.md): capacity mode (moe_capacity_factor > 0)
@@ -130,7 +127,7 @@ def test_fake_cuda_matrix(matrix):
                     continue
                 failures.append(f"{name}: {dt} on the {dim} wire from {place}")
         assert sum(g["syncs"].values()) >= 1, name  # the step's loss read is always there
-    print("\n".join(["pending (issue #26, other branch):"] + sorted(set(pending))))
+    print("\n".join(["pending (issue #26 item 2):"] + sorted(set(pending))))
     assert not failures, "\n".join(failures)
 
 
