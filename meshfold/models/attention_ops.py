@@ -215,20 +215,20 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
     (plain fused SDPA calls, one per distinct window size, each with a tile-sized mask). No
     host read: the windows come from the micro-batch's ``document_plan``."""
     b, s, heads, d = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[-1]  # latent attention: v's head size differs from q/k's
     plan = document_plan(doc_ids, positions, tile, key)
     tile, pad, n = plan.tile, plan.pad, plan.n
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
     qt = q.reshape(b * n, tile, heads, d)
-    kt, vt = k.view(b, n, tile, hkv, d), v.view(b, n, tile, hkv, d)
-    out = q.new_empty(b * n, tile, heads, d)
+    kt, vt = k.reshape(b, n, tile, hkv, d), v.reshape(b, n, tile, hkv, dv)
+    out = q.new_empty(b * n, tile, heads, dv)
     for sel, row, span, mask in plan.groups:
         o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), kt[row, span].flatten(1, 2).transpose(1, 2),
                                            vt[row, span].flatten(1, 2).transpose(1, 2), attn_mask=mask,
                                            enable_gqa=heads != hkv)
         out = out.index_copy(0, sel, o.transpose(1, 2))
-    return out.view(b, s + pad, heads, d)[:, :s]
+    return out.view(b, s + pad, heads, dv)[:, :s]
 
 
 def attention_scale(head_dim: int) -> float:
