@@ -832,10 +832,11 @@ class CostModel:
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
         logits = (act + 8) * tokens * V / tp
-        # what the loss keeps for backward: the fp32 (float64: float64) log-probabilities
-        # and the int64 labels; with amp also the final norm (8h + 4) and, without FSDP,
-        # the output projection's bf16 copy of its input
-        saved_logits = (max(4, act) * V / tp + 8) * tokens \
+        # what the loss keeps for backward: the logits as they came (parallel/loss.py's
+        # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
+        # labels; with amp also the final norm (8h + 4) and, without FSDP, the output
+        # projection's bf16 copy of its input
+        saved_logits = (act * V / tp + 8) * tokens \
             + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         memory = {**states, "activations": acts, "logits": logits if logits_here else 0.0,
