@@ -334,7 +334,7 @@ def measure_gpu() -> dict:
         del a, b
     x = torch.empty(GPU_COPY_BYTES // 2, device=dev, dtype=bf16).normal_()
     y = torch.empty_like(x)
-    r["copy"] = _cuda_seconds(lambda: y.copy_(x))
+    r["copy"] = _cuda_seconds(lambda x=x, y=y: y.copy_(x))
     del x, y
     g = GPU_ATTENTION
     shape = (g["batch"], g["heads"], g["seq"], g["head_dim"])
