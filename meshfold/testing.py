@@ -64,7 +64,9 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
 
 
 class WorldPool:
-    def __init__(self, world: int, timeout_s: float = 120.0):
+    # 300 s per call: a fresh CI machine can be twice as slow as a developer's, and a busy one
+    # slower still; a real hang still fails, only later.
+    def __init__(self, world: int, timeout_s: float = 300.0):
         ctx = mp.get_context("spawn")
         self.world = world
         self.timeout_s = timeout_s
