@@ -48,11 +48,11 @@ import json
 import math
 import multiprocessing
 import os
-import pickle
 import queue
 import sys
 import time
 import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
@@ -393,8 +393,8 @@ def _child(out, i: int, fn, args) -> None:
         # anything else as one line (its objects may hold fake tensors that cannot travel)
         answer = (i, False, ConfigError(str(e)) if isinstance(e, ConfigError) else
                   DryRunError(f"dry-run: the process simulating {args[1:]} failed: {_one_line(e)}"))
-    try:  # the queue pickles in a feeder thread, where a failure would be lost (the child then
-        pickle.dumps(answer)  # exits 0 without an answer): find out here
+    try:  # the queue serializes in a feeder thread, where a failure would be lost (the child then
+        ForkingPickler.dumps(answer)  # exits 0 without an answer): find out here, with its pickler
     except Exception as e:
         answer = (i, False, DryRunError(f"dry-run: the process simulating {args[1:]} could not send its "
                                         f"answer: {_one_line(e)}"))
