@@ -147,9 +147,12 @@ _GROUPS: dict[tuple, dict] = {}  # hybrid sub-groups, made once per process (pip
 
 
 def _new_groups(rank_lists: list[list[int]]) -> dict[tuple, dist.ProcessGroup]:
-    """Create every group in the same order on every rank; keep the ones this rank is in."""
+    """Create every group in the same order on every rank; keep the ones this rank is in.
+    Made again once destroyed (a process group re-initialised by live recovery, or the
+    test pool's clean-up between tasks): every rank destroys them together."""
     key = tuple(map(tuple, rank_lists))
-    if key not in _GROUPS:
+    live = dist.distributed_c10d._world.pg_map
+    if key not in _GROUPS or any(g not in live for g in _GROUPS[key].values()):
         _GROUPS[key] = _make_groups(rank_lists)
     return _GROUPS[key]
 
