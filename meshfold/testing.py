@@ -56,16 +56,16 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
             torch.manual_seed(0)
             out = fn(*args, **kwargs)
             _destroy_task_groups()
-            results.put((rank, True, out))
+            results.put((rank, True, out, _transport_threads()))
         except BaseException:  # noqa: BLE001 - report everything to the parent
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, False, traceback.format_exc(), 0))
     comm.barrier()
     dist.destroy_process_group()
 
 
 def _destroy_task_groups() -> None:
     """Destroy the groups a task made (meshes, sub-groups), keeping the default one. Each gloo
-    group owns a transport thread that wakes every 10 ms for the life of the group: kept, they
+    group owns a transport thread that wakes every 10 ms while the group lives: kept, they
     reached ~450 threads per worker and most of two cores in system time between tests."""
     import gc
 
@@ -74,24 +74,38 @@ def _destroy_task_groups() -> None:
     if not dist.is_initialized():
         return
     dist.barrier()  # every rank is done with them (a peer may still be reading our last send)
-    gc.collect()  # modules and meshes of the finished task that still hold groups
+    _clear_dtensor_caches()
+    gc.collect()  # the task's modules and meshes, which hold the groups
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
-    _clear_dtensor_caches()
+
+
+def _transport_threads() -> int:
+    """gloo transport threads alive in this process (some outlive their destroyed groups)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("gloo_tcp")
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 def _clear_dtensor_caches() -> None:
-    """DTensor's caches (sharding propagation, redistribution plans, mesh topology) hand out
-    specs holding the mesh they first saw; meshes compare by layout, so a later task's equal
-    mesh would get an earlier task's, whose groups are gone."""
+    """DTensor's caches (sharding propagation, redistribution planners, mesh topology) keep the
+    meshes they first saw, and with them their groups; meshes compare by layout, so a later
+    task's equal mesh would even be handed an earlier task's, whose groups are gone."""
     import sys
 
     import torch
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_redistribute_planner_cache()
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch.distributed.tensor") or module is None:
             continue
@@ -118,17 +132,17 @@ class WorldPool:
         for p in self.procs:
             p.start()
         self.broken = False
-        self.tasks_run = 0
+        self.transport_threads = 0  # the most any worker holds after its last task
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
-        self.tasks_run += 1
         for q in self.tasks:
             q.put((fn, args, kwargs))
         out: list[Any] = [None] * self.world
         errors = []
         for _ in range(self.world):
             try:
-                rank, ok, value = self.results.get(timeout=timeout or self.timeout_s)
+                rank, ok, value, threads = self.results.get(timeout=timeout or self.timeout_s)
+                self.transport_threads = max(self.transport_threads, threads)
             except queue.Empty:
                 self.close(force=True)
                 raise WorkerError(f"{fn.__name__} on {self.world} ranks did not finish within "
@@ -159,16 +173,16 @@ class WorldPool:
 
 
 _POOLS: dict[int, WorldPool] = {}
-# Workers are replaced after this many tasks: every task builds meshes and groups, and gloo
-# keeps threads and sockets per group for the life of the process, so a pool kept for the
-# whole suite gathered ~1,300 threads per worker and slowed every later test.
-RECYCLE_AFTER_TASKS = 20
+# Workers are replaced once they hold this many gloo transport threads: each wakes every
+# 10 ms (about 0.1 % of a core, idle), and some outlive their destroyed groups (about 4 per
+# trainer built), so a pool kept for the whole suite would slow every later test.
+RECYCLE_AT_TRANSPORT_THREADS = 32
 
 
 def world(n: int) -> WorldPool:
     pool = _POOLS.get(n)
     alive = pool is not None and not pool.broken and all(p.is_alive() for p in pool.procs)
-    if pool is None or not alive or pool.tasks_run >= RECYCLE_AFTER_TASKS:
+    if pool is None or not alive or pool.transport_threads >= RECYCLE_AT_TRANSPORT_THREADS:
         if pool is not None:
             pool.close(force=not alive)
         pool = _POOLS[n] = WorldPool(n)
