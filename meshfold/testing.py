@@ -73,7 +73,7 @@ def _destroy_task_groups() -> None:
 
     if not dist.is_initialized():
         return
-    dist.barrier()  # every rank is done with them (a peer may still be reading our last send)
+    comm.barrier()  # every rank is done with them (a peer may still be reading our last send)
     _clear_dtensor_caches()
     gc.collect()  # the task's modules and meshes, which hold the groups
     for group in list(dist.distributed_c10d._world.pg_map):
