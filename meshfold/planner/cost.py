@@ -808,6 +808,8 @@ class CostModel:
         tied_out = m.tie_embeddings and pp == 1
         looked_up = T["pos_emb"] + (0 if tied_out else T["emb"])
         copies = act * (stage_params[0] - looked_up) if (amp and not fsdp) else 0.0
+        if copies and L.recompute == "op":  # the blocks' copies are made again in their recompute
+            copies -= act * sum(T["kinds"][k][2] * n for k, n in self.stage_kinds(L)[0][0].items())
         stage_in = 0.0 if amp else act * tokens * h
         per_layer = dict(T["act_kinds"])
         if amp and fsdp and L.recompute == "op":  # FSDP2 hands the blocks bf16 inputs
