@@ -41,11 +41,13 @@ def _train_each(cfgs: list) -> list:
     return [train_collect(cfg) for cfg in cfgs]
 
 
-def test_op_recompute_composes_with_fsdp_and_tensor_parallel(reference, tmp_path):
-    # torchtitan's op policy under FSDP2 (ZeRO-3) and under tp 2 with and without sequence
-    # parallel (its in-place all-reduce / reduce-scatter re-run in the recompute), float64,
-    # against plain one-process training; the three layouts share one pooled call.
-    layouts = [{"dp_shard": 2, "zero": 3}, {"tp": 2, "dp_shard": 1}, {"tp": 2, "sp": True, "dp_shard": 1}]
+def test_op_recompute_composes_with_fsdp_tensor_and_context_parallel(reference, tmp_path):
+    # torchtitan's op policy under FSDP2 (ZeRO-3), under tp 2 with and without sequence
+    # parallel (its in-place all-reduce / reduce-scatter re-run in the recompute) and under
+    # ring context parallel (the ring re-run, its attention kernels cached), float64,
+    # against plain one-process training; the four layouts share one pooled call.
+    layouts = [{"dp_shard": 2, "zero": 3}, {"tp": 2, "dp_shard": 1}, {"tp": 2, "sp": True, "dp_shard": 1},
+               {"cp": 2, "dp_shard": 1}]
     cfgs = [tiny_config(str(tmp_path / str(i)), parallel=p, train={"recompute": "op"}) for i, p in enumerate(layouts)]
     for layout, got in zip(layouts, run_on(2, _train_each, cfgs)[0]):
         assert_runs_match(reference, got), layout
