@@ -65,7 +65,7 @@ class TrainConfig:
     run_dir: str = "runs/debug"
     dtype: str = "auto"  # auto | float32 | float64 | bfloat16 (autocast, fp32 master weights)
     device: str = "auto"  # auto | cpu | cuda
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
     recompute_every: int = 1  # full recompute on every k-th block
     compile: bool = False
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
@@ -101,7 +101,7 @@ SECTIONS: dict[str, type] = {
 TRAIN_CHOICES: dict[str, tuple] = {
     "dtype": ("auto", "float32", "float64", "bfloat16"),
     "device": ("auto", "cpu", "cuda"),
-    "recompute": ("none", "selective", "full"),
+    "recompute": ("none", "selective", "op", "full"),
     "resume": ("auto", "never"),
     "fused_optimizer": ("auto", "fused", "foreach", "none"),
     "offload": ("none", "optimizer", "params"),

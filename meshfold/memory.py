@@ -74,6 +74,11 @@ def note_checkpoint_inputs(args) -> None:
             counter.add(a)
 
 
+def counting() -> bool:
+    """Whether a ``count_saved_activations`` is open (recompute wrappers report to it)."""
+    return bool(_ACTIVE)
+
+
 @contextlib.contextmanager
 def count_saved_activations(model: nn.Module | None = None):
     counter = SavedActivationCounter(model)

@@ -66,10 +66,22 @@ AGREEMENT = [
 
 @pytest.mark.parametrize("world,parallel,model", AGREEMENT)
 def test_dry_run_runtime_agrees_with_planner(world, parallel, model, tmp_path):
+    _agree(world, parallel, model, {}, tmp_path)
+
+
+# torchtitan's op recompute policy (train.recompute = "op"): what its cache keeps
+@pytest.mark.parametrize("world,parallel", [(4, {"dp_shard": 4, "zero": 3}), (4, {"tp": 2, "dp_shard": 2, "zero": 1})],
+                         ids=["fsdp4-zero3-op", "tp2-zero1-op"])
+def test_dry_run_agrees_with_planner_under_op_recompute(world, parallel, tmp_path):
+    _agree(world, parallel, {}, {"recompute": "op"}, tmp_path)
+
+
+def _agree(world, parallel, model, train, tmp_path):
     from meshfold.config import from_dict
     from meshfold.dryrun import dry_run
 
-    cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})
+    cfg = tiny_config(str(tmp_path), parallel=parallel,
+                      train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16", **train})
     cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **model})
     out = dry_run(from_dict(cfg), world, cluster="h100")
     rt, pl = out["runtime"], out["planner"]

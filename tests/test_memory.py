@@ -17,10 +17,11 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("train", [
     {"recompute": "selective"},
+    {"recompute": "op"},
     {"recompute": "full"},
     {"recompute": "full", "recompute_every": 2},
     {"offload": "optimizer"},
-], ids=["selective", "full", "full-every-2", "offload-optimizer"])
+], ids=["selective", "op", "full", "full-every-2", "offload-optimizer"])
 def test_one_process_matches_plain_training(train, reference, tmp_path):
     got = train_collect(tiny_config(str(tmp_path), train=train))
     assert_runs_match(reference, got)
@@ -34,6 +35,22 @@ def test_one_process_matches_plain_training(train, reference, tmp_path):
 def test_composes_with_fsdp(train, reference, tmp_path):
     cfg = tiny_config(str(tmp_path), parallel={"dp_shard": 2, "zero": 3}, train=train)
     assert_runs_match(reference, run_on(2, train_collect, cfg)[0])
+
+
+def _train_each(cfgs: list) -> list:
+    return [train_collect(cfg) for cfg in cfgs]
+
+
+def test_op_recompute_composes_with_fsdp_tensor_and_context_parallel(reference, tmp_path):
+    # torchtitan's op policy under FSDP2 (ZeRO-3), under tp 2 with and without sequence
+    # parallel (its in-place all-reduce / reduce-scatter re-run in the recompute) and under
+    # ring context parallel (the ring re-run, its attention kernels cached), float64,
+    # against plain one-process training; the four layouts share one pooled call.
+    layouts = [{"dp_shard": 2, "zero": 3}, {"tp": 2, "dp_shard": 1}, {"tp": 2, "sp": True, "dp_shard": 1},
+               {"cp": 2, "dp_shard": 1}]
+    cfgs = [tiny_config(str(tmp_path / str(i)), parallel=p, train={"recompute": "op"}) for i, p in enumerate(layouts)]
+    for layout, got in zip(layouts, run_on(2, _train_each, cfgs)[0]):
+        assert_runs_match(reference, got), layout
 
 
 def _block_saved_bytes(mode: str, every: int = 1, layer: str = "1"):
@@ -72,6 +89,24 @@ def test_selective_recompute_drops_exactly_the_core_attention_state():
         out = model.layers["0"].attention.core.__class__()(q, k, v)
     inputs_and_output = 3 * q.numel() * q.element_size() + out.numel() * out.element_size()
     assert none - selective == counter.bytes - inputs_and_output > 0
+
+
+def test_op_recompute_keeps_every_other_matmul_and_the_attention_kernel():
+    none, block_input, model = _block_saved_bytes("none")
+    selective, _, _ = _block_saved_bytes("selective")
+    op, _, _ = _block_saved_bytes("op")
+    full, _, _ = _block_saved_bytes("full")
+    assert full < op < selective < none
+    # Exactly: the block input, the outputs of wq, wv, w1 and w2 (the 1st, 3rd, 5th and 7th
+    # matmul), and the fused attention kernel's output and log-sum-exp ([b, heads, s]).
+    b, s, d = 2, 64, 64
+    hidden = model.layers["1"].feed_forward.w1.out_features
+    lse = b * 4 * s * 8
+    assert op == block_input + 8 * b * s * (d + d + hidden + d) + 8 * b * s * d + lse
+    # as the planner prices it (float64: 8 bytes; the fused kernel keeps its lse)
+    from meshfold.planner.counts import layer_activation_bytes
+
+    assert layer_activation_bytes(model.cfg, s, b, 1, False, "op", 8, flash=True, dropout=False) == op
 
 
 def test_bf16_fsdp_trains_close_to_fp32(tmp_path):

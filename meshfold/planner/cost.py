@@ -59,10 +59,6 @@ class Workload:
     # one PyTorch kernel per op as meshfold's (and torchtitan's) model code writes them;
     # "fused" = hand-fused kernels (Megatron) or torch.compile's fusions.
     kernels: str = "eager"
-    # What ``recompute = "selective"`` re-runs in backward: "attention" = meshfold's (the
-    # attention core, Korthikanti et al.); "op" = torchtitan's op-level policy (every op but
-    # every other matmul and the attention kernel). Memory is meshfold's either way.
-    selective: str = "attention"
     fp8: bool = False  # Float8 linears (torchao): GEMMs at the fp8 peak, plus their casts
 
     @property
@@ -86,7 +82,7 @@ class Layout:
     cp_mode: str = "ring"
     ep: int = 1
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
     pp_split: tuple = ()  # blocks per stage (``parallel.pp_split``); () = balanced by cost, as the runtime
     # skippipe's skip cap and reorder option, and links between pp ranks slower or faster
     # than the cluster's ((a, b, Mbit/s), ...: ``parallel.pp_links``), priced per link
@@ -426,10 +422,11 @@ class CostModel:
             fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
             if recompute == "full":
                 rec = fwd
-            elif recompute == "selective" and w.selective == "op":
+            elif recompute == "op":
                 # torchtitan's op policy: every op recomputed but every other matmul (it
-                # saves the 1st, 3rd, ...) and the attention kernel
-                rec = sum(gemms[1::2]) + ew_f - ew_attn * scale
+                # saves the 1st, 3rd, ...) and the attention kernel; the block's tp and
+                # cp communication is re-run (meshfold's collectives are not kept)
+                rec = sum(gemms[1::2]) + ew_f - ew_attn * scale + 2 * tp_ar + cp_fwd
             elif recompute == "selective":  # the attention core and its softmax
                 rec = attn_f + ew_attn * scale
             else:
@@ -489,7 +486,7 @@ class CostModel:
             r_ar, A = RING["all_reduce"](tp), act * tokens * h
             # Full recompute re-runs the block's forward up to its last saved tensor (torch's
             # non-reentrant checkpoint stops early), so the MLP's exit is not repeated.
-            recomputed = 1 if recompute == "full" else 0
+            recomputed = 1 if recompute in ("full", "op") else 0  # "op" re-runs them as "full"
             weights = 0.0  # replicated weights' gradient elements summed over tp, per layer
             if sp:  # per block: gathered entry (AG fwd; AG + RS bwd) and exit (RS fwd, AG bwd)
                 calls, sent = 10 + 3 * recomputed, (5 + 1.5 * recomputed) * r_ar * A
@@ -628,7 +625,7 @@ class CostModel:
             L, T, n_micro, v)
         Pmax = max(stage_params)
         dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, t_f, t_b, v)
-        per_layer_ops = 4 + (2 if L.recompute == "full" else 0)
+        per_layer_ops = 4 + (2 if L.recompute in ("full", "op") else 0)
 
         # ---- optimizer step: one memory-bound pass over the local states
         n_shard = L.dp_shard * cp
@@ -811,9 +808,13 @@ class CostModel:
         tied_out = m.tie_embeddings and pp == 1
         looked_up = T["pos_emb"] + (0 if tied_out else T["emb"])
         copies = act * (stage_params[0] - looked_up) if (amp and not fsdp) else 0.0
+        if copies and L.recompute == "op":  # the blocks' copies are made again in their recompute
+            copies -= act * sum(T["kinds"][k][2] * n for k, n in self.stage_kinds(L)[0][0].items())
         stage_in = 0.0 if amp else act * tokens * h
         per_layer = dict(T["act_kinds"])
-        if amp and fsdp and L.recompute != "full":  # FSDP2 hands the blocks bf16 inputs
+        if amp and fsdp and L.recompute == "op":  # FSDP2 hands the blocks bf16 inputs
+            per_layer = {k: x - (4 - act) * tokens * h / (tp if L.sp else 1) for k, x in per_layer.items()}
+        elif amp and fsdp and L.recompute != "full":  # (and the projections share one bf16 norm output)
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
         if True in per_layer and L.recompute != "full" and (fsdp or not amp):
             per_layer[True] += T["w13"]  # (amp without FSDP: within the weight copies below)
@@ -831,6 +832,9 @@ class CostModel:
                 acts = max(acts, held * (layers + stage_in + mine))
         if L.recompute == "full":
             acts += T["act_full"]  # one layer's activations while it is recomputed
+        # "op": what one layer's recompute makes again (all it keeps under "none" but what
+        # the policy kept), alive until that layer's backward is done
+        working = max(0.0, T["act_full"] - T["act_kept"]) if L.recompute == "op" else 0.0
         logits = (act + 8) * tokens * V / tp
         # what the loss keeps for backward: the logits as they came (parallel/loss.py's
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
@@ -842,6 +846,8 @@ class CostModel:
         memory = {**states, "activations": acts, "logits": logits if logits_here else 0.0,
                   "buffers": 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
                   "reserved": c.device.reserved_gib * GiB}
+        if working:
+            memory["recompute"] = working
         peak_mem = sum(memory.values())
         activation_bytes = acts + (saved_logits if logits_here else 0.0)
         if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
@@ -971,7 +977,7 @@ class CostModel:
         # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
         if cp > 1:
-            recomputed = L.recompute == "full"
+            recomputed = L.recompute in ("full", "op")
             if L.cp_mode == "ulysses":
                 per_layer = 8 + (4 if recomputed else 0)
             else:

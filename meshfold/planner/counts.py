@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, mlp_params
 
@@ -146,6 +147,8 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
         hkv = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim + m.mla_v_dim) + latents / 2 - h
     if recompute == "full":  # only the layer input survives
         return (4 if amp else act) * s * b * h / (tp if sp else 1)
+    if recompute == "op":
+        return op_kept_bytes(m, s, b, tp, sp, act, flash, amp, moe)
     # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
     # the QKV and first MLP projections, and the two dropout masks (1 byte each).
     replicated = s * b * h * (2 * act + act + act) + (2 * s * b * h if dropout else 0)
@@ -167,6 +170,31 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     else:
         scores = a * s * s * b * (act + (1 + act if dropout else 0))
     return (replicated / (tp if sp else 1)) + (split + scores) / tp
+
+
+def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, flash: bool,
+                  amp: bool = False, moe: bool | None = None) -> float:
+    """What ``train.recompute = "op"`` keeps of one layer (``parallel/recompute.py``, torchtitan's
+    op policy), for one micro-batch of ``b`` sequences of ``s`` tokens on one device: the
+    block input (fp32 under ``amp``; a 1/tp sequence slice with sp), the output of every
+    other matmul in the order the block calls them (wq, wk, wv, wo, w1, w3, w2: q, v, w1's
+    and w2's outputs are kept), and the fused attention kernel's output and log-sum-exp
+    (an unfused attention keeps nothing: its batched matmuls are recomputed). Under tp the
+    column-parallel outputs are this rank's heads or hidden units over the whole sequence
+    (sp gathers it first); a row-parallel output is the full-width partial sum, before the
+    reduction. Dense (non-MLA) blocks only."""
+    if m.mla or ((m.moe_experts > 0) if moe is None else moe):
+        raise ConfigError('train.recompute = "op": the planner prices it for dense attention blocks only '
+                          '(no MLA, no MoE); use "selective" or "full"')
+    h, hd = m.dim, m.head_dim
+    q = m.n_heads * hd / tp
+    kv = m.kv_heads * hd / tp if m.kv_heads % tp == 0 else hd  # replicated kv: one head per rank
+    f = m.hidden_dim / tp
+    widths = [q, kv, kv, h] + ([f, f, h] if m.mlp == "swiglu" else [f, h])
+    kept = act * s * b * sum(widths[0::2])
+    attention = (act * q + max(4, act) * m.n_heads / tp) * s * b if flash else 0.0
+    block_input = (4 if amp else act) * s * b * h / (tp if sp else 1)
+    return block_input + kept + attention
 
 
 def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int) -> float:

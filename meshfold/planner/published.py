@@ -63,15 +63,16 @@ MEGATRON_TABLE2 = [(384, 153), (768, 149), (1536, 141)]
 # the blocks' memory-bound ops fused, ``kernels = "fused"``).
 TORCHTITAN_ROWS = [
     # Table 1: Llama 3.1 8B, FSDP 8, local batch 2, selective (op) activation checkpointing
+    # (meshfold's ``train.recompute = "op"``, ``parallel/recompute.py``)
     ("8B FSDP, 8 GPUs (Table 1)", "llama3-8b", 8, 5762, Layout(dp_shard=8, zero=3, micro_batch=2,
-                                                                recompute="selective"), dict(selective="op")),
+                                                                recompute="op"), dict()),
     ("8B FSDP + torch.compile, 8 GPUs (Table 1)", "llama3-8b", 8, 6667,
-     Layout(dp_shard=8, zero=3, micro_batch=2, recompute="selective"), dict(selective="op", kernels="fused")),
+     Layout(dp_shard=8, zero=3, micro_batch=2, recompute="op"), dict(kernels="fused")),
     # Table 3: the same on 128 GPUs
     ("8B FSDP, 128 GPUs (Table 3)", "llama3-8b", 128, 5605,
-     Layout(dp_shard=128, zero=3, micro_batch=2, recompute="selective"), dict(selective="op")),
+     Layout(dp_shard=128, zero=3, micro_batch=2, recompute="op"), dict()),
     ("8B FSDP + torch.compile, 128 GPUs (Table 3)", "llama3-8b", 128, 6514,
-     Layout(dp_shard=128, zero=3, micro_batch=2, recompute="selective"), dict(selective="op", kernels="fused")),
+     Layout(dp_shard=128, zero=3, micro_batch=2, recompute="op"), dict(kernels="fused")),
     # Table 4: Llama 3.1 70B, FSDP 32 x TP 8 (torchtitan's TP plan shards norms and residuals
     # over the sequence: sp), local batch 16, full AC, torch.compile + Float8
     ("70B FSDP 32 x TP 8, 256 GPUs (Table 4)", "llama3-70b", 256, 829,
