@@ -47,7 +47,9 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import pickle
 import queue
+import sys
 import time
 import warnings
 
@@ -344,11 +346,28 @@ def with_target_numerics(cfg: Config, cluster_spec: str) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))
 
 
+class DryRunError(RuntimeError):
+    """A simulated rank failed: one line naming the rank and the error (the CLI prints it)."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
+
+
 def _child(out, i: int, fn, args) -> None:
     try:
-        out.put((i, True, fn(*args)))
-    except BaseException as e:  # handed to the parent, which raises it
-        out.put((i, False, e))
+        answer = (i, True, fn(*args))
+    except BaseException as e:  # handed to the parent, which raises it: a refusal as itself,
+        # anything else as one line (its objects may hold fake tensors that cannot travel)
+        answer = (i, False, ConfigError(str(e)) if isinstance(e, ConfigError) else
+                  DryRunError(f"dry-run: the process simulating {args[1:]} failed: {_one_line(e)}"))
+    try:  # the queue pickles in a feeder thread, where a failure would be lost (the child then
+        pickle.dumps(answer)  # exits 0 without an answer): find out here
+    except Exception as e:
+        answer = (i, False, DryRunError(f"dry-run: the process simulating {args[1:]} could not send its "
+                                        f"answer: {_one_line(e)}"))
+    out.put(answer)
 
 
 def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
@@ -368,8 +387,9 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
         while pending or running:
             while pending and len(running) < parallel:
                 i, args = pending.pop(0)
-                running[i] = ctx.Process(target=_child, args=(out, i, fn, args), daemon=True)
-                running[i].start()
+                proc = ctx.Process(target=_child, args=(out, i, fn, args), daemon=True)
+                proc.start()
+                running[i] = proc
             try:
                 i, ok, value = out.get(timeout=1.0)
             except queue.Empty:
@@ -377,7 +397,7 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
                     # exit code 0: its answer may still be in the pipe; give it a few checks
                     silent[i] = silent.get(i, 0) + (not proc.is_alive())
                     if proc.exitcode not in (0, None) or silent[i] > 5:
-                        raise RuntimeError(f"dry-run: the process simulating {calls[i][1:]} died with exit code "
+                        raise DryRunError(f"dry-run: the process simulating {calls[i][1:]} died with exit code "
                                            f"{proc.exitcode} before answering (out of memory?)")
                 continue
             running.pop(i).join()
@@ -427,7 +447,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     cfg = load_config(args.config, args.set)
     cfg.data.balance = "none"  # data placement does not change memory or collectives
-    out = dry_run(cfg, args.world, args.cluster)
+    try:
+        out = dry_run(cfg, args.world, args.cluster)
+    except DryRunError as e:
+        print(f"meshfold: error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(out))
         return 0

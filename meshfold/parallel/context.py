@@ -40,10 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshfold.comm import all_gather_into_tensor, all_to_all_single, exchange, wait_all
 from meshfold.errors import ConfigError
 from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention, pick_kernel
+from meshfold.models.moe import has_values
 from meshfold.parallel.config import ulysses_degree
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
@@ -519,8 +521,24 @@ class _MetaCache:
 
     def ring_layout(self, use_doc: bool) -> RingLayout:
         if self.layout is None:
-            self.layout = RingLayout(self.value, use_doc, self.plan.ring_rank, self.plan.tile)
+            if has_values(self.value):
+                self.layout = RingLayout(self.value, use_doc, self.plan.ring_rank, self.plan.tile)
+            else:  # a dry-run's fake batch: the default positions, no documents (its host read
+                # would have no values to read), laid out on real tensors
+                with unset_fake_temporarily():
+                    meta = default_members(self.plan, *self.value.shape[2:])
+                    self.layout = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile)
         return self.layout
+
+
+def default_members(plan: ContextParallelPlan, bsz: int, member_len: int) -> torch.Tensor:
+    """What ``_MetaCache.get`` gathers for a batch with default positions and no document
+    ids: [ring, 2 (positions, docs), bsz, member_len]."""
+    seq = member_len * plan.ring
+    pos = torch.stack([torch.cat([token_indices(seq, plan.cp, j * plan.ulysses + k, plan.ulysses, plan.balance)
+                                  for k in range(plan.ulysses)]) for j in range(plan.ring)])
+    pos = pos[:, None].expand(-1, bsz, -1)
+    return torch.stack([pos, torch.zeros_like(pos)], 1).contiguous()
 
 
 class ContextParallelAttention(nn.Module):
