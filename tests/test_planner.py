@@ -49,7 +49,11 @@ def test_zero_stage_memory_enters_the_estimate():
     mems = [estimate(w, c, Layout(dp_shard=64, zero=z, micro_batch=1)).memory for z in (1, 2, 3)]
     assert mems[0]["optimizer"] == pytest.approx(mems[1]["optimizer"])
     assert mems[1]["grads"] == pytest.approx(mems[0]["grads"] / 64)
-    assert mems[2]["params"] == pytest.approx(mems[1]["params"] / 64)
+    # ZeRO-2 and 3 (FSDP2) both shard the storage; ZeRO-2 keeps the whole compute-dtype copy
+    # gathered from forward to backward (the paper's stage-2 parameters), ZeRO-3 two blocks
+    assert mems[2]["params"] == pytest.approx(mems[1]["params"]) == pytest.approx(mems[0]["params"] / 64)
+    assert mems[1]["gathered_params"] == pytest.approx(mems[0]["params"])
+    assert 0 < mems[2]["gathered_params"] < mems[1]["gathered_params"] / 10
 
 
 # --------------------------------------------------------------------------- Korthikanti

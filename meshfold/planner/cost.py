@@ -528,6 +528,19 @@ class CostModel:
             est.comm_bytes = {d: x["bytes"] for d, x in est.collectives.items()}
         return est
 
+    def peak_memory(self, L: Layout) -> float:
+        """``estimate(L).peak_mem_bytes`` without the step time (the search prunes by memory
+        before it prices): the stage split and the memory terms alone, cached alike."""
+        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        n_micro = self.w.global_batch // L.dp // L.micro_batch
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses)
+        stages, last_rank = self.stage_kinds(L)
+        skey = (id(T), id(stages), L.pp, v, None)
+        hit = self._stage_sum_cache.get(skey)
+        if hit is None:
+            hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
+        return self._memory(L, T, hit[3], hit[4], last_rank, n_micro, v)[2]
+
     def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int):
         """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
         the rank holding the last stage, t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble)."""
@@ -706,10 +719,16 @@ class CostModel:
         n_shard = L.dp_shard * L.cp
         experts = moe_layers * T["expert_p"]
         states = model_state_bytes(params - experts, zero, n_shard, self.w.dtype, accumulate)
+        if zero == 2:  # meshfold's ZeRO-2 is FSDP2 without resharding after forward: the storage is
+            # sharded as under ZeRO-3 (the whole compute-dtype copy the paper's stage 2 keeps is
+            # the ``gathered_params`` term)
+            states["params"] /= max(1, n_shard)
         if experts:
             edp = L.dp * L.cp // L.ep
             sharded = model_state_bytes(experts * self._expert_padding(L), zero, edp, self.w.dtype, accumulate)
             whole = model_state_bytes(experts, zero, edp, self.w.dtype, accumulate)
+            if zero == 2:
+                sharded["params"] /= max(1, edp)
             for k in states:  # gradients held unsharded between micro-batches: not padded
                 states[k] += whole[k] if (k == "grads" and accumulate) else sharded[k]
         return states

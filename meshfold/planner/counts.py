@@ -90,9 +90,7 @@ def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16"
     hold them unsharded until then (FSDP2 without gradient sync keeps unsharded grads)."""
     pb, gb, ob, _ = DTYPE_BYTES[dtype]
     n = max(1, shards)
-    # meshfold's ZeRO-2 and 3 are FSDP2: the parameter storage is sharded under both (the
-    # gathered compute-dtype copies are their own term, ``gathered_param_bytes``)
-    return {"params": params * pb / (n if zero >= 2 else 1),
+    return {"params": params * pb / (n if zero >= 3 else 1),
             "grads": params * gb / (n if zero >= 2 and not accumulate else 1),
             "optimizer": params * ob / (n if zero >= 1 else 1)}
 
