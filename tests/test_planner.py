@@ -204,7 +204,8 @@ def test_footprint_from_config():
     cfg = from_dict({"model": {"preset": "llama3-8b"}, "parallel": {"tp": 8, "dp_shard": 16, "zero": 3},
                      "train": {"global_batch": 256, "micro_batch": 1, "dtype": "bfloat16"}})
     out = footprint(cfg, 128, device="cuda")
-    assert set(out) == {"param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "collectives"}
+    assert set(out) == {"param_bytes", "gathered_param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                        "recompute_bytes", "collectives"}
     params = sum(v for k, v in out.items() if k in ("param_bytes", "optimizer_bytes")) / 12  # fp32 + Adam m, v
     assert 8.0e9 / 128 < params < 8.1e9 / 128  # Llama 3 8B, sharded 128 ways
     assert out["grad_bytes"] == pytest.approx(16 * out["param_bytes"], rel=1e-9)  # unsharded while accumulating
