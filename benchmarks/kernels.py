@@ -1,9 +1,11 @@
 """Fused kernels on the hot paths (issue 18): ratios measured in one run on this machine.
 
 1. Packed documents, seq 4096, ~100-token documents (50-150), a 2-layer model, forward +
-   backward, float32: training tokens/s of per-document attention (``VarlenCoreAttention``:
-   windowed tiles, no S x S mask) against plain causal attention over the same tokens
-   (goal >= 1.0x), next to the dense-mask SDPA path, the cp = 1 block-skipping ring tiles
+   backward, float32: training tokens/s of the model as built (``Transformer(cfg)`` given
+   ``doc_ids``, the trainer's default ``data.pack`` + ``data.doc_mask`` path: windowed
+   per-document tiles, no S x S mask) against plain causal attention over the same tokens
+   (goal >= 1.0x), next to ``VarlenCoreAttention``, the dense-mask SDPA path (the default
+   before issue 26), the cp = 1 block-skipping ring tiles
    and the previous varlen implementation (per row, per length, host reads).
 2. MoE step time (forward + backward, float32) against a dense model of equal active FLOPs:
    64 experts top-8 each 1/8 as wide (goal <= 1.3x) and 8 experts top-2 each 1/2 as wide
@@ -90,7 +92,7 @@ class _PreviousVarlen(torch.nn.Module):
         return torch.stack(rows)
 
 
-def bench_docs(steps: int) -> dict:
+def bench_docs(steps: int, quick: bool = False) -> dict:
     from meshfold.models.varlen_attention import VarlenCoreAttention
     from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
 
@@ -118,14 +120,23 @@ def bench_docs(steps: int) -> dict:
 
     plan = ContextParallelPlan(1, 1, False, 0, None, None, None)
     cache = _MetaCache(plan)
+    def as_built():  # the default config path: Transformer(cfg) untouched, doc_ids given
+        torch.manual_seed(0)
+        m = Transformer(cfg)
+        init_weights(m, cfg, 0)
+        return m
+
     variants = {
-        "causal (no documents)": (model_with(CoreAttention), False),
-        "documents: varlen tiles (new)": (model_with(VarlenCoreAttention), True),
-        "documents: dense mask SDPA": (model_with(CoreAttention), True),
+        "causal (no documents)": (as_built(), False),
+        "documents: default (CoreAttention as built)": (as_built(), True),
+        "documents: VarlenCoreAttention": (model_with(VarlenCoreAttention), True),
+        "documents: dense mask SDPA (before)": (model_with(lambda: CoreAttention(dense=True)), True),
         "documents: cp=1 ring tiles (skip_masked_blocks)": (model_with(lambda: ContextParallelAttention(plan, cache)),
                                                             True),
         "documents: previous varlen": (model_with(_PreviousVarlen), True),
     }
+    if quick:  # --docs-quick: the default path against causal and the dense mask it replaced
+        variants = {k: v for k, v in variants.items() if "ring" not in k and "previous" not in k}
 
     def step(model, with_docs):
         def run():
@@ -290,6 +301,7 @@ def bench_ring(seq: int, reps: int, rev: str, variants=("fused", "previous")) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--docs-quick", action="store_true", help="docs: only causal, the default path, varlen, dense")
     ap.add_argument("--only", nargs="*", default=["docs", "moe", "ring"])
     ap.add_argument("--seq", type=int, default=8192, help="ring attention sequence length")
     ap.add_argument("--baseline-rev", default="8e01949", help="git revision of the previous ring (tiles)")
@@ -306,7 +318,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}")
     if "docs" in args.only:
-        bench_docs(args.steps)
+        bench_docs(args.steps, args.docs_quick)
     if "moe" in args.only:
         bench_moe(args.steps)
     if "ring" in args.only:

@@ -1,5 +1,14 @@
-"""Predicted vs measured step time on this machine, after ``meshfold calibrate``.
+"""The planner's accuracy: published GPU results, and measured runs on this machine.
 
+Default (no GPU, a second): every published row the cost model is checked against —
+Megatron-LM 2021 on A100s (Tables 1 and 2) and torchtitan's Llama 3.1 runs on H100s
+(8B FSDP on 8 and 128 GPUs, 70B FSDP x TP on 256), each priced as the job ran
+(``meshfold/planner/published.py``) — published vs predicted, the error of each row, and
+the mean and max absolute error per device generation.
+
+    .venv/bin/python benchmarks/planner_accuracy.py [--json]
+
+``--measure``: predicted vs measured step time on this machine, after ``meshfold calibrate``.
 For N in (4, 8): calibrate N gloo processes (``meshfold calibrate``), train a small model
 for a few steps with each layout (``meshfold train --nproc N``), and compare the run's
 fastest steady ``step_time_s`` (steps 3..12; the least disturbed by other jobs on a shared
@@ -8,7 +17,7 @@ code path). Also runs the planner's own pick (full search on the calibrated clus
 checks it against the fastest measured layout. Prints per-layout rows, the mean absolute
 percentage error, Spearman's rank correlation, and the pick's gap to the fastest.
 
-    .venv/bin/python benchmarks/planner_accuracy.py [--quick] [--out runs/planner_bench]
+    .venv/bin/python benchmarks/planner_accuracy.py --measure [--quick] [--out runs/planner_bench]
 """
 
 from __future__ import annotations
@@ -88,8 +97,37 @@ def spearman(a, b) -> float:
     return float(spearmanr(a, b).statistic)
 
 
+def published_main(as_json: bool) -> int:
+    from meshfold.planner.published import predict, rows
+
+    results = [predict(r) for r in rows()]
+    if as_json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "estimate"} for r in results], indent=1))
+        return 0
+    print(f"{'row':44s} {'device':17s} {'unit':13s} {'published':>10s} {'predicted':>10s} {'error':>8s}  bound")
+    for r in results:
+        bound = f"{100 * r['bound']:.0f}%" if r["bound"] else "-"
+        flag = "" if not r["bound"] or abs(r["error"]) <= r["bound"] else "  OUT"
+        print(f"{r['name']:44s} {r['device']:17s} {r['unit']:13s} {r['published']:10.1f} {r['predicted']:10.1f} "
+              f"{100 * r['error']:+7.1f}%  {bound}{flag}")
+    for gen, devices in (("A100", ("a100-dgx",)), ("H100", ("h100-grand-teton",)), ("all", None)):
+        for checked in (True, False):
+            errs = [abs(r["error"]) for r in results if (devices is None or r["device"] in devices)
+                    and (r["bound"] is not None or not checked)]
+            print(f"{gen}{' (bounded rows)' if checked else ' (all rows)'}: {len(errs)} rows, "
+                  f"mean |error| {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%")
+    for r in results:
+        if r["source"].startswith("torchtitan"):
+            est = r["estimate"]
+            print(f"  {r['name']}: step {est.step_time_s:.3f} s, MFU {100 * est.mfu:.1f}% of this device's peak, "
+                  f"planner memory {r['peak_mem_gib']:.1f} GiB ({'fits' if r['fits'] else 'does NOT fit'})")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--measure", action="store_true", help="calibrate this machine and compare measured runs")
+    ap.add_argument("--json", action="store_true", help="published rows as JSON")
     ap.add_argument("--out", default="runs/planner_bench")
     ap.add_argument("--nprocs", default="4,8")
     ap.add_argument("--quick", action="store_true", help="first 4 layouts per process count")
@@ -98,6 +136,8 @@ def main() -> int:
     ap.add_argument("--predict-only", action="store_true",
                     help="no training: (re)calibrate and predict the runs already in --out")
     args = ap.parse_args()
+    if not args.measure:
+        return published_main(args.json)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

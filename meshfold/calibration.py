@@ -34,15 +34,24 @@ the cores, so every number is measured with all N busy):
 - overlap = 0: gloo's progress threads compete with compute for the same cores;
 - host_cores = this machine's core count: the processes share them (cost.py uses it for
   pipeline bubbles, which free cores for the busy stages).
+
+``meshfold calibrate --gpu PRESET`` measures one GPU instead and keeps PRESET's datasheet
+figures and links: square bf16 GEMMs of 4096-16384 (the fastest over the preset's peak ->
+``matmul_eff``, as ``mamf-finder.py`` measures MAMF), a 1 GiB device copy (-> ``hbm_eff``),
+causal ``scaled_dot_product_attention`` forward and backward at 32 heads x 8192 x 128
+(-> ``attention_eff``, ``attention_bwd_eff``); the solve is ``planner/calibrate.py:
+gpu_device_from_measurements``.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from meshfold import comm
@@ -50,8 +59,19 @@ from meshfold.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from meshfold.models.llama import Transformer
 from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
 from meshfold.parallel.optim import adamw_kwargs
-from meshfold.planner.calibrate import BLOCK_BATCH, BLOCK_DIMS, BLOCK_SEQ, tiny_step_config, write_cluster
-from meshfold.planner.cluster import Cluster
+from meshfold.planner.calibrate import (
+    BLOCK_BATCH,
+    BLOCK_DIMS,
+    BLOCK_SEQ,
+    GPU_ATTENTION,
+    GPU_COPY_BYTES,
+    GPU_GEMM_SIZES,
+    gpu_device_from_measurements,
+    measurements_path,
+    tiny_step_config,
+    write_cluster,
+)
+from meshfold.planner.cluster import Cluster, cluster_to_toml, load_cluster
 from meshfold.testing import free_port
 from meshfold.train.trainer import Trainer
 
@@ -277,6 +297,70 @@ def calibrate(nproc: int, out_path: str | Path, step_overhead_s: float | None = 
     return write_cluster(nproc, r, out_path, step_overhead_s), r
 
 
+# --------------------------------------------------------------------------- one GPU
+
+
+def _cuda_seconds(fn, reps: int = 20) -> float:
+    """Median seconds per call of ``fn`` on the current CUDA device (CUDA events, after
+    warm-up), the way ``mamf-finder.py`` times its GEMMs."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_gpu() -> dict:
+    """Seconds per call of the kernels ``planner/calibrate.py: gpu_device_from_measurements``
+    solves for: bf16 GEMMs, a device copy, causal fused attention forward and backward."""
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        raise ConfigError("meshfold calibrate --gpu needs a CUDA (or ROCm) device; none is visible")
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    r = {}
+    for n in GPU_GEMM_SIZES:
+        a, b = torch.randn(n, n, device=dev, dtype=bf16), torch.randn(n, n, device=dev, dtype=bf16)
+        r[f"gemm_{n}"] = _cuda_seconds(lambda a=a, b=b: a @ b)
+        del a, b
+    x = torch.empty(GPU_COPY_BYTES // 2, device=dev, dtype=bf16).normal_()
+    y = torch.empty_like(x)
+    r["copy"] = _cuda_seconds(lambda x=x, y=y: y.copy_(x))
+    del x, y
+    g = GPU_ATTENTION
+    shape = (g["batch"], g["heads"], g["seq"], g["head_dim"])
+    q, k, v = (torch.randn(shape, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+    r["attention_fwd"] = _cuda_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    r["attention_bwd"] = _cuda_seconds(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+    return r
+
+
+def calibrate_gpu(preset: str, out_path: str | Path) -> Cluster:
+    """Measure this machine's first GPU, put its efficiencies into ``preset``'s cluster, and
+    write the cluster file (and the raw measurements beside it)."""
+    cluster = load_cluster(preset)
+    r = measure_gpu()
+    device = gpu_device_from_measurements(cluster.device, r)
+    cluster = replace(cluster, device=device, name=f"{cluster.name}-calibrated")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    measurements_path(out_path).write_text(json.dumps({"preset": preset, "measurements": r}, indent=1))
+    out_path.write_text(f"# written by `meshfold calibrate --gpu {preset}` on "
+                        f"{time.strftime('%Y-%m-%d %H:%M')}\n" + cluster_to_toml(cluster))
+    return cluster
+
+
 # --------------------------------------------------------------------------- command
 
 
@@ -284,9 +368,19 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure compute and alpha/beta with gloo processes; write a cluster file")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--out", default=None, help="cluster TOML to write (default cluster-cpu-N.toml)")
+    p.add_argument("--gpu", default=None, metavar="PRESET",
+                   help="measure this machine's GPU instead (GEMM, HBM copy, fused attention) and write "
+                        "PRESET's cluster with the measured efficiencies (e.g. --gpu h100)")
 
 
 def run(args) -> int:
+    if args.gpu:
+        out = args.out or "cluster-gpu.toml"
+        d = calibrate_gpu(args.gpu, out).device
+        print(f"{d.name}: GEMM {100 * d.matmul_eff:.1f}% of {d.peak_tflops:g} TF, HBM {100 * d.hbm_eff:.1f}% of "
+              f"{d.hbm_GBps:g} GB/s, fused attention {100 * d.attention_eff:.1f}% / {100 * d.attention_bwd_eff:.1f}%")
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     out = args.out or f"cluster-cpu-{args.nproc}.toml"

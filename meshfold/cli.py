@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.calibration",
     "netlab": "meshfold.netlab_cli",
     "dry-run": "meshfold.dryrun",
+    "btm": "meshfold.btm",
 }
 
 
@@ -36,55 +37,117 @@ def _fail(message: str) -> int:
 # --------------------------------------------------------------------------- train
 
 
+LIVE_RESTARTS = 3  # train.live_recovery: restarts per replica group when --max-restarts is not given
+
+
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("config", help="TOML config, e.g. configs/debug.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key (repeatable)")
-    p.add_argument("--nproc", type=int, default=0, help="start N local processes (torchrun's launcher)")
+    p.add_argument("--nproc", type=int, default=None, help="start N local processes (torchrun's launcher)")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: restart all workers this many times after a failure")
+                   help="with --nproc: restart all workers this many times after a failure (with "
+                        f"train.live_recovery: each replica group's own, default {LIVE_RESTARTS})")
 
 
 def run_train(args) -> int:
     from meshfold.config import load_config, validate
-    from meshfold.launch import env_world_size, init_distributed, launch_local, shutdown_distributed, under_torchrun
+    from meshfold.launch import (EXIT_STOPPED, CheckpointError, RunDirError, Stopped, StopRequest, die_with_parent,
+                                 describe_os_error, env_world_size, init_distributed, launch_live, launch_local,
+                                 shutdown_distributed, under_torchrun)
+    from meshfold.train import live
 
     cfg = load_config(args.config, args.set)
-    if args.nproc and not under_torchrun():
+    replica = live.replica_env() if cfg.train.live_recovery else None
+    if replica is not None:  # one replica group of a live-recovery job: its inner layout
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        cfg = live.replica_config(cfg, replica[0], attempt)
+    if args.nproc is not None and not under_torchrun():
         if args.nproc < 1:
             return _fail(f"--nproc must be >= 1, got {args.nproc}")
+        if args.max_restarts < 0:
+            return _fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
         validate(cfg, args.nproc)  # one line now, before any process starts
+        argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
+        if cfg.train.live_recovery and replica is None:  # one agent per replica group
+            replicas = live.replica_count(cfg)
+            validate(live.replica_config(cfg, 0, 0), args.nproc // replicas)  # what each group runs
+            try:
+                return launch_live(args.nproc, argv, replicas, cfg.train.live_rejoin_wait_s,
+                                   args.max_restarts or LIVE_RESTARTS, Path(cfg.train.run_dir))
+            except RunDirError as err:  # a busy or unusable run directory: one line
+                return _fail(str(err))
         if args.nproc > 1 or args.max_restarts:
-            argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
             return launch_local(args.nproc, argv, args.max_restarts)
+    if cfg.train.live_recovery and replica is None and env_world_size() > 1:
+        return _fail("train.live_recovery needs its launcher: meshfold train --nproc N (one torchrun agent per "
+                     "replica group with MESHFOLD_LIVE_* set; docs/resilience.md), not a plain torchrun")
     world = env_world_size()
     validate(cfg, world)
-    init_distributed(cfg.train.collective_timeout_s)
+    die_with_parent()  # a worker of a launcher (--nproc, torchrun) never outlives it
     rank = int(os.environ.get("RANK", "0"))
+    stop = StopRequest(rank).install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, checkpoint, stop
     clean = False
     try:
+        init_distributed(cfg.train.collective_timeout_s)
         from meshfold.train.trainer import Trainer
 
         trainer = Trainer(cfg)
+        trainer.stop = stop
         trainer.fit()
         if rank == 0:
             print(f"meshfold: done: {trainer.step} steps, final loss {trainer.losses[-1]:.4f}; "
                   f"run directory {cfg.train.run_dir}" if trainer.losses else "meshfold: nothing to do")
         clean = True
         return 0
+    except Stopped as err:
+        clean = True  # every rank stopped after the same step
+        if err.failure is not None:
+            print(f"meshfold: rank {rank}: stopped by {err.signame} after step {err.step}, but {err.failure}",
+                  file=sys.stderr)
+            return 1
+        if rank == 0:
+            print(f"meshfold: stopped by {err.signame} after step {err.step}; checkpoint {err.saved}; run the same "
+                  f"command again to resume (exit code {EXIT_STOPPED})", file=sys.stderr)
+        return EXIT_STOPPED
     except ConfigError as err:
         if rank == 0:  # every rank hits the same configuration error: say it once
             print(f"meshfold: error: {err}", file=sys.stderr)
         return 2
+    except (RunDirError, CheckpointError) as err:  # one line: the path and the cause
+        if rank == 0 or "rank 0 refused" not in str(err):
+            print(f"meshfold: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"meshfold: rank {rank}: error: {describe_os_error(err)}", file=sys.stderr)
+        return 1
     except Exception as err:  # one line per failing rank; the traceback goes to a file
-        log = Path(cfg.train.run_dir) / f"error-rank{rank}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(traceback.format_exc())
-        print(f"meshfold: rank {rank}: {type(err).__name__}: {err} (traceback in {log})", file=sys.stderr)
+        log = _error_log(Path(cfg.train.run_dir), rank)
+        where = f"traceback in {log}" if log is not None else "no traceback file: the run directory is unwritable"
+        print(f"meshfold: rank {rank}: {type(err).__name__}: {err} ({where})", file=sys.stderr)
         return 1
     finally:
+        stop.uninstall()
         shutdown_distributed(clean)
+
+
+def _error_log(run_dir: Path, rank: int) -> Path | None:
+    """Write the traceback next to the run if the run directory takes it, else into the
+    temporary folder; the handler must not fail again where the run failed."""
+    import tempfile
+
+    text = traceback.format_exc()
+    for folder in (run_dir, Path(tempfile.gettempdir())):
+        if not folder.is_dir():
+            continue
+        log = folder / (f"error-rank{rank}.log" if folder == run_dir else f"meshfold-error-rank{rank}-{os.getpid()}.log")
+        try:
+            log.write_text(text)
+            return log
+        except OSError:
+            continue
+    return None
 
 
 # --------------------------------------------------------------------------- plot
@@ -123,9 +186,9 @@ def run_calibrate_cost(args) -> int:
 
     cfg = validate(load_config(args.config, args.set))
     device = resolve_device(cfg.train.device)
-    dtype, _ = resolve_dtypes(cfg.train.dtype, device)
+    dtype, autocast_dtype = resolve_dtypes(cfg.train.dtype, device)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()] or None
-    fit = cost_calibration.measure_cost(cfg.model, device, dtype, lengths, args.repeats)
+    fit = cost_calibration.measure_cost(cfg.model, device, dtype, lengths, args.repeats, autocast_dtype=autocast_dtype)
     if args.json:
         print(json.dumps({"a": fit.a, "b": fit.b, "c": fit.c, "lengths": fit.lengths, "counts": fit.counts,
                           "seconds": fit.seconds, "max_rel_error": fit.rel_error()}))

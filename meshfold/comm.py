@@ -36,6 +36,7 @@ send the size).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import sys
@@ -270,17 +271,38 @@ def _group_device_type(group) -> str:
     return "cuda" if "nccl" in str(backend).lower() else "cpu"
 
 
+# The CUDA dry-run's recorder (meshfold/gpucheck.py): told of every call with its tensors
+# and mesh dimension; None otherwise.
+_OBSERVER = None
+
+
+def set_observer(observer) -> None:
+    global _OBSERVER
+    _OBSERVER = observer
+
+
+def _observed(op: str, tensors, group, dim):
+    if _OBSERVER is None:
+        return contextlib.nullcontext()
+    return _OBSERVER.comm_call(op, tensors, group, dim)
+
+
 def check_tensors(tensors: Sequence[torch.Tensor], group, what: str) -> None:
     """Every tensor must live where the group's backend computes (NCCL: the GPU)."""
-    expected = _group_device_type(group)
+    _check_device(tensors, _group_device_type(group), str(dist.get_backend(group)), what)
+
+
+def _check_device(tensors: Sequence[torch.Tensor], expected: str, backend: str, what: str) -> None:
     for t in tensors:
         if t.device.type == "meta":
             raise CommError(f"{what}: a tensor on the meta device reached a collective; it was "
                             "created without device= (create it on the compute device)")
         if t.device.type != expected:
-            raise CommError(f"{what}: tensor on {t.device} handed to a {dist.get_backend(group)} "
+            raise CommError(f"{what}: tensor on {t.device} handed to a {backend} "
                             f"group, which needs {expected} tensors; create it on the compute device")
-        if is_host_marked(t):
+        if is_host_marked(t) and _OBSERVER is not None:  # the CUDA dry-run records it and goes on
+            _OBSERVER.host_in_collective(what, t)
+        elif is_host_marked(t):
             raise CommError(f"{what} called from {_caller()}: strict mode: a host tensor (created without "
                             f"device=, or derived only from such tensors) reached a collective; NCCL refuses "
                             f"it. Create it with device= the compute device or move it with .to(device)")
@@ -393,7 +415,7 @@ class _TimedWork:
 def all_reduce(t: torch.Tensor, group, dim: str, op: str = "sum", async_op: bool = False):
     check_tensors([t], group, "all_reduce")
     ledger().record(dim, "all_reduce", _nbytes(t), _size(group))
-    with _TIMER.call("all_reduce", group, async_op):
+    with _TIMER.call("all_reduce", group, async_op), _observed("all_reduce", [t], group, dim):
         return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
 
 
@@ -401,7 +423,7 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, 
     """Concatenate every rank's ``t`` along dim 0 into ``out``."""
     check_tensors([out, t], group, "all_gather")
     ledger().record(dim, "all_gather", _nbytes(out), _size(group))
-    with _TIMER.call("all_gather_into_tensor", group, async_op):
+    with _TIMER.call("all_gather_into_tensor", group, async_op), _observed("all_gather", [t, out], group, dim):
         return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
 
 
@@ -409,7 +431,7 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, o
                           async_op: bool = False):
     check_tensors([out, t], group, "reduce_scatter")
     ledger().record(dim, "reduce_scatter", _nbytes(t), _size(group))
-    with _TIMER.call("reduce_scatter_tensor", group, async_op):
+    with _TIMER.call("reduce_scatter_tensor", group, async_op), _observed("reduce_scatter", [t, out], group, dim):
         return dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=group, async_op=async_op)
 
 
@@ -424,7 +446,7 @@ def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group, dim: str,
     else:
         row = _nbytes(t) // max(t.shape[0], 1) if t.dim() else t.element_size()
         ledger().add_sent(dim, (sum(in_splits) - in_splits[dist.get_rank(group)]) * row)
-    with _TIMER.call("all_to_all_single", group, async_op):
+    with _TIMER.call("all_to_all_single", group, async_op), _observed("all_to_all", [t, out], group, dim):
         return dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                       group=group, async_op=async_op)
 
@@ -433,7 +455,7 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, async_op: b
     check_tensors([t], group, "broadcast")
     ledger().record(dim, "broadcast", _nbytes(t), _size(group))
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
-    with _TIMER.call("broadcast", group, async_op):
+    with _TIMER.call("broadcast", group, async_op), _observed("broadcast", [t], group, dim):
         return dist.broadcast(t, src=src, group=group, async_op=async_op)
 
 
@@ -496,7 +518,8 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
         ops.append(dist.P2POp(dist.distributed_c10d.isend, t, dist.get_global_rank(group, peer), group))
     for t, peer in recvs:
         ops.append(dist.P2POp(dist.distributed_c10d.irecv, t, dist.get_global_rank(group, peer), group))
-    with _TIMER.call("exchange", group, async_op=True, collective=False):
+    with _TIMER.call("exchange", group, async_op=True, collective=False), \
+            _observed("exchange", [t for t, _ in sends] + [t for t, _ in recvs], group, dim):
         works = dist.batch_isend_irecv(ops)
     return [_TimedWork(w, "exchange", group) for w in works]
 
@@ -504,3 +527,49 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[to
 def wait_all(works: Sequence) -> None:
     for w in works:
         w.wait()
+
+
+# ---------------------------------------------------------------------------- standalone groups
+# Live recovery (train/live.py) links rank j of every replica group in a group of its own,
+# outside the default world (each replica group is a world of its own, restarted alone),
+# rebuilt from a shared store whenever the quorum changes. Same rules: device tensors,
+# counted bytes, timed calls.
+
+
+class StandaloneGroup:
+    """A process group over ``size`` ranks met through ``store`` (NCCL for cuda, gloo for cpu)."""
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float, device_type: str):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.size, self.device_type = rank, size, device_type
+        if device_type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.backend = "nccl" if device_type == "cuda" else "gloo"
+
+    def abort(self) -> None:
+        """After a member died: NCCL must be aborted (its kernels would wait forever); gloo's
+        pairs are closed with the object."""
+        if self.backend == "nccl" and hasattr(self.pg, "abort"):
+            self.pg.abort()
+
+
+def group_all_reduce(t: torch.Tensor, group: StandaloneGroup, dim: str | None, op: str = "sum") -> None:
+    _check_device([t], group.device_type, group.backend, "all_reduce")
+    ledger().record(dim, "all_reduce", _nbytes(t), group.size)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _OPS[op]
+    with _TIMER.call("all_reduce(standalone)", None, async_op=False):
+        group.pg.allreduce([t], opts).wait()
+
+
+def group_broadcast(t: torch.Tensor, src: int, group: StandaloneGroup, dim: str | None) -> None:
+    _check_device([t], group.device_type, group.backend, "broadcast")
+    ledger().record(dim, "broadcast", _nbytes(t), group.size)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    with _TIMER.call("broadcast(standalone)", None, async_op=False):
+        group.pg.broadcast([t], opts).wait()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -69,7 +70,8 @@ class TrainConfig:
     compile: bool = False
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
     offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
-    reduce_dtype: str = "float32"  # gradient reduction dtype under bf16 FSDP: float32 | bfloat16
+    reduce_dtype: str = "float32"  # gradient reduction dtype under bf16: float32 | bfloat16
+    peak_tflops: float = 0.0  # one device's dense peak for MFU; 0 = the table by device name (train/metrics.py)
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
@@ -84,6 +86,8 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     eval_every: int = 0
     eval_batches: int = 4
+    live_recovery: bool = False  # replica groups drop out and rejoin without stopping the job (docs/resilience.md)
+    live_rejoin_wait_s: float = 0.0  # at a step boundary, wait this long for a replica being restarted
 
 
 SECTIONS: dict[str, type] = {
@@ -234,9 +238,37 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     parallel_config.validate(cfg)
     data_config.validate(cfg)
     validate_train(cfg.train)
+    validate_live(cfg)
     if world_size is not None:
         validate_world(cfg, world_size)
     return cfg
+
+
+def validate_live(cfg: Config) -> None:
+    """``train.live_recovery``: replica groups as failure domains (train/live.py). A replica
+    group's own processes run its inner layout (``dp_replicate = 1``, ``lowcomm.workers = 1``):
+    ``replica_config`` marks that config with ``live_replica``."""
+    t, p = cfg.train, cfg.parallel
+    if not t.live_recovery or getattr(cfg, "live_replica", False):  # train/live.py::replica_config
+        return
+    lc = cfg.lowcomm
+    if lc.workers > 1:  # the DiLoCo workers are the failure domains
+        if lc.method != "diloco" or lc.compression != "none" or p.dp_replicate > 1:
+            raise ConfigError('train.live_recovery over lowcomm.workers is built for lowcomm.method = "diloco" '
+                              'with lowcomm.compression = "none" and parallel.dp_replicate = 1')
+    elif p.dp_replicate < 2:
+        raise ConfigError("train.live_recovery needs replica groups that fail independently: set "
+                          "parallel.dp_replicate >= 2 (or lowcomm.workers >= 2 with DiLoCo)")
+    elif lc.method != "none" or lc.compression != "none":
+        raise ConfigError('train.live_recovery over parallel.dp_replicate with [lowcomm] is not built: set '
+                          'lowcomm.method = "none" and lowcomm.compression = "none"')
+    if cfg.data.balance != "none":
+        raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
+    if lc.workers <= 1 and t.global_batch % p.dp_replicate:
+        raise ConfigError(f"train.global_batch = {t.global_batch} must split into parallel.dp_replicate = "
+                          f"{p.dp_replicate} equal slices (one per replica group)")
+    if t.live_rejoin_wait_s < 0:
+        raise ConfigError(f"train.live_rejoin_wait_s = {t.live_rejoin_wait_s} must be >= 0")
 
 
 def validate_choices(cfg: Config) -> None:
@@ -253,8 +285,22 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.init_from = {t.init_from!r} does not exist; give an existing path")
     if t.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {t.steps}")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"train.peak_tflops must be >= 0 (0 = look the device up), got {t.peak_tflops}")
     if t.global_batch < 1:
         raise ConfigError(f"train.global_batch must be >= 1, got {t.global_batch}")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ConfigError(f"train.lr must be a finite number > 0, got {t.lr}")
+    if not math.isfinite(t.grad_clip) or t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip must be a finite number >= 0 (0 = off), got {t.grad_clip}")
+    for key in ("checkpoint_every", "keep_checkpoints", "log_every", "eval_every", "nan_guard_rollback"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.log_every < 1:
+        raise ConfigError(f"train.log_every must be >= 1, got {t.log_every}")
+    if t.init_from and Path(t.init_from).expanduser().resolve() == (Path(t.run_dir).expanduser().resolve()):
+        raise ConfigError(f"train.init_from = {t.init_from!r} is train.run_dir itself; give a checkpoint folder "
+                          f"(e.g. {t.init_from}/checkpoints/step-N)")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

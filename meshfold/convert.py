@@ -23,6 +23,7 @@ from meshfold.models.hf import (ARCHITECTURES, FAMILIES, from_hf, hf_config_from
 from meshfold.models.llama import Transformer, rope_tables
 from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
                                              validate_checkpoint, write_manifest)
+from meshfold.train.run_dir import describe_os_error
 
 
 # --------------------------------------------------------------------------- meshfold side
@@ -73,11 +74,21 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     and the source's tokenizer files and config.json (``source_dir``), published atomically
     like training checkpoints.
     Returns the tokenizer files copied."""
-    import torch.distributed.checkpoint as dcp
-
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_checkpoint_files(state, m, out, tmp, source, source_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed import leaves nothing behind
+        raise
+    return [n for n in TOKENIZER_FILES if (out / n).is_file()]
+
+
+def _write_checkpoint_files(state, m: ModelConfig, out: Path, tmp: Path, source: str,
+                            source_dir: Path | None) -> None:
+    import torch.distributed.checkpoint as dcp
+
     dcp.save({"model": state}, storage_writer=SafeWriter(str(tmp)), no_dist=True)  # + dcp_metadata.json
     copied = copy_tokenizer(source_dir, tmp) if source_dir is not None else []
     if source_dir is not None and (source_dir / "config.json").is_file():
@@ -92,28 +103,104 @@ def write_checkpoint_model(state: dict[str, torch.Tensor], m: ModelConfig, out: 
     write_manifest(tmp, {"step": 0, "world_size": 1, "model": dataclasses.asdict(m), "parallel": {},
                          "extras": [], "source": source})
     publish(tmp, out)
-    return copied
+
+
+def _check_readable(hf_dir: Path) -> None:
+    """Every safetensors file's header (and the shard index) parses: a corrupt file is one
+    line naming it, not a traceback from deep inside the reader."""
+    from safetensors import safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"convert: {index} is not a valid shard index ({type(err).__name__}: {err})") from None
+    else:
+        files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    for name in files:
+        path = hf_dir / name
+        if not path.is_file():
+            raise ConfigError(f"convert: {path} is listed in {index.name} but missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # noqa: BLE001 - the reader raises several types for a damaged file
+            raise ConfigError(f"convert: {path} is not a readable safetensors file "
+                              f"({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})") from None
 
 
 def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """meshfold-named tensors and model shape of a Hugging Face folder, checked against the
-    names the shape implies."""
+    names and shapes the config implies (every tensor)."""
     config_path = hf_dir / "config.json"
     if not config_path.exists():
         raise ConfigError(f"convert: {config_path} does not exist (give a Hugging Face model folder)")
-    m = model_config_from_hf(json.loads(config_path.read_text()))
-    state = from_hf(read_safetensors(hf_dir), m)
-    expected = _expected_names(m)
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"convert: {config_path} is not valid JSON ({err})") from None
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"convert: {config_path} holds a JSON {type(hf_config).__name__}, not an object")
+    m = model_config_from_hf(hf_config)
+    _check_readable(hf_dir)
+    try:
+        state = from_hf(read_safetensors(hf_dir), m)
+    except (RuntimeError, ValueError, KeyError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"convert import: the weights in {hf_dir} do not fit {config_path} "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:160]})") from None
+    expected = _expected_shapes(m)
+    if set(state) != set(expected):
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         raise ConfigError(f"convert import: tensors do not match the config: missing {missing[:5]}, extra {extra[:5]}")
+    wrong = [f"{k} {tuple(v.shape)} (config.json implies {expected[k]})" for k, v in sorted(state.items())
+             if tuple(v.shape) != expected[k]]
+    if wrong:
+        raise ConfigError(f"convert import: {len(wrong)} tensor(s) do not have the shapes {config_path} implies: "
+                          f"{'; '.join(wrong[:3])}; the config and the weights are from different models")
     return state, m
 
 
-def import_hf(hf_dir: Path, out: Path, untie: bool = False) -> ModelConfig:
+# --------------------------------------------------------------------------- never destroy
+
+WRITTEN_BY = ".meshfold-export"  # marks a Hugging Face folder meshfold wrote (so --overwrite may replace it)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _meshfold_wrote(out: Path) -> bool:
+    return (out / WRITTEN_BY).is_file() or (out / "meshfold.json").is_file()
+
+
+def check_output(out: Path, inputs: list[Path], overwrite: bool, command: str) -> None:
+    """Refuse an output that is (or is inside) an input, or a non-empty folder unless it is
+    one meshfold wrote and ``overwrite`` is given. Nothing is written before this passes."""
+    for src in inputs:
+        if src.exists() and (_inside(out, src) or _inside(src, out)):
+            raise ConfigError(f"convert {command}: the output {out} is (or holds, or is inside) the input {src}; "
+                              f"write to a new folder (nothing was changed)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"convert {command}: the output {out} is a file; give a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"convert {command}: the output folder {out} is not empty; give a new folder"
+                              + (" (or --overwrite: meshfold wrote it)" if _meshfold_wrote(out) else "")
+                              + " (nothing was changed)")
+        if not _meshfold_wrote(out):
+            raise ConfigError(f"convert {command}: --overwrite replaces only a folder meshfold wrote, and {out} is "
+                              f"not one; give a new folder (nothing was changed)")
+
+
+def import_hf(hf_dir: Path, out: Path, untie: bool = False, overwrite: bool = False) -> ModelConfig:
     """``untie``: give a tied model its own output projection (a copy of the embedding, so
     the logits are unchanged), which pipeline parallel needs; the two then train apart."""
     hf_dir, out = Path(hf_dir), Path(out)
+    check_output(out, [hf_dir], overwrite, "import")
     state, m = read_hf(hf_dir)
     if untie and m.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"].clone()
@@ -141,23 +228,47 @@ def _origins(ckpt: Path) -> tuple[list[Path], Path | None]:
 
 
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
-              arch: str | None = None, tokenizer: Path | None = None) -> tuple[ModelConfig, str, list[str]]:
+              arch: str | None = None, tokenizer: Path | None = None,
+              overwrite: bool = False) -> tuple[ModelConfig, str, list[str]]:
     """Returns the model shape, the family written and the tokenizer files copied. The
     source model's bos/eos/pad token ids (from an import, directly or through the run's
-    ``train.init_from``) are written into ``config.json``."""
-    ckpt = Path(ckpt)
+    ``train.init_from``) are written into ``config.json``. Written into a temporary sibling
+    folder and renamed into place: a failed export leaves nothing behind."""
+    ckpt, out = Path(ckpt), Path(out)
     if tokenizer is not None and not tokenizer.exists():
         raise ConfigError(f"convert export: --tokenizer {tokenizer} does not exist")
+    folders, found_tokenizer = _origins(ckpt)
+    sources = [ckpt, *folders] + ([tokenizer] if tokenizer is not None else []) + \
+        ([found_tokenizer] if found_tokenizer is not None else [])
+    try:  # an import remembers the Hugging Face folder it came from: never written into either
+        origin = json.loads((ckpt / "meshfold.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        origin = None
+    if isinstance(origin, str) and origin:
+        sources.append(Path(origin))
+    check_output(out, sources, overwrite, "export")
     state, m = read_checkpoint_model(ckpt)
     family = hf_family(m, arch)  # refuse before writing anything
-    folders, found_tokenizer = _origins(ckpt)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     hf_state = to_hf(state, m)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    final, out = out, out.parent / f".tmp-{out.name}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        _write_export(hf_state, m, next(iter(state.values())).dtype, family, folders, out, max_shard_bytes)
+        source = tokenizer if tokenizer is not None else found_tokenizer
+        copied = copy_tokenizer(source, out) if source is not None else []
+        (out / WRITTEN_BY).write_text(f"written by meshfold convert export from {ckpt}\n")
+        publish(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return m, family, copied
+
+
+def _write_export(hf_state, m, dt, family, folders, out: Path, max_shard_bytes: int) -> None:
     write_safetensors(hf_state, out, max_shard_bytes)
-    dt = next(iter(state.values())).dtype
     config = hf_config_from_model(m, dt, family)
     for folder in folders:
         if (folder / SOURCE_CONFIG).is_file():
@@ -165,15 +276,12 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
             config.update({k: source[k] for k in TOKEN_IDS if source.get(k) is not None})
             break
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    source = tokenizer if tokenizer is not None else found_tokenizer
-    copied = copy_tokenizer(source, out) if source is not None else []
-    return m, family, copied
 
 
-def _expected_names(m: ModelConfig) -> set[str]:
+def _expected_shapes(m: ModelConfig) -> dict[str, tuple]:
 
-    with torch.device("meta"):
-        return {name for name, _ in Transformer(m).named_parameters()}
+    with torch.device("meta"):  # parameters and persistent buffers (MoE balancing biases)
+        return {name: tuple(t.shape) for name, t in Transformer(m).state_dict().items()}
 
 
 def load_model(ckpt: Path, dtype: torch.dtype | None = None):
@@ -224,17 +332,20 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3) <-> meshfold checkpoints")
+    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3, Mixtral, Qwen3-MoE, "
+                                        "DeepSeek-V2/V3) <-> meshfold checkpoints")
     direction = p.add_subparsers(dest="direction", required=True)
     imp = direction.add_parser("import",
                                help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
     imp.add_argument("hf_dir")
     imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
+    imp.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint meshfold wrote")
     imp.add_argument("--untie", action="store_true",
                      help="tied embeddings: give the output projection its own copy (for parallel.pp > 1)")
     exp = direction.add_parser("export", help="meshfold checkpoint (e.g. RUN_DIR/checkpoints/step-N) -> HF folder")
     exp.add_argument("checkpoint")
     exp.add_argument("out")
+    exp.add_argument("--overwrite", action="store_true", help="replace OUT if it is a folder meshfold exported")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     exp.add_argument("--arch", choices=FAMILIES, default=None,
@@ -255,7 +366,7 @@ def run(args) -> int:
 
     try:
         if args.direction == "import":
-            m = import_hf(Path(args.hf_dir), Path(args.out), args.untie)
+            m = import_hf(Path(args.hf_dir), Path(args.out), args.untie, args.overwrite)
             tok = Path(args.out) / "tokenizer.json"
             print(f"meshfold: imported {args.hf_dir} ({m.n_layers} layers, dim {m.dim}) into {args.out}; "
                   f"train from it with train.init_from = {args.out!r} and its [model] (see {args.out}/config.toml)"
@@ -263,7 +374,7 @@ def run(args) -> int:
         elif args.direction == "export":
             m, family, copied = export_hf(Path(args.checkpoint), Path(args.out), DTYPES.get(args.dtype),
                                           int(args.max_shard_gb * 2**30), args.arch,
-                                          Path(args.tokenizer) if args.tokenizer else None)
+                                          Path(args.tokenizer) if args.tokenizer else None, args.overwrite)
             print(f"meshfold: exported {args.checkpoint} to {args.out} ({ARCHITECTURES[family]}, {m.n_layers} "
                   f"layers" + (f", tokenizer: {', '.join(copied)})" if copied else ", no tokenizer found)"))
         else:
@@ -279,4 +390,7 @@ def run(args) -> int:
     except CheckpointError as err:
         print(f"meshfold: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a read-only folder: one line naming the path
+        print(f"meshfold: error: convert {args.direction}: {describe_os_error(err)}", file=sys.stderr)
+        return 1
     return 0

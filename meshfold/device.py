@@ -19,10 +19,17 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def resolved_dtype_name(choice: str, device_type: str) -> str:
+    """``train.dtype`` with ``auto`` resolved: bfloat16 on CUDA, float32 elsewhere. The one
+    place ``auto`` is decided (the trainer's dtypes and FSDP2's mixed precision use it)."""
+    if choice == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    return choice
+
+
 def resolve_dtypes(choice: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
     """(parameter dtype, autocast dtype or None). bf16 keeps fp32 master weights."""
-    if choice == "auto":
-        choice = "bfloat16" if device.type == "cuda" else "float32"
+    choice = resolved_dtype_name(choice, device.type)
     if choice == "bfloat16":
         return torch.float32, torch.bfloat16
     return DTYPES[choice], None

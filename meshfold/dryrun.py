@@ -45,14 +45,15 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
-import pickle
 import queue
 import sys
 import time
 import traceback
 import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
@@ -62,14 +63,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from meshfold import comm
+from meshfold import comm, gpucheck
 from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
 from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
 from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
-from meshfold.models.moe import moe_layers
+from meshfold.models.moe import moe_end_step, moe_layers
+from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
@@ -89,16 +91,19 @@ class DryTrainer(Trainer):
     """The parts of a ``Trainer`` that build and step the model; no data, checkpoints,
     metrics or fault handling (those do not change what a rank holds or sends)."""
 
-    def __init__(self, cfg: Config):
+    gpu = None  # --device cuda: the step's recorder (meshfold/gpucheck.py)
+
+    def __init__(self, cfg: Config, device: str = "cpu"):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.cfg = cfg = validate(cfg, self.world)
         t = cfg.train
-        self.device = torch.device("cpu")
+        self.device = torch.device("cpu")  # --device cuda: see meshfold/gpucheck.py for where tensors live
         self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
         workers = cfg.lowcomm.n_workers
         with unset_fake_temporarily():  # the mesh holds real rank tables
             self.dims = build_mesh(cfg.parallel, workers, "cpu")
-        self.balancer, self.use_doc_mask = None, False
+        # --device cuda runs the trainer's data settings (packed rows carry doc_ids)
+        self.balancer, self.use_doc_mask = None, device == "cuda" and cfg.data.pack and cfg.data.doc_mask
         self.ledger = ledger()
         self.step_metrics, self.progress, self.capture_grads = {}, Progress(), False
         self.grad_reducers = self.dims.size("dp_cp")
@@ -109,8 +114,10 @@ class DryTrainer(Trainer):
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)
+        if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
+            use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
         self.optimizer = build_optimizer(
-            self.model, t, self.dims, "cpu",
+            self.model, t, self.dims, device,  # cuda: the fused AdamW a GPU rank runs
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
             sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
         if self.pipeline is not None:  # timings need real values (no step number: no timeline)
@@ -162,7 +169,10 @@ class DryTrainer(Trainer):
         local = self.cfg.train.global_batch // p.dp
         tokens = torch.randint(0, m.vocab_size, (local, m.seq_len + 1))
         batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
-        return shard_for_context_parallel(batch, self.cfg, self.dims)
+        if self.use_doc_mask:
+            batch["doc_ids"] = torch.zeros_like(batch["inputs"])
+        batch = shard_for_context_parallel(batch, self.cfg, self.dims)
+        return {k: v.to(self.device) for k, v in batch.items()}  # as the trainer's prefetcher moves it
 
     def _step(self, micro: list[dict]) -> tuple[dict, float]:
         """One optimizer step over ``micro``: (collectives, activation bytes)."""
@@ -178,6 +188,15 @@ class DryTrainer(Trainer):
             activations = self.engine.pop_metrics().get("activation_bytes", 0)
         self._context_work_gather()
         self.all_reduce_sum(loss_sum)
+        if self.gpu is not None:  # the trainer's step end: clip, norm and loss reads, MoE metrics
+            norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
+            math.isfinite(float(norm))
+            self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
+            self.optimizer.step()
+            moe_end_step(self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+            float(loss_sum / tokens.double())
+            return self.ledger.pop_step_collectives(), activations
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
         self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
@@ -208,16 +227,23 @@ class DryTrainer(Trainer):
         self.n_micro = m = len(micro)
         p = self.cfg.parallel
         unit = p.pp if p.pp > 1 and p.pp_schedule == "interleaved" else 1
+        gpu = self.gpu
+        self._step = gpu.stepping(self._step) if gpu else self._step
         if m <= 2 * unit:
             coll, activations = self._step(micro)
+            g = gpu.pop_step() if gpu else None
         else:
             c1, activations = self._step(micro[:unit])
+            g1 = gpu.pop_step() if gpu else None
             c2, _ = self._step(self.micro_batches(self.fake_batch())[:2 * unit])  # fresh tensors: no cache hits
+            g2 = gpu.pop_step() if gpu else None
             k = (m - unit) / unit
             coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0)
                                                                     - c1.get(d, {}).get(f, 0))))
                         for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
-        return {"param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
+            g = {f: gpucheck.extrapolate(g1[f], g2[f], k) for f in g1} if gpu else None
+        extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
+        return {**extra, "param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
                 "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
 
@@ -319,14 +345,19 @@ def _ddp_without_shape_check():
         ddp_module._verify_param_shape_across_processes = original
 
 
-def simulate_rank(cfg: Config, world: int, rank: int) -> dict:
+def simulate_rank(cfg: Config, world: int, rank: int, device: str = "cpu") -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         reset_ledger()
+        cuda = device == "cuda"  # every op recorded as a CUDA run would do it (meshfold/gpucheck.py)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors(), \
-                _ddp_without_shape_check():
+                _ddp_without_shape_check(), gpucheck.recording() if cuda else contextlib.nullcontext() as gpu:
             warnings.simplefilter("ignore")
-            return DryTrainer(dataclasses.replace(cfg)).dry_step()
+            trainer = DryTrainer(dataclasses.replace(cfg), device)
+            if gpu is not None:
+                gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts))
+            trainer.gpu = gpu
+            return trainer.dry_step()
     finally:
         dist.destroy_process_group()
 
@@ -381,8 +412,8 @@ def _child(out, i: int, fn, args) -> None:
         # anything else as one line (its objects may hold fake tensors that cannot travel)
         answer = (i, False, ConfigError(str(e)) if isinstance(e, ConfigError) else
                   DryRunError(f"dry-run: the process simulating {args[1:]} failed: {_one_line(e)}"))
-    try:  # the queue pickles in a feeder thread, where a failure would be lost (the child then
-        pickle.dumps(answer)  # exits 0 without an answer): find out here
+    try:  # the queue serializes in a feeder thread, where a failure would be lost (the child then
+        ForkingPickler.dumps(answer)  # exits 0 without an answer): find out here, with its pickler
     except Exception as e:
         answer = (i, False, DryRunError(f"dry-run: the process simulating {args[1:]} could not send its "
                                         f"answer: {_one_line(e)}"))
@@ -429,11 +460,13 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int, raise_first: bool
     return results
 
 
-def dry_run(cfg: Config, world: int, cluster: str = "h100") -> dict:
-    return dry_run_many([(cfg, world)], cluster)[0]
+def dry_run(cfg: Config, world: int, cluster: str = "h100", device: str = "cpu") -> dict:
+    """``device = "cuda"``: the ranks run on fake CUDA tensors and the report adds ``gpu``
+    (host syncs, attention kernels, wire dtypes, errors: meshfold/gpucheck.py)."""
+    return dry_run_many([(cfg, world)], cluster, device)[0]
 
 
-def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100") -> list:
+def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device: str = "cpu") -> list:
     """``dry_run`` of each (config, world), their simulated ranks sharing one pool of fresh
     processes (as many at a time as this machine has cores). A case that validation
     refuses, or whose simulation fails, is its exception in the list (``dry_run``: raised)."""
@@ -447,7 +480,7 @@ def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100") -> list
             ready.append(e)
             continue
         ready.append((cfg, world, ranks, len(calls)))
-        calls += [(cfg, world, r) for r in ranks]
+        calls += [(cfg, world, r, device) for r in ranks]
     results = _in_fresh_processes(simulate_rank, calls, max(1, min(len(calls), os.cpu_count() or 1)),
                                   raise_first=len(cases) == 1)
     out = []
@@ -460,17 +493,20 @@ def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100") -> list
         cfg, world, ranks, first = case
         mine = results[first:first + len(ranks)]
         failed = next((r for r in mine if isinstance(r, Exception)), None)
-        out.append(failed if failed is not None else _report(cfg, world, cluster, dict(zip(ranks, mine)), start))
+        out.append(failed if failed is not None else
+                   _report(cfg, world, cluster, dict(zip(ranks, mine)), start, device))
     return out
 
 
-def _report(cfg: Config, world: int, cluster: str, per_rank: dict, start: float) -> dict:
+def _report(cfg: Config, world: int, cluster: str, per_rank: dict, start: float, device: str) -> dict:
+    gpu = {"gpu": gpucheck.summary({r: v["gpu"] for r, v in per_rank.items()})} if device == "cuda" else {}
     runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
     runtime["collectives"] = per_rank[0]["collectives"]
     runtime["ranks"] = {str(r): v for r, v in per_rank.items()}
     layout = dataclasses.asdict(layout_from_config(cfg, world))
     return {"world": world, "layout": layout, "runtime": runtime,
-            "planner": planner_prediction(cfg, world, cluster), "seconds": round(time.perf_counter() - start, 2)}
+            "planner": planner_prediction(cfg, world, cluster), **gpu,
+            "seconds": round(time.perf_counter() - start, 2)}
 
 
 # --------------------------------------------------------------------------- cli
@@ -483,6 +519,9 @@ def add_parser(sub) -> None:
     p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs) to simulate")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--cluster", default="h100", help="planner cluster preset or TOML (default h100)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: fake CUDA tensors; adds host syncs, attention kernels, wire dtypes and errors "
+                        "(docs/gpu.md); exit 1 when there are errors")
     p.add_argument("--json", action="store_true")
 
 
@@ -494,15 +533,17 @@ def run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ConfigError(f"--world must be >= 1, got {args.world}")
     cfg = load_config(args.config, args.set)
-    cfg.data.balance = "none"  # data placement does not change memory or collectives
+    if args.device == "cpu":
+        cfg.data.balance = "none"  # data placement does not change memory or collectives
     try:
-        out = dry_run(cfg, args.world, args.cluster)
+        out = dry_run(cfg, args.world, args.cluster, args.device)
     except DryRunError as e:
         print(f"meshfold: error: {e}", file=sys.stderr)
         return 1
+    failed = int(bool(out.get("gpu", {}).get("errors")))
     if args.json:
         print(json.dumps(out))
-        return 0
+        return failed
     rt, pl = out["runtime"], out["planner"]
     print(f"dry-run: {args.world} ranks, layout {out['layout']}; simulated ranks {list(rt['ranks'])} "
           f"in {out['seconds']} s")
@@ -515,4 +556,12 @@ def run(args: argparse.Namespace) -> int:
         r, p = rt["collectives"].get(d, {}), pl["collectives"].get(d, {})
         print(f"{d:24s} {r.get('count', '-')!s:>14s} {_gib(r.get('bytes')):>12s} {p.get('count', '-')!s:>14s} "
               f"{_gib(p.get('bytes')):>12s}")
-    return 0
+    if "gpu" in out:
+        g = out["gpu"]
+        print(f"gpu: {g['host_syncs_per_step']} host syncs per step (rank 0); attention {g['attention']}; "
+              f"wire dtypes {g['wire_dtypes']}")
+        for s in g["host_syncs"]:
+            print(f"  sync x{s['count']:<4d} {s['where']}")
+        for e in g["errors"]:
+            print(f"  error: {e}")
+    return failed

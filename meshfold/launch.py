@@ -1,18 +1,39 @@
 """Starting processes: ``--nproc N`` runs N local workers through torchrun's elastic
-launcher; under ``torchrun`` (or Slurm + torchrun) the usual environment is read instead."""
+launcher; under ``torchrun`` (or Slurm + torchrun) the usual environment is read instead.
+
+Signals (docs/checkpoints.md, "What is safe"): the launcher passes SIGTERM, SIGINT and
+SIGUSR1 on to its workers once (torchrun's agent does it; SIGUSR1 is added to the signals it
+handles), gives them ``STOP_GRACE_S`` to finish the step and write a checkpoint, and exits
+``EXIT_STOPPED``. A worker dies with its launcher (``die_with_parent``), so a launcher killed
+with SIGKILL never leaves workers training on in the run directory."""
 
 from __future__ import annotations
 
 import datetime
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshfold import comm
+from meshfold.train import live
+from meshfold.train.checkpoint_files import CheckpointError
+from meshfold.train.run_dir import RunDirError, RunLock, describe_os_error, prepare_run_dir
+from meshfold.train.quorum import QuorumClient, QuorumServer
+from meshfold.train.stop import EXIT_STOPPED, Stopped, StopRequest
+
+__all__ = ["EXIT_STOPPED", "CheckpointError", "RunDirError", "Stopped", "StopRequest", "describe_os_error",
+           "die_with_parent", "env_world_size", "init_distributed", "launch_live", "launch_local", "shutdown_distributed",
+           "under_torchrun"]
+
+STOP_GRACE_S = 300  # seconds the workers get to finish the step and checkpoint after a signal
+PR_SET_PDEATHSIG = 1
 
 
 def under_torchrun() -> bool:
@@ -23,6 +44,24 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def die_with_parent() -> None:
+    """Under a launcher (torchrun, ``--nproc``): have the kernel SIGKILL this worker when its
+    launcher dies, however it dies (Linux ``PR_SET_PDEATHSIG``); if the launcher is already
+    gone, exit now."""
+    if not under_torchrun() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:  # re-parented before the call took effect
+        os._exit(1)
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     if dist.is_initialized() or env_world_size() == 1:
         return
@@ -30,9 +69,14 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         comm.install_strict_p2p_guard()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {}
+    if backend == "nccl":  # bound to this rank's GPU: NCCL's communicator starts eagerly, not at the first collective
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
         return
     # After an elastic restart the agent's store still holds the dead workers' gloo
     # addresses under the same keys; a per-attempt prefix keeps the new ones apart.
@@ -40,7 +84,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
 
     store, rank, world = next(rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore(f"meshfold/attempt-{restart}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
 
 
 def shutdown_distributed(clean: bool = True) -> None:
@@ -55,25 +99,93 @@ def shutdown_distributed(clean: bool = True) -> None:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code."""
+    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code.
+    As one replica group of a live-recovery job (``MESHFOLD_LIVE_REPLICA`` set), this agent
+    tells the quorum server it is alive, so the group is waited for while it restarts."""
+    env = live.replica_env()
+    agent = QuorumClient(os.environ[live.ENV_QUORUM], env[0], agent=True) if env is not None else None
+    try:
+        return _launch_local(nproc, argv, max_restarts)
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int,
+                run_dir: Path) -> int:
+    """``train.live_recovery``: one elastic agent per replica group (each a world of its own,
+    restarted alone: a failed worker restarts its group, not the job), the quorum server and
+    the store the cross-replica groups meet through, here in the launcher. The launcher holds
+    the run directory's lock for the whole job: the replica groups share that directory."""
+    lock = RunLock(prepare_run_dir(run_dir))
+    lock.acquire()
+    try:
+        return _launch_live(nproc, argv, replicas, rejoin_wait_s, max_restarts)
+    finally:
+        lock.release()
+
+
+def _launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int) -> int:
+    server = QuorumServer(replicas, rejoin_wait_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    per = nproc // replicas
+    env = {live.ENV_REPLICAS: str(replicas), live.ENV_QUORUM: server.address, live.ENV_STORE: f"127.0.0.1:{store.port}"}
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Forked, not spawned: the agents need nothing but this process's imports.
+    ctx = multiprocessing.get_context("fork")
+    agents = [ctx.Process(target=_replica_agent, args=(dict(env, **{live.ENV_REPLICA: str(r)}), per, argv, max_restarts),
+                          name=f"meshfold-replica-{r}") for r in range(replicas)]
+    for a in agents:
+        a.start()
+    for a in agents:
+        a.join()
+    codes = [a.exitcode for a in agents]
+    server.close()
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if failed:
+        print(f"meshfold: replica group(s) {failed} of {replicas} failed for good (exit codes "
+              f"{[codes[r] for r in failed]}) after --max-restarts {max_restarts}", file=sys.stderr)
+        return 2 if all(c == 2 for c in codes) else 1
+    return 0
+
+
+def _replica_agent(env: dict, nproc: int, argv: list[str], max_restarts: int) -> None:
+    """One replica group's elastic agent (a forked child of ``launch_live``): it restarts its
+    own workers, up to ``max_restarts`` times, and never the other groups'."""
+    os.environ.update(env)
+    sys.exit(launch_local(nproc, argv, max_restarts))
+
+
+def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):  # torch sets the children's levels itself
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # One thread per worker unless the user says otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"meshfold-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-        monitor_interval=0.5,
+        monitor_interval=0.5, shutdown_timeout=STOP_GRACE_S,
+        signals_to_handle="SIGTERM,SIGINT,SIGUSR1,SIGHUP,SIGQUIT",
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "meshfold", *argv)
+    except SignalException as err:
+        # The agent passed the signal on and waited for the workers (rank 0 said whether
+        # the checkpoint was written); a second signal lands here at once.
+        print(f"meshfold: launcher: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
+        return EXIT_STOPPED
     except ChildFailedError as err:
         ranks = sorted(err.failures)
         first = err.failures[ranks[0]]
         if all(f.exitcode == 2 for f in err.failures.values()):
             return 2  # a configuration error: rank 0 has already said it in one line
+        if all(f.exitcode == EXIT_STOPPED for f in err.failures.values()):
+            return EXIT_STOPPED  # stopped on a signal with a checkpoint: rank 0 said so
         print(f"meshfold: {len(ranks)} of {nproc} processes failed (ranks {ranks}); first exit code "
               f"{first.exitcode}", file=sys.stderr)
         return 1

@@ -21,10 +21,19 @@ class ParallelConfig:
     tp: int = 1
     sp: bool = False
     pp: int = 1
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbv
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbv | skippipe
     pp_microbatches: int = 0  # 0 = pp (or the local micro-batch count)
     pp_virtual_stages: int = 1
     pp_split: list = field(default_factory=list)  # layers per stage, overrides the balancer
+    # skippipe (docs/pipeline.md): largest share of stages a micro-batch may skip (0 = none),
+    # whether middle stages may be visited out of order, and what its path scheduler prices:
+    # link rates between pp ranks (Mbit/s; [a, b, rate] pairs over the default, 0 = free)
+    # and a stage's sustained TFLOP/s
+    pp_skip: float = 0.0
+    pp_reorder: bool = False
+    pp_link_mbit: float = 0.0
+    pp_links: list = field(default_factory=list)
+    pp_stage_tflops: float = 0.02
     cp: int = 1
     cp_mode: str = "ring"  # ring | ulysses | hybrid
     cp_ulysses: int = 0  # hybrid: Ulysses degree inside a ring group (0 = largest that fits)
@@ -52,7 +61,7 @@ class ParallelConfig:
 
 
 CHOICES: dict[str, tuple] = {
-    "pp_schedule": ("gpipe", "1f1b", "interleaved", "zbv"),
+    "pp_schedule": ("gpipe", "1f1b", "interleaved", "zbv", "skippipe"),
     "cp_mode": ("ring", "ulysses", "hybrid"),
 }
 
@@ -66,6 +75,17 @@ def validate(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill from world size), got {p.dp_shard}")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {p.zero}; choose 0, 1, 2 or 3")
+    if not 0.0 <= p.pp_skip < 1.0:
+        raise ConfigError(f"parallel.pp_skip = {p.pp_skip}: the share of stages a micro-batch may skip is in [0, 1)")
+    if (p.pp_skip or p.pp_reorder) and p.pp_schedule != "skippipe":
+        raise ConfigError('parallel.pp_skip / pp_reorder need parallel.pp_schedule = "skippipe"')
+    for link in p.pp_links:
+        if (not isinstance(link, list) or len(link) != 3 or not all(isinstance(x, int) for x in link[:2])
+                or not 0 <= min(link[:2]) <= max(link[:2]) < p.pp or link[0] == link[1] or link[2] <= 0):
+            raise ConfigError(f"parallel.pp_links: {link} must be [rank a, rank b, Mbit/s > 0] with two "
+                              f"different pp ranks below parallel.pp = {p.pp}")
+    if p.pp_link_mbit < 0 or p.pp_stage_tflops <= 0:
+        raise ConfigError("parallel.pp_link_mbit must be >= 0 (0 = free) and parallel.pp_stage_tflops > 0")
 
 
 def validate_world(p: ParallelConfig, world_size: int, workers: int = 1) -> ParallelConfig:

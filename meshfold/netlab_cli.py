@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     train.add_argument("--nodes", type=int, default=2)
     train.add_argument("--nproc-per-node", type=int, default=1)
     train.add_argument("--rate-mbit", type=float, default=20.0)
+    train.add_argument("--slow-link", action="append", default=[], metavar="A,B,MBIT",
+                       help="shape traffic between nodes A and B to MBIT Mbit/s (repeatable)")
     train.add_argument("--timeout", type=float, default=0.0, help="seconds before the run is stopped (0 = none)")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     cmd.add_parser("cleanup", help="remove namespaces left by labs whose process died")
@@ -67,7 +69,11 @@ def _train(args) -> int:
     validate(cfg, args.nodes * args.nproc_per_node)  # one line now, before any namespace exists
     module_args = ["meshfold", "train", args.config] + [x for s in args.set for x in ("--set", s)]
     start = time.perf_counter()
-    with NetLab(nodes=args.nodes, rate_mbit=args.rate_mbit) as lab:
+    try:
+        slow = {(int(a), int(b)): float(r) for a, b, r in (x.split(",") for x in args.slow_link)}
+    except ValueError:
+        return _fail("netlab: --slow-link takes A,B,MBIT, e.g. --slow-link 0,1,2")
+    with NetLab(nodes=args.nodes, rate_mbit=args.rate_mbit, slow_links=slow) as lab:
         procs = [lab.popen(i, lab.torchrun_argv(i, args.nproc_per_node, module_args)) for i in range(args.nodes)]
         code = 0
         while any(p.poll() is None for p in procs):

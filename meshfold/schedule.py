@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+# skippipe: 1F1B's layout with per-micro-batch paths (``meshfold/skippipe.py`` plans them)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "skippipe")
 
 
 # --------------------------------------------------------------------------- layout
@@ -84,6 +85,9 @@ class Action:
     kind: str  # F | B | W
     chunk: int
     mb: int
+    # (stage before, stage after) on this micro-batch's path, -1 for none; None = the
+    # neighbouring stages s-1, s+1 (every schedule but skippipe). Not part of equality.
+    route: tuple[int, int] | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
@@ -104,7 +108,7 @@ def schedule_actions(schedule: str, pp: int, virtual: int, m: int) -> list[list[
 def _actions(schedule: str, pp: int, virtual: int, m: int) -> list[list[Action]]:
     if schedule == "gpipe":
         return [[Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)] for _ in range(pp)]
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "skippipe"):  # skippipe without a path plan: every stage, in order
         return [_one_f_one_b(pp, r, m) for r in range(pp)]
     if schedule == "interleaved":
         return [_interleaved(pp, r, virtual, m) for r in range(pp)]
@@ -137,18 +141,25 @@ def _interleaved(pp: int, rank: int, v: int, m: int) -> list[Action]:
     return out + [bwd(k) for k in range(total - warmup, total)]
 
 
+def neighbours(a: Action, stage: int, n_stages: int) -> tuple[int | None, int | None]:
+    """The stages before and after ``stage`` on ``a``'s micro-batch path (None: none)."""
+    before, after = (stage - 1, stage + 1) if a.route is None else a.route
+    return (before if before >= 0 else None), (after if 0 <= after < n_stages else None)
+
+
 def deps(schedule: str, pp: int, n_stages: int, a: Action, rank: int) -> list[tuple[int, Action]]:
     """(rank, action) pairs that must finish before ``a`` on ``rank`` can start."""
     s = stage_of(schedule, pp, rank, a.chunk)
+    before, after = neighbours(a, s, n_stages)
     if a.kind == "F":
-        if s == 0:
+        if before is None:
             return []
-        r, c = rank_chunk_of_stage(schedule, pp, s - 1)
+        r, c = rank_chunk_of_stage(schedule, pp, before)
         return [(r, Action("F", c, a.mb))]
     if a.kind == "B":
         out = [(rank, Action("F", a.chunk, a.mb))]
-        if s < n_stages - 1:
-            r, c = rank_chunk_of_stage(schedule, pp, s + 1)
+        if after is not None:
+            r, c = rank_chunk_of_stage(schedule, pp, after)
             out.append((r, Action("B", c, a.mb)))
         return out
     return [(rank, Action("B", a.chunk, a.mb))]
@@ -268,8 +279,7 @@ def default_costs(orders: list[list[Action]]) -> dict[str, float]:
     return {"F": 1.0, "B": 1.0, "W": 1.0} if split_w else {"F": 1.0, "B": 2.0, "W": 0.0}
 
 
-def simulate(schedule: str, orders: list[list[Action]], cost: dict[str, float] | None = None,
-             p2p: float = 0.0) -> list[dict]:
+def simulate(schedule: str, orders: list[list[Action]], cost=None, p2p=0.0) -> list[dict]:
     """Replay per-rank orders and return timeline events (``parallel/timeline.py``'s
     format, times in cost units). ``cost``: seconds of one F, B and W on one chunk
     (default ``default_costs``); a backward with no W after it (stage 0 under a split
@@ -279,6 +289,8 @@ def simulate(schedule: str, orders: list[list[Action]], cost: dict[str, float] |
     pp = len(orders)
     split_w = any(a.kind == "W" for o in orders for a in o)
     cost = cost or default_costs(orders)
+    cost_of = cost if callable(cost) else (lambda kind, _stage: cost[kind])
+    delay = p2p if callable(p2p) else (lambda _src, _dst: p2p)
     n_stages = n_stages_of(schedule, orders)
     done: dict[tuple[int, Action], float] = {}
     pos, clock, events = [0] * pp, [0.0] * pp, []
@@ -291,11 +303,11 @@ def simulate(schedule: str, orders: list[list[Action]], cost: dict[str, float] |
                 ds = deps(schedule, pp, n_stages, a, r)
                 if not all(d in done for d in ds):
                     break
-                start = max([clock[r]] + [done[d] + (p2p if d[0] != r else 0.0) for d in ds])
+                start = max([clock[r]] + [done[d] + (delay(d[0], r) if d[0] != r else 0.0) for d in ds])
                 s = stage_of(schedule, pp, r, a.chunk)
-                c = cost[a.kind]
+                c = cost_of(a.kind, s)
                 if a.kind == "B" and split_w and s == 0:
-                    c += cost["W"]  # stage 0 runs its whole backward at once
+                    c += cost_of("W", s)  # stage 0 runs its whole backward at once
                 done[(r, a)] = clock[r] = start + c
                 events.append({"stage": r, "chunk": a.chunk, "mb": a.mb, "kind": a.kind, "start": start,
                                "end": start + c})
@@ -332,7 +344,12 @@ def theoretical_bubble(schedule: str, pp: int, virtual: int, m: int) -> float:
         return (pp - 1) / (m + pp - 1)
     if schedule == "interleaved":
         return (pp - 1) / (virtual * m + pp - 1)
-    fr = bubble_fractions(simulate(schedule, schedule_actions(schedule, pp, virtual, m)))
+    return orders_bubble(schedule, schedule_actions(schedule, pp, virtual, m))
+
+
+def orders_bubble(schedule: str, orders: list[list[Action]]) -> float:
+    """Mean idle share of the stages in the unit-cost simulation of ``orders``."""
+    fr = bubble_fractions(simulate(schedule, orders))
     return sum(fr.values()) / len(fr)
 
 

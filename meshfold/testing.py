@@ -52,10 +52,10 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
             break
         fn, args, kwargs = task
         try:
-
             reset_ledger()
             torch.manual_seed(0)
             out = fn(*args, **kwargs)
+            _destroy_task_groups()
             results.put((rank, True, out))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
@@ -63,8 +63,50 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
     dist.destroy_process_group()
 
 
+def _destroy_task_groups() -> None:
+    """Destroy the groups a task made (meshes, sub-groups), keeping the default one. Each gloo
+    group owns a transport thread that wakes every 10 ms for the life of the group: kept, they
+    reached ~450 threads per worker and most of two cores in system time between tests."""
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()  # every rank is done with them (a peer may still be reading our last send)
+    gc.collect()  # modules and meshes of the finished task that still hold groups
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's caches (sharding propagation, redistribution plans, mesh topology) hand out
+    specs holding the mesh they first saw; meshes compare by layout, so a later task's equal
+    mesh would get an earlier task's, whose groups are gone."""
+    import sys
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            holders = [value] + (list(vars(value).values()) if isinstance(value, type) else [])
+            for fn in holders:
+                fn = getattr(fn, "__func__", fn)  # staticmethod
+                if not isinstance(fn, type) and callable(getattr(fn, "cache_clear", None)):
+                    fn.cache_clear()
+
+
 class WorldPool:
-    def __init__(self, world: int, timeout_s: float = 120.0):
+    # 300 s per call: a fresh CI machine can be twice as slow as a developer's, and a busy one
+    # slower still; a real hang still fails, only later.
+    def __init__(self, world: int, timeout_s: float = 300.0):
         ctx = mp.get_context("spawn")
         self.world = world
         self.timeout_s = timeout_s

@@ -289,6 +289,29 @@ def test_calibration_fits_positive_costs():
                                                 for l, k, s in zip(fit.lengths, fit.counts, fit.seconds)))
 
 
+def test_calibration_times_one_block_never_the_whole_model(monkeypatch):
+    """data.balance without cost_a/cost_b: one block of each kind (dense, MoE) is timed under
+    the run's autocast; building the whole model there is an error."""
+    from meshfold.config import ModelConfig
+    from meshfold.data import cost_calibration
+    from meshfold.models import llama
+
+    def no_whole_model(*args, **kwargs):
+        raise AssertionError("the cost calibration built the whole model")
+
+    monkeypatch.setattr(llama.Transformer, "__init__", no_whole_model)
+    built = []
+    real_block = cost_calibration.TransformerBlock
+    monkeypatch.setattr(cost_calibration, "TransformerBlock", lambda cfg, i: built.append(i) or real_block(cfg, i))
+    cfg = ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, seq_len=32, moe_experts=4, moe_topk=2, moe_every=2)
+    import torch
+
+    fit = cost_calibration.measure_cost(cfg, lengths=[8, 32], repeats=1, autocast_dtype=torch.bfloat16)
+    assert sorted(built) == [0, 1]  # layer 0 (dense) and layer 1 (MoE): two blocks for four layers
+    # (At these tiny shapes the times are overhead and noise: only their presence is checked.)
+    assert fit.a >= 0 and fit.b >= 0 and len(fit.seconds) == 4 and all(s > 0 for s in fit.seconds)
+
+
 def test_cost_fit_recovers_known_costs_and_reports_its_error():
     """The fit behind calibration: exact on noiseless points, and rel_error is the largest
     relative miss (one point made 10 % slower than the law moves the fit and shows up)."""

@@ -66,3 +66,33 @@ def test_calibrate_cost_fits_the_measured_times(capsys):
     fit = json.loads(capsys.readouterr().out)
     assert fit["a"] >= 0 and fit["b"] >= 0 and len(fit["seconds"]) == len(fit["lengths"]) == len(fit["counts"])
     assert sorted(set(fit["lengths"])) == [16, 32, 64]
+
+
+def test_mfu_peak_by_exact_device_name_and_never_above_one(monkeypatch):
+    """H100 PCIe is not an SXM (substring matching gave it 989 TF); an unknown GPU gives no
+    MFU (one warning) unless train.peak_tflops names its peak; MFU is clamped to 1."""
+    import warnings
+
+    import torch
+
+    from meshfold.train import metrics
+
+    monkeypatch.delenv("MESHFOLD_PEAK_TFLOPS", raising=False)
+    monkeypatch.setattr(metrics, "_WARNED", set())
+    cuda = torch.device("cuda", 0)
+    for name, tflops in (("NVIDIA H100 PCIe", 756), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 NVL", 835),
+                         ("NVIDIA B200", 2250), ("NVIDIA H20", 148), ("AMD Instinct MI300X", 1307)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d, n=name: n)
+        assert metrics.device_peak_flops(cuda) == tflops * 1e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA Future GPU")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert metrics.device_peak_flops(cuda) is None and metrics.device_peak_flops(cuda) is None
+    assert len(caught) == 1 and "train.peak_tflops" in str(caught[0].message)
+    assert metrics.device_peak_flops(cuda, peak_tflops=500) == 500e12
+    assert metrics.model_flops_utilization(1e12, None, 8) is None
+    assert metrics.model_flops_utilization(1e12, 1e12, 4) == 0.25
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert metrics.model_flops_utilization(3e12, 1e12, 1) == 1.0
+    assert len(caught) == 1

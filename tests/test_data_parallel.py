@@ -35,3 +35,44 @@ def test_micro_batches_match_one_process(reference, tmp_path):
     got = run_on(2, train_collect, tiny_config(str(tmp_path), parallel={"dp_shard": 2, "zero": 3},
                                                train={"micro_batch": 2}))[0]
     assert_runs_match(reference, got)
+
+
+def test_mixed_precision_follows_the_resolved_dtype():
+    """train.dtype = auto (the default) is bf16 on CUDA: FSDP2 (blocks and experts) gets the
+    bf16 policy there, and none where auto means float32."""
+    import torch
+
+    from meshfold.config import TrainConfig
+    from meshfold.parallel.data import fsdp_policies
+
+    for dtype, device, want in (("auto", "cuda", torch.bfloat16), ("bfloat16", "cpu", torch.bfloat16),
+                                ("auto", "cpu", None), ("float32", "cuda", None)):
+        mp, _ = fsdp_policies(TrainConfig(dtype=dtype, reduce_dtype="float32"), device)
+        assert mp.param_dtype == want, (dtype, device)
+        assert mp.reduce_dtype == (torch.float32 if want else None)
+
+
+def test_clip_is_a_device_scalar_foreach_multiply():
+    """Clipping equals torch's over mixed-dtype gradients, never reads the norm on the host,
+    and the norm of host-held gradients lands on the compute device given (offload = params:
+    the collectives after it must get a device tensor; 'meta' stands for CUDA here)."""
+    from unittest import mock
+
+    import torch
+
+    from meshfold.parallel.optim import clip_grad_norm_, grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=dt)) for dt in (torch.float64, torch.float32)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, r in zip(ps, ref):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        r.grad = p.grad.clone()
+    with mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host read")):
+        norm = clip_grad_norm_(ps, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    torch.testing.assert_close(norm, want.double(), rtol=1e-6, atol=0)
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-9)
+    on_device = grad_norm(ps, device=torch.device("meta"))
+    assert on_device.device.type == "meta" and on_device.dtype == torch.float64

@@ -120,14 +120,14 @@ def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
 
 def test_fresh_processes_answer_raise_or_report_a_dead_child():
     # Each simulated rank runs in its own spawned process: answers come back in order, a
-    # child's exception is raised in the parent, and a child that dies without answering is
-    # an error naming it (a multiprocessing.Pool would wait for it forever).
+    # child's exception reaches the parent as one line naming it, and a child that dies without
+    # answering is an error naming it (a multiprocessing.Pool would wait for it forever).
     import os
 
-    from meshfold.dryrun import _in_fresh_processes
+    from meshfold.dryrun import DryRunError, _in_fresh_processes
 
     assert _in_fresh_processes(pow, [(2, 3), (3, 2), (5, 1)], 2) == [8, 9, 5]
-    with pytest.raises(ValueError):
+    with pytest.raises(DryRunError, match="ValueError: invalid literal"):
         _in_fresh_processes(int, [("12",), ("not a number",)], 2)
     with pytest.raises(RuntimeError, match="died with exit code 3"):
         _in_fresh_processes(os._exit, [(3,)], 1)

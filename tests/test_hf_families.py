@@ -190,7 +190,6 @@ def _config(**changes) -> dict:
     (_config(model_type="qwen2", use_sliding_window=True, sliding_window=16), "use_sliding_window = true"),
     (_config(model_type="qwen3", layer_types=["full_attention", "sliding_attention"]), "sliding_attention"),
     (_config(model_type="gemma2"), "model_type 'gemma2' is not supported"),
-    (_config(model_type="mixtral"), "model_type 'mixtral' is not supported"),
     (_config(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "rope_type 'longrope' is not supported"),
     (_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor"),

@@ -112,6 +112,56 @@ def test_document_mask_blocks_cross_document_attention():
     assert not torch.allclose(model(tokens)[:, 3:], alone)
 
 
+def test_default_document_attention_matches_the_dense_mask_without_host_reads_in_layers(monkeypatch):
+    """data.pack + data.doc_mask's default path: per-document windows (no S x S mask), equal to
+    the dense-mask reference in values and gradients (GQA, a ragged last tile, documents
+    across tile edges); the windows are planned once per forward, before the layers."""
+    from meshfold.models import attention_ops
+    from meshfold.models.llama import CoreAttention
+
+    cfg = ModelConfig(n_layers=2, n_heads=4, n_kv_heads=2, dim=32, vocab_size=64, seq_len=40)
+    model = Transformer(cfg).double()
+    init_weights(model, cfg, seed=0)
+    dense = Transformer(cfg).double()
+    dense.load_state_dict(model.state_dict())
+    for block in dense.layers.values():
+        block.attention.core = CoreAttention(dense=True)
+    for block in model.layers.values():
+        block.attention.core.document_tile = 16  # 40 = 2.5 tiles
+    lens = [[7, 20, 13], [40], [1, 2, 30, 7]][:2] + [[3, 30, 7]]
+    doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls)) for ls in lens])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in ls]) for ls in lens])
+    tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(0))
+    plans = []
+    real_plan = attention_ops.DocumentPlan
+    monkeypatch.setattr(attention_ops, "DocumentPlan", lambda *a: plans.append(a) or real_plan(*a))
+    got = model(tokens, positions=positions, doc_ids=doc_ids)
+    want = dense(tokens, positions=positions, doc_ids=doc_ids)
+    assert len(plans) == 1  # one plan (one host read) for both layers
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), dense.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_document_attention_runs_on_fake_tensors():
+    """The dry-run (fake tensors: shapes, no values) can run packed documents: the plan
+    assumes every tile reaches one tile back instead of reading the windows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshfold.models.llama import CoreAttention
+
+    with FakeTensorMode():
+        q = torch.randn(2, 40, 4, 8)
+        k = v = torch.randn(2, 40, 2, 8)
+        doc_ids = torch.zeros(2, 40, dtype=torch.int64)
+        core = CoreAttention()
+        core.document_tile = 16
+        out = core(q, k, v, doc_ids=doc_ids)
+    assert out.shape == (2, 40, 4, 8)
+
+
 def test_gqa_matches_repeated_kv_heads():
     cfg = ModelConfig(n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, seq_len=8)
     gqa = Transformer(cfg).double()
@@ -156,3 +206,31 @@ def test_rope_scaling_needs_its_original_context():
 
     with pytest.raises(ConfigError, match="model.rope_original_seq_len"):
         validate(Config(model=ModelConfig(rope_scaling="llama3", rope_factor=8.0)))
+
+
+def test_chunked_cross_entropy_equals_torch_in_value_and_gradient():
+    """The loss of every path (parallel/loss.py): chunks of tokens (here 3 tokens of a
+    20-wide vocabulary, a ragged last chunk), ignored labels, float64 and bf16 logits."""
+    import torch.nn.functional as F
+
+    from meshfold.data.dataset import IGNORE_INDEX
+    from meshfold.parallel.loss import _ChunkedCE, cross_entropy_sum
+
+    def vocab_parallel_formula(logits, labels, chunk_elements):  # the tp path's math, tp = 1
+        return _ChunkedCE.apply(logits, labels, 0, None, chunk_elements)
+
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 20, (2, 7), generator=gen)
+    labels[0, 2] = labels[1, 6] = IGNORE_INDEX
+    for fn, dtype, tol in ((cross_entropy_sum, torch.float64, 1e-12), (cross_entropy_sum, torch.bfloat16, 1e-2),
+                           (vocab_parallel_formula, torch.float64, 1e-12)):
+        logits = (3 * torch.randn(2, 7, 20, generator=gen)).to(dtype).requires_grad_()
+        ref = logits.detach().clone().requires_grad_()
+        loss = fn(logits, labels, chunk_elements=60)
+        want = F.cross_entropy(ref.float().flatten(0, 1) if dtype != torch.float64 else ref.flatten(0, 1),
+                               labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        torch.testing.assert_close(loss, want.to(loss.dtype), rtol=tol, atol=tol)
+        (2.5 * loss).backward()
+        (2.5 * want).backward()
+        assert logits.grad.dtype == dtype
+        torch.testing.assert_close(logits.grad, ref.grad, rtol=tol, atol=tol)

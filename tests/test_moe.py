@@ -206,7 +206,9 @@ def _balance_loss_on_ranks(cfg_kw: dict, x: torch.Tensor):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("cfg_kw", [dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01),
-                                    dict(moe_router="sigmoid", moe_aux_loss_coef=0.1)])
+                                    # + DeepSeek-V3's group-limited routing and sequence-wise loss
+                                    dict(moe_router="sigmoid", moe_aux_loss_coef=0.1, moe_seq_aux_loss_coef=0.05,
+                                         moe_groups=2, moe_topk_groups=1, moe_routed_scale=2.0)])
 def test_global_batch_balance_loss_across_ranks(world, cfg_kw):
     x = torch.randn(8, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     moe = build_moe(tiny(**cfg_kw)).train()

@@ -126,3 +126,21 @@ def test_calibrate_two_gloo_processes(tmp_path):
     assert f"tiled_attention_{BLOCK_SEQ // 8}" in r and "busy_ar_2" in r and "tiny_step_pp2" in r
     # re-deriving from the saved measurements gives the same cluster
     assert same_cluster(cluster_from_measurements(2, saved["measurements"]), cluster)
+
+
+def test_gpu_calibration_solve_recovers_efficiencies():
+    """``meshfold calibrate --gpu``'s solve: kernel times made from known efficiencies give
+    those efficiencies back, and the preset's datasheet figures stay."""
+    from meshfold.planner.calibrate import (GPU_COPY_BYTES, GPU_GEMM_SIZES, gpu_attention_flops,
+                                            gpu_device_from_measurements)
+    from meshfold.planner.cluster import DEVICES
+
+    base = DEVICES["h100-sxm"]
+    peak = base.peak_tflops * 1e12
+    r = {f"gemm_{n}": 2 * n**3 / (peak * (0.6 if n < 16384 else 0.72)) for n in GPU_GEMM_SIZES}
+    r["copy"] = 2 * GPU_COPY_BYTES / (base.hbm_GBps * 1e9 * 0.85)
+    r["attention_fwd"] = gpu_attention_flops() / (peak * 0.5)
+    r["attention_bwd"] = 2.5 * gpu_attention_flops() / (peak * 0.4)
+    d = gpu_device_from_measurements(base, r)
+    assert (d.matmul_eff, d.hbm_eff, d.attention_eff, d.attention_bwd_eff) == pytest.approx((0.72, 0.85, 0.5, 0.4))
+    assert (d.peak_tflops, d.hbm_GBps, d.memory_gib) == (base.peak_tflops, base.hbm_GBps, base.memory_gib)

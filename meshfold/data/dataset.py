@@ -24,7 +24,8 @@ from tokenizers import Tokenizer
 from meshfold.data.config import DataConfig
 from meshfold.errors import ConfigError
 from meshfold.data.prepare import prepare
-from meshfold.data.prepared import MANIFEST, TOKENIZER, Shard, is_prepared, open_shards, read_manifest
+from meshfold.data.prepared import (MANIFEST, TOKENIZER, Shard, is_prepared, open_shards, read_manifest,
+                                    verify_shards)
 from meshfold.data.mixture import MixtureDataset
 from meshfold.data.sources import load_documents
 from meshfold.data.tokenizer import (EOS, PAD, cache_root, check_vocab, corpus_digest, get_tokenizer, load_tokenizer,
@@ -264,9 +265,11 @@ class DataBundle:
     val: SequenceDataset | None
 
 
-def prepared_corpus(folder: str | Path, tok: Tokenizer | None, vocab_size: int) -> tuple[Corpus, Tokenizer]:
+def prepared_corpus(folder: str | Path, tok: Tokenizer | None, vocab_size: int,
+                    stamp_dir: Path | None = None) -> tuple[Corpus, Tokenizer]:
     """Open a prepared dataset (memory maps), checking it against the tokenizer given
-    (``data.tokenizer``; else its own ``tokenizer.json``) and the model's vocabulary."""
+    (``data.tokenizer``; else its own ``tokenizer.json``) and the model's vocabulary, and
+    its shards' bytes and token ids (``verify_shards``: once per shard and change)."""
     folder = Path(folder).expanduser()
     m = read_manifest(folder)
     if tok is not None and tokenizer_sha256(tok) != m["tokenizer_sha256"]:
@@ -274,6 +277,7 @@ def prepared_corpus(folder: str | Path, tok: Tokenizer | None, vocab_size: int) 
                           f"leave data.tokenizer empty to use {folder / TOKENIZER}, or prepare again with it")
     check_vocab(int(m["vocab_size"]), vocab_size)
     shards = open_shards(folder, m)
+    verify_shards(folder, m, stamp_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     if tok is None:
         tok = load_tokenizer(folder / TOKENIZER, f"{folder}/{TOKENIZER}")
         if tokenizer_sha256(tok) != m["tokenizer_sha256"]:
@@ -319,13 +323,13 @@ def load_source(source: str, cfg: DataConfig, vocab_size: int) -> tuple[Corpus, 
     """One source as a memory-mapped corpus (prepared into the cache first if raw)."""
     if is_prepared(source):
         tok = load_tokenizer(cfg.tokenizer, "data.tokenizer") if cfg.tokenizer else None
-        corpus, tok = prepared_corpus(source, tok, vocab_size)
+        corpus, tok = prepared_corpus(source, tok, vocab_size, cache_root(cfg.cache_dir) / "verified")
         if cfg.max_docs:
             corpus = corpus.subset(range(min(cfg.max_docs, corpus.n_docs)))
         return corpus, tok
     folder = cached_prepared(cfg, vocab_size)
     tok = load_tokenizer(folder / TOKENIZER)
-    return prepared_corpus(folder, tok, vocab_size)
+    return prepared_corpus(folder, tok, vocab_size, cache_root(cfg.cache_dir) / "verified")
 
 
 def build_data(cfg: DataConfig, vocab_size: int, seq_len: int) -> DataBundle:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -162,9 +163,24 @@ def prepare(sources: list[str], tokenizer: str | Tokenizer, out: str | Path, wor
     base = {"format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": vocab, "eos_id": eos,
             "pad_id": pad, "tokenizer_sha256": tokenizer_sha256(tok), "text_field": text_field,
             "max_docs": max_docs, "sources": _source_records(units)}
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder")
+    created = not out.exists() or not any(out.iterdir())  # this call makes the folder: it undoes it on failure
     m = _start(out, base)
     if m["complete"]:
         return m
+    try:
+        return _prepare_into(out, m, tok, units, text_field, eos, dtype, workers, shard_tokens, progress, max_docs,
+                             sources, _stop_after_shards)
+    except Exception:  # bad input, a full disk: no half --out that the next run would refuse
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _prepare_into(out: Path, m: dict, tok: Tokenizer, units: list[Path], text_field: str, eos: int, dtype: str,
+                  workers: int, shard_tokens: int, progress: bool, max_docs: int, sources: list[str],
+                  _stop_after_shards: int) -> dict:
     atomic_write_bytes(out / TOKENIZER, tok.to_str().encode())
     write_manifest(out, m)
 

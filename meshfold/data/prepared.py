@@ -22,6 +22,11 @@ leaves a partial shard a reader could take.
 
 Reading costs O(shards) memory and time: every file is memory-mapped, sizes and the
 offsets' end points are checked, nothing is read whole (``verify`` hashes everything).
+Training checks every shard's SHA-256 and token ids once (``verify_shards``): in full
+before the first step when the data set is small, else on a background thread (each
+process its share) while training runs, the trainer stopping with the finding's line.
+A verified shard leaves a stamp (its path, size, mtime, inode and hash) in the cache, so
+later runs only re-check shards that changed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +49,8 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 OFFSET_DTYPE = np.dtype("<i8")
+SYNC_VERIFY_BYTES = 256 << 20  # data sets up to this size are verified before the first step
+_VERIFY_ERRORS: dict[str, str] = {}  # folder -> what a background verifier found (the trainer raises it)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -179,3 +187,75 @@ def open_shards(folder: str | Path, manifest: dict | None = None, verify: bool =
     if not shards:
         raise ConfigError(f"{folder}: the prepared dataset holds no tokens")
     return shards
+
+
+# ---------------------------------------------------------------------------- verification at train time
+
+
+def _verify_one(bin_path: Path, s: dict, dtype: np.dtype, vocab: int) -> str | None:
+    """One pass over a shard: its SHA-256 against the manifest and its largest token id
+    against the vocabulary; the problem as one line, or None."""
+    h, top = hashlib.sha256(), -1
+    with bin_path.open("rb") as fh:
+        while chunk := fh.read(1 << 22):  # a multiple of both token sizes
+            h.update(chunk)
+            top = max(top, int(np.frombuffer(chunk, dtype=dtype).max()))
+    if h.hexdigest() != s["sha256"]:
+        return (f"{bin_path}: sha256 differs from the manifest: the shard changed after `meshfold prepare` "
+                f"(corrupt bytes); re-run `meshfold prepare` into a new folder")
+    if top >= vocab:
+        return (f"{bin_path}: token id {top} is outside the vocabulary ({vocab} ids in {bin_path.parent / MANIFEST}): "
+                f"the shard is corrupt or was written with another tokenizer; re-run `meshfold prepare`")
+    return None
+
+
+def verify_shards(folder: str | Path, m: dict, stamp_dir: Path | None = None, rank: int = 0,
+                  world: int = 1) -> None:
+    """Check every shard's bytes (SHA-256) and token ids (below the vocabulary) once. Shards
+    with a stamp in ``stamp_dir`` (verified before, unchanged since) are skipped. Up to
+    ``SYNC_VERIFY_BYTES`` in all: now, raising the first problem; more: on a background
+    thread, this process taking every ``world``-th shard from the ``rank``-th, findings kept
+    for ``check_verified``."""
+    folder = Path(folder).expanduser()
+    dtype, vocab = DTYPES[m["dtype"]], int(m["vocab_size"])
+    _VERIFY_ERRORS.pop(str(folder), None)
+    todo, size = [], 0
+    for s in m["shards"]:
+        if not s["tokens"]:
+            continue
+        path = folder / f"{s['name']}.bin"
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{s['sha256']}:{vocab}"
+                             .encode()).hexdigest()[:32]
+        stamp = stamp_dir / key if stamp_dir is not None else None
+        if stamp is not None and stamp.exists():
+            continue
+        todo.append((path, s, stamp))
+        size += st.st_size
+
+    def run(items) -> str | None:
+        for path, s, stamp in items:
+            problem = _verify_one(path, s, dtype, vocab)
+            if problem:
+                _VERIFY_ERRORS[str(folder)] = problem
+                return problem
+            if stamp is not None:
+                try:
+                    stamp.parent.mkdir(parents=True, exist_ok=True)
+                    stamp.touch()
+                except OSError:
+                    pass  # an unwritable cache only costs a re-check next time
+
+    if size <= SYNC_VERIFY_BYTES:
+        problem = run(todo)
+        if problem:
+            _VERIFY_ERRORS.pop(str(folder), None)
+            raise ConfigError(problem)
+    elif todo[rank::world]:
+        threading.Thread(target=run, args=(todo[rank::world],), daemon=True, name="meshfold-verify").start()
+
+
+def check_verified() -> None:
+    """Raise the first problem a shard verification found (one line naming the file)."""
+    if _VERIFY_ERRORS:
+        raise ConfigError(next(iter(_VERIFY_ERRORS.values())))

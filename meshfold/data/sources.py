@@ -26,31 +26,52 @@ def default_corpus_files() -> list[Path]:
     return sorted(p for p in stdlib.glob("*.py") if p.is_file())
 
 
+def _not_text(path: Path, err: UnicodeDecodeError, where: str = "") -> ConfigError:
+    return ConfigError(f"{path}{where}: not UTF-8 text (byte {err.start}: {err.reason}); a binary file or another "
+                       f"encoding: convert it to UTF-8 or leave it out of the source")
+
+
 def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+    """A text document, decoded strictly: a binary file or another encoding is refused
+    rather than trained on as replacement characters."""
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        raise ConfigError(f"{path}: a binary file (NUL bytes), not text; leave it out of the source")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _not_text(path, err) from None
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_text(path, err, f":{lineno}") from None
 
 
 def _jsonl_docs(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or remove that line") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{lineno}: a JSON {type(record).__name__}, expected an object "
-                                  f"with a {field!r} field")
-            if field not in record:
-                raise ConfigError(
-                    f"{path}:{lineno}: no field {field!r}; set data.text_field (or --text-field) "
-                    f"to one of {sorted(record)}"
-                )
-            if not isinstance(record[field], str):
-                raise ConfigError(f"{path}:{lineno}: field {field!r} is a {type(record[field]).__name__}, "
-                                  f"not text; choose a text field with data.text_field (or --text-field)")
-            yield record[field]
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or remove that line") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{lineno}: a JSON {type(record).__name__}, expected an object "
+                              f"with a {field!r} field")
+        if field not in record:
+            raise ConfigError(
+                f"{path}:{lineno}: no field {field!r}; set data.text_field (or --text-field) "
+                f"to one of {sorted(record)}"
+            )
+        if not isinstance(record[field], str):
+            raise ConfigError(f"{path}:{lineno}: field {field!r} is a {type(record[field]).__name__}, "
+                              f"not text; choose a text field with data.text_field (or --text-field)")
+        yield record[field]
 
 
 def _parquet_docs(path: Path, field: str) -> Iterator[str]:

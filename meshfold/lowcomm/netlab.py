@@ -107,6 +107,9 @@ class NetLab:
     burst_kb: int = 0  # 0 = max(64 KB, 10 ms at the rate)
     latency_ms: int = 400  # tbf queue: packets waiting longer are dropped
     subnet: str = "10.77.0"  # /24 inside the lab; namespaces are isolated, so labs may reuse it
+    # {(a, b): Mbit/s}: traffic between nodes a and b (both directions) shaped to this rate on
+    # the sender's end (an htb class per slow peer), everything else at ``rate_mbit``
+    slow_links: dict = field(default_factory=dict)
     tag: str = field(default_factory=lambda: _next_tag())
     namespaces: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -153,11 +156,24 @@ class NetLab:
             with contextlib.suppress(ValueError):  # not the main thread
                 self._old_handlers[sig] = signal.signal(sig, handler)
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _shape(self, ns: str, dev: str, node: int | None = None) -> None:
         rate_bytes = self.rate_mbit * 1e6 / 8
         burst = self.burst_kb * 1024 or max(64 * 1024, int(rate_bytes * 0.01))
-        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
-             "burst", str(burst), "latency", f"{self.latency_ms}ms")
+        peers = {b if a == node else a: r for (a, b), r in self.slow_links.items() if node in (a, b)}
+        if not peers:
+            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
+                 "burst", str(burst), "latency", f"{self.latency_ms}ms")
+            return
+        # per-destination rates: htb, a default class at rate_mbit and one class per slow peer
+        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+        _run("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate",
+             f"{self.rate_mbit}mbit", "burst", str(burst))
+        for peer, rate in sorted(peers.items()):
+            cls = f"1:{10 + peer}"
+            _run("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate",
+                 f"{rate}mbit", "burst", str(max(16 * 1024, int(rate * 1e6 / 8 * 0.01))))
+            _run("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                 "match", "ip", "dst", f"{self.addr(peer)}/32", "flowid", cls)
 
     def create(self) -> None:
         _run("ip", "netns", "add", self.hub)
@@ -176,7 +192,7 @@ class NetLab:
             _run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", self.ifname(i))
             _run("ip", "-n", ns, "link", "set", self.ifname(i), "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            self._shape(ns, self.ifname(i))  # upload of node i
+            self._shape(ns, self.ifname(i), i)  # upload of node i (and its slow links)
             self._shape(self.hub, f"p{i}")  # download of node i
 
     def destroy(self) -> None:

@@ -28,9 +28,11 @@ S * (tile + document length) instead of S^2 / 2.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 KERNELS = ("auto", "math")  # "math" forces the reference path (tests compare the two)
 
@@ -150,41 +152,83 @@ def document_windows(doc_ids: torch.Tensor, tile: int) -> torch.Tensor:
     return (torch.arange(0, s, tile, device=doc_ids.device) // tile) - first // tile
 
 
-def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.Tensor, tile: int = 128):
+DOCUMENT_TILE = 256  # query tile of document attention (256 measured fastest on CPU at seq 4096)
+
+
+class DocumentPlan:
+    """What ``document_attention`` needs of a micro-batch's documents, made once and shared by
+    every layer (they all see the same ``doc_ids``/``positions``): the query tiles grouped by
+    how far back their keys reach, with their gather indices and (tile x window) masks. The
+    one host read (which window sizes occur) happens here, never inside a layer."""
+
+    def __init__(self, doc_ids: torch.Tensor, positions: torch.Tensor | None, tile: int):
+        b, s = doc_ids.shape
+        device = doc_ids.device
+        self.tile = tile = min(tile, s)
+        self.pad = pad = (-s) % tile
+        if positions is None:
+            positions = torch.arange(s, device=device).expand(b, -1)
+        if pad:  # pad tokens form their own document: they see only each other, nobody sees them
+            doc_ids = torch.cat([doc_ids, (doc_ids.min() - 1).expand(b, pad)], 1)
+            positions = F.pad(positions, (0, pad))
+        self.n = n = (s + pad) // tile
+        reach = document_windows(doc_ids, tile).flatten()  # [b * n], exact: tile i reaches tiles i-w..i
+        pt, dt = positions.reshape(b, n, tile), doc_ids.reshape(b, n, tile)
+        self.groups = []  # (flat tile indices, key rows, key tile spans, mask [m, 1, tile, (w+1)*tile])
+        fake = is_fake(reach)  # the dry-run's tensors carry no values: every tile reaches one tile back
+        for w in [1] if fake else torch.unique(reach).tolist():  # the one host read
+            sel = torch.arange(b * n, device=device) if fake else (reach == w).nonzero().squeeze(1)
+            row, ti = (sel // n).unsqueeze(1), sel % n
+            span = (ti.unsqueeze(1) + torch.arange(-w, 1, device=device)).clamp(min=0)  # key tiles [m, w + 1]
+            kd, kp = dt[row, span].flatten(1, 2), pt[row, span].flatten(1, 2)
+            mask = ((dt.view(b * n, tile)[sel].unsqueeze(-1) == kd.unsqueeze(-2))
+                    & (pt.reshape(b * n, tile)[sel].unsqueeze(-1) >= kp.unsqueeze(-2)))
+            self.groups.append((sel, row, span, mask.unsqueeze(1)))
+
+
+_PLANS: list[tuple] = []  # (weakref to the key tensor, weakref to positions or None, tile, plan), newest last
+_PLANS_KEPT = 8  # micro-batches in flight at once (pipeline schedules, recompute in backward)
+
+
+def document_plan(doc_ids: torch.Tensor, positions: torch.Tensor | None, tile: int = DOCUMENT_TILE,
+                  key: torch.Tensor | None = None) -> DocumentPlan:
+    """The plan of these tensors (by identity: a micro-batch's layers share them), made on
+    first use. ``key``: the tensor whose identity stands for (doc_ids, positions) when those
+    are fresh views of it on every call (context parallel's gathered metadata)."""
+    anchor = key if key is not None else doc_ids
+    for ref, pref, t, plan in reversed(_PLANS):
+        if ref() is anchor and t == tile and (pref is None if positions is None or key is not None
+                                              else pref() is positions):
+            return plan
+    plan = DocumentPlan(doc_ids, positions, tile)
+    pref = None if positions is None or key is not None else weakref.ref(positions)
+    _PLANS.append((weakref.ref(anchor), pref, tile, plan))
+    del _PLANS[:-_PLANS_KEPT]
+    return plan
+
+
+@torch.compiler.disable  # compiled blocks call it eagerly: its plan lookup and group loop are Python
+def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.Tensor, tile: int = DOCUMENT_TILE,
+                       key: torch.Tensor | None = None):
     """Causal attention within each packed document (``document_causal_mask`` semantics for
     contiguous documents); q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, d]. Differentiable
-    (plain fused SDPA calls). One small device-to-host read per call: the distinct window sizes."""
+    (plain fused SDPA calls, one per distinct window size, each with a tile-sized mask). No
+    host read: the windows come from the micro-batch's ``document_plan``."""
     b, s, heads, d = q.shape
-    hkv = k.shape[2]
-    tile = min(tile, s)
-    pad = (-s) % tile
-    if positions is None:
-        positions = torch.arange(s, device=q.device).expand(b, -1)
-    if pad:  # pad tokens form their own document: they see only each other, nobody sees them
+    hkv, dv = k.shape[2], v.shape[-1]  # latent attention: v's head size differs from q/k's
+    plan = document_plan(doc_ids, positions, tile, key)
+    tile, pad, n = plan.tile, plan.pad, plan.n
+    if pad:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
-        doc_ids = torch.cat([doc_ids, (doc_ids.min() - 1).expand(b, pad)], 1)
-        positions = F.pad(positions, (0, pad))
-    n = (s + pad) // tile
-    reach = document_windows(doc_ids, tile).flatten()  # [b * n], exact: tile i reaches tiles i-w..i
     qt = q.reshape(b * n, tile, heads, d)
-    kt, vt = k.view(b, n, tile, hkv, d), v.view(b, n, tile, hkv, d)
-    pt, dt = positions.reshape(b, n, tile), doc_ids.reshape(b, n, tile)
-    out = q.new_empty(b * n, tile, heads, d)
-    for w in torch.unique(reach).tolist():  # the one host read: which window sizes occur
-        sel = (reach == w).nonzero().squeeze(1)  # flat (row, tile) indices with this window
-        row, ti = (sel // n).unsqueeze(1), sel % n
-        span = ti.unsqueeze(1) + torch.arange(-w, 1, device=q.device)  # key tiles [m, w + 1], all >= 0
-
-        def keys(t):
-            return t[row, span].flatten(1, 2)  # [m, (w + 1) * tile, ...]
-
-        mask = ((dt.view(b * n, tile)[sel].unsqueeze(-1) == keys(dt).unsqueeze(-2))
-                & (pt.reshape(b * n, tile)[sel].unsqueeze(-1) >= keys(pt).unsqueeze(-2)))
-        o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), keys(kt).transpose(1, 2),
-                                           keys(vt).transpose(1, 2), attn_mask=mask.unsqueeze(1),
+    kt, vt = k.reshape(b, n, tile, hkv, d), v.reshape(b, n, tile, hkv, dv)
+    out = q.new_empty(b * n, tile, heads, dv)
+    for sel, row, span, mask in plan.groups:
+        o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), kt[row, span].flatten(1, 2).transpose(1, 2),
+                                           vt[row, span].flatten(1, 2).transpose(1, 2), attn_mask=mask,
                                            enable_gqa=heads != hkv)
         out = out.index_copy(0, sel, o.transpose(1, 2))
-    return out.view(b, s + pad, heads, d)[:, :s]
+    return out.view(b, s + pad, heads, dv)[:, :s]
 
 
 def attention_scale(head_dim: int) -> float:

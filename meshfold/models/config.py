@@ -7,7 +7,7 @@ live in ``parallel/config.py``; ``config.validate`` runs both before any process
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshfold.errors import ConfigError, divisors
 
@@ -57,6 +57,20 @@ class ModelConfig:
     moe_bias_update_rate: float = 1e-3
     moe_norm_topk: bool = True  # softmax router: renormalise the k gates to sum 1 (Mixtral); sigmoid always does
     moe_first_dense: int = 0  # leading dense layers before the first MoE layer (DeepSeek-MoE: 1)
+    moe_dense_layers: list[int] = field(default_factory=list)  # further dense layers (Qwen3-MoE mlp_only_layers)
+    # Group-limited routing (DeepSeek-V2/V3): experts in moe_groups equal groups, a token picks
+    # the moe_topk_groups best groups first, then its top-k experts inside them. 0 = off.
+    moe_groups: int = 0
+    moe_topk_groups: int = 0
+    moe_routed_scale: float = 1.0  # routed experts' gates times this (routed_scaling_factor)
+    moe_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss (per sequence)
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py): on when mla_kv_rank > 0.
+    mla_kv_rank: int = 0  # compressed kv width (kv_lora_rank)
+    mla_q_rank: int = 0  # compressed q width (q_lora_rank); 0 = one full q projection
+    mla_rope_dim: int = 64  # the decoupled RoPE part of each q/k head (qk_rope_head_dim)
+    mla_nope_dim: int = 128  # the position-free part of each q/k head (qk_nope_head_dim)
+    mla_v_dim: int = 128  # each head's value width (v_head_dim)
+    rope_mscale_all_dim: float = 0.0  # yarn + MLA: softmax scale times mscale(factor, this)^2 (DeepSeek)
 
     @property
     def kv_heads(self) -> int:
@@ -65,6 +79,15 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.mla_kv_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of a head that RoPE rotates (MLA: only the decoupled part)."""
+        return self.mla_rope_dim if self.mla else self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -82,7 +105,8 @@ class ModelConfig:
         return self.moe_ffn_dim or self.hidden_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe_experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
+        return (self.moe_experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
+                and layer not in self.moe_dense_layers)
 
 
 CHOICES: dict[str, tuple] = {
@@ -114,7 +138,18 @@ def validate(m: ModelConfig) -> None:
             f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
             f"n_kv_heads could be one of {divisors(m.n_heads)}"
         )
-    if m.pos == "rope" and m.head_dim % 2:
+    if m.mla:
+        for key in ("mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
+            if getattr(m, key) <= 0:
+                raise ConfigError(f"model.{key} must be positive with multi-head latent attention, got {getattr(m, key)}")
+        if m.mla_q_rank < 0:
+            raise ConfigError(f"model.mla_q_rank must be >= 0 (0 = full q projection), got {m.mla_q_rank}")
+        if m.qk_norm or m.qkv_bias or m.bias or m.pos != "rope":
+            raise ConfigError("model.mla_kv_rank > 0 (multi-head latent attention) goes with rope, without "
+                              "model.qk_norm, model.qkv_bias or model.bias")
+    if m.pos == "rope" and m.rope_dim % 2:
+        if m.mla:
+            raise ConfigError(f"rotary embeddings need an even model.mla_rope_dim, got {m.mla_rope_dim}")
         raise ConfigError(f"rotary embeddings need an even head dim; model.dim/model.n_heads = {m.head_dim}")
     if m.rope_scaling != "none":
         if m.pos != "rope":
@@ -137,5 +172,19 @@ def validate(m: ModelConfig) -> None:
         if m.moe_first_dense < 0 or m.moe_first_dense >= m.n_layers:
             raise ConfigError(f"model.moe_first_dense = {m.moe_first_dense} must be between 0 and "
                               f"model.n_layers - 1 = {m.n_layers - 1}")
+        if m.moe_groups:
+            if m.moe_experts % m.moe_groups:
+                raise ConfigError(f"model.moe_groups = {m.moe_groups} must divide model.moe_experts = {m.moe_experts}")
+            if not 1 <= m.moe_topk_groups <= m.moe_groups:
+                raise ConfigError(f"model.moe_topk_groups = {m.moe_topk_groups} must be between 1 and "
+                                  f"model.moe_groups = {m.moe_groups}")
+            if m.moe_topk > m.moe_topk_groups * (m.moe_experts // m.moe_groups):
+                raise ConfigError(f"model.moe_topk = {m.moe_topk} exceeds the experts of model.moe_topk_groups = "
+                                  f"{m.moe_topk_groups} groups")
+        if any(not 0 <= i < m.n_layers for i in m.moe_dense_layers):
+            raise ConfigError(f"model.moe_dense_layers = {m.moe_dense_layers} must be layer indices below "
+                              f"model.n_layers = {m.n_layers}")
+        if m.moe_seq_aux_loss_coef < 0:
+            raise ConfigError(f"model.moe_seq_aux_loss_coef must be >= 0, got {m.moe_seq_aux_loss_coef}")
         if m.moe_capacity_factor < 0:
             raise ConfigError(f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")

@@ -1,4 +1,5 @@
-"""Hugging Face interop for Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3: ``meshfold convert``.
+"""Hugging Face interop for Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 and the MoE families Mixtral,
+Qwen3-MoE and DeepSeek-V2/V3: ``meshfold convert``.
 
 import  HF folder (``config.json`` + ``*.safetensors``, sharded or not, + tokenizer files) ->
         a meshfold checkpoint folder (DCP, ``model.<name>`` keys, ``meshfold.json`` manifest,
@@ -14,6 +15,12 @@ values: meshfold rotates *adjacent* pairs of each head's q/k features (Meta's la
 Hugging Face rotates the two *halves* (``rotate_half``), so q_proj/k_proj rows (and biases)
 are permuted per head: HF row ``h*d + j`` holds meshfold row ``h*d + 2j`` (j < d/2) or
 ``h*d + 2(j-d/2) + 1``; Qwen3's per-head q/k norm weights get the same permutation (one head).
+MoE layers: the router is ``gate`` (``block_sparse_moe.gate`` in Mixtral), each expert's
+gate/up/down (Mixtral: w1/w3/w2) joins meshfold's stacked ``experts.w1/w3/w2`` [E, out, in]
+(transformers 5's fused ``experts.gate_up_proj``/``down_proj`` import too), DeepSeek's
+``shared_experts`` are ``feed_forward.shared_experts`` and V3's ``e_score_correction_bias`` is
+the balancing bias ``expert_bias``. DeepSeek's multi-head latent attention rotates adjacent
+pairs like meshfold (``models/mla.py``): its weights need no permutation.
 Features and refusals: docs/hf.md.
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -48,16 +56,35 @@ LAYER_NAMES = {
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # multi-head latent attention (DeepSeek-V2/V3)
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    # MoE blocks (Mixtral's "block_sparse_moe." is read and written as "mlp." here; see to_hf)
+    "feed_forward.router.weight": "mlp.gate.weight",
+    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+    "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# meshfold's stacked expert weights [E, out, in] <-> one HF tensor per expert (hub layout).
+EXPERT_NAMES = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
+                "feed_forward.experts.w2": "down_proj"}
+MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 
 
 # --------------------------------------------------------------------------- config
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic", "yarn": "yarn"}
 
 
@@ -76,7 +103,7 @@ def _sliding_window(hf: dict, model_type: str) -> str | None:
     """Why the model attends through a sliding window, or None when it attends to everything."""
     if "sliding_attention" in (hf.get("layer_types") or ()):
         return "layer_types has sliding_attention layers"
-    if model_type in ("qwen2", "qwen3"):  # the window only applies with use_sliding_window
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # the window only applies with use_sliding_window
         return "use_sliding_window = true" if hf.get("use_sliding_window") else None
     window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 0)
     return f"sliding_window = {window}" if window and window < longest else None
@@ -88,7 +115,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     if model_type not in FAMILIES:
         raise ConfigError(f"convert: model_type {model_type!r} is not supported; meshfold imports "
-                          f"{', '.join(FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3)")
+                          f"{', '.join(FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, "
+                          f"DeepSeek-V2/V3)")
     window = _sliding_window(hf, model_type)
     if window:
         raise ConfigError(f"convert: {window}: sliding-window attention is not supported (meshfold attends "
@@ -96,9 +124,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"convert: hidden_act {hf['hidden_act']!r}; meshfold's SwiGLU needs silu")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or dim // heads
+    deepseek = model_type.startswith("deepseek")
+    head_dim = (None if deepseek else hf.get("head_dim")) or dim // heads  # DeepSeek's head_dim is the rope part
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if model_type == "qwen3" and attn_bias:
+    if deepseek and (attn_bias or mlp_bias):
+        raise ConfigError("convert: DeepSeek with attention_bias or mlp_bias = true is not supported")
+    if model_type in ("qwen3", "qwen3_moe") and attn_bias:
         raise ConfigError("convert: Qwen3 with attention_bias = true (biases on q/k/v/o without MLP biases) "
                           "is not supported")
     if model_type in ("llama", "mistral") and attn_bias != mlp_bias:
@@ -133,6 +164,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             scaling.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
                            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
                            rope_attention_factor=float(attention or 0.0))
+        if rope_type == "yarn" and deepseek:  # MLA's softmax scale takes mscale(factor, mscale_all_dim)^2
+            scaling["rope_mscale_all_dim"] = float(rope.get("mscale_all_dim") or 0.0)
         if rope_type == "llama3":
             scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                            rope_high_freq_factor=float(rope["high_freq_factor"]))
@@ -143,17 +176,73 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], seq_len=seq_len, max_position=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=attn_bias and model_type in ("llama", "mistral"), qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3", attn_head_dim=head_dim if head_dim != dim // heads else 0, **scaling,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), attn_head_dim=head_dim if head_dim != dim // heads else 0,
+        **scaling, **_moe_from_hf(hf, model_type), **_mla_from_hf(hf, model_type),
     )
+
+
+def _moe_from_hf(hf: dict, model_type: str) -> dict:
+    """The ``[model]`` MoE keys of a Mixtral / Qwen3-MoE / DeepSeek config ({} for dense)."""
+    if model_type == "mixtral":
+        return dict(moe_experts=hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"], moe_norm_topk=True,
+                    moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    if model_type == "qwen3_moe":
+        experts = hf.get("num_experts", hf.get("num_local_experts", 0))
+        if not experts:
+            return {}
+        return dict(moe_experts=experts, moe_topk=hf["num_experts_per_tok"], moe_ffn_dim=hf["moe_intermediate_size"],
+                    moe_every=hf.get("decoder_sparse_step", 1), moe_dense_layers=list(hf.get("mlp_only_layers") or []),
+                    moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
+                    moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    if not model_type.startswith("deepseek"):
+        return {}
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"convert: moe_layer_freq = {hf['moe_layer_freq']} is not supported (transformers "
+                          f"makes every layer from first_k_dense_replace on a MoE layer)")
+    scoring = hf.get("scoring_func", "softmax" if model_type == "deepseek_v2" else "sigmoid")
+    if (model_type, scoring) not in (("deepseek_v2", "softmax"), ("deepseek_v3", "sigmoid")):
+        raise ConfigError(f"convert: {model_type} with scoring_func = {scoring!r} is not supported")
+    groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    out = dict(moe_experts=hf["n_routed_experts"], moe_topk=hf["num_experts_per_tok"],
+               moe_ffn_dim=hf["moe_intermediate_size"], moe_shared_experts=hf.get("n_shared_experts") or 0,
+               moe_first_dense=hf.get("first_k_dense_replace") or 0,
+               moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)))
+    if model_type == "deepseek_v2":  # transformers' V2 never renormalises the k gates
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"convert: deepseek_v2 topk_method {method!r} is not supported")
+        limited = method == "group_limited_greedy" and groups > 1
+        return dict(out, moe_norm_topk=False, moe_groups=groups if limited else 0,
+                    moe_topk_groups=topk_groups if limited else 0)
+    if not hf.get("norm_topk_prob", True):
+        raise ConfigError("convert: deepseek_v3 with norm_topk_prob = false is not supported (meshfold's sigmoid "
+                          "router always renormalises the k gates)")
+    if hf.get("rope_interleave", True) is False:
+        raise ConfigError("convert: deepseek_v3 with rope_interleave = false is not supported")
+    # V3 balances without an auxiliary loss: the correction bias (moe_bias_balance) does.
+    return dict(out, moe_router="sigmoid", moe_bias_balance=True, moe_aux_loss_coef=0.0,
+                moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0)
+
+
+def _mla_from_hf(hf: dict, model_type: str) -> dict:
+    """Multi-head latent attention keys of a DeepSeek config ({} otherwise)."""
+    if not model_type.startswith("deepseek"):
+        return {}
+    return dict(mla_kv_rank=hf["kv_lora_rank"], mla_q_rank=hf.get("q_lora_rank") or 0,
+                mla_rope_dim=hf["qk_rope_head_dim"], mla_nope_dim=hf["qk_nope_head_dim"], mla_v_dim=hf["v_head_dim"])
 
 
 def hf_family(m: ModelConfig, arch: str | None = None) -> str:
     """The Hugging Face family a meshfold model exports to (``arch`` forces one), or a
     ConfigError naming the feature that family lacks."""
-    if m.norm != "rmsnorm" or m.mlp != "swiglu" or m.pos != "rope" or m.moe_experts:
-        raise ConfigError("convert export: only dense models with rmsnorm, swiglu and rope map to a Hugging Face "
-                          "Llama/Mistral/Qwen model")
+    if m.norm != "rmsnorm" or m.mlp != "swiglu" or m.pos != "rope":
+        raise ConfigError("convert export: only models with rmsnorm, swiglu and rope map to a Hugging Face "
+                          "Llama/Mistral/Qwen/Mixtral/DeepSeek model")
+    if m.moe_experts or m.mla:
+        return _moe_family(m, arch)
     family = arch or ("qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama")
+    if family in MOE_FAMILIES:
+        raise ConfigError(f"convert export: {ARCHITECTURES[family]} needs a MoE model (model.moe_experts > 0)")
     need = {"llama": dict(qk_norm=False, qkv_bias=False), "mistral": dict(qk_norm=False, qkv_bias=False, bias=False),
             "qwen2": dict(qk_norm=False, bias=False), "qwen3": dict(qkv_bias=False, bias=False)}[family]
     for key, value in need.items():
@@ -162,6 +251,37 @@ def hf_family(m: ModelConfig, arch: str | None = None) -> str:
                               f"{ARCHITECTURES[family]}; choose another --arch")
     if family == "qwen2" and not m.qkv_bias:
         raise ConfigError("convert export: Qwen2ForCausalLM always has q/k/v biases; set --arch llama")
+    return family
+
+
+def _moe_family(m: ModelConfig, arch: str | None) -> str:
+    """Mixtral (softmax, no shared experts), Qwen3-MoE (q/k norms) or DeepSeek-V2/V3 (latent
+    attention; V3 = sigmoid router), checked key by key."""
+    natural = ("deepseek_v3" if m.moe_router == "sigmoid" else "deepseek_v2") if m.mla else (
+        "qwen3_moe" if m.qk_norm else "mixtral")
+    family = arch or natural
+    if family != natural:
+        raise ConfigError(f"convert export: this model exports as {ARCHITECTURES[natural]}, not {ARCHITECTURES[family]}")
+    if not m.moe_experts:
+        raise ConfigError(f"convert export: {ARCHITECTURES[family]} needs model.moe_experts > 0")
+    deepseek = family.startswith("deepseek")
+    need = dict(bias=False, qkv_bias=False, moe_capacity_factor=0.0)
+    if family == "mixtral":
+        need.update(moe_shared_experts=0, moe_first_dense=0, moe_dense_layers=[], moe_every=1, moe_router="softmax",
+                    moe_norm_topk=True, moe_groups=0, moe_routed_scale=1.0, moe_bias_balance=False)
+    elif family == "qwen3_moe":
+        need.update(moe_shared_experts=0, moe_router="softmax", moe_groups=0, moe_routed_scale=1.0,
+                    moe_bias_balance=False)
+    elif deepseek:
+        need.update(moe_every=1, moe_dense_layers=[], qk_norm=False, attn_head_dim=0)
+        if family == "deepseek_v2":
+            need.update(moe_norm_topk=False, moe_bias_balance=False)
+        else:
+            need.update(moe_bias_balance=True)
+    for key, value in need.items():
+        if getattr(m, key) != value:
+            raise ConfigError(f"convert export: model.{key} = {getattr(m, key)} has no equivalent in "
+                              f"{ARCHITECTURES[family]}")
     return family
 
 
@@ -203,8 +323,30 @@ def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = 
         out["sliding_window"] = None
     if family in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layers)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    if family == "mixtral":
+        out.update(num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, sliding_window=None,
+                   router_aux_loss_coef=m.moe_aux_loss_coef, intermediate_size=m.expert_dim)
+    if family == "qwen3_moe":
+        out.update(num_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, moe_intermediate_size=m.expert_dim,
+                   decoder_sparse_step=m.moe_every, norm_topk_prob=m.moe_norm_topk,
+                   mlp_only_layers=sorted(set(m.moe_dense_layers) | set(range(m.moe_first_dense))),
+                   router_aux_loss_coef=m.moe_aux_loss_coef)
+    if family.startswith("deepseek"):
+        out.update(n_routed_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, moe_intermediate_size=m.expert_dim,
+                   n_shared_experts=m.moe_shared_experts, first_k_dense_replace=m.moe_first_dense, moe_layer_freq=1,
+                   n_group=m.moe_groups or 1, topk_group=m.moe_topk_groups or 1,
+                   routed_scaling_factor=m.moe_routed_scale, norm_topk_prob=family == "deepseek_v3",
+                   q_lora_rank=m.mla_q_rank or None, kv_lora_rank=m.mla_kv_rank, qk_rope_head_dim=m.mla_rope_dim,
+                   qk_nope_head_dim=m.mla_nope_dim, v_head_dim=m.mla_v_dim, head_dim=m.mla_rope_dim,
+                   attention_bias=False, mlp_bias=False)
+        if family == "deepseek_v2":
+            out.update(topk_method="group_limited_greedy" if m.moe_groups else "greedy", scoring_func="softmax")
+        else:
+            out.update(topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True)
+        if rope_scaling and m.rope_scaling == "yarn" and m.rope_mscale_all_dim:
+            rope_scaling["mscale_all_dim"] = m.rope_mscale_all_dim
     return out
 
 
@@ -227,6 +369,8 @@ def _from_hf_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 def _rotated_heads(mine: str, m: ModelConfig) -> int | None:
     """How many heads a tensor's rows (or, for the per-head q/k norms, its one head) hold
     when RoPE's pair layout applies to it, or None when it does not."""
+    if m.mla:  # latent attention rotates adjacent pairs on both sides
+        return None
     if mine.startswith("attention.wq."):
         return m.n_heads
     if mine.startswith("attention.wk."):
@@ -237,26 +381,68 @@ def _rotated_heads(mine: str, m: ModelConfig) -> int | None:
 
 
 def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names and values (hub layout: one tensor per expert; Mixtral's block_sparse_moe)."""
+    mixtral = bool(m.moe_experts) and not (m.qk_norm or m.mla)
     out = {}
     for name, value in state.items():
         if name in TOP_NAMES:
             out[TOP_NAMES[name]] = value
             continue
         _, layer, rest = name.split(".", 2)
+        prefix = f"model.layers.{layer}."
+        if rest in EXPERT_NAMES:
+            kind = EXPERT_NAMES[rest]
+            for j in range(value.shape[0]):
+                if mixtral:
+                    out[f"{prefix}block_sparse_moe.experts.{j}.{MIXTRAL_EXPERT_NAMES[kind]}.weight"] = value[j]
+                else:
+                    out[f"{prefix}mlp.experts.{j}.{kind}.weight"] = value[j]
+            continue
         if rest not in LAYER_NAMES:
             raise ConfigError(f"convert export: no Hugging Face name for {name}")
         heads = _rotated_heads(rest, m)
         if heads is not None:
             value = _to_hf_rope(value, heads)
-        out[f"model.layers.{layer}.{LAYER_NAMES[rest]}"] = value
+        hf_name = LAYER_NAMES[rest]
+        if mixtral and rest.startswith("feed_forward.router."):
+            hf_name = hf_name.replace("mlp.", "block_sparse_moe.", 1)
+        out[prefix + hf_name] = value
     return {k: v.contiguous() for k, v in out.items()}
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _hub_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One naming for every MoE layout: Mixtral's ``block_sparse_moe`` and w1/w3/w2 become
+    ``mlp`` and gate/up/down; transformers 5's fused ``gate_up_proj`` [E, 2F, D] and
+    ``down_proj`` [E, D, F] become one tensor per expert."""
+    out = {}
+    for name, value in state.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            if ".mlp.experts." in name and name.endswith(f".{old}.weight"):
+                name = name[: -len(f"{old}.weight")] + f"{new}.weight"
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = value.chunk(2, dim=1)
+            for j in range(value.shape[0]):
+                out[name.replace("gate_up_proj", f"{j}.gate_proj.weight")] = gate[j]
+                out[name.replace("gate_up_proj", f"{j}.up_proj.weight")] = up[j]
+            continue
+        if name.endswith(".mlp.experts.down_proj"):
+            for j in range(value.shape[0]):
+                out[name.replace("down_proj", f"{j}.down_proj.weight")] = value[j]
+            continue
+        out[name] = value
+    return out
 
 
 def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     top = {v: k for k, v in TOP_NAMES.items()}
     per_layer = {v: k for k, v in LAYER_NAMES.items()}
-    out = {}
-    for name, value in state.items():
+    experts_of = {v: k for k, v in EXPERT_NAMES.items()}
+    out, experts = {}, {}
+    for name, value in _hub_names(state).items():
         if name in top:
             if name == "lm_head.weight" and m.tie_embeddings:
                 continue  # tied: the embedding is the output projection
@@ -267,6 +453,12 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         if not name.startswith("model.layers."):
             raise ConfigError(f"convert import: unexpected tensor {name}")
         _, _, layer, rest = name.split(".", 3)
+        if m.mla and int(layer) >= m.n_layers:
+            continue  # DeepSeek-V3's multi-token-prediction module (layer 61): not imported
+        expert = _EXPERT.fullmatch(name)
+        if expert:
+            experts.setdefault((layer, experts_of[expert.group(3)]), {})[int(expert.group(2))] = value
+            continue
         if rest not in per_layer:
             raise ConfigError(f"convert import: unexpected tensor {name}")
         mine = per_layer[rest]
@@ -274,6 +466,11 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         if heads is not None:
             value = _from_hf_rope(value, heads)
         out[f"layers.{layer}.{mine}"] = value
+    for (layer, mine), per_expert in experts.items():
+        if sorted(per_expert) != list(range(m.moe_experts)):
+            raise ConfigError(f"convert import: layer {layer} has experts {sorted(per_expert)[:5]}..., the config "
+                              f"says {m.moe_experts}")
+        out[f"layers.{layer}.{mine}"] = torch.stack([per_expert[j] for j in range(m.moe_experts)])
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models.attention_ops import DOCUMENT_TILE, document_attention, document_plan
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
+from meshfold.models.mla import MLAttention
 from meshfold.models.moe import MoE
 
 
@@ -48,7 +50,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     factor, high ones kept, a smooth ramp between), ``dynamic`` (NTK-aware base for
     ``seq_len`` beyond the original context) and ``yarn`` (per-frequency ramp plus a
     temperature on cos/sin)."""
-    d, theta, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    d, theta, factor = cfg.rope_dim, cfg.rope_theta, cfg.rope_factor
     exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
     kind = cfg.rope_scaling
     if kind == "dynamic":
@@ -112,9 +114,20 @@ class CoreAttention(nn.Module):
     A separate module so context parallel can swap in ring or Ulysses attention and
     selective recomputation can checkpoint exactly this part.
     Inputs are [batch, seq, heads, head_dim]; ``doc_ids`` and ``positions`` are [batch, seq].
+    With ``doc_ids`` (packed documents, contiguous runs of equal ids) attention runs per
+    document (``attention_ops.document_attention``: key windows per query tile, never an
+    S x S mask); ``dense = True`` is the S x S-mask reference the tests compare it with.
     """
 
+    def __init__(self, dense: bool = False):
+        super().__init__()
+        self.dense = dense
+        # Transformer.forward plans the micro-batch's windows once with this tile.
+        self.document_tile = None if dense else DOCUMENT_TILE
+
     def forward(self, q, k, v, positions=None, doc_ids=None):
+        if doc_ids is not None and not self.dense:
+            return document_attention(q, k, v, positions, doc_ids, self.document_tile)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if doc_ids is None:
@@ -172,7 +185,11 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(cfg)
-        self.attention = Attention(cfg)
+        if cfg.mla:  # DeepSeek's multi-head latent attention (models/mla.py)
+            # its q/kv latent norms use eps 1e-6 whatever norm_eps is, as DeepSeek's do
+            self.attention = MLAttention(cfg, lambda d: RMSNorm(d, 1e-6), CoreAttention(), apply_rotary)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
         if cfg.is_moe_layer(layer_id):
             self.feed_forward = MoE(cfg)
@@ -216,6 +233,10 @@ class Transformer(nn.Module):
             pos = positions if positions is not None else torch.arange(seq, device=h.device)
             h = h + self.pos_embeddings(pos)
         rope = self._rope(positions, seq, h.device)
+        if doc_ids is not None:  # the documents' attention windows: once per micro-batch, not per layer
+            tile = next((getattr(layer.attention.core, "document_tile", None) for layer in self.layers.values()), None)
+            if tile is not None:
+                document_plan(doc_ids, positions, tile)
         for layer in self.layers.values():
             h = layer(h, rope, positions, doc_ids)
         if self.norm is not None:

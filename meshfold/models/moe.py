@@ -41,6 +41,7 @@ assumption), and otherwise are exactly ``torch.bincount`` / ``tolist``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -79,18 +80,25 @@ def has_values(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or detect_fake_mode(t) is None
 
 
-def count_rows(key: torch.Tensor, n: int, balanced) -> torch.Tensor:
-    """``torch.bincount(key, minlength=n)`` (rows per key, on the device); for a key without
-    values, the host ints ``balanced()`` as a tensor of that shape (a balanced router's counts)."""
-    if has_values(key):
-        return torch.bincount(key, minlength=n)
-    return torch.tensor(balanced(), dtype=torch.int64, device=key.device)
+def count_rows(key: torch.Tensor, n: int, balanced=None) -> torch.Tensor:
+    """Rows per key value in [0, n) (``bincount(key, minlength=n)``), on the device without a
+    host read: a scatter-add into n counters (CUDA's ``bincount`` reads the key's maximum on
+    the host). The same op with or without values (``balanced`` is kept for the callers' form:
+    the counts only reach the host through ``read_counts``, which answers for fake tensors)."""
+    return torch.zeros(n, dtype=torch.int64, device=key.device).scatter_add_(
+        0, key.reshape(-1), torch.ones(key.numel(), dtype=torch.int64, device=key.device))
 
 
 def read_counts(t: torch.Tensor, balanced):
     """``t.tolist()``: a routing count read on the host; for a tensor without values,
-    ``balanced()`` (what a balanced router gives there)."""
-    return t.tolist() if has_values(t) else balanced()
+    ``balanced()`` (what a balanced router gives there). Without values the read is still
+    asked for (and its failure ignored), so ``meshfold dry-run --device cuda``, which answers
+    reads, counts it where the real run has it."""
+    if has_values(t):
+        return t.tolist()
+    with contextlib.suppress(Exception):
+        t.tolist()
+    return balanced()
 
 
 def _local(t: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
@@ -132,14 +140,35 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# Rows per grouped-GEMM group are padded to a multiple of this many bytes' worth of rows
+# (sm90's grouped GEMM wants 16-byte aligned groups: 8 rows of bf16).
+GROUP_ALIGN_BYTES = 16
+
+
 class _Groups:
     """How rows map onto the kernel: offsets for the grouped GEMM (rows sorted by expert), or
-    the (expert, slot) of every row in the padded [E, cap, .] layout (any row order)."""
+    the (expert, slot) of every row in the padded [E, cap, .] layout (any row order).
 
-    def __init__(self, counts: torch.Tensor, rows: int, kernel: str, expert: torch.Tensor | None = None):
+    Grouped GEMM: each expert's group is padded to a multiple of ``align`` rows (16 bytes of
+    the compute dtype), with no host read: the padded layout has a fixed size (rows plus
+    ``(align - 1) E``), row i of expert e goes to ``dest[i]`` = its padded group's start plus
+    its place in the group, and rows past the last offset are never read back."""
+
+    def __init__(self, counts: torch.Tensor, rows: int, kernel: str, expert: torch.Tensor | None = None,
+                 align: int = 1):
         self.kernel = kernel
         if kernel == "grouped_mm":
-            self.offsets = torch.cumsum(counts, 0).to(torch.int32)
+            self.dest = None
+            if align > 1 and rows:
+                E = counts.shape[0]
+                padded = (counts + (align - 1)) // align * align
+                start, pstart = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
+                owner = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=rows)
+                self.dest = torch.arange(rows, device=counts.device) - start[owner] + pstart[owner]
+                self.padded_rows = rows + (align - 1) * E
+                self.offsets = torch.cumsum(padded, 0).to(torch.int32)
+            else:
+                self.offsets = torch.cumsum(counts, 0).to(torch.int32)
             return
         E = counts.shape[0]
         # the padded path's one host read (balanced: ceil(rows / E))
@@ -154,7 +183,8 @@ class _Groups:
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
-    """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]."""
+    """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]
+    (grouped GEMM with aligned groups: x and the result are in the padded layout)."""
     if groups.kernel == "grouped_mm":
         return _GROUPED_MM(x, w.transpose(-2, -1), offs=groups.offsets)
     padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
@@ -187,7 +217,17 @@ class GroupedExperts(nn.Module):
         x = x.to(dtype)
         w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
         if groups is None:
-            groups = _Groups(counts, x.shape[0], expert_kernel(x, self.kernel))
+            kernel = expert_kernel(x, self.kernel)
+            groups = _Groups(counts, x.shape[0], kernel, align=max(1, GROUP_ALIGN_BYTES // x.element_size()))
+        if getattr(groups, "dest", None) is not None:  # aligned groups: in and out of the padded layout once
+            x = x.new_zeros(groups.padded_rows, x.shape[1]).index_copy(0, groups.dest, x)
+            if gates is not None:
+                gates = gates.new_zeros(groups.padded_rows).index_copy(0, groups.dest, gates)
+            return self._run(x, w1, w2, groups, gates).index_select(0, groups.dest)
+        return self._run(x, w1, w2, groups, gates)
+
+    def _run(self, x, w1, w2, groups, gates):
+        dtype = x.dtype
         if self.w3 is None:
             h = F.gelu(grouped_linear(x, w1, groups), approximate="tanh")
         else:
@@ -269,6 +309,10 @@ class MoE(nn.Module):
         self.aux_coef = cfg.moe_aux_loss_coef
         self.z_coef = cfg.moe_z_loss_coef
         self.bias_rate = cfg.moe_bias_update_rate
+        # DeepSeek routing: group-limited choice, scaled gates, sequence-wise balance loss.
+        self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
+        self.routed_scale = cfg.moe_routed_scale
+        self.seq_aux_coef = cfg.moe_seq_aux_loss_coef
         self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp)
         self.shared_experts = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim, cfg.mlp, cfg.bias)
@@ -297,11 +341,29 @@ class MoE(nn.Module):
         choice = scores.detach()
         if self.expert_bias is not None:
             choice = choice + self.expert_bias.to(choice.dtype)
+        if self.groups > 1:
+            choice = self.limit_groups(choice)
         idx = choice.topk(self.topk, dim=-1).indices
         gates = scores.gather(-1, idx)
         if self.norm_topk:
             gates = gates / gates.sum(-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            gates = gates * self.routed_scale
         return probs, idx, gates
+
+    def limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited (node-limited) routing: the experts form ``groups`` equal groups, a
+        token keeps the ``topk_groups`` best groups and the others' experts leave the choice
+        (-inf). A group's score is its best expert's (DeepSeek-V2, softmax router) or the sum of
+        its two best (DeepSeek-V3, sigmoid router with the balancing bias)."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        if self.router_kind == "sigmoid":
+            score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            score = grouped.amax(-1)
+        best = score.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     def capacity_keep(self, idx: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """[T, k] bool: which assignments fit in their expert's per-sequence capacity."""
@@ -323,7 +385,7 @@ class MoE(nn.Module):
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
         if self.training and torch.is_grad_enabled():
-            self._aux_terms(logits, probs, idx, keep)
+            self._aux_terms(logits, probs, idx, keep, seq)
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         expert, gate = idx.flatten(), gates.flatten()
@@ -337,14 +399,15 @@ class MoE(nn.Module):
     def _kept(self, keep: torch.Tensor, batch: int, seq: int, *rows: torch.Tensor) -> tuple:
         """The kept assignments of each of ``rows``. Without values (``has_values``): as many
         as a balanced router keeps (per sequence, each expert's share of s * k, at most the
-        capacity), the first ones (only their number matters there)."""
+        capacity), the first ones (only their number matters there). With values it is a host
+        read (boolean-mask selection): capacity mode has one per MoE layer (docs/gpu.md)."""
         if has_values(keep):
             return tuple(r[keep] for r in rows)
         cap = math.ceil(self.capacity_factor * seq * self.topk / self.n_experts)
         n = batch * sum(min(c, cap) for c in balanced_counts(seq * self.topk, self.n_experts))
         return tuple(r[:n] for r in rows)
 
-    def _aux_terms(self, logits, probs, idx, keep) -> None:
+    def _aux_terms(self, logits, probs, idx, keep, seq: int) -> None:
         """Global routing statistics of this forward, and this rank's share of the aux losses.
 
         Activation recomputation re-runs this forward inside backward: it must build the same
@@ -367,15 +430,29 @@ class MoE(nn.Module):
             step_counts, step_tokens = self._step_stats[: self.n_experts], self._step_stats[self.n_experts]
             f = (step_counts / (step_tokens * self.topk)).to(probs.dtype)
             self._replay.append((f, n_tokens))
-        if not (self.aux_coef or self.z_coef):
+        if not (self.aux_coef or self.z_coef or self.seq_aux_coef):
             return  # no loss terms: nothing joins the backward
         aux = logits.new_zeros(())
         if self.aux_coef:
             aux = aux + self.aux_coef * self.n_experts * (f * probs.sum(0)).sum() / n_tokens
         if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(logits, -1).pow(2).sum() / n_tokens
+        if self.seq_aux_coef:
+            aux = aux + self.seq_aux_coef * self.sequence_balance(probs, idx, seq) / (n_tokens / seq)
         if not recomputing:
             self._aux = aux if self._aux is None else self._aux + aux
+
+    def sequence_balance(self, probs: torch.Tensor, idx: torch.Tensor, seq: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance term, summed over this rank's sequences (whole
+        sequences: context parallel is refused with it): per sequence of s tokens,
+        sum_i f_i P_i with f_i = E/(k s) * (tokens choosing i), P_i = mean over its tokens of
+        the normalised scores. The caller divides by the global number of sequences."""
+        per_seq = idx.view(-1, seq * self.topk)
+        counts = torch.zeros(per_seq.shape[0], self.n_experts, dtype=probs.dtype, device=probs.device)
+        counts.scatter_add_(1, per_seq, torch.ones_like(per_seq, dtype=probs.dtype))
+        f = counts * (self.n_experts / (self.topk * seq))  # no gradient, as in the paper
+        P = probs.view(-1, seq, self.n_experts).mean(1)
+        return (f * P).sum()
 
     # ------------------------------------------------------------------ step bookkeeping
 
@@ -414,17 +491,18 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 def moe_end_step(model: nn.Module) -> dict:
     """metrics.jsonl fields for the step just taken: ``expert_load`` (tokens per expert, per MoE
     layer, whole global batch), ``expert_imbalance`` (max over layers of max/mean load) and
-    ``dropped_tokens`` (token-expert assignments dropped by capacity, summed over layers)."""
-    loads, imbalance, dropped = {}, 0.0, 0
-    for name, m in moe_layers(model):
-        out = m.end_step()
-        if out is None:
-            continue
-        layer = name.split("layers.", 1)[-1].split(".", 1)[0]
-        load = out["load"]
-        loads[layer] = [int(v) for v in load.tolist()]
-        imbalance = max(imbalance, float(load.max() / load.mean().clamp(min=1e-12)))
-        dropped += int(out["dropped"])
-    if not loads:
+    ``dropped_tokens`` (token-expert assignments dropped by capacity, summed over layers).
+    One host read for all layers (their loads and dropped counts stacked on the device)."""
+    outs = [(name, m.end_step()) for name, m in moe_layers(model)]
+    outs = [(name.split("layers.", 1)[-1].split(".", 1)[0], out) for name, out in outs if out is not None]
+    if not outs:
         return {}
+    rows = torch.stack([torch.cat([out["load"].double(), out["dropped"].double().reshape(1)]) for _, out in outs])
+    values = read_counts(rows, lambda: [[0.0] * rows.shape[1]] * rows.shape[0])
+    loads, imbalance, dropped = {}, 0.0, 0
+    for (layer, _), row in zip(outs, values):
+        load = row[:-1]
+        loads[layer] = [int(v) for v in load]
+        imbalance = max(imbalance, max(load) / max(sum(load) / len(load), 1e-12))
+        dropped += int(row[-1])
     return {"expert_imbalance": imbalance, "expert_load": loads, "dropped_tokens": dropped}

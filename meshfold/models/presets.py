@@ -16,6 +16,7 @@ _LLAMA3 = dict(rope_theta=500000.0, vocab_size=128256, norm_eps=1e-5)
 _LLAMA31_ROPE = dict(max_position=131072, rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
                      rope_high_freq_factor=4.0, rope_original_seq_len=8192)
 _QWEN2 = dict(vocab_size=151936, seq_len=4096, max_position=32768, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True)
+_DEEPSEEK_YARN = dict(max_position=163840, rope_scaling="yarn", rope_factor=40.0, rope_original_seq_len=4096)
 _QWEN3 = dict(vocab_size=151936, seq_len=4096, max_position=40960, rope_theta=1e6, norm_eps=1e-6, attn_head_dim=128,
               qk_norm=True)
 
@@ -67,8 +68,27 @@ PRESETS: dict[str, dict] = {
     "gpt3-175b": dict(dim=12288, n_layers=96, n_heads=96, vocab_size=50257, seq_len=2048, norm="layernorm",
                       mlp="gelu", bias=True, pos="learned", tie_embeddings=True),
     # Mixture of experts.
+    # Hugging Face MoE families (docs/hf.md, docs/moe.md); counts equal transformers' models.
     "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
-                         seq_len=4096, rope_theta=1e6, moe_experts=8, moe_topk=2),
+                         seq_len=4096, max_position=32768, rope_theta=1e6, moe_experts=8, moe_topk=2,
+                         moe_aux_loss_coef=0.02),
+    "mixtral-8x22b": dict(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384, vocab_size=32768,
+                          seq_len=4096, max_position=65536, rope_theta=1e6, moe_experts=8, moe_topk=2,
+                          moe_aux_loss_coef=0.02),
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, moe_ffn_dim=768,
+                          moe_experts=128, moe_topk=8, moe_aux_loss_coef=0.001, **_QWEN3),
+    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288, moe_ffn_dim=1536,
+                            moe_experts=128, moe_topk=8, moe_aux_loss_coef=0.001, **_QWEN3),
+    # DeepSeek: multi-head latent attention, shared + fine-grained routed experts, dense first layers.
+    "deepseek-v2-lite": dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_dim=10944, vocab_size=102400, seq_len=4096,
+                             norm_eps=1e-6, moe_experts=64, moe_topk=6, moe_ffn_dim=1408, moe_shared_experts=2,
+                             moe_first_dense=1, moe_norm_topk=False, mla_kv_rank=512, **_DEEPSEEK_YARN,
+                             rope_attention_factor=1.0, rope_mscale_all_dim=0.707),
+    "deepseek-v3": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432, vocab_size=129280, seq_len=4096,
+                        norm_eps=1e-6, moe_experts=256, moe_topk=8, moe_ffn_dim=2048, moe_shared_experts=1,
+                        moe_first_dense=3, moe_router="sigmoid", moe_bias_balance=True, moe_aux_loss_coef=0.0,
+                        moe_groups=8, moe_topk_groups=4, moe_routed_scale=2.5, mla_kv_rank=512, mla_q_rank=1536,
+                        **_DEEPSEEK_YARN, rope_attention_factor=1.0, rope_mscale_all_dim=1.0),
     # DeepSeek-MoE-16B-like fine-grained experts: 64 routed (top-6) + 2 shared, small expert width.
     "deepseek-moe-16b": dict(dim=2048, n_layers=28, n_heads=16, ffn_dim=10944, vocab_size=102400,
                              seq_len=4096, moe_experts=64, moe_topk=6, moe_ffn_dim=1408,
@@ -98,7 +118,18 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
     return n_in * n_out + (n_out if bias else 0)
 
 
+def mla_params(cfg: ModelConfig) -> int:
+    """Multi-head latent attention (models/mla.py): q (full or low-rank with its norm), the
+    kv compression with its norm and RoPE key, the kv expansion, the output."""
+    H, qk = cfg.n_heads, cfg.mla_nope_dim + cfg.mla_rope_dim
+    q = cfg.dim * H * qk if not cfg.mla_q_rank else cfg.dim * cfg.mla_q_rank + cfg.mla_q_rank * (1 + H * qk)
+    kv = cfg.dim * (cfg.mla_kv_rank + cfg.mla_rope_dim) + cfg.mla_kv_rank * (1 + H * (cfg.mla_nope_dim + cfg.mla_v_dim))
+    return q + kv + H * cfg.mla_v_dim * cfg.dim
+
+
 def attention_params(cfg: ModelConfig) -> int:
+    if cfg.mla:
+        return mla_params(cfg)
     hd = cfg.head_dim
     qkv_bias = cfg.bias or cfg.qkv_bias
     return (
@@ -156,7 +187,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool
     FLOPs, as MFU is defined). ``causal=True`` counts only the unmasked half of attention;
     the default counts it whole, the convention of PaLM/Megatron MFU figures."""
     s = seq_len or cfg.seq_len
-    attn = 4 * s * cfg.n_heads * cfg.head_dim * cfg.n_layers
+    # scores (q/k width) and the weighted sum (v width); MLA's heads differ in the two
+    qk, v = (cfg.mla_nope_dim + cfg.mla_rope_dim, cfg.mla_v_dim) if cfg.mla else (cfg.head_dim, cfg.head_dim)
+    attn = 2 * s * cfg.n_heads * (qk + v) * cfg.n_layers
     if causal:
         attn /= 2
     forward = 2 * matmul_params(cfg, active=True) + attn

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.models.attention_ops import document_attention
+from meshfold.models.attention_ops import DOCUMENT_TILE, document_attention
 from meshfold.models.llama import Attention, CoreAttention
 
 
@@ -39,10 +39,10 @@ class VarlenCoreAttention(nn.Module):
     rank is a share of a document spread over several ranks go to ring attention over
     their group instead."""
 
-    def __init__(self, spread=None, tile: int = 256):
+    def __init__(self, spread=None, tile: int = DOCUMENT_TILE):
         super().__init__()
         self.spread = spread
-        self.tile = tile  # query tile of document_attention (256 measured fastest on CPU at seq 4096)
+        self.tile = self.document_tile = tile  # Transformer.forward plans the windows once with it
 
     def forward(self, q, k, v, positions=None, doc_ids=None):
         gqa = q.shape[2] != k.shape[2]

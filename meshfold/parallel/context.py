@@ -147,9 +147,12 @@ _GROUPS: dict[tuple, dict] = {}  # hybrid sub-groups, made once per process (pip
 
 
 def _new_groups(rank_lists: list[list[int]]) -> dict[tuple, dist.ProcessGroup]:
-    """Create every group in the same order on every rank; keep the ones this rank is in."""
+    """Create every group in the same order on every rank; keep the ones this rank is in.
+    Made again once destroyed (a process group re-initialised by live recovery, or the
+    test pool's clean-up between tasks): every rank destroys them together."""
     key = tuple(map(tuple, rank_lists))
-    if key not in _GROUPS:
+    live = dist.distributed_c10d._world.pg_map
+    if key not in _GROUPS or any(g not in live for g in _GROUPS[key].values()):
         _GROUPS[key] = _make_groups(rank_lists)
     return _GROUPS[key]
 
@@ -380,6 +383,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((b, heads, s), float("-inf"), dtype=acc, device=q.device)
         R = layout.R
         nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
+        auxes = []  # each block's kernel state (CUDA: philox seed/offset, lse width), for its backward
         for t in range(R):
             works, nxt = [], None
             if t < R - 1:  # the next block travels while this one is computed
@@ -389,14 +393,15 @@ class _RingAttention(torch.autograd.Function):
             for i, j, code, first in layout.steps[t]:
                 qs, ks = layout.rows(i), layout.rows(j)
                 mask = layout.mask(t, i, j) if code == _PARTIAL else None
-                o, lse_blk, _ = attention_forward(qt[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal=code == _CAUSAL,
-                                                  mask=mask, scale=scale, kernel=plan.kernel)
+                o, lse_blk, aux = attention_forward(qt[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal=code == _CAUSAL,
+                                                    mask=mask, scale=scale, kernel=plan.kernel)
+                auxes.append(aux)
                 _merge(out, lse, qs, o, lse_blk, first)
             wait_all(works)
             if nxt is not None:
                 cur = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.plan = layout, plan
+        ctx.layout, ctx.plan, ctx.auxes = layout, plan, auxes
         return out.transpose(1, 2).to(q.dtype)
 
     @staticmethod
@@ -415,6 +420,7 @@ class _RingAttention(torch.autograd.Function):
         R = layout.R
         nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
         incoming, acc_works, dkv = None, [], None
+        auxes = iter(ctx.auxes)
         # The gradient of member j's keys/values travels with them: every rank adds its part
         # and passes it on; after R hops it is back at j, complete.
         for t in range(R):
@@ -427,10 +433,9 @@ class _RingAttention(torch.autograd.Function):
             for i, j, code, _ in layout.steps[t]:
                 qs, ks = layout.rows(i), layout.rows(j)
                 mask = layout.mask(t, i, j) if code == _PARTIAL else None
-                aux = (pick_kernel(q, mask is not None, plan.kernel),)
-                if aux[0] in ("cuda_flash", "cuda_efficient"):  # these backwards need their forward's state
-                    _, _, aux = attention_forward(qt[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal=code == _CAUSAL,
-                                                  mask=mask, scale=scale, kernel=plan.kernel)
+                # The forward's kernel state of this block, kept (not the forward re-run): the
+                # fused backwards take the final out and lse, which the merge reconstructed.
+                aux = next(auxes)
                 dq_t, dk_t, dv_t = attention_backward(dout[:, :, qs], qt[:, :, qs], kx[:, :, ks], vx[:, :, ks],
                                                       out_k[:, :, qs], lse_k[:, :, qs], aux, causal=code == _CAUSAL,
                                                       mask=mask, scale=scale)
@@ -577,7 +582,7 @@ class ContextParallelAttention(nn.Module):
                 k, v = k.repeat_interleave(u // kv, dim=2), v.repeat_interleave(u // kv, dim=2)
             q, k, v = (_AllToAll.apply(t, 2, 1, plan.ulysses_group) for t in (q, k, v))
         if u > 1 and plan.ring == 1:  # Ulysses: whole sequences, the ordinary fused attention
-            out = _whole_sequence_attention(q, k, v, meta[0], doc_ids is not None)
+            out = _whole_sequence_attention(q, k, v, meta, doc_ids is not None)
         else:
             out = ring_attention(q, k, v, meta, doc_ids is not None, plan, self.cache.ring_layout(doc_ids is not None))
         if u > 1:
@@ -587,9 +592,10 @@ class ContextParallelAttention(nn.Module):
 
 def _whole_sequence_attention(q, k, v, meta: torch.Tensor, use_doc: bool) -> torch.Tensor:
     """Attention of whole, in-order sequences [b, S, heads, d]: causal SDPA, or per-document
-    attention without an S x S mask."""
+    attention without an S x S mask (its windows planned once per forward: ``meta``, the
+    cached [1, 2, b, S] positions and doc ids, is the same tensor in every layer)."""
     if use_doc:
-        return document_attention(q, k, v, meta[0], meta[1])
+        return document_attention(q, k, v, meta[0, 0], meta[0, 1], key=meta)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)

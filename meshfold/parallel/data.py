@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshfold import comm
 from meshfold.comm import ledger
+from meshfold.device import resolved_dtype_name
 from meshfold.mesh import ParallelDims
 
 
@@ -227,13 +228,14 @@ def grad_reducers(model: nn.Module) -> list[GradReducer]:
     return [m.grad_reducer for m in model.modules() if isinstance(getattr(m, "grad_reducer", None), GradReducer)]
 
 
-def fsdp_policies(train) -> tuple[MixedPrecisionPolicy, object | None]:
-    """FSDP2 mixed precision and offload from ``[train]``: with ``dtype = bfloat16`` the
+def fsdp_policies(train, device_type: str = "cpu") -> tuple[MixedPrecisionPolicy, object | None]:
+    """FSDP2 mixed precision and offload from ``[train]``: when the resolved compute dtype
+    is bf16 (``dtype = bfloat16``, or ``auto`` on ``device_type`` cuda) the
     all-gathered compute copies are bf16 while the sharded fp32 master weights stay in
     fp32 and gradients are reduced in ``train.reduce_dtype``; ``offload = params`` moves
     parameters, gradients and optimizer state to host memory (the step runs there)."""
     mp = MixedPrecisionPolicy()
-    if train is not None and train.dtype == "bfloat16":
+    if train is not None and resolved_dtype_name(train.dtype, device_type) == "bfloat16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                   reduce_dtype=torch.float32 if train.reduce_dtype == "float32" else torch.bfloat16)
     offload = None
@@ -248,7 +250,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, of
                         comm_hook=None, train=None) -> nn.Module:
     """``comm_hook``: see ``apply_ddp`` (used only when the layout is DDP's)."""
     if train is not None and mp_policy is None and offload_policy is None:
-        mp_policy, offload_policy = fsdp_policies(train)
+        mp_policy, offload_policy = fsdp_policies(train, dims.mesh.device_type if dims.mesh is not None else "cpu")
     if uses_fsdp(dims):
         return apply_fsdp(model, dims, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp_policy,
                           offload_policy=offload_policy)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from meshfold.schedule import Action, n_stages_of, rank_chunk_of_stage, stage_of
+from meshfold.schedule import Action, n_stages_of, neighbours, rank_chunk_of_stage, stage_of
 
 Message = tuple[str, int, int]  # (kind "act" | "grad", destination stage, micro-batch)
 
@@ -29,17 +29,18 @@ def action_messages(schedule: str, pp: int, n_stages: int, rank: int,
     def owner(stage: int) -> int:
         return rank_chunk_of_stage(schedule, pp, stage)[0]
 
+    before, after = neighbours(a, s, n_stages)  # s-1, s+1 but on skippipe's paths
     need = send = None
     if a.kind == "F":
-        if s > 0:
-            need = (owner(s - 1), ("act", s, a.mb))
-        if s < n_stages - 1:
-            send = (owner(s + 1), ("act", s + 1, a.mb))
+        if before is not None:
+            need = (owner(before), ("act", s, a.mb))
+        if after is not None:
+            send = (owner(after), ("act", after, a.mb))
     elif a.kind == "B":
-        if s < n_stages - 1:
-            need = (owner(s + 1), ("grad", s, a.mb))
-        if s > 0:
-            send = (owner(s - 1), ("grad", s - 1, a.mb))
+        if after is not None:
+            need = (owner(after), ("grad", s, a.mb))
+        if before is not None:
+            send = (owner(before), ("grad", before, a.mb))
     return need, send
 
 
@@ -193,3 +194,13 @@ def exchange_plan(schedule: str, orders: list[list[Action]]) -> list[ExchangePla
         if not changed:
             raise RuntimeError(f"{schedule}: no deadlock-free exchange found; replay stopped at {blocked}")
     raise RuntimeError(f"{schedule}: exchange planning did not converge")
+
+
+def plan_exists(schedule: str, orders: list[list[Action]]) -> bool:
+    """Whether ``exchange_plan`` finds a deadlock-free plan for these orders (skippipe's
+    path scheduler keeps only paths whose orders have one)."""
+    try:
+        exchange_plan(schedule, orders)
+    except RuntimeError:
+        return False
+    return True

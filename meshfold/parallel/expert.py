@@ -255,7 +255,7 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
 
     mesh = expert_mesh(dims)
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
-    mp, offload = fsdp_policies(cfg.train)
+    mp, offload = fsdp_policies(cfg.train, dims.mesh.device_type)
     kwargs = {"offload_policy": offload} if offload is not None else {}  # train.offload = params
     dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp)
     for _, moe in layers:

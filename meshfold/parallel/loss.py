@@ -12,7 +12,10 @@ and in backward each rank forms its own slice of softmax(z) - onehot(y) with no
 communication. Padding columns (vocabulary rounded up to a multiple of tp) arrive as -inf
 from ``VocabParallelOutput`` and so contribute exp(-inf) = 0 to S and 0 to the gradient.
 Returns the *sum* of token losses (labels equal to IGNORE_INDEX excluded), the same value
-on every tp rank, like ``trainer.cross_entropy_sum``.
+on every tp rank, like ``cross_entropy_sum`` (the same computation with the whole
+vocabulary on one rank). Both run over chunks of tokens, so no fp32 copy of the whole
+[tokens, vocab] logits is ever made: the softmax is recomputed per chunk in backward from
+each token's max and log-sum-exp.
 """
 
 from __future__ import annotations
@@ -20,44 +23,102 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from meshfold.data.dataset import IGNORE_INDEX
 from meshfold.parallel.tensor import TensorParallelGroup
 
 
-class _VocabParallelCE(torch.autograd.Function):
+CHUNK_ELEMENTS = 1 << 25  # logits per chunk: a chunk's fp32 working copies are 128 MiB each
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Cross-entropy sum over token chunks: no fp32 copy of the whole [tokens, vocab] logits
+    exists at any time, forward or backward. Saves the logits as they came (the compute
+    dtype) and two fp32 numbers per token (the max and the log-sum-exp); the backward
+    recomputes each chunk's softmax from them. ``tp`` None: the whole vocabulary is here."""
+
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start, tp):
+    def forward(ctx, logits, labels, vocab_start, tp, chunk_elements):
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        z = logits.detach().flatten(0, -2).to(dtype)
-        labels = labels.flatten()
-        chunk = z.shape[-1]
-        # Global max (a constant shift, so no gradient flows through it).
-        zmax = z.max(dim=-1).values
-        tp.all_reduce_(zmax, op="max")
-        z = z - zmax.unsqueeze(-1)
-        exp = z.exp()
+        flat, labels = logits.detach().flatten(0, -2), labels.flatten()
+        n, width = flat.shape
+        step = max(1, chunk_elements // max(1, width))
+        chunks = [slice(a, min(a + step, n)) for a in range(0, n, step)]
+        # Global max per token (a constant shift: no gradient flows through it).
+        zmax = torch.cat([flat[c].to(dtype).amax(-1) for c in chunks]) if n else flat.new_zeros(0, dtype=dtype)
+        if tp is not None:
+            tp.all_reduce_(zmax, op="max")
         idx = labels - vocab_start
-        mine = (idx >= 0) & (idx < chunk) & (labels != IGNORE_INDEX)
+        mine = (idx >= 0) & (idx < width) & (labels != IGNORE_INDEX)
         idx = idx.masked_fill(~mine, 0)
-        target = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        sums = torch.stack([exp.sum(-1), target])
-        tp.all_reduce_(sums)
+        sums = torch.empty(2, n, dtype=dtype, device=flat.device)
+        for c in chunks:
+            z = flat[c].to(dtype) - zmax[c].unsqueeze(-1)
+            sums[1, c] = z.gather(-1, idx[c].unsqueeze(-1)).squeeze(-1).masked_fill(~mine[c], 0.0)
+            sums[0, c] = z.exp_().sum(-1)
+        if tp is not None:
+            tp.all_reduce_(sums)
         sumexp, target = sums
         valid = labels != IGNORE_INDEX
-        loss = (sumexp.log() - target).masked_fill(~valid, 0.0).sum()
-        softmax = exp.div_(sumexp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, idx, mine, valid)
-        ctx.shape, ctx.in_dtype = logits.shape, logits.dtype
+        logsum = sumexp.log()
+        loss = (logsum - target).masked_fill(~valid, 0.0).sum()
+        ctx.save_for_backward(logits, idx, mine, valid, zmax + logsum)
+        ctx.chunks = chunks
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, idx, mine, valid = ctx.saved_tensors
-        # - onehot(y) on the rank owning y; a scatter, not boolean indexing (no host sync).
-        g = softmax.scatter_add(-1, idx.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
-        g = g * (valid.to(g.dtype) * grad.to(g.dtype)).unsqueeze(-1)
-        return g.to(ctx.in_dtype).view(ctx.shape), None, None, None
+        logits, idx, mine, valid, lse = ctx.saved_tensors
+        flat = logits.detach().flatten(0, -2)
+        dtype = lse.dtype
+        out = torch.empty_like(flat)
+        scale = valid.to(dtype) * grad.to(dtype)
+        for c in ctx.chunks:
+            # softmax(z) - onehot(y) on the rank owning y: a scatter, not boolean indexing (no host sync).
+            g = (flat[c].to(dtype) - lse[c].unsqueeze(-1)).exp_()
+            g.scatter_add_(-1, idx[c].unsqueeze(-1), -mine[c].to(dtype).unsqueeze(-1))
+            out[c] = g.mul_(scale[c].unsqueeze(-1))
+        return out.view(logits.shape), None, None, None, None
+
+
+class _ChunkedLocalCE(torch.autograd.Function):
+    """Cross-entropy sum with the whole vocabulary on this rank, over token chunks: torch's
+    fused ``F.cross_entropy`` per chunk (so each token's loss and gradient are exactly
+    today's), keeping only the logits as they came; the backward recomputes each chunk's
+    log-softmax and takes its gradient there. No fp32 [tokens, vocab] copy, no saved
+    log-softmax of the whole batch."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_elements):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        flat, labels = logits.detach().flatten(0, -2), labels.flatten()
+        step = max(1, chunk_elements // max(1, flat.shape[-1]))
+        ctx.chunks = [slice(a, min(a + step, flat.shape[0])) for a in range(0, flat.shape[0], step)]
+        ctx.save_for_backward(logits, labels)
+        losses = [F.cross_entropy(flat[c].to(dtype), labels[c], ignore_index=IGNORE_INDEX, reduction="sum")
+                  for c in ctx.chunks]
+        return torch.stack(losses).sum() if len(losses) != 1 else losses[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        flat = logits.detach().flatten(0, -2)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty_like(flat)
+        for c in ctx.chunks:
+            with torch.enable_grad():
+                z = flat[c].to(dtype).requires_grad_()
+                loss = F.cross_entropy(z, labels[c], ignore_index=IGNORE_INDEX, reduction="sum")
+                (g,) = torch.autograd.grad(loss, z, grad.to(loss.dtype))
+            out[c] = g
+        return out.view(logits.shape), None, None
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """Sum of token losses (labels equal to IGNORE_INDEX excluded), computed in at least fp32,
+    chunked over tokens (``_ChunkedLocalCE``)."""
+    return _ChunkedLocalCE.apply(logits, labels, chunk_elements)
 
 
 class VocabParallelCrossEntropy:
@@ -70,7 +131,7 @@ class VocabParallelCrossEntropy:
         self.vocab_start = tp.rank * self.chunk
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelCE.apply(logits, labels, self.vocab_start, self.tp)
+        return _ChunkedCE.apply(logits, labels, self.vocab_start, self.tp, CHUNK_ELEMENTS)
 
 
 def vocab_parallel_loss(dims, cfg) -> VocabParallelCrossEntropy:

@@ -231,12 +231,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
 
 
 @torch.no_grad()
-def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of all gradients. Sharded DTensor gradients are summed over the mesh
+def grad_norm(params, extra_group: dist.ProcessGroup | None = None,
+              device: torch.device | None = None) -> torch.Tensor:
+    """Global L2 norm of all gradients, a 0-dim float64 tensor on ``device`` (the compute
+    device; default: the gradients'). Sharded DTensor gradients are summed over the mesh
     dimensions they are sharded on (replicated ones count once); ``extra_group`` adds the
-    squares over ranks holding disjoint parameters (pipeline stages)."""
+    squares over ranks holding disjoint parameters (pipeline stages). Gradients held on
+    the host (``train.offload = params``) have their squared norms moved to ``device``
+    before any collective: NCCL groups take device tensors only. No host reads."""
     by_mesh: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    device = None
     for p in params:
         g = p.grad
         if g is None:
@@ -249,13 +252,11 @@ def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Ten
         else:
             by_mesh[(None, ())].append(g)
         device = device or g.device
-    if device is None:
-        return torch.zeros(())
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device or "cpu")
     for (mesh, sharded), grads in by_mesh.items():
         # Per-tensor norms in the gradients' own dtype (no float64 copies of every gradient),
-        # squared and summed in float64.
-        sq = torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
+        # squared and summed in float64, on the compute device.
+        sq = torch.stack([n.to(total.device, torch.float64) for n in torch._foreach_norm(grads)]).pow(2).sum()
         for dim in sharded:
             comm.all_reduce(sq, mesh.get_group(dim), None)  # control scalar: not counted
         total += sq
@@ -264,12 +265,23 @@ def grad_norm(params, extra_group: dist.ProcessGroup | None = None) -> torch.Ten
     return total.sqrt()
 
 
+def _local_grads_by_place(params) -> dict[tuple, list[torch.Tensor]]:
+    out: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = _local(p.grad)
+        out[(g.device, g.dtype)].append(g)
+    return out
+
+
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, extra_group: dist.ProcessGroup | None = None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """Scale the gradients so their global norm is at most ``max_norm``: one foreach
+    multiply per (device, dtype) by a device scalar (never a host read)."""
     params = [p for p in params if p.grad is not None]
-    norm = grad_norm(params, extra_group)
+    norm = grad_norm(params, extra_group, device)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(scale.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else scale.item())
+        for (dev, dtype), grads in _local_grads_by_place(params).items():
+            torch._foreach_mul_(grads, scale.to(dev, dtype))
     return norm

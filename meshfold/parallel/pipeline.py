@@ -35,9 +35,10 @@ from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.exchange import Message, exchange_plan
 from meshfold.models.stage_balance import describe_split
+from meshfold.parallel.skip import skippipe_orders
 from meshfold.parallel.stages import build_stage, stage_split
-from meshfold.schedule import (Action, chunks_per_rank, rank_chunk_of_stage, schedule_actions, stage_of,
-                               theoretical_bubble)
+from meshfold.schedule import (Action, chunks_per_rank, neighbours, orders_bubble, rank_chunk_of_stage,
+                               schedule_actions, stage_of, theoretical_bubble)
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -138,9 +139,12 @@ class Pipeline:
         b, s = mb["inputs"].shape[:2]
         return b, s // (p.tp if p.sp else 1), self.cfg.model.dim
 
-    def orders_for(self, m: int) -> list[Action]:
+    def orders_for(self, m: int, micro_batch: int = 1) -> list[Action]:
         if m not in self.orders:
-            orders = schedule_actions(self.schedule, self.pp, self.virtual, m)
+            if self.schedule == "skippipe":  # per-micro-batch paths (parallel/skip.py)
+                orders = skippipe_orders(self.cfg, self.split, m, micro_batch, self.wire_dtype.itemsize)
+            else:
+                orders = schedule_actions(self.schedule, self.pp, self.virtual, m)
             self.orders[m] = (orders, exchange_plan(self.schedule, orders))
         return self.orders[m][0][self.rank]
 
@@ -151,7 +155,7 @@ class Pipeline:
         stage's token-loss sum (multiplied by ``scale`` for backward), ``moe_aux(module, m)``
         a chunk's scaled MoE auxiliary terms or None."""
         m = len(micro)
-        order = self.orders_for(m)
+        order = self.orders_for(m, micro[0]["inputs"].shape[0])
         plan = self.orders[m][1][self.rank]
         self.local, self.inbox, self.inflight, self.recv_works = {}, {}, [], {}
         outbox: dict[Message, torch.Tensor] = {}
@@ -174,6 +178,7 @@ class Pipeline:
             if last_grad_action.get(a.chunk) == i:
                 self._set_grad_sync(a.chunk)
             s = self.stages[a.chunk]
+            before, after = neighbours(a, s, self.n_stages)  # on this micro-batch's path
             mb = micro[a.mb]
             if a.kind == "F":
                 if s == 0:
@@ -190,7 +195,7 @@ class Pipeline:
                     out = loss * scale.to(loss.dtype)
                 else:
                     out = out.to(self.param_dtype)
-                    self._hand_over(outbox, ("act", s + 1, a.mb), out.detach())
+                    self._hand_over(outbox, ("act", after, a.mb), out.detach())
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
                 x, out, aux = saved.pop((a.chunk, a.mb))
@@ -206,7 +211,7 @@ class Pipeline:
                 else:
                     torch.autograd.backward(outs, grads)
                 if s > 0:
-                    self._hand_over(outbox, ("grad", s - 1, a.mb), x.grad)
+                    self._hand_over(outbox, ("grad", before, a.mb), x.grad)
                 del x, out, aux
             else:
                 start = time.perf_counter()
@@ -259,7 +264,8 @@ class Pipeline:
         self.metrics = {
             "bubble_frac": sum(per_stage) / len(per_stage),
             "bubble_frac_stages": [round(b, 4) for b in per_stage],
-            "bubble_theory": theoretical_bubble(self.schedule, self.pp, self.virtual, m),
+            "bubble_theory": (theoretical_bubble(self.schedule, self.pp, self.virtual, m)
+                              if self.schedule != "skippipe" else orders_bubble(self.schedule, self.orders[m][0])),
             "pp_microbatches": m,
         }
         return every[:, 0].sum()

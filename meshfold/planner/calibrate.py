@@ -79,7 +79,7 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
     per_layer = max(overhead, (r["tiny_step_z0_l3"] - r["tiny_step_z0"]) / 2)
     device = Device("cpu-calibrated", peak_tflops=peak / 1e12, memory_gib=24.0 / max(1, n),
                     hbm_GBps=optimizer_GBps, matmul_eff=1.0, matmul_half_width=half, reserved_gib=0.3,
-                    layer_overhead_us=per_layer * 1e6, attention_tile_us=tile_us)
+                    layer_overhead_us=per_layer * 1e6, attention_tile_us=tile_us, hbm_eff=1.0, gemm_tile=0)
     # elementwise work is inside the measured block times already: no separate term
     cluster = Cluster(name=name, nodes=1, devices_per_node=n, device=device, intra_node_GBps=beta / 1e9,
                       inter_node_GBps=beta / 1e9, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
@@ -150,3 +150,35 @@ def write_cluster(nproc: int, r: dict, out_path: str | Path, step_overhead_s: fl
     out_path.write_text(f"# written by `meshfold calibrate --nproc {nproc}` on {time.strftime('%Y-%m-%d %H:%M')}\n"
                         + cluster_to_toml(cluster))
     return cluster
+
+
+# --------------------------------------------------------------------------- one GPU
+
+# The kernels ``meshfold calibrate --gpu`` times on one accelerator (``meshfold/calibration.py``):
+# square bf16 GEMMs (the largest rate is the device's MAMF, as ``mamf-finder.py`` defines it),
+# a device-to-device copy, and causal fused attention forward and backward at a training shape.
+GPU_GEMM_SIZES = (4096, 8192, 16384)
+GPU_COPY_BYTES = 1 << 30
+GPU_ATTENTION = dict(batch=1, heads=32, seq=8192, head_dim=128)
+
+
+def gpu_attention_flops() -> float:
+    """Forward FLOPs of the timed causal attention, counted as the cost model counts them
+    (QK^T and AV, half of the score matrix under the causal mask)."""
+    a = GPU_ATTENTION
+    return 4 * a["batch"] * a["seq"] ** 2 * a["heads"] * a["head_dim"] * 0.5
+
+
+def gpu_device_from_measurements(base: Device, r: dict) -> Device:
+    """A device preset's efficiencies replaced by one GPU's measurements (seconds per call):
+    ``matmul_eff`` = the fastest square GEMM's rate over the preset's peak, ``hbm_eff`` = the
+    copy's bandwidth (read + write) over ``hbm_GBps``, ``attention_eff`` and
+    ``attention_bwd_eff`` = fused attention's forward and backward rates (backward: 2.5x the
+    forward FLOPs) over the peak. The datasheet figures (peak, memory, HBM) stay the preset's."""
+    peak = base.peak_tflops * 1e12
+    gemm = max(2.0 * n**3 / r[f"gemm_{n}"] for n in GPU_GEMM_SIZES if f"gemm_{n}" in r)
+    f = gpu_attention_flops()
+    return replace(base, name=f"{base.name}-calibrated", matmul_eff=min(1.0, gemm / peak),
+                   hbm_eff=min(1.0, 2 * GPU_COPY_BYTES / r["copy"] / (base.hbm_GBps * 1e9)),
+                   attention_eff=min(1.0, f / r["attention_fwd"] / peak),
+                   attention_bwd_eff=min(1.0, 2.5 * f / r["attention_bwd"] / peak))

@@ -13,6 +13,7 @@ from meshfold.planner import cost
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config
 from meshfold.planner.search import explain, search
+from meshfold.planner.goodput import FailureModel, goodput
 from meshfold.planner.simulate import result_json, simulate
 from meshfold.schedule import makespan
 
@@ -162,6 +163,25 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--json", action="store_true")
     p.add_argument("--png", default=None, help="write the pipeline timeline as a PNG here")
+    f = p.add_argument_group("failures (docs/resilience.md): expected goodput with and without train.live_recovery")
+    f.add_argument("--mtbf-node-h", type=float, default=None, help="mean time between failures of one node, hours")
+    f.add_argument("--restart-s", type=float, default=600.0, help="a whole-job restart incl. checkpoint reload")
+    f.add_argument("--replace-s", type=float, default=300.0, help="one replica group restarted or swapped")
+    f.add_argument("--save-s", type=float, default=30.0, help="one checkpoint save (blocking part)")
+    f.add_argument("--replicas", type=int, default=None,
+                   help="failure domains under live recovery (default: the layout's dp_replicate)")
+
+
+def failure_report(args, est, layout, cluster) -> dict | None:
+    """``goodput`` of the layout at ``--mtbf-node-h``, with and without live recovery; the
+    state transfer a rejoin costs is this rank's parameters and optimizer state over its
+    inter-node link."""
+    if args.mtbf_node_h is None:
+        return None
+    transfer_s = (est.param_bytes + est.optimizer_bytes) / (cluster.inter_node_GBps * 1e9)
+    fm = FailureModel(args.mtbf_node_h, restart_s=args.restart_s, save_s=args.save_s, replace_s=args.replace_s,
+                      transfer_s=transfer_s)
+    return goodput(cluster.nodes, args.replicas or layout.dp_replicate, est.step_time_s, fm)
 
 
 def run_simulate(args) -> int:
@@ -175,6 +195,9 @@ def run_simulate(args) -> int:
 
         draw_timeline(events, args.png, title=f"{layout.short()} on {cluster.name} (simulated)")
     out = result_json(est, events, makespan(events))
+    failures = failure_report(args, est, layout, cluster)
+    if failures is not None:
+        out["goodput"] = failures
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -187,6 +210,12 @@ def run_simulate(args) -> int:
                                    ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")))
     print("collectives per step (rank 0): " + "  ".join(f"{k} {v['count']} calls {v['bytes']:.4g} B"
                                                           for k, v in est.collectives.items()))
+    if failures is not None:
+        g = failures
+        live = "n/a (one replica group)" if g["goodput_live"] is None else f"{100 * g['goodput_live']:.1f}%"
+        print(f"failures: {g['failures_per_day']:.2f}/day at MTBF {args.mtbf_node_h:g} h per node; goodput "
+              f"{100 * g['goodput_restart']:.1f}% restarting from checkpoints (every {g['checkpoint_interval_s']:.0f} s), "
+              f"{live} with live recovery over {g['replicas']} replica groups")
     if args.png:
         print(f"timeline: {args.png}")
     return 0

@@ -34,15 +34,22 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Device:
+    """One accelerator. Every default and preset value is listed with its source in
+    ``docs/planner.md`` ("Device specs"); the efficiencies come from published
+    micro-benchmarks of one kernel class each (never from the training tables the tests
+    predict), or from ``meshfold calibrate`` on the device itself."""
+
     name: str
     peak_tflops: float  # dense bf16 (or the training dtype's) peak per device
     memory_gib: float
     hbm_GBps: float
-    # Fraction of peak that large matrix multiplies reach (cuBLAS/rocBLAS measurements);
-    # smaller GEMMs reach less (see cost.matmul_efficiency).
+    # Fraction of peak that large bf16 GEMMs reach (the maximum achievable matmul FLOPS,
+    # MAMF, measured per device generation); cost.gemm_time prices each GEMM's shape on top.
     matmul_eff: float = 0.80
-    # GEMM width (columns per device) at which efficiency drops to half of matmul_eff.
-    matmul_half_width: float = 96.0
+    # GEMM width (columns per device) at which efficiency drops to half of matmul_eff: the
+    # CPU calibration's fall-off (0 on GPUs, whose small GEMMs are priced by gemm_tile and
+    # the roofline instead).
+    matmul_half_width: float = 0.0
     # Memory the runtime keeps for itself (CUDA context, NCCL buffers, fragmentation).
     reserved_gib: float = 4.0
     # Fixed time per transformer layer per micro-batch (forward + backward): kernel
@@ -51,18 +58,47 @@ class Device:
     # Fixed time per tile of the tiled attention that context parallelism runs (forward +
     # backward, beyond its FLOPs): its few dozen small ops per tile. 0 = negligible.
     attention_tile_us: float = 0.0
+    # Dense fp8 peak (0 = no fp8 tensor cores): what Float8 linears run at.
+    fp8_tflops: float = 0.0
+    # Fraction of hbm_GBps that streaming (elementwise, reduction, optimizer) kernels reach.
+    hbm_eff: float = 0.90
+    # Fused (flash) attention's fraction of peak, forward and backward (counting the
+    # backward as 2.5x the forward's FLOPs, as the FlashAttention papers do); 0 = priced
+    # as GEMMs (the CPU calibration's blocks include attention in their measured rate).
+    attention_eff: float = 0.0
+    attention_bwd_eff: float = 0.0
+    # GEMM output tile (rows = columns) for tile quantization and the HBM roofline of each
+    # GEMM (cost.gemm_time); 0 = neither (a calibrated CPU rate already includes them).
+    gemm_tile: int = 128
+    # Streaming multiprocessors (AMD: compute units): a GEMM's tiles run in waves of this
+    # many, and a partial last wave leaves the rest idle (wave quantization). 0 = ignore.
+    sms: int = 0
 
 
-# Data-sheet numbers (dense, no sparsity). matmul_eff from vendor GEMM benchmarks.
+# Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
+_A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63)  # MAMF; FlashAttention-2 paper
+_H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.35)  # MAMF; FA2 on H100 (FA3 paper)
 DEVICES: dict[str, Device] = {
-    "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, matmul_eff=0.75),
-    "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, matmul_eff=0.75),
-    "h100-sxm": Device("h100-sxm", 989.0, 80.0, 3350.0, matmul_eff=0.75),
-    "h200": Device("h200", 989.0, 141.0, 4800.0, matmul_eff=0.75),
+    "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, sms=108, **_A100),
+    "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, sms=108, **_A100),
+    "h100-sxm": Device("h100-sxm", 989.4, 80.0, 3350.0, fp8_tflops=1978.9, sms=132, **_H100),
+    "h100-pcie": Device("h100-pcie", 756.0, 80.0, 2000.0, fp8_tflops=1513.0, sms=114, **_H100),
+    "h100-nvl": Device("h100-nvl", 835.0, 94.0, 3900.0, fp8_tflops=1670.0, sms=132, **_H100),
+    # Meta's Grand Teton H100 (torchtitan's benchmarks): 96 GB HBM2e at 2.4 TB/s, run at a
+    # 500 W cap; its peak is "between SXM and NVL" (torchtitan's note): interpolated by
+    # power between the NVL (400 W, 835 TF) and the SXM (700 W, 989.4 TF).
+    "h100-96gb-500w": Device("h100-96gb-500w", 835.0 + (989.4 - 835.0) * (500 - 400) / (700 - 400), 96.0,
+                             2400.0, fp8_tflops=2 * (835.0 + (989.4 - 835.0) / 3), sms=132, **_H100),
+    "h200": Device("h200", 989.4, 141.0, 4800.0, fp8_tflops=1978.9, sms=132, **_H100),
+    # Blackwell: no published MAMF or attention figure yet: Hopper's efficiencies (assumed).
+    "b200": Device("b200", 2250.0, 180.0, 8000.0, fp8_tflops=4500.0, sms=148, **_H100),
+    "mi300x": Device("mi300x", 1307.4, 192.0, 5300.0, fp8_tflops=2614.9, matmul_eff=0.601,
+                     attention_eff=0.35, attention_bwd_eff=0.35, sms=304),
     # One Graphics Compute Die of an MI250X: 383 TF bf16 per package / 2 GCDs, 64 GiB HBM2e.
-    "mi250x-gcd": Device("mi250x-gcd", 191.5, 64.0, 1638.0, matmul_eff=0.65),
+    "mi250x-gcd": Device("mi250x-gcd", 191.5, 64.0, 1638.0, matmul_eff=0.767, sms=110),
     # This machine: one gloo process on a shared CPU core; `meshfold calibrate` measures it.
-    "cpu": Device("cpu", 0.02, 8.0, 10.0, matmul_eff=1.0, matmul_half_width=0.0, reserved_gib=0.3),
+    "cpu": Device("cpu", 0.02, 8.0, 10.0, matmul_eff=1.0, matmul_half_width=0.0, reserved_gib=0.3,
+                  hbm_eff=1.0, gemm_tile=0),
 }
 
 
@@ -89,8 +125,10 @@ class Cluster:
     # Fraction of data-parallel communication that can hide behind backward compute
     # (1 on GPUs with separate copy/NCCL engines; CPU gloo shares the cores: measured).
     overlap: float = 1.0
-    # Bytes of memory-bound traffic per activation byte (elementwise ops, norms, softmax).
-    elementwise_traffic: float = 6.0
+    # Scale on the memory-bound bytes cost.py counts op by op (norms, RoPE, activations,
+    # residual adds, softmax, casts, the loss over the vocabulary): 1 = as counted; 0 = none
+    # (a calibrated CPU block time already contains them).
+    elementwise_traffic: float = 1.0
     # Fixed per-step overhead (optimizer launch, data loading, logging), seconds.
     step_overhead_s: float = 0.0
     # > 0: all devices are processes sharing this many CPU cores (this machine). A
@@ -180,6 +218,18 @@ PRESETS: dict[str, dict] = {
     # DGX H100: NVLink 4 (900 GB/s bidirectional), 8x NDR 400 Gb/s = 50 GB/s/GPU.
     "h100-dgx": dict(devices_per_node=8, device="h100-sxm", intra_node_GBps=450.0, inter_node_GBps=50.0),
     "h200-dgx": dict(devices_per_node=8, device="h200", intra_node_GBps=450.0, inter_node_GBps=50.0),
+    # Grand Teton (torchtitan's H100 benchmarks): 8 H100 96GB at 500 W, NVLink 4, 400 Gb/s RDMA per GPU.
+    "h100-grand-teton": dict(devices_per_node=8, device="h100-96gb-500w", intra_node_GBps=450.0,
+                             inter_node_GBps=50.0),
+    # PCIe servers: 8 cards on PCIe 5.0 x16 (64 GB/s one way; NVLink bridges join pairs
+    # only), one 400 Gb/s NIC per GPU.
+    "h100-pcie": dict(devices_per_node=8, device="h100-pcie", intra_node_GBps=64.0, inter_node_GBps=50.0),
+    "h100-nvl": dict(devices_per_node=8, device="h100-nvl", intra_node_GBps=64.0, inter_node_GBps=50.0),
+    # DGX B200: NVLink 5 (1.8 TB/s bidirectional = 900 one way), 8x 400 Gb/s ConnectX-7.
+    "b200-dgx": dict(devices_per_node=8, device="b200", intra_node_GBps=900.0, inter_node_GBps=50.0),
+    # MI300X platform: 7 Infinity Fabric links of 64 GB/s one way per GPU (896 GB/s
+    # aggregate bidirectional), 8x 400 Gb/s NICs.
+    "mi300x": dict(devices_per_node=8, device="mi300x", intra_node_GBps=448.0, inter_node_GBps=50.0),
     # Frontier node: 4 MI250X = 8 GCDs, Infinity Fabric 50-100 GB/s between GCDs, 4x 25 GB/s
     # Slingshot NICs per node = 12.5 GB/s per GCD.
     "frontier": dict(devices_per_node=8, device="mi250x-gcd", intra_node_GBps=50.0, inter_node_GBps=12.5,
@@ -189,7 +239,8 @@ PRESETS: dict[str, dict] = {
     "cpu-gloo": dict(nodes=1, devices_per_node=8, device="cpu", intra_node_GBps=0.5, inter_node_GBps=0.5,
                      intra_node_alpha_us=100.0, overlap=0.0, host_cores=os.cpu_count() or 1),
 }
-PRESET_ALIASES = {"a100": "a100-dgx", "h100": "h100-dgx", "h200": "h200-dgx", "mi250x": "frontier", "cpu": "cpu-gloo"}
+PRESET_ALIASES = {"a100": "a100-dgx", "h100": "h100-dgx", "h200": "h200-dgx", "b200": "b200-dgx",
+                  "h100-96gb": "h100-grand-teton", "mi250x": "frontier", "cpu": "cpu-gloo"}
 
 _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": float, "memory_gib": float,
            "hbm_GBps": float, "matmul_eff": float, "matmul_half_width": float, "reserved_gib": float,
@@ -199,9 +250,12 @@ _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": 
            "overlap": float, "elementwise_traffic": float, "step_overhead_s": float, "preset": str,
            "host_cores": int, "collective_overhead_us": float, "fsdp_overhead_us": float,
            "in_step_alpha_us": float, "attention_tile_us": float, "pipeline_op_us": float,
+           "fp8_tflops": float, "hbm_eff": float, "attention_eff": float, "attention_bwd_eff": float,
+           "gemm_tile": int, "sms": int,
            "name": str, "node_groups": list}
 _DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
-                "layer_overhead_us", "attention_tile_us")
+                "layer_overhead_us", "attention_tile_us", "fp8_tflops", "hbm_eff", "attention_eff",
+                "attention_bwd_eff", "gemm_tile", "sms")
 _POSITIVE = ("nodes", "devices_per_node", "peak_tflops", "memory_gib", "hbm_GBps", "intra_node_GBps",
              "inter_node_GBps")
 
@@ -256,8 +310,12 @@ def cluster_from_dict(values: dict, name: str = "cluster", where: str = "cluster
         value = merged.get(key, getattr(device, key, None))
         if value is not None and value <= 0:
             raise ConfigError(f"{where}.{key} must be positive, got {value}")
-    if not 0 < device.matmul_eff <= 1:
-        raise ConfigError(f"{where}.matmul_eff must be in (0, 1], got {device.matmul_eff}")
+    for key in ("matmul_eff", "hbm_eff"):
+        if not 0 < getattr(device, key) <= 1:
+            raise ConfigError(f"{where}.{key} must be in (0, 1], got {getattr(device, key)}")
+    for key in ("attention_eff", "attention_bwd_eff"):
+        if not 0 <= getattr(device, key) <= 1:
+            raise ConfigError(f"{where}.{key} must be in [0, 1], got {getattr(device, key)}")
     if not 0 <= merged.get("overlap", 1.0) <= 1:
         raise ConfigError(f"{where}.overlap must be in [0, 1], got {merged['overlap']}")
 
@@ -339,7 +397,10 @@ def cluster_to_toml(c: Cluster) -> str:
              f"peak_tflops = {d.peak_tflops!r}", f"memory_gib = {d.memory_gib!r}", f"hbm_GBps = {d.hbm_GBps!r}",
              f"matmul_eff = {d.matmul_eff!r}", f"matmul_half_width = {d.matmul_half_width!r}",
              f"reserved_gib = {d.reserved_gib!r}", f"layer_overhead_us = {d.layer_overhead_us!r}",
-             f"attention_tile_us = {d.attention_tile_us!r}",
+             f"attention_tile_us = {d.attention_tile_us!r}", f"fp8_tflops = {d.fp8_tflops!r}",
+             f"hbm_eff = {d.hbm_eff!r}", f"attention_eff = {d.attention_eff!r}",
+             f"attention_bwd_eff = {d.attention_bwd_eff!r}", f"gemm_tile = {d.gemm_tile!r}",
+             f"sms = {d.sms!r}",
              f"intra_node_GBps = {c.intra_node_GBps!r}", f"inter_node_GBps = {c.inter_node_GBps!r}",
              f"intra_node_alpha_us = {c.intra_node_alpha_us!r}", f"inter_node_alpha_us = {c.inter_node_alpha_us!r}",
              f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",

@@ -12,6 +12,7 @@ Conventions shared with the runtime:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshfold.config import Config, validate
@@ -42,6 +43,8 @@ from meshfold.planner.counts import (
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
 from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time, rank_chunk_of_stage, stage_of
+from meshfold.parallel.skip import nccl_safe
+from meshfold.skippipe import link_table, plan_orders, table_step_time
 
 @dataclass(frozen=True)
 class Workload:
@@ -53,6 +56,15 @@ class Workload:
     dtype: str = "bf16"  # bf16 | bf16-amp (meshfold's bfloat16: fp32 params) | float32 | float64
     flash: bool = True  # fused attention: no s^2 activations, causal half of the score FLOPs
     dropout: bool = False  # GPT/Megatron-style dropout masks (Korthikanti's 34 sbh)
+    # How the memory-bound ops run (the bytes ``elementwise_bytes`` counts): "eager" =
+    # one PyTorch kernel per op as meshfold's (and torchtitan's) model code writes them;
+    # "fused" = hand-fused kernels (Megatron) or torch.compile's fusions.
+    kernels: str = "eager"
+    # What ``recompute = "selective"`` re-runs in backward: "attention" = meshfold's (the
+    # attention core, Korthikanti et al.); "op" = torchtitan's op-level policy (every op but
+    # every other matmul and the attention kernel). Memory is meshfold's either way.
+    selective: str = "attention"
+    fp8: bool = False  # Float8 linears (torchao): GEMMs at the fp8 peak, plus their casts
 
     @property
     def s(self) -> int:
@@ -78,6 +90,11 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     recompute: str = "none"  # none | selective | full
     pp_split: tuple = ()  # blocks per stage (``parallel.pp_split``); () = balanced by cost, as the runtime
+    # skippipe's skip cap and reorder option, and links between pp ranks slower or faster
+    # than the cluster's ((a, b, Mbit/s), ...: ``parallel.pp_links``), priced per link
+    pp_skip: float = 0.0
+    pp_reorder: bool = False
+    pp_links: tuple = ()
 
     @property
     def dp(self) -> int:
@@ -97,7 +114,8 @@ class Layout:
                               pp_microbatches=self.microbatches(global_batch) if self.pp > 1 else 0,
                               pp_virtual_stages=self.pp_virtual_stages, cp=self.cp, cp_mode=self.cp_mode,
                               cp_ulysses=self.cp_ulysses if self.cp_mode == "hybrid" else 0,
-                              ep=self.ep, pp_split=list(self.pp_split))
+                              ep=self.ep, pp_split=list(self.pp_split), pp_skip=self.pp_skip,
+                              pp_reorder=self.pp_reorder, pp_links=[list(x) for x in self.pp_links])
 
     def to_toml(self, global_batch: int) -> str:
         p = self.parallel_config(global_batch)
@@ -168,6 +186,96 @@ def matmul_efficiency(cluster: Cluster, width: float) -> float:
     return d.matmul_eff * width / (width + d.matmul_half_width)
 
 
+def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
+              fp8: bool = False) -> float:
+    """Seconds for one GEMM (m x k) @ (k x n) on device ``d``: its FLOPs at the device's
+    achievable rate (``matmul_eff`` of the bf16 or fp8 peak), lowered by tile
+    quantization (an output dimension below a multiple of ``gemm_tile`` wastes the rest of
+    its last tile) and wave quantization (the tiles run in waves of one per SM; a partial
+    last wave idles the other SMs), both from NVIDIA's "Matrix Multiplication Background"
+    guide (MAMF is measured at shapes with neither), or its HBM traffic
+    (operands once, output once) when that takes longer (the roofline: skinny GEMMs are
+    memory bound). ``width``: the CPU calibration's fall-off (``matmul_efficiency``)."""
+    flops = 2.0 * m * n * k
+    peak = (d.fp8_tflops if fp8 and d.fp8_tflops else d.peak_tflops) * 1e12
+    eff = d.matmul_eff * (width / (width + d.matmul_half_width) if d.matmul_half_width else 1.0)
+    tile = d.gemm_tile
+    if not tile:
+        return flops / (peak * eff)
+    tiles_m, tiles_n = math.ceil(m / tile), math.ceil(n / tile)
+    q = (m / (tiles_m * tile)) * (n / (tiles_n * tile))
+    if d.sms:  # wave quantization: the tiles run in waves of one per SM
+        tiles = tiles_m * tiles_n
+        q *= tiles / (math.ceil(tiles / d.sms) * d.sms)
+    ab = 1 if fp8 and d.fp8_tflops else operand_bytes
+    traffic = ab * (m * k + k * n) + operand_bytes * m * n
+    return max(flops / (peak * eff * q), traffic / (d.hbm_GBps * 1e9 * d.hbm_eff))
+
+
+def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]:
+    """(output columns, inner dimension) per device of a block's linear layers, in the
+    order the forward runs them (q, k, v, o; w1, w3, w2 or w1, w2); a MoE block's
+    experts as one dense MLP of the active width (top-k experts' hidden per token)."""
+    h, hq, hkv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    kv_local = hkv / min(tp, m.kv_heads) if m.kv_heads % tp else hkv / tp
+    out = [(hq / tp, h), (kv_local, h), (kv_local, h), (h, hq / tp)]
+    f = (m.moe_topk * m.expert_dim + m.moe_shared_experts * m.expert_dim) if moe else m.hidden_dim
+    if m.mlp == "swiglu":
+        out += [(f / tp, h), (f / tp, h), (h, f / tp)]
+    else:
+        out += [(f / tp, h), (h, f / tp)]
+    return out
+
+
+def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, act: int, amp: bool,
+                      flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float]:
+    """HBM bytes of one block's memory-bound ops for ``tokens`` tokens on one device:
+    (forward, the attention core's share of it, what backward adds beyond twice the
+    forward: autograd's sums of the gradients of tensors several ops read — the norm
+    outputs read by q, k, v (and w1, w3), the residual stream read by a norm and an add —
+    one read-read-write each). Counted op by op from the model
+    code (``models/llama.py``, ``feedforward.py``): each kernel reads its inputs and
+    writes its output once. ``eager``: RMSNorm as written (upcast, square, mean, scale,
+    downcast, weight: 28 + 4a bytes an element; under autocast the input is already fp32,
+    28), RoPE on q and k (upcast, four products, two sums, stack, downcast: 40 + 2a),
+    SwiGLU's silu and product (5a per hidden element; tanh-GELU 2a), two residual adds
+    (2r + a each, r = the residual stream's bytes: fp32 under autocast), the attention
+    output's transpose copy (2a), autocast's bf16 copy of the norm output per projection
+    (6 bytes an element each), and without fused attention the scores' scale, mask and
+    softmax (3 passes of 2a) and dropout (2a + 1) per score. ``fused``: one read and one
+    write per fusion group (LayerNorm/RMSNorm 2a, RoPE 2a, bias-GELU 2a or SwiGLU 3a per
+    hidden element, bias-dropout-add 3a + 1, softmax 2a). Sequence parallel splits the
+    norms and residual adds over tp; without it every tp rank runs them whole."""
+    a = act
+    r = 4 if amp else a
+    h = m.dim
+    hn = h / tp if sp else h  # norms and residual adds: sequence-split with sp, else replicated
+    hq = m.n_heads * m.head_dim / tp
+    hk = m.kv_heads * m.head_dim / min(tp, m.kv_heads) if m.kv_heads % tp else m.kv_heads * m.head_dim / tp
+    f = ((m.moe_topk + m.moe_shared_experts) * m.expert_dim if moe else m.hidden_dim) / tp
+    swiglu = m.mlp == "swiglu"
+    rope = m.pos == "rope"
+    scores = 0.0 if flash else (m.n_heads / tp) * s  # score elements per token
+    drop = 1.0 if dropout else 0.0
+    if kernels == "fused":
+        norm = 2 * a
+        per_token = (2 * norm * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+                     + (3 * a if swiglu else 2 * a) * f + 2 * (3 * a + drop) * hn)
+        attn = scores * (2 * a + drop * (2 * a + 1))
+    else:
+        if m.norm == "layernorm":
+            norm = 2 * r  # nn.LayerNorm: one kernel
+        else:
+            norm = 28 + (0 if amp else 4 * a)
+        casts = (3 + (2 if swiglu else 1)) * 6 if amp else 0.0
+        per_token = (2 * norm * hn + casts * h + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
+                     + (5 * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
+        attn = scores * (3 * 2 * a + drop * (2 * a + 1))
+    g = 4 if amp else a  # the norm outputs' gradients: fp32 behind autocast's casts
+    sums = 3 * g * (2 + (1 if swiglu else 0)) * h + 2 * 3 * r * hn
+    return tokens * (per_token + attn), tokens * attn, tokens * sums
+
+
 def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int,
                     in_step: bool = False) -> float:
     """alpha-beta time of one collective over a group of n ranks ``stride`` apart.
@@ -210,6 +318,7 @@ class CostModel:
         self._stage_sum_cache: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
+        self.bw = self.hbm * cluster.device.hbm_eff  # what streaming kernels (the optimizer) reach
         self.causal = 0.5 if w.flash else 1.0
         self.kind_counts = {k: self.kinds.count(k) for k in set(self.kinds)}
         self._links: dict = {}
@@ -246,6 +355,8 @@ class CostModel:
         tokens = b * s_loc
         peak, hbm = self.peak, self.hbm
         eff = matmul_efficiency(c, h / tp)
+        d = c.device
+        bw = hbm * d.hbm_eff  # what streaming kernels reach
         attn_p = attention_params(m)
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         attn_core = 4 * tokens * s * h / tp * self.causal  # QK^T and AV for this device's queries
@@ -256,8 +367,26 @@ class CostModel:
         act_kinds = {moe: layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp, moe)
                      + (moe_activation_bytes(m, s_loc, b, tp, ep, act) if moe and recompute != "full" else 0.0)
                      for moe in set(self.kinds)}
-        elementwise_fwd = c.elementwise_traffic * act_full / hbm / 3  # forward a third, backward two
-        overhead = c.device.layer_overhead_us * 1e-6
+        # The attention core: fused (flash) kernels at their measured efficiency, forward
+        # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
+        # two batched GEMMs per head (QK^T, AV) priced as GEMMs, whose s x s output makes
+        # them memory bound at short head dims, the softmax in the memory-bound bytes; a
+        # device without a measured attention efficiency: its FLOPs at the GEMM rate.
+        if w.flash and d.attention_eff:
+            attn_f = attn_core / (peak * d.attention_eff)
+            attn_b = 2.5 * attn_core / (peak * (d.attention_bwd_eff or d.attention_eff))
+        elif d.gemm_tile and not w.flash:
+            per_head = gemm_time(d, tokens, s, m.head_dim, h / tp, act)
+            attn_f = 2 * per_head * (m.n_heads / tp) * self.causal
+            attn_b = 2 * attn_f
+        else:
+            attn_f = attn_core / (peak * eff)
+            attn_b = 2 * attn_f
+        # memory-bound work, bytes over the bandwidth streaming kernels reach; backward
+        # twice forward (an elementwise op's gradient reads the output gradient and its
+        # saved operands and writes one gradient per operand)
+        scale = c.elementwise_traffic / bw
+        overhead = d.layer_overhead_us * 1e-6
         # Tensor parallel: 2 all-reduces (with sp: all-gather + reduce-scatter, the same
         # bytes) of the b*s*h activations per layer forward, 2 in backward.
         tp_bytes = act * tokens * h
@@ -287,7 +416,7 @@ class CostModel:
             kv = 2 * act * tokens * kv_heads * m.head_dim
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
-            cp_fwd += max((R - 1) * hop - attn_core / (peak * eff), hop)
+            cp_fwd += max((R - 1) * hop - attn_f, hop)
             cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
             cp_sent_rec += (R - 1) * kv
             cp_calls, cp_calls_rec = cp_calls + 3 * R - 2, cp_calls_rec + R - 1
@@ -299,16 +428,30 @@ class CostModel:
         for moe in set(self.kinds):
             ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
             ffn_total = ffn_params(m, 0 if not moe else self.kinds.index(True))
-            fwd_c = (2 * (attn_p + ffn_active) / tp * tokens + attn_core) / (peak * eff)
-            fwd = fwd_c + elementwise_fwd + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
+            if d.gemm_tile:  # each linear layer's GEMM by its shape
+                gemms = [gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in layer_gemms(m, tp, moe)]
+            else:  # a calibrated rate: FLOPs over it (the form calibrate solves)
+                gemms = [2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)]
+            ew_all, ew_attn, ew_sums = elementwise_bytes(m, tokens, s, tp, sp, act, amp, w.flash, w.dropout,
+                                                         w.kernels, moe)
+            if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
+                # its output gradient backward, and its weight each micro-batch (both ways)
+                ew_all += 5 * tokens * sum(k for _, k in layer_gemms(m, tp, moe)) + 10 * (attn_p + ffn_total) / tp
+            ew_f = ew_all * scale
+            fwd_c = sum(gemms) + attn_f
+            fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
             if recompute == "full":
                 rec = fwd
-            elif recompute == "selective":
-                rec = attn_core / (peak * eff) + elementwise_fwd / 2
+            elif recompute == "selective" and w.selective == "op":
+                # torchtitan's op policy: every op recomputed but every other matmul (it
+                # saves the 1st, 3rd, ...) and the attention kernel
+                rec = sum(gemms[1::2]) + ew_f - ew_attn * scale
+            elif recompute == "selective":  # the attention core and its softmax
+                rec = attn_f + ew_attn * scale
             else:
                 rec = 0.0
-            bwd = (2 * fwd_c + 2 * elementwise_fwd + (2 + (1.0 if sp else 0.0)) * tp_ar + 2 * cp_fwd + rec
-                   + 2 * (overhead + tile_t) / 3)
+            bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
+                   + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
             ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
@@ -327,7 +470,17 @@ class CostModel:
             else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
                 params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
-        out_fwd = 2 * h * V / tp * tokens / (peak * eff) + (act + 8) * tokens * V / tp / hbm
+        # the output layer and the loss over the vocabulary: the logits GEMM, then the
+        # cross-entropy's memory-bound passes per logit (forward: fp32 upcast a + 4,
+        # log-softmax's three reads and one write 16; backward: the gradient's fill 4,
+        # log-softmax backward 16, the downcast 4 + a)
+        if d.gemm_tile:
+            logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8)
+        else:
+            logits_gemm = 2 * h * V / tp * tokens / (peak * eff)
+        ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
+        out_fwd = logits_gemm + (act + 20) * ce if d.gemm_tile else logits_gemm + ce
+        out_bwd = 2 * logits_gemm + (act + 24) * ce if d.gemm_tile else 2 * out_fwd
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
         # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
         # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:
@@ -388,7 +541,7 @@ class CostModel:
         # the experts' fused w1|w3 (torch.cat), kept for the backward of their first GEMM
         w13 = 2 * m.moe_experts / (tp * ep) * m.expert_dim * h * act if m.mlp == "swiglu" else 0.0
         hit = dict(kinds=out, expert_p=expert_p, act_kinds=act_kinds, w13=w13, out_fwd=out_fwd,
-                   out_bwd=2 * out_fwd, act_full=act_full, act_kept=act_kept,
+                   out_bwd=out_bwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
                    cp_calls=(cp_calls, cp_calls_rec), cp_sent_rec=cp_sent_rec,
@@ -497,10 +650,24 @@ class CostModel:
         # ---- optimizer step: one memory-bound pass over the local states
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
-        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.hbm
+        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.bw
+        # bf16 autocast over fp32 weights without FSDP's bf16 gathers: every weight a
+        # matmul reads is cast to bf16 each micro-batch (4 + 2 bytes), its bf16 gradient
+        # cast back (2 + 4) and accumulated into the fp32 gradient (4 + 4 + 4)
+        fsdp = L.zero >= 2 and n_shard > 1
+        casts = (n_micro * Pmax * 24 / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
+                 else 0.0)
+        if fsdp and c.device.gemm_tile:
+            # FSDP2's copy-out of every all-gather into the parameters (read and write the
+            # gathered bytes: each micro-batch forward and backward under ZeRO-3, once under
+            # ZeRO-2) and copy-in of the gradients to the reduce-scatter buffer (read in the
+            # compute dtype, write in the reduce dtype), on the compute stream
+            wg, wr = FSDP_WIRE[w.dtype]
+            gathers = 2 * n_micro if L.zero == 3 else 1
+            casts += Pmax * (gathers * 2 * wg + act + wr) / self.bw
         # loss, token count and grad-norm all-reduces over everyone: latency-bound
         small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
-        step = makespan + dp_exposed + opt_time + small + c.step_overhead_s
+        step = makespan + dp_exposed + opt_time + casts + small + c.step_overhead_s
 
         time = {
             "compute_fwd_bwd": n_micro * (t_f + t_b),
@@ -510,6 +677,7 @@ class CostModel:
             "pipeline_bubble": bubble,
             "dp_exposed": dp_exposed,
             "optimizer": opt_time,
+            "casts_and_copies": casts,
             "latency_small": small + c.step_overhead_s,
             # per-micro-batch forward/backward of the slowest stage (for the simulator)
             "stage_fwd_s": t_f,
@@ -559,7 +727,11 @@ class CostModel:
             hit = self._stage_sums(T, stages, last_rank, pp, v, p2p)
             self._stage_sum_cache[skey] = hit
         t_f, t_b, busy_sum, stage_params, stage_layers = hit
-        makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
+        if pp > 1 and (L.pp_schedule == "skippipe" or (L.pp_links and L.pp_schedule == "1f1b")):
+            makespan = self._path_time(L, T, n_micro, t_f - p2p, t_b - p2p, p2p)
+            bubble = max(0.0, makespan - n_micro * (t_f + t_b))
+        else:
+            makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
         if c.host_cores and L.world > c.host_cores and pp > 1:
             # Processes sharing host_cores cores: the calibrated rate is with every process
             # busy; a stage waiting in the bubble frees its core, so the step is the larger
@@ -571,6 +743,18 @@ class CostModel:
             bubble = max(0.0, shared - n_micro * (t_f + t_b))
             makespan = shared
         return p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble
+
+    def _path_time(self, L: Layout, T: dict, n_micro: int, t_f: float, t_b: float, p2p: float) -> float:
+        """One step of stage-per-rank paths (``meshfold/skippipe.py``: 1F1B without skips)
+        over links priced one by one: ``p2p`` on the cluster's link, ``alpha + bytes/rate``
+        on the ``pp_links``; the slowest stage's times on every stage."""
+        slow = {(a, b): p2p - T["p2p_bytes"] / self.link(L.tp * L.cp * L.dp, L.pp)[1] + T["p2p_bytes"] * 8 / (r * 1e6)
+                for a, b, r in L.pp_links}
+        stage_s = tuple((t_f, t_b) for _ in range(L.pp))
+        links = link_table(L.pp, p2p, slow)
+        paths, _ = plan_orders(L.pp, n_micro, float(L.pp_skip) if L.pp_schedule == "skippipe" else 0.0,
+                               bool(L.pp_reorder) and L.pp_schedule == "skippipe", stage_s, links, nccl_safe)
+        return table_step_time(L.pp, paths, stage_s, links)
 
     def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
                     t_f: float, t_b: float, v: int) -> float:
@@ -596,8 +780,16 @@ class CostModel:
             per_call = (c.collective_overhead_us + c.fsdp_overhead_us) * 1e-6
             red_calls = modules * (2 if n_rep > 1 else 1)
 
-            def exposed(t: float, window: float) -> float:  # at least one module's share shows
-                return max(t - c.overlap * window, t / modules)
+            # What cannot hide: the root module's collectives (the embedding, and at pp = 1
+            # the output layer and final norm: the largest module) are the first gather of
+            # a forward and of a backward, and the last reduce-scatter, with no compute
+            # beside them; at least one block's share otherwise.
+            m = w.model
+            root = T["emb"] * (2 if (L.pp == 1 and not m.tie_embeddings) else 1) + T["final_norm"]
+            share = max(1.0 / modules, min(1.0, root / max(Pmax, 1.0)))
+
+            def exposed(t: float, window: float) -> float:
+                return max(t - c.overlap * window, t * share)
 
             if L.zero == 3:  # gathers in every micro-batch's forward and backward; the
                 # reduction joins them in the last micro-batch's backward
@@ -685,10 +877,11 @@ class CostModel:
         # its weights' bf16 copies) while it is recomputed and run backward
         recompute = (T["act_full"] + (act * max_block if (amp and not fsdp) else 0.0)) if full else 0.0
         logits = (act + 8) * tokens * V / tp
-        # what the loss keeps for backward: the fp32 (float64: float64) log-probabilities
-        # and the int64 labels; with amp also the final norm (8h + 4) and, without FSDP,
-        # the output projection's bf16 copy of its input
-        saved_logits = (max(4, act) * V / tp + 8) * tokens \
+        # what the loss keeps for backward: the logits as they came (parallel/loss.py's
+        # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
+        # labels; with amp also the final norm (8h + 4) and, without FSDP, the output
+        # projection's bf16 copy of its input
+        saved_logits = (act * V / tp + 8) * tokens \
             + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         buffers = 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0
@@ -879,7 +1072,7 @@ class CostModel:
             bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
         P = (sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"]) / L.pp  # average stage's
         n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
-        opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.hbm
+        opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.bw
         small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
         dp = 0.0
         if n_all > 1:
@@ -904,12 +1097,15 @@ def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
 
 def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     """The model and batch of a config, with the numerics the run would use: ``bfloat16``
-    (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs."""
+    (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs, fused
+    memory-bound kernels under ``train.compile``."""
     dtype = cfg.train.dtype
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     dtype = {"bfloat16": "bf16-amp"}.get(dtype, dtype)
-    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu)
+    # ``train.compile`` compiles each block: inductor fuses its memory-bound ops
+    kernels = "fused" if cfg.train.compile else "eager"
+    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels)
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:
@@ -923,7 +1119,8 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
                   cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute,
                   cp_ulysses=ulysses_degree(p, cfg.model) if p.cp_mode == "hybrid" and p.cp > 1 else 0,
-                  pp_split=tuple(p.pp_split) if p.pp > 1 else ())
+                  pp_split=tuple(p.pp_split) if p.pp > 1 else (), pp_skip=p.pp_skip, pp_reorder=p.pp_reorder,
+                  pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else ())
 
 
 def _cuda_available() -> bool:

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from meshfold.models.config import ModelConfig
-from meshfold.models.presets import mlp_params
+from meshfold.models.presets import attention_params, mlp_params
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
@@ -61,6 +61,8 @@ def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
     kv_tp = tp if m.kv_heads % tp == 0 else 1
     attention = (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
                  + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
+    if m.mla:  # latent attention runs without tp (parallel/config.py)
+        attention = attention_params(m)
     row_bias = 2 * h if m.bias else 0  # wo's and w2's
     return attention + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
 
@@ -138,6 +140,10 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     under a capacity; ``moe_activation_bytes`` adds what routing and dispatch keep)."""
     h, a = m.dim, m.n_heads
     hkv = m.kv_heads * m.head_dim
+    if m.mla:  # kept per token: q, k (nope + rope), v, out per head and the two latents (models/mla.py),
+        # written as the 2h + 2hkv of the split term below
+        latents = m.mla_q_rank + m.mla_kv_rank + m.mla_rope_dim
+        hkv = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim + m.mla_v_dim) + latents / 2 - h
     if recompute == "full":  # only the layer input survives
         return (4 if amp else act) * s * b * h / (tp if sp else 1)
     # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
@@ -183,4 +189,9 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
         dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
     else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source
         dispatch = A * h * act + A * 8 + A * (min(m.expert_dim, h) + 1) * act + A * h * wide
-    return router + dispatch
+    # The grouped GEMM's groups padded to 16 bytes of rows (models/moe.py GROUP_ALIGN_BYTES):
+    # up to align - 1 rows more per local expert, with their input and hidden activations,
+    # and each row's place in the padded layout (int64).
+    align = max(1, 16 // act)
+    padding = (align - 1) * (E / ep / (tp if ep == 1 else 1)) * (h + 4 * m.expert_dim) * act + A * 8
+    return router + dispatch + padding

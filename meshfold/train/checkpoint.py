@@ -71,12 +71,15 @@ from meshfold.train.checkpoint_files import (
     publish,
     published,
     read_dcp_metadata,
+    first_failure,
     root_cause,
     safe_load,
+    step_of,
     validate_checkpoint,
     write_manifest,
 )
 from meshfold.train.progress import Progress
+from meshfold.train.run_dir import describe_os_error, explain_write_failure
 from meshfold.train.zero_state import Chunks, Piece, chunks_of, sharded_layout
 
 # Optimizer flags that describe the implementation, not the state: keep this run's.
@@ -181,6 +184,12 @@ class Checkpointer:
         self.extras: dict[str, Any] = {}
         self.rank = _rank()
         self.last_saved_step: int | None = None
+        # The last save's failure (one line), None once a save is published: a run whose last
+        # save failed does not end with exit 0.
+        self.save_failure: str | None = None
+        # Steps never pruned: the checkpoint the NaN guard last rolled back to (known good).
+        self.pinned: set[int] = set()
+        self._skipped_unhealthy: int | None = None  # the step whose save was withheld (logged once)
         self._layout: list | None = None  # ShardedAdamW's boxes (_sharded_layout), computed once
         # Async: the upload and rank 0's publishing (hashing, manifest, rename, pruning)
         # run on this one background thread; ``_pending`` is its future.
@@ -294,11 +303,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def maybe_save(self) -> None:
-        """Called after every step: publish a finished async save; save if it is time."""
+    def maybe_save(self, healthy: bool = True) -> None:
+        """Called after every step: publish a finished async save; save if it is time. No
+        checkpoint is written while steps are unhealthy (``healthy`` False: the last step
+        was non-finite), so a rollback never lands on a broken step and the good
+        checkpoints are not rotated out by broken ones."""
         self._poll()
         step = self.progress.step
         if self.every > 0 and step % self.every == 0 and step != self.last_saved_step:
+            if not healthy:
+                if self.rank == 0:
+                    _log(f"not saving step {step}: its step was non-finite (the previous checkpoints are kept)")
+                return
             self.save()
 
     def save(self) -> bool:
@@ -327,11 +343,19 @@ class Checkpointer:
         return self._publish(tmp, step)
 
     def _failed(self, tmp: Path, step: int, err: BaseException) -> None:
+        first = first_failure(err)
+        if isinstance(first, OSError) and first.errno:
+            cause = describe_os_error(first, tmp)
+        elif "unexpected pos" in str(first) or "PytorchStreamWriter" in str(first):
+            cause = explain_write_failure(tmp, first)  # torch's writer hides the errno: name the cause
+        else:
+            cause = root_cause(err)
+        good = [p.name for p in published(self.root)] if self.root.is_dir() else []
+        self.save_failure = (f"saving step {step} failed ({cause}); the previous checkpoints are kept: "
+                             f"{', '.join(good) or 'none yet'}")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            good = [p.name for p in published(self.root)]
-            _log(f"saving step {step} failed ({root_cause(err)}); the previous checkpoints are kept: "
-                 f"{', '.join(good) or 'none yet'}")
+            _log(self.save_failure)
 
     def _publish(self, tmp: Path, step: int) -> bool:
         """Rank 0: merge the ranks' hashes into the manifest, rename into place, prune. All
@@ -340,6 +364,7 @@ class Checkpointer:
         they return True); a rank 0 failure is logged by rank 0 and the previous
         checkpoints stay, so nothing waits on rank 0's rename."""
         if self.rank != 0:
+            self.save_failure = None
             return True
         try:
             self._write_manifest(tmp, step)
@@ -348,6 +373,7 @@ class Checkpointer:
         except OSError as err:
             self._failed(tmp, step, err)
             return False
+        self.save_failure = None
         return True
 
     def _write_manifest(self, tmp: Path, step: int) -> None:
@@ -363,8 +389,13 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.keep <= 0:
             return
-        for old in published(self.root)[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = 0
+        for path in published(self.root):
+            if step_of(path) in self.pinned:
+                continue  # the known-good checkpoint of the NaN guard: never rotated out
+            kept += 1
+            if kept > self.keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.done():
@@ -562,6 +593,12 @@ class Checkpointer:
         if t.resume == "auto":
             _barrier()  # a save of this job still being published by rank 0 is listed by all or none
             path = self.find_latest()
+            candidates = published(self.root)
+            if path is None and candidates:  # never start over on top of a run's checkpoints
+                raise CheckpointError(
+                    f"every checkpoint in {self.root} is unreadable ({', '.join(p.name for p in candidates)}; "
+                    f"see the lines above); nothing was changed. Restore or move them aside to start over, or "
+                    f"start a new run: --set train.run_dir=NEW")
             if path is not None:
                 step = self.load(path)
                 if self.rank == 0:
@@ -583,7 +620,9 @@ class Checkpointer:
         path = self.find_latest()
         if path is None:
             return None
-        return self.load(path, restore_sampler=False)
+        step = self.load(path, restore_sampler=False)
+        self.pinned = {step}  # the known-good checkpoint: kept whatever keep_checkpoints says
+        return step
 
     def _trim_metrics(self, step: int) -> None:
         """Drop metrics lines of steps after the resumed one (they will be redone)."""

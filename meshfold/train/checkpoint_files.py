@@ -249,6 +249,15 @@ def write_json(path: Path, data: dict) -> None:
     os.rename(part, path)
 
 
+def first_failure(err: BaseException) -> BaseException:
+    """The lowest rank's underlying error of a DCP ``CheckpointException``, else ``err``."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        first = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))[1]
+        return first[0] if isinstance(first, tuple) else first
+    return err
+
+
 def root_cause(err: BaseException) -> str:
     """The first rank's underlying error of a DCP ``CheckpointException`` (e.g. the
     OSError of a full disk), else the error itself, as one line."""

@@ -114,7 +114,7 @@ class StepEngine:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (clipped to ``max_norm`` when > 0)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        return clip_grad_norm_(params, max_norm, extra_group=self.norm_group())
+        return clip_grad_norm_(params, max_norm, extra_group=self.norm_group(), device=self.device)
 
     def norm_group(self):
         """A group beyond the parameters' own meshes over which the norm is summed."""

@@ -7,14 +7,17 @@ NaN/Inf guard
     another collective); the step is logged with ``nonfinite: true``. After
     ``train.nan_guard_rollback`` such steps in a row the trainer goes back to the newest
     good checkpoint (model, optimizer, scheduler, step) but keeps its data position, so the
-    batches that blew up are not replayed.
+    batches that blew up are not replayed. It cannot loop: no checkpoint is published while
+    the last step is non-finite (the trainer asks ``healthy``), the checkpoint rolled back
+    to is pinned against pruning, and the run gives up (``NonFiniteError``, naming the
+    rollbacks tried) after ``MAX_ROLLBACKS`` to one checkpoint or ``MAX_TOTAL_ROLLBACKS``.
 
 Straggler detection (C4 / MegaScale style)
     The communication layer (``meshfold.comm.timer()``) stamps every collective that goes
     through it (all of meshfold's: the trainer's reductions, the DDP comm hook, tensor,
     context, expert and pipeline parallel) with the wall-clock time this rank *entered* it;
     nothing patches ``torch.distributed``. Every ``train.straggler_every`` steps the stamps
-    of that step are gathered; for every collective (matched by group and sequence number)
+    of that step are gathered on rank 0 (which judges and reports); for every collective (matched by group and sequence number)
     a rank's lateness is how much later it entered than the earliest rank. The lag a rank
     adds is the sum of the increases of its lateness along each group's sequence (so a late
     rank issuing several back-to-back asynchronous collectives counts once). A rank is
@@ -54,6 +57,7 @@ from meshfold import comm
 from meshfold.comm import ledger
 
 MAX_ROLLBACKS = 3  # rollbacks to the same checkpoint before giving up
+MAX_TOTAL_ROLLBACKS = 6  # rollbacks in one run (to any checkpoints) before giving up
 MIN_LAG_S = 0.05  # lags below this are scheduler/logging noise, never reported
 WINDOW, PERSIST = 3, 2  # a rank is named when late in PERSIST of the last WINDOW straggler checks
 
@@ -121,6 +125,7 @@ class FaultMonitor:
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
         self.rollbacks: dict[int, int] = defaultdict(int)
+        self.rollback_targets: list[int] = []  # every rollback of the run, in order (the give-up line names them)
         self.step_times: list[float] = []
         self.last_report = ""  # the last straggler line logged (rank 0)
         self.metrics: dict = {}  # fields for metrics.jsonl (nonfinite, straggler, rolled_back_to); see pop_metrics
@@ -165,23 +170,36 @@ class FaultMonitor:
                  f"{self.rollback_after})")
         return False
 
+    @property
+    def healthy(self) -> bool:
+        """False while the last step was non-finite: no checkpoint is published then."""
+        return self.nonfinite_in_a_row == 0
+
     def _maybe_rollback(self) -> None:
         if self.rollback_after <= 0 or self.nonfinite_in_a_row < self.rollback_after:
             return
         step = self.progress.step
         self.nonfinite_in_a_row = 0
+        tried = (f" (tried {len(self.rollback_targets)} rollbacks, to steps "
+                 f"{', '.join(map(str, self.rollback_targets))}; {self.skipped_steps} updates skipped)"
+                 if self.rollback_targets else f" ({self.skipped_steps} updates skipped)")
+        if len(self.rollback_targets) >= MAX_TOTAL_ROLLBACKS:
+            raise NonFiniteError(
+                f"non-finite steps again at step {step} after {MAX_TOTAL_ROLLBACKS} rollbacks{tried}; giving up: "
+                f"lower train.lr, raise train.warmup_steps, set train.grad_clip or check the data")
         target = self.checkpointer.rollback() if self.checkpointer is not None else None
         if target is None:
             raise NonFiniteError(
                 f"{self.rollback_after} non-finite steps in a row at step {step} and no checkpoint to roll back "
-                f"to; set train.checkpoint_every, lower train.lr or raise train.grad_clip"
+                f"to; set train.checkpoint_every, lower train.lr or raise train.grad_clip{tried}"
             )
         self.rollbacks[target] += 1
         if self.rollbacks[target] > MAX_ROLLBACKS:
             raise NonFiniteError(
                 f"rolled back to step {target} {MAX_ROLLBACKS} times and the steps after it keep going "
-                f"non-finite; lower train.lr or check the data"
+                f"non-finite; giving up: lower train.lr or check the data{tried}"
             )
+        self.rollback_targets.append(target)
         self.metrics["rolled_back_to"] = target
         if self.rank == 0:
             _log(f"{self.rollback_after} non-finite steps in a row: rolled back from step {step} to the "
@@ -222,8 +240,13 @@ class FaultMonitor:
 
     def _straggler_check(self, elapsed: float) -> None:
         mine = (self.tracker.stamps, elapsed, self.tracker.wait_s)
-        gathered = comm.all_gather_object(mine)
-        ledger().record("fault", "all_gather", sum(len(g[0]) for g in gathered) * 48, self.world)
+        # to rank 0 only (it judges and reports; metrics.jsonl is its): one gather, not every
+        # rank's stamps to every rank
+        gathered = comm.gather_object(mine)
+        if self.rank != 0:
+            ledger().add_sent("fault", len(mine[0]) * 48)
+        if gathered is None:
+            return
         stamps = [g[0] for g in gathered]
         step_s = [g[1] for g in gathered]
         wait_s = [g[2] for g in gathered]

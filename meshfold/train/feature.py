@@ -13,6 +13,8 @@ list of them (``Features``) and calls their hooks at fixed points; every hook is
 ``wrap_optimizer(opt, sched) -> (opt, sched)``  e.g. 1-bit Adam in place of AdamW
 ``local_batch(device) -> batch``       a feature that supplies this rank's batches (at most one)
 ``after_step(step) -> dict``           after each optimizer step: fields for metrics.jsonl
+``wrap_logger(logger) -> logger``      the metrics logger (live recovery: which replica writes)
+``close()``                            at the end of a run that finished
 ``world_collectives: bool``            False: the feature promises no collective over all
                                       ranks, so the trainer turns its straggler check off
 
@@ -78,6 +80,15 @@ class Features:
         for f in self._with("after_step"):
             out.update(f.after_step(step))
         return out
+
+    def wrap_logger(self, logger):
+        for f in self._with("wrap_logger"):
+            logger = f.wrap_logger(logger)
+        return logger
+
+    def close(self) -> None:
+        for f in self._with("close"):
+            f.close()
 
     @property
     def world_collectives(self) -> bool:

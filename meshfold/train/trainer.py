@@ -12,20 +12,22 @@ loss over the global batch.
 
 from __future__ import annotations
 
+import json
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.config import Config, dump_toml, validate
 from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, make_sampler, rank_slice
 from meshfold.data.loader import Prefetcher, peek
+from meshfold.data.prepared import check_verified
 from meshfold.device import resolve_device, resolve_dtypes
 from meshfold.lowcomm.feature import build_lowcomm
 from meshfold.lowcomm.compress import build_compression
@@ -38,22 +40,23 @@ from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.balanced_loader import from_config
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.loss import vocab_parallel_loss
+from meshfold.parallel.loss import cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
 from meshfold.parallel.pipeline import Pipeline
+from meshfold.data.tokenizer import tokenizer_sha256
+from meshfold.errors import ConfigError
 from meshfold.train.checkpoint import Checkpointer
+from meshfold.train.checkpoint_files import published
+from meshfold.train.run_dir import (RunDirError, RunLock, check_resume, explain_write_failure, prepare_run_dir,
+                                    read_record, run_record, write_record)
+from meshfold.train.stop import Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features
+from meshfold.train.live import build_live, replica_env
 from meshfold.train.progress import Progress
-from meshfold.train.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses, computed in at least fp32."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
 
 
 class Trainer:
@@ -106,7 +109,7 @@ class Trainer:
         self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
-        self.peak_flops = device_peak_flops(self.device)
+        self.peak_flops = device_peak_flops(self.device, t.peak_tflops)  # None: unknown GPU, no MFU
         self.losses: list[float] = []
         # This step's fields for metrics.jsonl (data wait, the engine's, MoE, the features' after_step).
         self.step_metrics: dict = {}
@@ -115,6 +118,9 @@ class Trainer:
         # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
         self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
                                                          self.compression))
+        # train.live_recovery: this replica group's quorum, heal and cross-replica reduce (train/live.py).
+        self.live = self.features.add(build_live(cfg, self.model_parts, self.device, self.data.train, self.progress,
+                                                   self.lowcomm))
         # The features' hooks, once everything they wrap exists.
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
@@ -127,6 +133,10 @@ class Trainer:
         if not self.features.world_collectives:
             self.fault.every = 0  # a feature promises no collective over all ranks: no straggler check
         self.features.register_state(self.checkpointer)
+        self.stop: StopRequest | None = None  # the CLI's signal handler (train/stop.py); None in-process
+        self.lock: RunLock | None = None
+        self.record: dict = {}
+        self.resume_changes: list[str] = []
 
     @property
     def step(self) -> int:
@@ -186,6 +196,12 @@ class Trainer:
         """This rank's slice of a global batch, on the host (runs in the prefetch thread)."""
         local = rank_slice(global_indices, self.dims.rank("dp"), self.dims.size("dp"))
         batch = self.data.train.batch(local)
+        top = int(batch["inputs"].max()) if batch["inputs"].numel() else 0  # host, off the step's path
+        if top >= self.cfg.model.vocab_size:  # a corrupt shard the verification has not reached yet
+            check_verified()
+            raise ConfigError(f"token id {top} in the training data ({self.cfg.data.source}) is outside "
+                              f"model.vocab_size = {self.cfg.model.vocab_size}: a shard is corrupt; re-run "
+                              f"`meshfold prepare` into a new folder")
         return shard_for_context_parallel(batch, self.cfg, self.dims)  # cp: this rank's slice + positions
 
     def micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -208,6 +224,8 @@ class Trainer:
 
     def train_step(self) -> float:
         with self.strict_scope():
+            if self.live is not None:  # until a quorum of replicas commits the step
+                return self.live.step(self._train_step)
             return self._train_step()
 
     def _train_step(self) -> float:
@@ -215,6 +233,8 @@ class Trainer:
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
         loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
         self.step_metrics.update(self.engine.pop_metrics())
+        if self.live is not None:  # over the replica groups that took part (raises to redo the step)
+            loss_sum, global_tokens = self.live.reduce(loss_sum, global_tokens)
         self.last_grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         if self.capture_grads:
             self.last_grads = self.full_state(grads=True)
@@ -258,8 +278,81 @@ class Trainer:
 
     def write_run_dir(self) -> None:
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dump_toml(self.cfg))
+            path = self.run_dir / "config.toml"
+            try:
+                path.write_text(dump_toml(self.cfg))
+            except OSError as err:
+                raise RunDirError(f"cannot write the run's config: {explain_write_failure(path, err)}") from None
+
+    def data_identity(self) -> dict:
+        """What makes two data sets the same for a resume: the tokenizer and the training
+        sequences (count, and the corpus's tokens)."""
+        train = self.data.train
+        corpus = getattr(train, "corpus", None)
+        return {"tokenizer_sha256": tokenizer_sha256(self.data.tokenizer), "train_sequences": len(train),
+                **({"train_tokens": int(corpus.n_tokens)} if corpus is not None else {})}
+
+    def open_run_dir(self) -> None:
+        """Before anything is written: the run directory is a writable folder, this run holds
+        its lock, and (resuming) it holds a run of this model and data. Rank 0 checks; every
+        rank raises the same one-line error."""
+        problem = None
+        # train.live_recovery: replica groups share the run directory; the launcher holds its
+        # lock (launch.launch_live) and a restarted replica heals from a peer, not from disk.
+        live = getattr(self.cfg, "live_replica", False)
+        if self.rank == 0:
+            try:
+                prepare_run_dir(self.run_dir)
+                if not live:
+                    self.lock = RunLock(self.run_dir)
+                    self.lock.acquire()
+                self.record = run_record(self.cfg, self.data_identity(), self.world)
+                if not (live and self.cfg.train.resume == "never"):
+                    self.resume_changes = self.check_record()
+            except (RunDirError, ConfigError) as err:
+                problem = (type(err).__name__, str(err))
+            except Exception as err:  # noqa: BLE001 - the other ranks wait on this answer: never leave them hanging
+                problem = ("RunDirError", f"{self.run_dir}: {type(err).__name__}: {err}")
+        if dist.is_initialized() and self.world > 1:
+            problem = comm.broadcast_object(problem)  # start-up, once
+        if problem is not None:
+            self.release_lock()
+            kind, message = problem
+            if self.rank != 0:
+                message = "rank 0 refused the run directory (see its line)"
+            raise (ConfigError if kind == "ConfigError" else RunDirError)(message)
+
+    def check_record(self) -> list[str]:
+        """Rank 0: compare with the run directory's record (or, for a run directory from
+        before records, with its newest checkpoint's manifest)."""
+        ckpts = published(self.run_dir / "checkpoints")
+        if self.cfg.train.resume == "never" and ckpts:
+            raise ConfigError(
+                f"train.resume = never but train.run_dir = {str(self.run_dir)!r} holds checkpoints "
+                f"({', '.join(p.name for p in ckpts[:3])}) that this run would replace; choose a new train.run_dir "
+                f"(with train.init_from = {ckpts[0]} to start from its weights)")
+        saved = read_record(self.run_dir)
+        if saved is None and ckpts:
+            try:
+                manifest = json.loads((ckpts[0] / "meshfold.json").read_text())
+                saved = {"model": manifest.get("model", {})}
+            except (OSError, ValueError):
+                saved = None
+        if saved is None or self.cfg.train.resume == "never" or not ckpts:
+            return []  # nothing to resume: a fresh start, whatever ran here before
+        return check_resume(self.run_dir, saved, self.record, ckpts[0].name if ckpts else None)
+
+    @property
+    def writes_run_files(self) -> bool:
+        """run.json and config.toml: written once per run (under live recovery, by replica 0)."""
+        replica = replica_env() if getattr(self.cfg, "live_replica", False) else None
+        return replica is None or replica[0] == 0
+
+    def release_lock(self) -> None:
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+            self.lock = None
 
     def build_report(self) -> dict:
         """This rank's share of the model as built (max over ranks): parameter count and
@@ -283,10 +376,24 @@ class Trainer:
             if self.rank == 0:
                 print("meshfold: built: " + ", ".join(f"{k} {v}" for k, v in report.items()), flush=True)
             return []
+        self.open_run_dir()  # a writable folder, locked by this run, of this model and data
+        try:
+            return self._fit()
+        finally:
+            self.release_lock()
+
+    def _fit(self) -> list[float]:
+        t = self.cfg.train
         self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
-        self.write_run_dir()
+        if self.rank == 0 and self.writes_run_files:
+            if self.step and self.resume_changes:
+                print(f"meshfold: resuming at step {self.step} with changes: {'; '.join(self.resume_changes)}",
+                      file=sys.stderr, flush=True)
+            write_record(self.run_dir, self.record)
+            self.write_run_dir()
         logger = MetricsLogger(self.run_dir, t.steps, enabled=self.rank == 0, tensorboard=t.tensorboard,
                                progress=t.progress, start_step=self.step)
+        logger = self.features.wrap_logger(logger)
         tokens_per_step = t.global_batch * self.cfg.model.seq_len * self.dims.size("worker")  # batch is per worker
         try:
             while self.step < t.steps:
@@ -303,13 +410,34 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     logger.log(record)
                 self.fault.after_step()  # NaN-guard rollback
-                self.checkpointer.maybe_save()
+                check_verified()  # a shard a background verification found corrupt stops the run
+                healthy = self.fault.healthy and math.isfinite(loss)
+                if self.stop is not None and self.stop.agreed(self.device):
+                    self.stop_now(healthy)
+                self.checkpointer.maybe_save(healthy)
+            self.checkpointer.wait()
+            if self.checkpointer.save_failure is not None:  # the run's last save: never exit 0 without it
+                raise RunDirError(self.checkpointer.save_failure)
+            self.features.close()
         finally:
             self.prefetcher.close()
             logger.close()
             self.checkpointer.close()
             self.fault.close()
         return self.losses
+
+    def stop_now(self, healthy: bool) -> None:
+        """Every rank agreed to stop after this step (a signal): write its checkpoint (unless
+        the step was non-finite) and raise ``Stopped``."""
+        saved = failure = None
+        if self.step != self.checkpointer.last_saved_step and healthy:
+            if self.checkpointer.save():
+                self.checkpointer.wait()
+        if self.checkpointer.save_failure is None and self.checkpointer.last_saved_step is not None:
+            saved = str(self.checkpointer.root / f"step-{self.checkpointer.last_saved_step}")
+        else:
+            failure = self.checkpointer.save_failure or "the last step was non-finite: no checkpoint written"
+        raise Stopped(self.stop.name, self.step, saved, failure)
 
     def step_record(self, loss: float, elapsed: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / elapsed
@@ -320,7 +448,7 @@ class Trainer:
             "grad_norm": float(self.last_grad_norm),
             "step_time_s": elapsed,
             "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world),
+            "mfu": model_flops_utilization(self.flops_per_token * tokens_per_s, self.peak_flops, self.world),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "comm_bytes": self.ledger.pop_step(),
             "comm_bytes_total": {k: int(round(v)) for k, v in sorted(self.ledger.total.items())},

@@ -1,0 +1,483 @@
+"""Live recovery (``train.live_recovery = true``; docs/resilience.md): replica groups that
+drop out and rejoin while the others keep training, without a restart of the job and
+without reading a checkpoint.
+
+Each of the ``parallel.dp_replicate`` replica groups is a failure domain and a world of
+its own: its processes form their own default process group (its inner layout: dp_shard,
+tp, pp, cp) and are restarted alone by their own elastic agent (``launch.py``). Rank j of
+every replica group holds the same pieces of the model, so the replica dimension is a
+*standalone* group per inner rank (``comm.StandaloneGroup``), rebuilt from a shared store
+whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
+from the job's quorum server (``train/quorum.py``), asked by each replica's rank 0 at
+every step boundary.
+
+One step (``LiveReplicas.step``):
+
+1. quorum: members, and the members that are behind (a restarted replica); those receive
+   parameters, optimizer state, scheduler and sampler position from the lowest member at
+   the newest step (a broadcast on the standalone groups: live, never from disk);
+2. the global batch of the step (the same ``train.global_batch`` sequences as a run without
+   failures) is cut into one slice per configured replica; slice i is trained by member
+   ``i mod P`` of the P members, so every sequence of the step is trained exactly once
+   whoever is there;
+3. forward/backward inside the replica as usual (loss scaled by this replica's tokens);
+4. ``reduce``: across the members, the sum of (gradient x tokens) and of tokens, then
+   divided: the gradient of the mean loss over exactly the tokens trained; then every rank
+   of the replica votes (one all-reduce over its own world) whether its exchange
+   succeeded. A member lost in the middle of the step makes the vote fail: the survivors
+   drop the step's gradients, ask for a new quorum and train the same global batch again
+   among themselves (nothing was applied: no step is counted twice, no sequence lost).
+
+Data guarantee: **exactly once** per step. Every optimizer step trains the whole global
+batch of that step; a failure only changes who trains which slice.
+
+DiLoCo workers (``lowcomm.workers``, ``method = "diloco"``) as failure domains: nothing
+crosses the workers between outer steps, so the quorum is asked at the outer steps only,
+from DiLoCo's outer all-reduce (``OuterOptimizer.mean_fn``): the outer gradient is averaged
+over the workers that trained the phase; a restarted worker waits for the next outer step,
+adds nothing to it, then receives the new state (parameters, inner Adam, phi, outer
+momentum). Data there: **at most once** (the phase a lost worker was in is lost with it).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from meshfold import comm
+from meshfold.data.dataset import make_sampler
+from meshfold.lowcomm.feature import WorkerSampler
+from meshfold.lowcomm.outer import local_tensor
+from meshfold.train.quorum import QuorumClient
+
+if TYPE_CHECKING:
+    from meshfold.config import Config
+
+ENV_REPLICA = "MESHFOLD_LIVE_REPLICA"  # this process's replica group (set by the launcher)
+ENV_REPLICAS = "MESHFOLD_LIVE_REPLICAS"
+ENV_QUORUM = "MESHFOLD_LIVE_QUORUM"  # host:port of the quorum server
+ENV_STORE = "MESHFOLD_LIVE_STORE"  # host:port of the store the standalone groups meet through
+ENV_KILL = "MESHFOLD_LIVE_KILL"  # fault injection (tests, drills): "REPLICA:RANK:STEP" -> SIGKILL itself
+ENV_TRACE = "MESHFOLD_LIVE_TRACE"  # 1: each rank appends what it trained and a parameter digest
+
+
+class LiveStepFailed(RuntimeError):
+    """A member of the quorum was lost during the step: train it again with a new quorum."""
+
+
+def replica_count(cfg: Config) -> int:
+    """The failure domains: the DiLoCo workers, else the data-parallel replica groups."""
+    return cfg.lowcomm.workers if cfg.lowcomm.workers > 1 else cfg.parallel.dp_replicate
+
+
+def replica_env() -> tuple[int, int] | None:
+    """(this process's replica group, the configured number), when launched as a live replica."""
+    if ENV_REPLICA not in os.environ:
+        return None
+    return int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS])
+
+
+def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
+    """What one replica group runs: its inner layout (``dp_replicate = 1``) and one slice of
+    the global batch; only replica 0 writes checkpoints (they are all equal); a restarted
+    replica never reads one (it receives the state from a healthy replica)."""
+    out = copy.deepcopy(cfg)
+    if cfg.lowcomm.workers > 1:  # DiLoCo: train.global_batch is per worker already
+        out.lowcomm.workers = 1
+    else:
+        out.parallel.dp_replicate = 1
+        out.train.global_batch = cfg.train.global_batch // cfg.parallel.dp_replicate
+    out.data.prefetch = 0  # which slices this replica trains is known only once the quorum is
+    out.live_replica = True  # config.validate_live: one replica group's own layout
+    if replica != 0:
+        out.train.checkpoint_every = 0
+    if attempt > 0:
+        out.train.resume, out.train.init_from = "never", ""
+    return out
+
+
+def digest(tensors) -> str:
+    """A short SHA-1 of the tensors' bytes (bitwise comparisons across processes)."""
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class LiveSampler:
+    """The run's global batches (``train.global_batch`` per step, the sequence a run without
+    failures draws), of which this replica takes the slices the quorum assigns it."""
+
+    def __init__(self, base, replicas: int):
+        self.base, self.replicas = base, replicas
+        self.slices: list[int] = [0]
+        self.current = None
+        self.before: dict | None = None
+        self.redo = False
+        self.trained = None
+
+    def next(self) -> torch.Tensor:
+        if not self.redo or self.current is None:
+            self.before = self.base.state_dict()
+            self.current = self.base.next()
+        self.redo = False
+        size = self.current.shape[0] // self.replicas
+        self.trained = torch.cat([self.current[i * size:(i + 1) * size] for i in self.slices])
+        return self.trained
+
+    def boundary_state(self) -> dict:
+        """The position at the step boundary (before a batch drawn for a step being redone)."""
+        return self.before if self.redo and self.before is not None else self.base.state_dict()
+
+    def state_dict(self) -> dict:
+        return self.boundary_state()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.base.load_state_dict(sd)
+        self.current, self.redo = None, False
+
+
+class _Writer:
+    """metrics.jsonl is written by the rank 0 of the lowest replica in each step's quorum."""
+
+    def __init__(self, logger, live: "LiveReplicas"):
+        self.logger, self.live = logger, live
+
+    def log(self, record: dict) -> None:
+        if self.live.writes_metrics:
+            self.logger.log(record)
+
+    def __getattr__(self, name):
+        return getattr(self.logger, name)
+
+
+class LiveReplicas:
+    """The live-recovery feature (``train/feature.py``): ``wrap_sampler``, ``wrap_optimizer``
+    (to reach the optimizer and scheduler it heals), ``wrap_logger``, ``after_step``
+    (``replicas``, ``events``), and the step protocol (``step``, ``reduce``)."""
+
+    name = None
+
+    def __init__(self, cfg: Config, replica: int, replicas: int, model_parts, device: torch.device,
+                 train_data, progress, lowcomm=None):
+        self.cfg, self.replica, self.replicas = cfg, replica, replicas
+        self.parts, self.device, self.train_data, self.progress = model_parts, device, train_data, progress
+        self.rank, self.world = dist.get_rank() if dist.is_initialized() else 0, (
+            dist.get_world_size() if dist.is_initialized() else 1)
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.client = QuorumClient(os.environ[ENV_QUORUM], replica, self.attempt) if self.rank == 0 else None
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
+        self.timeout_s = cfg.train.collective_timeout_s
+        self.quorum: dict = {}
+        self.group: comm.StandaloneGroup | None = None
+        self.groups_made: list = []  # old groups kept alive: a dead peer's pairs close with the job
+        self.members: list[int] = []
+        self.writes_metrics = False
+        self.events: list[dict] = []
+        self.sampler: LiveSampler | None = None
+        self.optimizer = self.scheduler = None
+        self.redo_cause: str | None = None
+        self.trace = os.environ.get(ENV_TRACE) == "1"
+        self.kill = self._parse_kill(os.environ.get(ENV_KILL, ""))
+        self.healed_bytes = 0
+        # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
+        # the outer gradient is averaged over the workers that trained the phase.
+        self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
+        if self.outer is not None:
+            self.outer.mean_fn = self._outer_mean
+        self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
+        self.pending_heal: dict | None = None
+
+    def _parse_kill(self, text: str):
+        if not text or self.attempt > 0:
+            return None
+        r, rank, step = (int(x) for x in text.split(":"))
+        return step if (r, rank) == (self.replica, self.rank) else None
+
+    # ------------------------------------------------------------------ feature hooks
+
+    def wrap_sampler(self, sampler):
+        t = self.cfg.train
+        if self.outer is not None:  # worker w's slice of the W x B batch, as without live recovery
+            self.sampler = WorkerSampler(len(self.train_data), t.global_batch, self.replicas, self.replica, t.seed)
+            return self.sampler
+        self.sampler = LiveSampler(make_sampler(self.train_data, t.global_batch * self.replicas, t.seed),
+                                   self.replicas)
+        return self.sampler
+
+    def wrap_optimizer(self, optimizer, scheduler):
+        self.optimizer, self.scheduler = optimizer, scheduler
+        return optimizer, scheduler
+
+    def wrap_logger(self, logger):
+        return _Writer(logger, self)
+
+    def after_step(self, step: int) -> dict:
+        if self.pending_heal is not None:  # DiLoCo: after the outer step, the joiners receive it
+            self._heal(self.pending_heal)
+            self.pending_heal = None
+        out = {"replicas": self.trainers if self.trainers is not None else len(self.members)}
+        self.trainers = None
+        if self.events and self.writes_metrics:
+            out["events"] = self.events
+        self.events = []
+        if self.trace:
+            self._trace(step)
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, train_step):
+        """Run ``train_step`` (the trainer's step, which calls ``reduce``) until a quorum
+        commits it."""
+        if self.outer is not None:
+            if not self.members:  # the start, or a restarted worker: join at the next outer step
+                self._outer_join()
+            return train_step()
+        while True:
+            self._begin()
+            try:
+                return train_step()
+            except LiveStepFailed as err:
+                self.redo_cause = str(err)
+                for part in self.parts:
+                    part.zero_grad(set_to_none=True)
+                self.sampler.redo = True
+
+    def _ask(self) -> dict:
+        """Rank 0 asks the quorum server; every rank of the replica gets the answer."""
+        reply = None
+        if self.rank == 0:
+            position = getattr(self.sampler, "boundary_state", self.sampler.state_dict)()
+            meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
+                    "attempt": self.attempt, "outer_steps": self.outer.outer_steps if self.outer is not None else 0}
+            reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
+        if self.world > 1:
+            reply = comm.broadcast_object(reply, 0)
+        return reply
+
+    def _begin(self) -> None:
+        q = self._ask()
+        self._apply(q)
+        if q["heal"]:
+            self._heal(q)
+        me = self.members.index(self.replica)
+        self.sampler.slices = [i for i in range(self.replicas) if i % len(self.members) == me]
+        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+
+    def _apply(self, q: dict) -> None:
+        """Take a quorum's answer: the standalone group of its members, the events."""
+        if q.get("done"):  # restarted after the others finished: nothing is left to train
+            if self.rank == 0:
+                print(f"meshfold: replica {self.replica}: the run finished at step {q['step']} while this group "
+                      "was restarting; nothing left to train", flush=True)
+            raise SystemExit(0)
+        self.redo_cause = None
+        if q["quorum_id"] != self.quorum.get("quorum_id"):
+            if self.group is not None:
+                self.group.abort()
+                self.groups_made.append(self.group)
+            self.group = None
+            if len(q["members"]) > 1:
+                key = f"live/q{q['quorum_id']}/s{self.rank}"
+                self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
+                                                  len(q["members"]), self.timeout_s, self.device.type)
+        self.quorum, self.members = q, q["members"]
+        self.events.extend(q.get("events", []))
+        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+
+    # ------------------------------------------------------------------ DiLoCo workers
+
+    def _outer_join(self) -> None:
+        """Before a worker's first step: the start (everyone at step 0: nothing to do), or a
+        restarted worker, which waits for the others' next outer step, takes part in its
+        exchange with nothing to add, then receives the new state."""
+        while True:
+            q = self._ask()
+            self._apply(q)
+            if self.replica not in q["heal"]:
+                return
+            ok, error = self._outer_exchange(None)
+            if ok:
+                self._heal(q)
+                return
+            self.redo_cause = error
+
+    def _outer_mean(self, delta: torch.Tensor) -> None:
+        """``DiLoCo``'s outer all-reduce (its ``mean_fn``): the mean of the outer gradient over
+        the workers of this outer step's quorum that trained the phase; retried with a new
+        quorum when one is lost during the exchange."""
+        keep = delta.clone()
+        while True:
+            q = self._ask()
+            self._apply(q)
+            ok, error = self._outer_exchange(delta)
+            if ok:
+                self.pending_heal = q if q["heal"] else None
+                return
+            delta.copy_(keep)
+            self.redo_cause = error
+
+    def _outer_exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:
+        """Sum of the trainers' outer gradients and their count (a joiner adds zeros), then
+        this worker's vote; ``delta`` becomes the mean."""
+        flat = delta if delta is not None else torch.zeros_like(self.outer.phi[0])
+        count = torch.full((), 1.0 if delta is not None else 0.0, dtype=torch.float64, device=self.device)
+        ok = torch.ones((), dtype=torch.int64, device=self.device)
+        error = ""
+        if self.group is not None:
+            try:
+                comm.group_all_reduce(flat, self.group, "outer")
+                comm.group_all_reduce(count, self.group, None)
+            except RuntimeError as err:
+                ok.zero_()
+                error = str(err).splitlines()[0][:200]
+        ok, error = self._vote(ok, error)
+        if ok and delta is not None:
+            delta.div_(count.to(delta.dtype))
+            self.trainers = int(count)
+        return ok, error
+
+    def _vote(self, ok: torch.Tensor, error: str) -> tuple[bool, str]:
+        """Every rank of this replica group agrees whether its exchange succeeded (one
+        all-reduce over its own, healthy, world); on failure, what the ranks that saw it saw."""
+        if self.world > 1:
+            comm.all_reduce(ok, None, None, op="min")
+        if int(ok) == 1:
+            return True, ""
+        if self.world > 1:  # the failure path only
+            seen = [e for e in comm.all_gather_object(error) if e]
+            error = seen[0] if seen else error
+        return False, (f"replica {self.replica} lost its cross-replica exchange in step "
+                       f"{self.progress.step + 1}: {error}")
+
+    # ------------------------------------------------------------------ healing
+
+    def _state_tensors(self):
+        """Parameters, then each parameter's optimizer state, in one fixed order."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        out = [local_tensor(p) for p in params]
+        for p in params:
+            st = self.optimizer.state.get(p, {})
+            out.extend(local_tensor(st[k]) for k in sorted(st) if torch.is_tensor(st[k]))
+        if self.outer is not None:  # DiLoCo's global copy and outer momentum
+            out.extend(self.outer.phi + self.outer.momentum)
+        return params, out
+
+    @torch.no_grad()
+    def _heal(self, q: dict) -> None:
+        """The members behind receive the state of ``q['source']`` (a broadcast on the
+        standalone group; members already up to date take part as senders or bystanders)."""
+        start = time.perf_counter()
+        behind = self.replica in q["heal"]
+        params, _ = self._state_tensors()
+        if behind and any(not self.optimizer.state.get(p) for p in params):
+            # Create the optimizer's state (shapes, keys) with one zero-gradient step; every
+            # value is overwritten below.
+            with torch.enable_grad():
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        _, tensors = self._state_tensors()
+        src = q["members"].index(q["source"])
+        sent = 0
+        for t in tensors:
+            buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
+            comm.group_broadcast(buf, src, self.group, "live")
+            if behind:
+                t.copy_(buf)
+            sent += buf.numel() * buf.element_size()
+        if behind:
+            meta = q["meta"]
+            self.sampler.load_state_dict(meta["sampler"])
+            self.scheduler.load_state_dict(meta["scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+            self.progress.step = q["step"]
+            if self.outer is not None:  # healed after the outer step the meta was taken before
+                self.outer.outer_steps = meta["outer_steps"] + 1
+            if self.trace:
+                self._trace(q["step"], healed=True)
+            self.events.append({"event": "healed", "replica": self.replica, "step": q["step"] + 1,
+                                "cause": f"received {sent} bytes of model and optimizer state from replica "
+                                         f"{q['source']} in {time.perf_counter() - start:.3f} s (rank {self.rank})"})
+        self.healed_bytes += sent
+
+    # ------------------------------------------------------------------ reduce
+
+    def reduce(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Across the members: gradients weighted by each replica's tokens, the loss sum and
+        the tokens; then the replica's vote. Returns (loss sum, tokens) over the members.
+        Raises ``LiveStepFailed`` when a member was lost (every rank of this replica agrees)."""
+        if self.kill is not None and self.progress.step + 1 == self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a hard crash mid-step
+        if self.outer is not None:  # DiLoCo: nothing crosses the workers between outer steps
+            return loss_sum, tokens
+        grads = [local_tensor(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
+        ok = torch.ones((), dtype=torch.int64, device=self.device)
+        error = ""
+        if self.group is not None:
+            try:
+                weight = tokens.to(grads[0].dtype) if grads else None
+                flat = torch.cat([g.reshape(-1) for g in grads]) * weight if grads else None
+                control = torch.stack([loss_sum.double(), tokens.double()])
+                if flat is not None:
+                    comm.group_all_reduce(flat, self.group, "live")
+                comm.group_all_reduce(control, self.group, None)
+                total = control[1].to(flat.dtype) if flat is not None else None
+                if flat is not None:
+                    flat /= total
+                    offset = 0
+                    for g in grads:
+                        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                        offset += g.numel()
+                loss_sum, tokens = control[0], control[1]
+            except RuntimeError as err:  # a member died (gloo: connection closed; NCCL: aborted)
+                ok.zero_()
+                error = str(err).splitlines()[0][:200]
+        good, error = self._vote(ok, error)
+        if not good:
+            raise LiveStepFailed(error)
+        return loss_sum, tokens
+
+    # ------------------------------------------------------------------ inspection
+
+    def _trace(self, step: int, healed: bool = False) -> None:
+        path = Path(self.cfg.train.run_dir) / f"live-trace-r{self.replica}-rank{self.rank}.jsonl"
+        params = [local_tensor(p) for part in self.parts for p in part.parameters()]
+        rec = {"step": step, "healed": healed, "replica": self.replica, "attempt": self.attempt, "members": self.members,
+               "slices": getattr(self.sampler, "slices", [self.replica]), "params": digest(params),
+               "indices": self.sampler.trained.tolist() if getattr(self.sampler, "trained", None) is not None else None}
+        with path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.bye(self.progress.step)
+
+
+def _plain(sd: dict) -> dict:
+    """A scheduler's state as JSON values (LambdaLR's functions are not in it)."""
+    return json.loads(json.dumps(sd, default=lambda _: None))
+
+
+def build_live(cfg: Config, model_parts, device: torch.device, train_data, progress,
+               lowcomm=None) -> LiveReplicas | None:
+    """The live-recovery feature of a replica group's process, or None (not a live replica)."""
+    env = replica_env()
+    if not cfg.train.live_recovery or env is None:
+        return None
+    return LiveReplicas(cfg, env[0], env[1], model_parts, device, train_data, progress, lowcomm)

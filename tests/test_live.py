@@ -1,0 +1,159 @@
+"""Live recovery (train.live_recovery; docs/resilience.md) through the real CLI: 4 gloo
+processes as 2 replica groups x 2 FSDP shards, one process of replica 1 SIGKILLed in the
+middle of step 3 (after its backward, before the cross-replica exchange). The job goes on
+and exits 0; replica 1's agent restarts its group, which rejoins at a step boundary with
+the state of replica 0 received live; every step's global batch is trained exactly once,
+so every loss equals the one-process float64 run of the same seed and batch."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import tomli_w
+
+from meshfold.config import from_dict
+from meshfold.data.dataset import GlobalBatchSampler
+from meshfold.planner.goodput import FailureModel, goodput
+from meshfold.testing import run_on, tiny_config, train_collect
+from meshfold.train.quorum import QuorumClient, QuorumServer
+from meshfold.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, KILL_STEP = 5, 3
+
+
+def _traces(run_dir: Path, healed: bool = False) -> dict[tuple[int, int], dict[int, dict]]:
+    """(replica, rank) -> step -> what that rank trained and its parameter digest (after the
+    step; ``healed``: also the digest a rejoined rank has right after receiving the state)."""
+    out = {}
+    for path in run_dir.glob("live-trace-r*-rank*.jsonl"):
+        replica, rank = (int(x) for x in path.stem[len("live-trace-r"):].split("-rank"))
+        out[(replica, rank)] = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())
+                                if healed or not r["healed"]}
+    return out
+
+
+def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int = 4) -> tuple[list[dict], list[dict], float]:
+    """``meshfold train --nproc N`` of ``cfg`` with one process SIGKILLed (``kill``):
+    the metrics records, their events, and the wall time."""
+    (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", str(nproc)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (Path(cfg["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return records, [e for r in records for e in r.get("events", [])], took
+
+
+def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
+    cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_replicate": 2, "dp_shard": 2},
+                      train={"steps": STEPS, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+    records, events, took = _run_live(tmp_path, cfg, f"1:1:{KILL_STEP}")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none repeated, none missing
+    replicas = [r["replicas"] for r in records]
+    assert replicas == [2] * (KILL_STEP - 1) + [1] + [2] * (STEPS - KILL_STEP), replicas
+    departure = [e for e in events if e["event"] == "departure"]
+    rejoin = [e for e in events if e["event"] == "rejoin"]
+    assert [(e["replica"], e["step"]) for e in departure] == [(1, KILL_STEP)], events
+    assert "killed" in departure[0]["cause"] and "lost its cross-replica exchange" in departure[0]["seen_as"]
+    assert [(e["replica"], e["step"]) for e in rejoin] == [(1, KILL_STEP + 1)], events
+    assert "received step 3's state from replica 0" in rejoin[0]["cause"]
+
+    traces = _traces(tmp_path / "run")
+    for rank in (0, 1):
+        survivor, rejoined = traces[(0, rank)], traces[(1, rank)]
+        assert KILL_STEP not in rejoined and rejoined[KILL_STEP + 1]["attempt"] == 1
+        for step in range(KILL_STEP + 1, STEPS + 1):  # bitwise: sha1 of every local shard's bytes
+            assert rejoined[step]["params"] == survivor[step]["params"], (rank, step)
+
+    # Exactly once: each step trained the run's global batch, every sequence by one replica.
+    reference = Trainer(from_dict(tiny_config(str(tmp_path / "ref"))))
+    sampler = GlobalBatchSampler(len(reference.data.train), 8, 0)
+    for step in range(1, STEPS + 1):
+        expected = sampler.next().tolist()
+        for rank in (0, 1):
+            trained = [i for (replica, r), t in traces.items() if r == rank and step in t
+                       for i in t[step]["indices"]]
+            assert sorted(trained) == sorted(expected), (step, rank)
+
+    # Losses: the one-process float64 run (no replicas, no fault), every step, the step
+    # the survivors finished alone included.
+    ref_losses = reference.fit()
+    for got, ref in zip([r["loss"] for r in records], ref_losses, strict=True):
+        assert abs(got - ref) <= 1e-9 * abs(ref), ([r["loss"] for r in records], ref_losses)
+    print(f"live recovery run: {took:.1f} s")
+
+
+def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
+    """2 DiLoCo workers, one process each (the inner layout's part is shown above; this keeps
+    the suite's time), outer step every 2 steps; worker 1 killed in step 3. Worker 0 trains on; at the outer step 4 the quorum waits for the restarted
+    worker, averages the outer gradient over the one worker that trained the phase, and the
+    rejoined worker receives the new global copy, outer momentum and inner Adam state.
+    Data: at most once (worker 1's sequences of steps 3-4 are not trained)."""
+    lowcomm = {"method": "diloco", "workers": 2, "inner_steps": 2}
+    cfg = tiny_config(str(tmp_path / "run"), lowcomm=lowcomm,
+                      train={"steps": 6, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+    records, events, took = _run_live(tmp_path, cfg, "1:0:3", nproc=2)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r.get("outer_step") for r in records] == [None, 1, None, 2, None, 3]
+    assert [r["replicas"] for r in records] == [2, 2, 2, 1, 2, 2]  # outer step 2: worker 0's phase only
+    assert [(e["event"], e["replica"]) for e in events if e["event"] != "join"] == [("departure", 1), ("rejoin", 1)]
+    assert all("rejoin" not in e["event"] and "departure" not in e["event"]
+               for r in records if r["step"] != 4 for e in r.get("events", []))
+    traces = _traces(tmp_path / "run", healed=True)
+    survivor, rejoined = traces[(0, 0)], traces[(1, 0)]
+    assert 3 not in rejoined and rejoined[4]["healed"] and rejoined[4]["attempt"] == 1
+    for step in (4, 6):  # right after the rejoin (theta = phi) and at the next outer step
+        assert rejoined[step]["params"] == survivor[step]["params"], step
+    # Losses (worker 0, as metrics.jsonl logs): the run without the fault (2 processes, the
+    # same seed and batches) up to the outer step the lost phase would have joined, then not.
+    ref = run_on(2, train_collect, tiny_config(str(tmp_path / "ref"), lowcomm=lowcomm, train={"steps": 6}))[0]
+    got = [r["loss"] for r in records]
+    for step in range(4):
+        assert abs(got[step] - ref["losses"][step]) <= 1e-9 * abs(ref["losses"][step]), (got, ref["losses"])
+    assert abs(got[4] - ref["losses"][4]) > 1e-6  # outer step 2 averaged one worker's phase, not two
+    print(f"live recovery (DiLoCo) run: {took:.1f} s")
+
+
+def test_quorum_rounds_start_redo_and_rejoin_wait():
+    """The server alone: the first round waits for every replica; a round redoing an
+    interrupted step goes on at once; later rounds wait (rejoin_wait_s) for a replica whose
+    agent is restarting it, and the rejoined one is told to heal from the newest member."""
+    server = QuorumServer(2, rejoin_wait_s=30.0)
+    agents = [QuorumClient(server.address, r, agent=True) for r in (0, 1)]
+    a, b = QuorumClient(server.address, 0), QuorumClient(server.address, 1)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(b=b.quorum(0, {"attempt": 0})))
+    t.start()
+    first = a.quorum(0, {"sampler": "s0"})
+    t.join()
+    assert first["members"] == [0, 1] and got["b"]["quorum_id"] == first["quorum_id"]
+    b.sock.close()  # replica 1 dies: its agent stays (restarting)
+    redo = a.quorum(2, failed="peer lost")  # an interrupted step: at once, alone
+    assert redo["members"] == [0] and redo["quorum_id"] > first["quorum_id"]
+    assert [e["event"] for e in redo["events"]] == ["departure"] and redo["events"][0]["seen_as"] == "peer lost"
+    threading.Timer(0.3, lambda: got.update(c=QuorumClient(server.address, 1, attempt=1).quorum(0, {"attempt": 1}))
+                    ).start()
+    later = a.quorum(3, {"sampler": "s3"})  # waits for the restarting replica 1
+    assert later["members"] == [0, 1] and later["heal"] == [1] and later["source"] == 0
+    assert later["meta"] == {"sampler": "s3"} and later["events"][0]["event"] == "rejoin"
+    a.bye(step=3)  # replica 0 finished the run: a replica restarted after that has nothing to do
+    assert QuorumClient(server.address, 1, attempt=2).quorum(0) == {"done": True, "step": 3}
+    for c in agents:
+        c.close()
+    server.close()
+
+
+def test_goodput_live_recovery_beats_restarts_at_scale():
+    fm = FailureModel(mtbf_node_h=6334.0, restart_s=600.0, save_s=30.0, replace_s=300.0, transfer_s=10.0)
+    small, large = goodput(128, 8, 2.0, fm), goodput(2048, 128, 2.0, fm)
+    assert 0 < large["goodput_restart"] < small["goodput_restart"] < 1  # more nodes, more failures
+    assert large["goodput_live"] > large["goodput_restart"] and small["goodput_live"] > small["goodput_restart"]
+    assert abs(large["failures_per_day"] - 2048 * 24 / 6334.0) < 1e-9
+    assert goodput(2048, 1, 2.0, fm)["goodput_live"] is None  # one replica group: nothing to go on with

@@ -1,0 +1,74 @@
+"""The cost model against published GPU results, priced as each job ran (no GPU needed):
+Megatron-LM 2021 on A100s and torchtitan's Llama 3.1 runs on H100s
+(``meshfold/planner/published.py``: rows, sources, how each job ran)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshfold.models.presets import preset
+from meshfold.planner.cluster import DEVICES, load_cluster
+from meshfold.planner.cost import Layout, Workload, estimate, gemm_time
+from meshfold.planner.published import predict, rows
+
+ROWS = rows()
+
+
+def test_published_rows_within_their_bounds():
+    """Every row within its bound: 15 % for the A100 tables (as the tests in
+    test_planner.py), 20 % for torchtitan's H100 rows (issue 33)."""
+    out = [predict(r) for r in ROWS]
+    bad = [(r["name"], round(100 * r["error"], 1)) for r in out if r["bound"] and abs(r["error"]) > r["bound"]]
+    assert not bad, bad
+    assert {r["device"] for r in out} == {"a100-dgx", "h100-grand-teton"}
+    checked = [r["name"] for r in out if r["source"].startswith("torchtitan") and r["bound"]]
+    assert len(checked) == 3 and sum("A100" in r["name"] or r["device"] == "a100-dgx" for r in out) == 13
+    # torch.compile's fused memory-bound ops are priced faster than eager, as measured
+    by_name = {r["name"]: r["predicted"] for r in out}
+    assert by_name["8B FSDP + torch.compile, 8 GPUs (Table 1)"] > by_name["8B FSDP, 8 GPUs (Table 1)"]
+
+
+def test_where_time_goes_on_h100():
+    """The pieces that moved the H100 prediction from 59 % MFU to the published range, each
+    in the direction physics says: eager memory-bound ops cost more than fused ones; the op
+    recompute policy re-runs more than the attention core; a skinny GEMM is memory bound
+    (its time set by bytes, not FLOPs); fp8 linears are faster; A100 < H100 < B200."""
+    m = preset("llama3-8b")
+    c = load_cluster("h100-grand-teton", devices=8)
+    lay = Layout(dp_shard=8, zero=3, micro_batch=2, recompute="selective")
+
+    def step(**kw):
+        return estimate(Workload(m, 16, 8192, dtype="bf16", **kw), c, lay).step_time_s
+
+    eager, fused = step(), step(kernels="fused")
+    assert eager > 1.05 * fused
+    assert step(selective="op") > eager
+    assert step(fp8=True) < eager
+    d = DEVICES["h100-sxm"]
+    skinny = gemm_time(d, 16, 4096, 4096, 4096)
+    assert skinny > 10 * 2 * 16 * 4096 * 4096 / (d.peak_tflops * 1e12 * d.matmul_eff)
+    big = gemm_time(d, 16384, 4096, 4096, 4096)
+    assert big == pytest.approx(2 * 16384 * 4096**2 / (d.peak_tflops * 1e12 * d.matmul_eff), rel=0.05)
+    times = [estimate(Workload(m, 64, 8192), load_cluster(p, devices=8),
+                      Layout(dp_shard=8, zero=3, micro_batch=1, recompute="full")).step_time_s
+             for p in ("a100", "h100", "b200")]
+    assert times[0] > times[1] > times[2]
+
+
+def test_every_gpu_preset_prices_a_step():
+    """Every GPU preset (A100 40/80, H100 SXM/PCIe/NVL/96GB-500W, H200, B200, MI300X,
+    MI250X) loads and prices the same job; more bf16 FLOPs and bandwidth never make it slower
+    within a vendor's generation (H100 PCIe < SXM = H200's compute; B200 fastest)."""
+    from meshfold.planner.cluster import PRESETS
+
+    m = preset("llama3-1b")
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1, recompute="selective")
+    t = {}
+    for name in PRESETS:
+        if name == "cpu-gloo":
+            continue
+        est = estimate(Workload(m, 16, 4096), load_cluster(name, devices=8), lay)
+        assert est.step_time_s > 0 and 0 < est.mfu < 1, name
+        t[name] = est.step_time_s
+    assert t["b200-dgx"] < t["h200-dgx"] <= t["h100-dgx"] < t["h100-pcie"]
+    assert t["h100-dgx"] < t["a100-dgx"]
