@@ -6,8 +6,9 @@ within 2 %; a layout the runtime refuses, the planner refuses with the same mess
 
 All layouts' simulated ranks share one pool of fresh processes (``dry_run_many``); tiny
 shapes (4 blocks of width 64) keep every dimension in play at world sizes up to 16.
-Disagreements that are known and not yet fixed are listed in KNOWN with the term and why:
-the test fails if one disappears (update the list) or a new one appears."""
+The suite checks the matrix itself and that both sides refuse alike; the agreement run
+(``python tests/test_dryrun_matrix.py``, about ten minutes here) is not in the suite yet.
+KNOWN is where its disagreements that are understood and not yet fixed will be listed."""
 
 import random
 
@@ -122,9 +123,10 @@ def test_runtime_and_planner_refuse_alike():
         assert str(runtime.value) == str(planner.value), name
 
 
-@pytest.mark.xfail(reason="issue 27: the matrix's disagreements are not yet catalogued in KNOWN (the run did not "
-                          "finish on the shared machine before the deadline)", strict=False)
-def test_runtime_agrees_with_planner_on_the_matrix():
+def agreement_report() -> dict:
+    """{(case, term): 'runtime vs planner'} over the whole matrix: about ten minutes of CPU
+    here, so not yet in the suite (issue 27 stays open until the disagreements are fixed or
+    catalogued in KNOWN and the run fits the suite's budget). ``python tests/test_dryrun_matrix.py``."""
     from meshfold.dryrun import dry_run_many
 
     valid, _ = matrix()
@@ -132,5 +134,9 @@ def test_runtime_agrees_with_planner_on_the_matrix():
     found = {}
     for (name, _, _), out in zip(valid, outs):
         found.update(disagreements(name, out))
-    assert set(found) == set(KNOWN), {k: v for k, v in found.items() if k not in KNOWN} or \
-        sorted(set(KNOWN) - set(found))
+    return found
+
+
+if __name__ == "__main__":
+    for (case, term), what in sorted(agreement_report().items()):
+        print(f"{case}  {term}: {what}")
