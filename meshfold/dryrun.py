@@ -51,6 +51,7 @@ import os
 import queue
 import sys
 import time
+import traceback
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -71,7 +72,7 @@ from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
 from meshfold.models.moe import moe_end_step, moe_layers
 from meshfold.models.varlen_attention import use_varlen_attention
-from meshfold.parallel.context import shard_for_context_parallel
+from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.optim import build_optimizer, grad_norm
@@ -150,6 +151,19 @@ class DryTrainer(Trainer):
         comm.all_gather_into_tensor(every, mine, pipe.group, "pp")
         return every.view(pipe.pp, 4)[:, 0].sum()
 
+    def _context_work_gather(self) -> None:
+        """What ``context_step_metrics`` sends once a step (each cp rank's attention work, one
+        all-gather over cp), without its host read of the (fake) values."""
+        if self.dims.size("cp") > 1:
+            for m in self.model.modules():
+                plan = getattr(m, "plan", None)
+                if isinstance(m, ContextParallelAttention):
+                    plan.work.reset()
+                    work = torch.empty(plan.cp, dtype=torch.float64, device=self.device)
+                    comm.all_gather_into_tensor(work, torch.zeros(1, dtype=torch.float64, device=self.device),
+                                                plan.cp_group, "cp")
+                    return
+
     def fake_batch(self) -> dict[str, torch.Tensor]:
         p, m = self.cfg.parallel, self.cfg.model
         local = self.cfg.train.global_batch // p.dp
@@ -172,6 +186,7 @@ class DryTrainer(Trainer):
         else:
             loss_sum = self.engine.forward_backward(micro, tokens)
             activations = self.engine.pop_metrics().get("activation_bytes", 0)
+        self._context_work_gather()
         self.all_reduce_sum(loss_sum)
         if self.gpu is not None:  # the trainer's step end: clip, norm and loss reads, MoE metrics
             norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
@@ -220,7 +235,7 @@ class DryTrainer(Trainer):
         else:
             c1, activations = self._step(micro[:unit])
             g1 = gpu.pop_step() if gpu else None
-            c2, _ = self._step(micro[:2 * unit])
+            c2, _ = self._step(self.micro_batches(self.fake_batch())[:2 * unit])  # fresh tensors: no cache hits
             g2 = gpu.pop_step() if gpu else None
             k = (m - unit) / unit
             coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0)
@@ -355,7 +370,7 @@ def planner_prediction(cfg: Config, world: int, cluster_spec: str) -> dict:
     cluster = load_cluster(cluster_spec, devices=world)
     workload = dataclasses.replace(workload_from_config(cfg, cluster), flash=True)
     est = CostModel(workload, cluster).estimate(layout_from_config(cfg, world))
-    out = {k: int(round(v)) for k, v in est.footprint().items() if k in FIELDS}
+    out = {k: int(round(v)) for k, v in est.footprint().items() if k != "collectives"}
     out["collectives"] = {d: {"count": x["count"], "bytes": int(round(x["bytes"]))}
                           for d, x in est.collectives.items()}
     out["step_time_s"], out["peak_mem_bytes"] = est.step_time_s, int(est.peak_mem_bytes)
@@ -382,8 +397,12 @@ class DryRunError(RuntimeError):
 
 
 def _one_line(e: BaseException) -> str:
+    """``Type: message (at file:line)``, the innermost meshfold frame the error passed."""
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}meshfold{os.sep}" in f.filename]
+    where = f" (at {os.path.relpath(frames[-1].filename, os.path.dirname(os.path.dirname(__file__)))}:" \
+            f"{frames[-1].lineno})" if frames else ""
+    return (f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__) + where
 
 
 def _child(out, i: int, fn, args) -> None:
@@ -401,7 +420,7 @@ def _child(out, i: int, fn, args) -> None:
     out.put(answer)
 
 
-def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
+def _in_fresh_processes(fn, calls: list[tuple], parallel: int, raise_first: bool = True) -> list:
     """``fn(*args)`` for each of ``calls``, each in a fresh process (torch caches meshes and
     groups per process), ``parallel`` at a time; results in order. A child's exception is
     raised here; a child that dies without an answer (killed, out of memory) is an error
@@ -432,9 +451,9 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
                                            f"{proc.exitcode} before answering (out of memory?)")
                 continue
             running.pop(i).join()
-            if not ok:
+            if not ok and raise_first:
                 raise value
-            results[i] = value
+            results[i] = value  # (an exception when not raise_first)
     finally:
         for proc in running.values():
             proc.kill()
@@ -444,12 +463,42 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int) -> list:
 def dry_run(cfg: Config, world: int, cluster: str = "h100", device: str = "cpu") -> dict:
     """``device = "cuda"``: the ranks run on fake CUDA tensors and the report adds ``gpu``
     (host syncs, attention kernels, wire dtypes, errors: meshfold/gpucheck.py)."""
+    return dry_run_many([(cfg, world)], cluster, device)[0]
+
+
+def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device: str = "cpu") -> list:
+    """``dry_run`` of each (config, world), their simulated ranks sharing one pool of fresh
+    processes (as many at a time as this machine has cores). A case that validation
+    refuses, or whose simulation fails, is its exception in the list (``dry_run``: raised)."""
     start = time.perf_counter()
-    cfg = with_target_numerics(validate(cfg, world), cluster)
-    ranks = representative_ranks(cfg, world)
-    results = _in_fresh_processes(simulate_rank, [(cfg, world, r, device) for r in ranks],
-                                  min(len(ranks), max(1, os.cpu_count() or 1)))
-    per_rank = dict(zip(ranks, results))
+    ready, calls = [], []
+    for cfg, world in cases:
+        try:
+            cfg = with_target_numerics(validate(cfg, world), cluster)
+            ranks = representative_ranks(cfg, world)
+        except ConfigError as e:
+            ready.append(e)
+            continue
+        ready.append((cfg, world, ranks, len(calls)))
+        calls += [(cfg, world, r, device) for r in ranks]
+    results = _in_fresh_processes(simulate_rank, calls, max(1, min(len(calls), os.cpu_count() or 1)),
+                                  raise_first=len(cases) == 1)
+    out = []
+    for case in ready:
+        if isinstance(case, Exception):
+            if len(cases) == 1:
+                raise case
+            out.append(case)
+            continue
+        cfg, world, ranks, first = case
+        mine = results[first:first + len(ranks)]
+        failed = next((r for r in mine if isinstance(r, Exception)), None)
+        out.append(failed if failed is not None else
+                   _report(cfg, world, cluster, dict(zip(ranks, mine)), start, device))
+    return out
+
+
+def _report(cfg: Config, world: int, cluster: str, per_rank: dict, start: float, device: str) -> dict:
     gpu = {"gpu": gpucheck.summary({r: v["gpu"] for r, v in per_rank.items()})} if device == "cuda" else {}
     runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
     runtime["collectives"] = per_rank[0]["collectives"]

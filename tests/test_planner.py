@@ -49,7 +49,11 @@ def test_zero_stage_memory_enters_the_estimate():
     mems = [estimate(w, c, Layout(dp_shard=64, zero=z, micro_batch=1)).memory for z in (1, 2, 3)]
     assert mems[0]["optimizer"] == pytest.approx(mems[1]["optimizer"])
     assert mems[1]["grads"] == pytest.approx(mems[0]["grads"] / 64)
-    assert mems[2]["params"] == pytest.approx(mems[1]["params"] / 64)
+    # ZeRO-2 and 3 (FSDP2) both shard the storage; ZeRO-2 keeps the whole compute-dtype copy
+    # gathered from forward to backward (the paper's stage-2 parameters), ZeRO-3 two blocks
+    assert mems[2]["params"] == pytest.approx(mems[1]["params"]) == pytest.approx(mems[0]["params"] / 64)
+    assert mems[1]["gathered_params"] == pytest.approx(mems[0]["params"])
+    assert 0 < mems[2]["gathered_params"] < mems[1]["gathered_params"] / 10
 
 
 # --------------------------------------------------------------------------- Korthikanti
@@ -200,7 +204,8 @@ def test_footprint_from_config():
     cfg = from_dict({"model": {"preset": "llama3-8b"}, "parallel": {"tp": 8, "dp_shard": 16, "zero": 3},
                      "train": {"global_batch": 256, "micro_batch": 1, "dtype": "bfloat16"}})
     out = footprint(cfg, 128, device="cuda")
-    assert set(out) == {"param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "collectives"}
+    assert set(out) == {"param_bytes", "gathered_param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                        "recompute_bytes", "collectives"}
     params = sum(v for k, v in out.items() if k in ("param_bytes", "optimizer_bytes")) / 12  # fp32 + Adam m, v
     assert 8.0e9 / 128 < params < 8.1e9 / 128  # Llama 3 8B, sharded 128 ways
     assert out["grad_bytes"] == pytest.approx(16 * out["param_bytes"], rel=1e-9)  # unsharded while accumulating

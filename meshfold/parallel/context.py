@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshfold.comm import all_gather_into_tensor, all_to_all_single, exchange, wait_all
 from meshfold.errors import ConfigError
-from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention
+from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention, pick_kernel
 from meshfold.models.moe import has_values
 from meshfold.parallel.config import ulysses_degree
 
@@ -180,7 +180,8 @@ def build_plan(cfg: Config, dims) -> ContextParallelPlan:
         return ContextParallelPlan(p.cp, degree, p.cp_balance, cp_rank, cp_group, cp_group, None)
     mesh = dims.mesh.mesh
     cp_axis = dims.mesh.mesh_dim_names.index("cp")
-    rows = mesh.movedim(cp_axis, -1).reshape(-1, p.cp).tolist()
+    with unset_fake_temporarily():  # the rank table holds values (a dry-run's fake mode aside)
+        rows = mesh.movedim(cp_axis, -1).reshape(-1, p.cp).tolist()
     ring = p.cp // degree
     uly_lists = [row[g * degree:(g + 1) * degree] for row in rows for g in range(ring)]
     ring_lists = [row[u::degree] for row in rows for u in range(degree)]

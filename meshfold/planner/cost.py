@@ -21,6 +21,7 @@ from meshfold.models.config import ModelConfig
 from meshfold.data.micro import micro_batch_count
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
+from meshfold.parallel.config import ulysses_degree
 from meshfold.parallel.expert_shard import expert_shard_padding
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.counts import (
@@ -79,7 +80,8 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     cp: int = 1
-    cp_mode: str = "ring"
+    cp_mode: str = "ring"  # ring | ulysses | hybrid
+    cp_ulysses: int = 0  # hybrid: the Ulysses degree (layout_from_config resolves 0 as the runtime)
     ep: int = 1
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
@@ -107,6 +109,7 @@ class Layout:
                               tp=self.tp, sp=self.sp, pp=self.pp, pp_schedule=self.pp_schedule,
                               pp_microbatches=self.microbatches(global_batch) if self.pp > 1 else 0,
                               pp_virtual_stages=self.pp_virtual_stages, cp=self.cp, cp_mode=self.cp_mode,
+                              cp_ulysses=self.cp_ulysses if self.cp_mode == "hybrid" else 0,
                               ep=self.ep, pp_split=list(self.pp_split), pp_skip=self.pp_skip,
                               pp_reorder=self.pp_reorder, pp_links=[list(x) for x in self.pp_links])
 
@@ -147,8 +150,11 @@ class Estimate:
     tflops_per_device: float  # model FLOPs / step time / devices
     comm_bytes: dict = field(default_factory=dict)  # rank 0, per step, by dimension
     # What ``meshfold dry-run`` prints next to the runtime (``footprint``): per rank, max
-    # over ranks, bytes of parameters, gradients, optimizer states and activations...
+    # over ranks, bytes of parameters, gradients, optimizer states and activations
+    # (docs/memory.md defines each term)...
     param_bytes: float = 0.0
+    gathered_param_bytes: float = 0.0
+    recompute_bytes: float = 0.0
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     activation_bytes: float = 0.0
@@ -156,7 +162,8 @@ class Estimate:
     collectives: dict = field(default_factory=dict)
 
     def footprint(self) -> dict:
-        return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
+        return {"param_bytes": self.param_bytes, "gathered_param_bytes": self.gathered_param_bytes,
+                "recompute_bytes": self.recompute_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "activation_bytes": self.activation_bytes,
                 "collectives": self.collectives}
 
@@ -331,8 +338,9 @@ class CostModel:
         return STEPS[op](n) * alpha + RING[op](n) * size_bytes / beta
 
     # ---- per layer (one micro-batch on one device), by kind (dense / MoE)
-    def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str) -> dict:
-        key = (tp, sp, cp, cp_mode, ep, b, recompute)
+    def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str,
+                    ulysses: int = 0) -> dict:
+        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses)
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
@@ -380,30 +388,38 @@ class CostModel:
         tp_bytes = act * tokens * h
         call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
         tp_ar = self.ct("all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
-        # Context parallel. Ring: K,V go around (cp-1 hops) forward, K,V and dK,dV
-        # backward, each hop hidden behind the attention block it feeds. Ulysses: 4
-        # all-to-alls (q, k, v, out) forward, 4 backward.
+        # Context parallel (parallel/context.py) over u Ulysses ranks (stride tp) inside R =
+        # cp / u ring members (stride u tp): ring u = 1, Ulysses u = cp, hybrid cp_ulysses.
+        # Ulysses: 4 all-to-alls (q, k, v, out) forward, 4 backward (kv heads repeated up to u
+        # when fewer). Ring, on the member's u x tokens and heads / u: K,V go around (R-1
+        # hops) forward, K,V again (R-1) and dK,dV (R hops back to their owner, in the >= fp32
+        # accumulation dtype) backward, each hop hidden behind the attention block it feeds.
         hkv = m.kv_heads * m.head_dim
-        cp_fwd = cp_sent = 0.0
-        if cp > 1 and cp_mode == "ulysses":
+        u = 1 if cp_mode == "ring" else cp if cp_mode == "ulysses" else max(1, ulysses)
+        R = cp // u
+        kv_local = m.kv_heads // min(tp, m.kv_heads)  # kv heads per tp rank
+        kv_heads = u if (u > 1 and kv_local % u) else kv_local
+        cp_fwd = cp_sent = cp_sent_rec = 0.0
+        cp_calls = cp_calls_rec = 0
+        if cp > 1 and u > 1:
             size = act * tokens * h / tp  # q and the attention output
-            kv_size = act * tokens * hkv / min(tp, m.kv_heads)  # k and v (GQA: fewer heads)
-            cp_fwd = (2 * self.ct("all_to_all", size, cp, tp) + 2 * self.ct("all_to_all", kv_size, cp, tp)
+            kv_size = act * tokens * kv_heads * m.head_dim  # k and v (GQA: fewer heads)
+            cp_fwd = (2 * self.ct("all_to_all", size, u, tp) + 2 * self.ct("all_to_all", kv_size, u, tp)
                       + 4 * call)
-            cp_sent = 4 * RING["all_to_all"](cp) * (size + kv_size)  # q, k, v, out: forward and backward
-        elif cp > 1:
-            kv = 2 * act * tokens * hkv / min(tp, m.kv_heads)
-            alpha, beta = self.link(tp, cp)
+            cp_sent = 4 * RING["all_to_all"](u) * (size + kv_size)  # q, k, v, out: forward and backward
+            cp_sent_rec, cp_calls, cp_calls_rec = cp_sent / 2, 8, 4
+        if cp > 1 and R > 1:
+            kv = 2 * act * tokens * kv_heads * m.head_dim
+            alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
-            cp_fwd = max((cp - 1) * hop - attn_f, hop)
-            # per layer: K,V forward (cp-1 hops); backward K,V again (cp-1) and dK,dV,
-            # which travel the whole ring back to their owner (cp hops)
-            cp_sent = (3 * cp - 2) * kv
+            cp_fwd += max((R - 1) * hop - attn_f, hop)
+            cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
+            cp_sent_rec += (R - 1) * kv
+            cp_calls, cp_calls_rec = cp_calls + 3 * R - 2, cp_calls_rec + R - 1
         # the tiled attention's fixed cost per tile (a third forward, two thirds backward)
         tile_t = 0.0
         if cp > 1:
-            ring = 1 if cp_mode == "ulysses" else cp
-            tile_t = attention_tiles_per_rank(cp, ring) * c.device.attention_tile_us * 1e-6
+            tile_t = attention_tiles_per_rank(cp, R) * c.device.attention_tile_us * 1e-6
         out = {}
         for moe in set(self.kinds):
             ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
@@ -525,6 +541,7 @@ class CostModel:
                    out_bwd=out_bwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
+                   cp_calls=(cp_calls, cp_calls_rec), cp_sent_rec=cp_sent_rec,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    pos_emb=s * h if m.pos == "learned" else 0.0,  # learned positions: whole on every tp rank
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
@@ -620,7 +637,7 @@ class CostModel:
         if w.global_batch % dp or (w.global_batch // dp) % b:
             raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
         n_micro = w.global_batch // dp // b
-        T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute)
+        T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute, L.cp_ulysses)
         p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(
             L, T, n_micro, v)
         Pmax = max(stage_params)
@@ -669,11 +686,25 @@ class CostModel:
         tflops = self.flops_model / step / L.world
         est = Estimate(L, step, time, memory, peak_mem, fits, self.flops_model, tflops / self.peak,
                        tflops / 1e12, param_bytes=states["params"], grad_bytes=states["grads"],
-                       optimizer_bytes=states["optimizer"], activation_bytes=activation_bytes)
+                       optimizer_bytes=states["optimizer"], activation_bytes=activation_bytes,
+                       gathered_param_bytes=memory["gathered_params"], recompute_bytes=memory["recompute"])
         if detail:
             est.collectives = self.collectives(L, T, stages, stage_layers, stage_params, n_micro)
             est.comm_bytes = {d: x["bytes"] for d, x in est.collectives.items()}
         return est
+
+    def peak_memory(self, L: Layout) -> float:
+        """``estimate(L).peak_mem_bytes`` without the step time (the search prunes by memory
+        before it prices): the stage split and the memory terms alone, cached alike."""
+        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        n_micro = self.w.global_batch // L.dp // L.micro_batch
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses)
+        stages, last_rank = self.stage_kinds(L)
+        skey = (id(T), id(stages), L.pp, v, None)
+        hit = self._stage_sum_cache.get(skey)
+        if hit is None:
+            hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
+        return self._memory(L, T, hit[3], hit[4], last_rank, n_micro, v)[2]
 
     def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int):
         """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
@@ -796,31 +827,43 @@ class CostModel:
         moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
         top = stage_params.index(Pmax)
         states = self._model_states(L, T, Pmax, moe_layers[top], zero, accumulate)
-        if fsdp and L.zero == 3:
-            states["gathered_blocks"] = 2 * max_block * pb  # the running block and the prefetched one
+        # Gathered parameter copies (FSDP2, in the compute dtype): ZeRO-2 keeps every block of
+        # the rank gathered from its first forward to the step's last backward; ZeRO-3 the
+        # running block and the prefetched next one.
+        wg = FSDP_WIRE[w.dtype][0]
+        gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else 0.0
         inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
         amp = w.dtype == "bf16-amp"
+        full = L.recompute == "full"
         tokens = T["tokens"]
+        stage_kinds = self.stage_kinds(L)[0]
+        block_params = [sum(T["kinds"][k][2] * n for k, n in r.items()) for r in stage_kinds]
         # Under amp without FSDP's bf16 gathers, autocast's bf16 copy of every weight a
         # matmul reads (the input embedding is looked up, not multiplied), kept from each
-        # micro-batch's forward to its backward; with amp the stage input is layer 0's
-        # (fp32) norm input, already counted.
+        # micro-batch's forward to its backward; under full recompute only the weights
+        # outside the recomputed blocks (the output layer); with amp the stage input is
+        # layer 0's (fp32) norm input, already counted.
         tied_out = m.tie_embeddings and pp == 1
         looked_up = T["pos_emb"] + (0 if tied_out else T["emb"])
-        copies = act * (stage_params[0] - looked_up) if (amp and not fsdp) else 0.0
-        if copies and L.recompute == "op":  # the blocks' copies are made again in their recompute
-            copies -= act * sum(T["kinds"][k][2] * n for k, n in self.stage_kinds(L)[0][0].items())
+        blocks_recomputed = L.recompute in ("full", "op")  # their weights' copies made again in backward
+
+        def weight_copies(r: int) -> float:
+            if not amp or fsdp:
+                return 0.0
+            kept = stage_params[r] - (block_params[r] if blocks_recomputed else 0.0) - (looked_up if r == 0 else 0.0)
+            return act * max(0.0, kept)
+
         stage_in = 0.0 if amp else act * tokens * h
         per_layer = dict(T["act_kinds"])
         if amp and fsdp and L.recompute == "op":  # FSDP2 hands the blocks bf16 inputs
             per_layer = {k: x - (4 - act) * tokens * h / (tp if L.sp else 1) for k, x in per_layer.items()}
-        elif amp and fsdp and L.recompute != "full":  # (and the projections share one bf16 norm output)
+        elif amp and fsdp and not full:  # (and the projections share one bf16 norm output)
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
-        if True in per_layer and L.recompute != "full" and (fsdp or not amp):
+        if True in per_layer and not full and (fsdp or not amp):
             per_layer[True] += T["w13"]  # (amp without FSDP: within the weight copies below)
         # blocks' activations per pipeline rank, by layer kind
-        layer_acts = tuple(sum(per_layer[k] * n for k, n in r.items()) for r in self.stage_kinds(L)[0])
-        acts = inflight * (layer_acts[0] + stage_in + copies)
+        layer_acts = tuple(sum(per_layer[k] * n for k, n in r.items()) for r in stage_kinds)
+        acts = inflight * (layer_acts[0] + stage_in + weight_copies(0))
         if pp > 1:
             # the balanced split can give a later rank more blocks than rank 0 (whose stages
             # hold the embedding, and under zbv the output layer): the largest over ranks.
@@ -828,13 +871,17 @@ class CostModel:
             # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
             for held, layers, params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
                                                           last_rank, n_micro, inflight):
-                mine = act * params if (amp and not fsdp) else 0.0
-                acts = max(acts, held * (layers + stage_in + mine))
-        if L.recompute == "full":
-            acts += T["act_full"]  # one layer's activations while it is recomputed
-        # "op": what one layer's recompute makes again (all it keeps under "none" but what
-        # the policy kept), alive until that layer's backward is done
-        working = max(0.0, T["act_full"] - T["act_kept"]) if L.recompute == "op" else 0.0
+                mine = act * (params - (max(block_params) if blocks_recomputed else 0.0)) if (amp and not fsdp) else 0.0
+                acts = max(acts, held * (layers + stage_in + max(0.0, mine)))
+        # the recompute working set while one block is recomputed and run backward: under full,
+        # all of its activations (and, under amp without FSDP, its weights' bf16 copies); under
+        # op, what the policy did not keep
+        if full:
+            recompute = T["act_full"] + (act * max_block if (amp and not fsdp) else 0.0)
+        elif L.recompute == "op":
+            recompute = max(0.0, T["act_full"] - T["act_kept"])
+        else:
+            recompute = 0.0
         logits = (act + 8) * tokens * V / tp
         # what the loss keeps for backward: the logits as they came (parallel/loss.py's
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
@@ -843,19 +890,23 @@ class CostModel:
         saved_logits = (act * V / tp + 8) * tokens \
             + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
-        memory = {**states, "activations": acts, "logits": logits if logits_here else 0.0,
-                  "buffers": 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0,
-                  "reserved": c.device.reserved_gib * GiB}
-        if working:
-            memory["recompute"] = working
-        peak_mem = sum(memory.values())
+        buffers = 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0
+        reserved = c.device.reserved_gib * GiB
+        memory = {**states, "gathered_params": gathered, "activations": acts,
+                  "recompute": recompute, "logits": logits if logits_here else 0.0,
+                  "buffers": buffers, "reserved": reserved}
+        # the peak is the worst moment of the step, not a sum of maxima: the loss (the logits
+        # next to the in-flight activations) or the first backward's recompute (the working
+        # set next to them; the logits are freed by then)
+        base = sum(states.values()) + gathered + acts + buffers + reserved
+        peak_mem = base + max(memory["logits"], recompute)
         activation_bytes = acts + (saved_logits if logits_here else 0.0)
         if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
             last = self._model_states(L, T, stage_params[last_rank], moe_layers[last_rank], zero, accumulate)
             last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
-            last_copies = act * stage_params[last_rank] if (amp and not fsdp) else 0.0
-            last_acts = last_inflight * (layer_acts[last_rank] + last_copies)
-            peak_mem = max(peak_mem, sum(last.values()) + last_acts + logits + memory["reserved"])
+            last_acts = last_inflight * (layer_acts[last_rank] + weight_copies(last_rank))
+            peak_mem = max(peak_mem, sum(last.values()) + gathered + last_acts + buffers + reserved
+                           + max(logits, recompute))
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
         return states, memory, peak_mem, activation_bytes
 
@@ -867,10 +918,16 @@ class CostModel:
         n_shard = L.dp_shard * L.cp
         experts = moe_layers * T["expert_p"]
         states = model_state_bytes(params - experts, zero, n_shard, self.w.dtype, accumulate)
+        if zero == 2:  # meshfold's ZeRO-2 is FSDP2 without resharding after forward: the storage is
+            # sharded as under ZeRO-3 (the whole compute-dtype copy the paper's stage 2 keeps is
+            # the ``gathered_params`` term)
+            states["params"] /= max(1, n_shard)
         if experts:
             edp = L.dp * L.cp // L.ep
             sharded = model_state_bytes(experts * self._expert_padding(L), zero, edp, self.w.dtype, accumulate)
             whole = model_state_bytes(experts, zero, edp, self.w.dtype, accumulate)
+            if zero == 2:
+                sharded["params"] /= max(1, edp)
             for k in states:  # gradients held unsharded between micro-batches: not padded
                 states[k] += whole[k] if (k == "grads" and accumulate) else sharded[k]
         return states
@@ -919,7 +976,9 @@ class CostModel:
         moe0 = stages[0].get(True, 0)  # rank 0's MoE layers
         if L.zero >= 2 and n_shard > 1:
             wg, wr = FSDP_WIRE[w.dtype]
-            modules = stage_layers[0] + chunks
+            # the blocks, and the chunk roots that hold parameters of their own (the embedding's
+            # stage; the output's, on rank 0 at pp = 1 or under zbv): a root without any sends nothing
+            modules = stage_layers[0] + 1 + (1 if pp > 1 and last_on_rank0 else 0)
             # (ep > 1) each MoE layer's routed experts: an own FSDP group over edp ranks
             E0, edp = moe0 * T["expert_p"], n_all // max(1, L.ep)
             groups = [(modules, n_shard, P0 - E0)] + ([(moe0, edp, E0 * self._expert_padding(L))]
@@ -978,12 +1037,8 @@ class CostModel:
         # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
         if cp > 1:
             recomputed = L.recompute in ("full", "op")
-            if L.cp_mode == "ulysses":
-                per_layer = 8 + (4 if recomputed else 0)
-            else:
-                per_layer = 3 * cp - 2 + (cp - 1 if recomputed else 0)
-            sent = T["cp_sent"] * (1 + ((cp - 1) / (3 * cp - 2) if recomputed and L.cp_mode != "ulysses"
-                                        else 0.5 if recomputed else 0))
+            per_layer = T["cp_calls"][0] + (T["cp_calls"][1] if recomputed else 0)
+            sent = T["cp_sent"] + (T["cp_sent_rec"] if recomputed else 0.0)
             add("cp", n_micro * layers0 * per_layer, n_micro * layers0 * sent)
             meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp
             add("cp", n_micro, n_micro * RING["all_gather"](cp) * meta)
@@ -1010,7 +1065,7 @@ class CostModel:
         whichever is smaller."""
         w, c, m = self.w, self.c, self.w.model
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, "none")
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, "none", L.cp_ulysses)
         n_micro = w.global_batch // L.dp // L.micro_batch
         kinds = T["kinds"]
         # the slowest stage is at least the average one, whatever the split or schedule
@@ -1069,6 +1124,7 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
                   cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute,
+                  cp_ulysses=ulysses_degree(p, cfg.model) if p.cp_mode == "hybrid" and p.cp > 1 else 0,
                   pp_split=tuple(p.pp_split) if p.pp > 1 else (), pp_skip=p.pp_skip, pp_reorder=p.pp_reorder,
                   pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else ())
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
-from meshfold.planner.cluster import Cluster
+from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.schedule import zbv_priced
 
@@ -143,6 +143,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         n_micro = w.global_batch // (dpr * dps) // b
         keyed.append((cm.lower_bound(probe, tuple(schedules(w, pp, n_micro, False))), st))
     keyed.sort(key=lambda x: x[0])
+    capacity = cluster.device.memory_gib * GiB
     best: list[tuple[float, int, Estimate]] = []  # max-heap by -time of the K best fitting
     fallback: list[tuple[float, int, Estimate]] = []  # fastest overall, when nothing fits
     evaluated = visited = 0
@@ -153,7 +154,10 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         visited += 1
         for L in variants(w, st, gpipe=False):
             for r in RECOMPUTE:
-                e = cm.estimate(_with_recompute(L, r), detail=False)
+                Lr = _with_recompute(L, r)
+                if best and cm.peak_memory(Lr) > capacity:
+                    continue  # does not fit: priced only if nothing fits (the fallback's)
+                e = cm.estimate(Lr, detail=False)
                 evaluated += 1
                 counter += 1
                 if e.fits:
