@@ -178,9 +178,7 @@ def build_plan(cfg: Config, dims) -> ContextParallelPlan:
         return ContextParallelPlan(p.cp, 1, p.cp_balance, cp_rank, cp_group, None, cp_group)
     if degree == p.cp:
         return ContextParallelPlan(p.cp, degree, p.cp_balance, cp_rank, cp_group, cp_group, None)
-    mesh = dims.mesh.mesh
-    cp_axis = dims.mesh.mesh_dim_names.index("cp")
-    rows = mesh.movedim(cp_axis, -1).reshape(-1, p.cp).tolist()
+    rows = dims.rank_lists("cp")
     ring = p.cp // degree
     uly_lists = [row[g * degree:(g + 1) * degree] for row in rows for g in range(ring)]
     ring_lists = [row[u::degree] for row in rows for u in range(degree)]
