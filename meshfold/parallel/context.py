@@ -262,7 +262,7 @@ class RingLayout:
             one_doc = (qdmin == qdmax) & (kdmin == kdmax) & (qdmin == kdmin)
             full &= one_doc
             causal &= one_doc
-        code = torch.full(empty.shape[:1] + empty.shape[2:], _PARTIAL, dtype=torch.int8, device=meta.device)
+        code = empty.new_full(empty.shape[:1] + empty.shape[2:], _PARTIAL, dtype=torch.int8)  # where meta is
         code = torch.where(causal.all(1), _CAUSAL, code)
         code = torch.where(full.all(1), _FULL, code)
         code = torch.where(empty.all(1), _EMPTY, code)
