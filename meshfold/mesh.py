@@ -8,6 +8,7 @@ traffic. The planner assumes the same order.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
 
@@ -79,6 +80,27 @@ class ParallelDims:
 
     def enabled(self, name: str) -> bool:
         return self.size(name) > 1
+
+    def rank_lists(self, name: str) -> list[list[int]]:
+        """The ranks of every group along mesh dimension ``name`` (the other coordinates in
+        row-major order), the same lists on every rank: for groups made with
+        ``dist.new_group``, which every rank creates in the same order. Read off the mesh's
+        rank table (a host tensor) once, then indexed in plain Python: a tensor op on the
+        table would, under the dry-run's fake tensors, make a tensor without values."""
+        assert self.mesh is not None, "no mesh in a one-process run"
+        axis = self.mesh.mesh_dim_names.index(name)
+        table, shape = self.mesh.mesh.tolist(), list(self.mesh.mesh.shape)
+
+        out = []
+        for rest in itertools.product(*(range(n) for j, n in enumerate(shape) if j != axis)):
+            out.append([_entry(table, rest[:axis] + (i,) + rest[axis:]) for i in range(shape[axis])])
+        return out
+
+
+def _entry(table: list, index: tuple) -> int:
+    for i in index:
+        table = table[i]
+    return table
 
 
 def build_mesh(parallel: ParallelConfig, workers: int = 1, device_type: str = "cpu") -> ParallelDims:

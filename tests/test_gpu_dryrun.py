@@ -1,11 +1,136 @@
-"""The CUDA dry-run's recorder (meshfold/gpucheck.py), in one process: each kind of host
-sync is found and placed, and host tensors mixed into device computations are errors.
+"""The fake-CUDA matrix (issue #26 item 2): layouts and features run as ``meshfold dry-run
+--device cuda`` runs a rank (meshfold/gpucheck.py), on small shapes; and the recorder
+itself, in-process.
 
-The fake-CUDA matrix over every layout (issue #26 item 2) is not in the suite yet: at the
-merge it failed in one world-4 case with "ranks list must not contain duplicate entries"
-(the recorder answering reads of fake tensors that carry real mesh values); its cases are in
-the history of this file (branch gpudry) and docs/gpu.md.
+Each matrix case asserts: ``gpu.errors`` empty (host tensors in device computations or
+collectives, math attention, dense [S, S] masks), no math-kernel attention, no host sync
+inside a layer (per-step reads are allowed and counted), and bf16 on the dp/tp/cp/pp wires
+when the compute dtype is bf16 (``train.dtype = auto``, resolved for the h100 cluster as the
+dry-run resolves it). A payload in another dtype on those wires must be one of: gradients
+reduced by FSDP2 in ``train.reduce_dtype`` (float32 as configured), integer metadata or
+codec bytes, or a float64 statistic of the MoE router or the dry-run's pipeline stand-in.
+The one sync allowed inside a layer is the variable all-to-all's split sizes
+(``parallel/expert.py``: NCCL takes them on the host; docs/gpu.md).
+
+Cases that fail on a defect not fixed yet are ``xfail(strict=True)`` with the defect: when
+it is fixed the case passes and the mark must go.
+
+All cases run in one pass: one forkserver that imported meshfold once, a fresh child per
+case (torch caches meshes, groups and DTensor state per process), two at a time.
 """
+
+import pytest
+
+from meshfold.config import from_dict, validate
+from meshfold.dryrun import _in_fresh_processes, simulate_rank, with_target_numerics
+
+WIRES = ("dp", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "ep", "tp", "cp", "pp")
+MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "seq_len": 64}
+MOE = {"moe_experts": 4, "moe_topk": 2, "moe_every": 1, "moe_ffn_dim": 32}
+NO_DOCS = {"doc_mask": False}  # layouts are checked on plain causal rows; documents have their own cases
+
+DOC_GQA = ("document_attention (models/attention_ops.py) calls SDPA per tile with a [tile, (w+1) tile] mask "
+           "and enable_gqa: on CUDA flash takes no mask and memory-efficient no GQA heads, so it is the math "
+           "kernel (and at seq <= the tile the mask is the whole [S, S])")
+TP_FP32 = ("the tp wire carries float32 from TensorParallelGroup.all_reduce_ (parallel/tensor.py:97): the "
+           "vocabulary-parallel loss statistics (parallel/loss.py) and the gradient sums of replicated weights "
+           "(grad_sum) are reduced in fp32")
+RING_FP32 = ("ring attention's backward passes the dk/dv accumulators around the ring in float32 "
+             "(parallel/context.py, the backward's exchange)")
+DDP_FP32 = ("ZeRO-0/1 layouts keep fp32 compute weights (issue #26 item 3): gradients are all-reduced on dp "
+            "in float32 (parallel/data.py)")
+
+
+def case(world, parallel, model=None, train=None, data=None, lowcomm=None, xfail=None):
+    return world, parallel, model or {}, train or {}, {**NO_DOCS, **(data or {})}, lowcomm or {}, xfail
+
+
+CASES = {
+    "ddp": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, xfail=DDP_FP32),
+    "zero1": case(2, {"dp_shard": 2, "zero": 1}, xfail=DDP_FP32),
+    "zero2-recompute-selective": case(2, {"dp_shard": 2, "zero": 2}, train={"recompute": "selective"}),
+    "zero3-recompute-full": case(2, {"dp_shard": 2, "zero": 3}, train={"recompute": "full"}),
+    "hsdp": case(4, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}),
+    "offload-params": case(2, {"dp_shard": 2, "zero": 3}, train={"offload": "params"}),
+    "offload-optimizer": case(2, {"dp_shard": 2, "zero": 3}, train={"offload": "optimizer"}),
+    "tp-sp-fsdp": case(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}, xfail=TP_FP32),
+    "tp-zero1": case(4, {"tp": 2, "dp_shard": 2, "zero": 1}, xfail=DDP_FP32),
+    "pp-gpipe": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe", "pp_microbatches": 2}),
+    "pp-1f1b": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b", "pp_microbatches": 2}),
+    "pp-interleaved": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved", "pp_virtual_stages": 2,
+                               "pp_microbatches": 2}, model={"n_layers": 4}),
+    "pp-zbv": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "zbv", "pp_microbatches": 2}, model={"n_layers": 4}),
+    "cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, xfail=RING_FP32),
+    "cp-ulysses": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ulysses"}),
+    "cp-hybrid": case(4, {"cp": 4, "dp_shard": 1, "cp_mode": "hybrid", "cp_ulysses": 2}, xfail=RING_FP32),
+    "doc-mask": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True}, xfail=DOC_GQA),
+    "doc-mask-cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, data={"doc_mask": True},
+                             xfail=RING_FP32),
+    "moe-ep": case(4, {"dp_shard": 4, "zero": 3, "ep": 2}, model=MOE),
+    "moe-ep-tp": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE, xfail=TP_FP32),
+    "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}, xfail=DOC_GQA),
+    "diloco": case(4, {"dp_shard": 2, "zero": 3}, lowcomm={"method": "diloco", "workers": 2, "inner_steps": 2}),
+    "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"},
+                     xfail=DDP_FP32),
+    "onebit": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "onebit"},
+                   xfail=DDP_FP32),
+}
+
+
+def _config(world, parallel, model, train, data, lowcomm, _xfail=None):
+    d = {"model": {**MODEL, **model}, "parallel": parallel,
+         "train": {"steps": 2, "global_batch": 4 * max(1, parallel.get("pp", 1)), "dtype": "auto",
+                   "run_dir": "/tmp/unused", "progress": False, "tensorboard": False, **train},
+         "data": data, "lowcomm": lowcomm}
+    return with_target_numerics(validate(from_dict(d), world), "h100")
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    cfgs = {n: _config(*c) for n, c in CASES.items()}
+    calls = [(cfgs[n], CASES[n][0], 0, "cuda") for n in CASES]
+    return dict(zip(CASES, _in_fresh_processes(simulate_rank, calls, 2))), cfgs
+
+
+def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
+    """A non-bf16 payload on a dp/tp/cp/pp wire that is what the config asks for (see the module doc)."""
+    op, _, where = place.partition(" from ")
+    if dtype == "float32":  # FSDP2's gradient reduction in the configured reduce dtype (HSDP: then over replicas)
+        return cfg.train.reduce_dtype == "float32" and ("reduce_scatter" in op or (
+            op == "allreduce" and dim == "dp_replicate" and cfg.parallel.zero >= 2))
+    if dtype == "float64":
+        return where.startswith(("meshfold/parallel/expert.py", "meshfold/dryrun.py"))
+    return dtype.startswith(("int", "uint"))
+
+
+def findings(g: dict, cfg) -> list[str]:
+    out = [f"error: {e}" for e in g["errors"]]
+    if "math" in g["attention"]:
+        out.append(f"math attention: {g['attention']}")
+    out += [f"host sync inside a layer: {p}" for p in g["in_layer"]
+            if not (p.startswith("meshfold/parallel/expert.py") and p.endswith("(tolist)"))]
+    for dim, dtypes in g["wire_dtypes"].items():
+        if dim not in WIRES:
+            continue
+        if "bfloat16" not in dtypes and not all(_wire_ok(dim, dt, g["wire_places"].get(f"{dim} {dt}", ""), cfg)
+                                                for dt in dtypes):
+            out.append(f"no bf16 on the {dim} wire: {dtypes}")
+        for dt in dtypes:
+            place = g["wire_places"].get(f"{dim} {dt}", "")
+            if dt != "bfloat16" and not _wire_ok(dim, dt, place, cfg):
+                out.append(f"{dt} on the {dim} wire: {place}")
+    return out
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=c[-1]))
+                                  if c[-1] else n for n, c in CASES.items()])
+def test_fake_cuda_case(matrix, name):
+    results, cfgs = matrix
+    g, cfg = results[name]["gpu"], cfgs[name]
+    assert cfg.train.dtype == "bfloat16", name  # auto resolved for the GPU cluster
+    assert sum(g["syncs"].values()) >= 1, name  # the step's loss read is always counted
+    bad = findings(g, cfg)
+    assert not bad, f"{name}:\n" + "\n".join(bad)
 
 
 class _Layer(__import__("torch").nn.Module):
@@ -40,3 +165,31 @@ def test_recorder_names_syncs_layers_and_host_tensors():
     assert kinds == {"scalar read", "bincount", "boolean-mask indexing"}, syncs
     assert len(rec.errors) == 1 and "host tensor torch.float32[8]" in rec.errors[0], rec.errors
     assert len(rec.in_layer) == 3, rec.in_layer
+
+
+def test_rank_lists_are_real_under_the_recorder():
+    """The mesh's rank table regrouped for ``dist.new_group`` (cp hybrid sub-groups, the
+    outer low-communication group) inside the dry-run's fake mode and recorder: the real
+    ranks, as tensor ops outside the fake mode give them (they once came back invented: [1, 1])."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshfold import gpucheck
+    from meshfold.dryrun import _real_mesh_tensors
+    from meshfold.layout import ParallelConfig
+    from meshfold.mesh import build_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=24)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_tensors(), gpucheck.recording():
+            with unset_fake_temporarily():
+                dims = build_mesh(ParallelConfig(pp=2, dp_shard=3, cp=2, tp=2), 1, "cpu")
+            got = {d: dims.rank_lists(d) for d in ("pp", "dp_shard", "cp", "tp")}
+        table = torch.arange(24).view(1, 2, 1, 3, 2, 2)  # init_device_mesh's row-major layout
+        for d, lists in got.items():
+            axis = dims.mesh.mesh_dim_names.index(d)
+            assert lists == table.movedim(axis, -1).reshape(-1, table.shape[axis]).tolist(), d
+    finally:
+        dist.destroy_process_group()

@@ -312,10 +312,8 @@ def outer_group(dims):
     never share a group with the main thread's collectives (checkpoints, stragglers)."""
     import torch.distributed as dist
 
-    ranks = dims.mesh.mesh.reshape(dims.size("worker"), -1)
     mine = None
-    for j in range(ranks.shape[1]):  # every rank creates every group, in the same order
-        members = ranks[:, j].tolist()
+    for members in dims.rank_lists("worker"):  # every rank creates every group, in the same order
         group = dist.new_group(members)
         if dist.get_rank() in members:
             mine = group

@@ -178,10 +178,7 @@ def build_plan(cfg: Config, dims) -> ContextParallelPlan:
         return ContextParallelPlan(p.cp, 1, p.cp_balance, cp_rank, cp_group, None, cp_group)
     if degree == p.cp:
         return ContextParallelPlan(p.cp, degree, p.cp_balance, cp_rank, cp_group, cp_group, None)
-    mesh = dims.mesh.mesh
-    cp_axis = dims.mesh.mesh_dim_names.index("cp")
-    with unset_fake_temporarily():  # the rank table holds values (a dry-run's fake mode aside)
-        rows = mesh.movedim(cp_axis, -1).reshape(-1, p.cp).tolist()
+    rows = dims.rank_lists("cp")
     ring = p.cp // degree
     uly_lists = [row[g * degree:(g + 1) * degree] for row in rows for g in range(ring)]
     ring_lists = [row[u::degree] for row in rows for u in range(degree)]
@@ -265,7 +262,7 @@ class RingLayout:
             one_doc = (qdmin == qdmax) & (kdmin == kdmax) & (qdmin == kdmin)
             full &= one_doc
             causal &= one_doc
-        code = torch.full(empty.shape[:1] + empty.shape[2:], _PARTIAL, dtype=torch.int8, device=meta.device)
+        code = empty.new_full(empty.shape[:1] + empty.shape[2:], _PARTIAL, dtype=torch.int8)  # where meta is
         code = torch.where(causal.all(1), _CAUSAL, code)
         code = torch.where(full.all(1), _FULL, code)
         code = torch.where(empty.all(1), _EMPTY, code)
