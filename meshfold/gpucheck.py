@@ -54,6 +54,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfold import comm
 
+# Per-document attention (models/attention_ops.py) calls SDPA with one query tile (256) and
+# a tile-sized mask; a masked call over more queries than this is a sequence-wide [S, S] mask.
+MASKED_QUERY_TILE = 256
+
 _PKG = os.path.dirname(os.path.abspath(__file__))
 _SELF = os.path.abspath(__file__)
 _aten = torch.ops.aten
@@ -175,7 +179,7 @@ class _Functions(TorchFunctionMode):
         here = where()
         self.rec.attention[kernel] += 1
         if mask is not None and mask.dim() >= 2 and mask.shape[-2] == q.shape[-2] and mask.shape[-1] == k.shape[-2] \
-                and q.shape[-2] > 1:
+                and q.shape[-2] > MASKED_QUERY_TILE:
             self.rec.error(f"dense [S, S] attention mask {list(mask.shape)} ({mask.dtype}) at {here}: "
                            f"{mask.numel() * mask.element_size()} bytes per call; use a per-document kernel")
         if kernel == "math":
@@ -441,13 +445,25 @@ def _group_dims(dims) -> dict:
 @contextlib.contextmanager
 def recording(dims=None, layer_modules=()):
     """Record GPU behaviour (enter inside the FakeTensorMode); steps run under ``step()``."""
+    global _EMULATING
     rec = GpuRecorder(dims, layer_modules)
     comm.set_observer(rec)
+    _EMULATING = True
     try:
         with rec, _Functions(rec):
             yield rec
     finally:
+        _EMULATING = False
         comm.set_observer(None)
+
+
+_EMULATING = False
+
+
+def on_cuda(t: torch.Tensor) -> bool:
+    """Whether ``t``'s computation runs on CUDA: its device, or this recorder's run (host fake
+    tensors recorded as a CUDA run), so device-dependent choices are the ones a GPU makes."""
+    return t.is_cuda or _EMULATING
 
 
 def layer_modules(parts) -> list:

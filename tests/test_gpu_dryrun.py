@@ -29,9 +29,6 @@ MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 
 MOE = {"moe_experts": 4, "moe_topk": 2, "moe_every": 1, "moe_ffn_dim": 32}
 NO_DOCS = {"doc_mask": False}  # layouts are checked on plain causal rows; documents have their own cases
 
-DOC_GQA = ("document_attention (models/attention_ops.py) calls SDPA per tile with a [tile, (w+1) tile] mask "
-           "and enable_gqa: on CUDA flash takes no mask and memory-efficient no GQA heads, so it is the math "
-           "kernel (and at seq <= the tile the mask is the whole [S, S])")
 TP_FP32 = ("the tp wire carries float32 from TensorParallelGroup.all_reduce_ (parallel/tensor.py:97): the "
            "vocabulary-parallel loss statistics (parallel/loss.py) and the gradient sums of replicated weights "
            "(grad_sum) are reduced in fp32")
@@ -63,12 +60,12 @@ CASES = {
     "cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, xfail=RING_FP32),
     "cp-ulysses": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ulysses"}),
     "cp-hybrid": case(4, {"cp": 4, "dp_shard": 1, "cp_mode": "hybrid", "cp_ulysses": 2}, xfail=RING_FP32),
-    "doc-mask": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True}, xfail=DOC_GQA),
+    "doc-mask": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True}),
     "doc-mask-cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, data={"doc_mask": True},
                              xfail=RING_FP32),
     "moe-ep": case(4, {"dp_shard": 4, "zero": 3, "ep": 2}, model=MOE),
     "moe-ep-tp": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE, xfail=TP_FP32),
-    "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}, xfail=DOC_GQA),
+    "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}),
     "diloco": case(4, {"dp_shard": 2, "zero": 3}, lowcomm={"method": "diloco", "workers": 2, "inner_steps": 2}),
     "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"},
                      xfail=DDP_FP32),

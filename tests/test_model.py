@@ -112,12 +112,17 @@ def test_document_mask_blocks_cross_document_attention():
     assert not torch.allclose(model(tokens)[:, 3:], alone)
 
 
-def test_default_document_attention_matches_the_dense_mask_without_host_reads_in_layers(monkeypatch):
+@pytest.mark.parametrize("cuda_heads", [False, True], ids=["grouped-kv", "kv-repeated-as-on-cuda"])
+def test_default_document_attention_matches_the_dense_mask_without_host_reads_in_layers(monkeypatch, cuda_heads):
     """data.pack + data.doc_mask's default path: per-document windows (no S x S mask), equal to
     the dense-mask reference in values and gradients (GQA, a ragged last tile, documents
-    across tile edges); the windows are planned once per forward, before the layers."""
+    across tile edges); the windows are planned once per forward, before the layers. On CUDA
+    the windows' kv heads are repeated per query head (the masked fused kernel takes no GQA)."""
     from meshfold.models import attention_ops
     from meshfold.models.llama import CoreAttention
+
+    if cuda_heads:
+        monkeypatch.setattr(attention_ops, "on_cuda", lambda t: True)
 
     cfg = ModelConfig(n_layers=2, n_heads=4, n_kv_heads=2, dim=32, vocab_size=64, seq_len=40)
     model = Transformer(cfg).double()

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from meshfold.gpucheck import on_cuda
+
 KERNELS = ("auto", "math")  # "math" forces the reference path (tests compare the two)
 
 
@@ -223,10 +225,16 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
     qt = q.reshape(b * n, tile, heads, d)
     kt, vt = k.reshape(b, n, tile, hkv, d), v.reshape(b, n, tile, hkv, dv)
     out = q.new_empty(b * n, tile, heads, dv)
+    # CUDA's fused kernel for masked calls (memory-efficient) takes no grouped kv heads: with
+    # them SDPA falls back to the math kernel, so the window's k/v are repeated per query head
+    # (a window-sized copy); the CPU kernel takes grouped heads with a mask
+    repeat = heads // hkv if heads != hkv and on_cuda(q) else 1
     for sel, row, span, mask in plan.groups:
-        o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), kt[row, span].flatten(1, 2).transpose(1, 2),
-                                           vt[row, span].flatten(1, 2).transpose(1, 2), attn_mask=mask,
-                                           enable_gqa=heads != hkv)
+        kw, vw = kt[row, span].flatten(1, 2), vt[row, span].flatten(1, 2)
+        if repeat > 1:
+            kw, vw = kw.repeat_interleave(repeat, dim=2), vw.repeat_interleave(repeat, dim=2)
+        o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), kw.transpose(1, 2), vw.transpose(1, 2),
+                                           attn_mask=mask, enable_gqa=heads != hkv and repeat == 1)
         out = out.index_copy(0, sel, o.transpose(1, 2))
     return out.view(b, s + pad, heads, dv)[:, :s]
 
