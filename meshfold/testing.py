@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
 from meshfold import comm
 from meshfold.comm import reset_ledger
 from meshfold.config import from_dict
@@ -67,10 +75,6 @@ def _destroy_task_groups() -> None:
     """Destroy the groups a task made (meshes, sub-groups), keeping the default one. Each gloo
     group owns a transport thread that wakes every 10 ms while the group lives: kept, they
     reached ~450 threads per worker and most of two cores in system time between tests."""
-    import gc
-
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return
     comm.barrier()  # every rank is done with them (a peer may still be reading our last send)
@@ -97,12 +101,6 @@ def _clear_dtensor_caches() -> None:
     """DTensor's caches (sharding propagation, redistribution planners, mesh topology) keep the
     meshes they first saw, and with them their groups; meshes compare by layout, so a later
     task's equal mesh would even be handed an earlier task's, whose groups are gone."""
-    import sys
-
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     clear_redistribute_planner_cache()
