@@ -20,9 +20,17 @@ case (torch caches meshes, groups and DTensor state per process), two at a time.
 """
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from meshfold import gpucheck
+from meshfold.comm import HostTensorMode
 from meshfold.config import from_dict, validate
-from meshfold.dryrun import _in_fresh_processes, simulate_rank, with_target_numerics
+from meshfold.dryrun import _in_fresh_processes, _real_mesh_tensors, simulate_rank, with_target_numerics
+from meshfold.layout import ParallelConfig
+from meshfold.mesh import build_mesh
 
 WIRES = ("dp", "dp_shard", "dp_replicate", "dp_cp", "dp_shard_cp", "edp", "ep", "tp", "cp", "pp")
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, "seq_len": 64}
@@ -130,10 +138,8 @@ def test_fake_cuda_case(matrix, name):
     assert not bad, f"{name}:\n" + "\n".join(bad)
 
 
-class _Layer(__import__("torch").nn.Module):
+class _Layer(torch.nn.Module):
     def forward(self, x):
-        import torch
-
         n = int(x.sum())  # a scalar read inside a layer
         torch.bincount(x.long().flatten(), minlength=4)
         y = x[x > 0]  # boolean-mask indexing
@@ -145,12 +151,6 @@ def test_recorder_names_syncs_layers_and_host_tensors():
     """In-process: each kind of host sync is found inside the layer, and a host tensor mixed
     into a device computation is an error; a host scalar is not. (Places name meshfold
     frames; this test's layer is not one, so they read "torch (no meshfold frame)".)"""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from meshfold import gpucheck
-    from meshfold.comm import HostTensorMode
-
     layer = _Layer()
     with FakeTensorMode(), gpucheck.recording(layer_modules=[layer]) as rec:
         x = torch.randn(4, 8)  # made before the step: a device tensor (the batch)
@@ -168,16 +168,6 @@ def test_rank_lists_are_real_under_the_recorder():
     """The mesh's rank table regrouped for ``dist.new_group`` (cp hybrid sub-groups, the
     outer low-communication group) inside the dry-run's fake mode and recorder: the real
     ranks, as tensor ops outside the fake mode give them (they once came back invented: [1, 1])."""
-    import torch
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from meshfold import gpucheck
-    from meshfold.dryrun import _real_mesh_tensors
-    from meshfold.layout import ParallelConfig
-    from meshfold.mesh import build_mesh
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=24)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), _real_mesh_tensors(), gpucheck.recording():
