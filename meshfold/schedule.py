@@ -385,6 +385,17 @@ def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float
     return busy + bubble, bubble
 
 
+def bubble_lower_bound(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> float:
+    """A bubble ``pipeline_time`` never goes below, without replaying any order (the
+    planner's search bounds layouts with it). The closed forms are exact; zbv: rank
+    pp - 1 starts once micro-batch 0 went forward through the pp - 1 stages before it,
+    and then runs all its 2m F, B and W (m (t_f + t_b), none of them stage 0's) one
+    after another, so the step takes at least (pp - 1) forward chunks more than that."""
+    if schedule == "zbv" and pp > 1:
+        return (pp - 1) * chunk_costs("zbv", 1, t_f, t_b)["F"]
+    return pipeline_time(schedule, pp, m, v, t_f, t_b)[1]
+
+
 # The planner replays zbv's order for every (t_f, t_b) it prices; beyond this many
 # micro-batches times ranks (pp * m) a replay costs more than a search can spend on one
 # layout, so the search leaves zbv out there (``zbv_priced``); one estimate still replays it.

@@ -42,7 +42,14 @@ from meshfold.planner.counts import (
 )
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
-from meshfold.schedule import chunks_per_rank, inflight_microbatches, pipeline_time, rank_chunk_of_stage, stage_of
+from meshfold.schedule import (
+    bubble_lower_bound,
+    chunks_per_rank,
+    inflight_microbatches,
+    pipeline_time,
+    rank_chunk_of_stage,
+    stage_of,
+)
 from meshfold.parallel.skip import nccl_safe
 from meshfold.skippipe import link_table, plan_orders, table_step_time
 
@@ -296,6 +303,9 @@ def attention_tiles_per_rank(cp: int, ring: int) -> float:
 
 # --------------------------------------------------------------------------- the model
 
+ENDLESS = 1e30  # ``step_bound``'s compute window: long enough to hide any traffic the model can hide
+
+
 
 class CostModel:
     """The cost model for one workload on one cluster. Pieces that many layouts share
@@ -312,6 +322,8 @@ class CostModel:
         self._split_cache: dict = {}
         self._front_cache: dict = {}
         self._stage_sum_cache: dict = {}
+        self._bound_sums: dict = {}  # id(layer terms) -> lower_bound's sums over layer kinds
+        self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
         self.bw = self.hbm * cluster.device.hbm_eff  # what streaming kernels (the optimizer) reach
@@ -624,11 +636,20 @@ class CostModel:
             stage_layers.append(sum(counts.values()))
         return t_f, t_b, busy_sum, stage_params, stage_layers
 
-    def estimate(self, L: Layout, detail: bool = True) -> Estimate:
-        """Predict one layout. Raises ValueError for layouts that do not tile the batch.
-        ``detail=False`` (the search's inner loop) leaves out the per-dimension collectives.
-        Three parts: the pipeline's compute and bubble (``_pipeline``), the data-parallel
-        traffic left exposed (``_dp_exposed``) and the fullest device's memory (``_memory``)."""
+    def step_time(self, L: Layout) -> float:
+        """``estimate(L).step_time_s`` alone (the search's inner loop: no memory, no breakdown)."""
+        return self._step(L)[0]
+
+    def step_bound(self, L: Layout) -> float:
+        """A time ``L`` with any recompute cannot beat (``L.recompute`` should be "none"):
+        its step time with zbv's replay replaced by ``bubble_lower_bound`` and the data-
+        parallel traffic with endless compute to hide behind (recompute only lengthens the
+        backward: the pipeline takes no less, the traffic finds no shorter windows)."""
+        return self._step(L, bound=True)[0] * (1 - 1e-12)
+
+    def _step(self, L: Layout, bound: bool = False):
+        """The step time and the parts ``estimate`` reports (one code path for both);
+        ``bound``: for ``step_bound``."""
         w, c = self.w, self.c
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         tp, cp = L.tp, L.cp
@@ -639,10 +660,10 @@ class CostModel:
         n_micro = w.global_batch // dp // b
         T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute, L.cp_ulysses)
         p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(
-            L, T, n_micro, v)
+            L, T, n_micro, v, bound)
         Pmax = max(stage_params)
-        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, t_f, t_b, v)
-        per_layer_ops = 4 + (2 if L.recompute in ("full", "op") else 0)
+        window = (ENDLESS, ENDLESS) if bound else (t_f, t_b)
+        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v)
 
         # ---- optimizer step: one memory-bound pass over the local states
         n_shard = L.dp_shard * cp
@@ -665,7 +686,18 @@ class CostModel:
         # loss, token count and grad-norm all-reduces over everyone: latency-bound
         small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
         step = makespan + dp_exposed + opt_time + casts + small + c.step_overhead_s
+        return step, (T, n_micro, v, p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, bubble,
+                      dp_exposed, opt_time, casts, small)
 
+    def estimate(self, L: Layout, detail: bool = True) -> Estimate:
+        """Predict one layout. Raises ValueError for layouts that do not tile the batch.
+        ``detail=False`` (the search's inner loop) leaves out the per-dimension collectives.
+        Three parts: the pipeline's compute and bubble (``_pipeline``), the data-parallel
+        traffic left exposed (``_dp_exposed``) and the fullest device's memory (``_memory``)."""
+        c = self.c
+        step, (T, n_micro, v, p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, bubble, dp_exposed,
+               opt_time, casts, small) = self._step(L)
+        per_layer_ops = 4 + (2 if L.recompute in ("full", "op") else 0)
         time = {
             "compute_fwd_bwd": n_micro * (t_f + t_b),
             "of_which_tp_comm": n_micro * stage_layers[0] * (per_layer_ops + T["layer_regather"]) * T["tp_ar"],
@@ -706,7 +738,7 @@ class CostModel:
             hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
         return self._memory(L, T, hit[3], hit[4], last_rank, n_micro, v)[2]
 
-    def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int):
+    def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int, bound: bool = False):
         """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
         the rank holding the last stage, t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble)."""
         c, tp, pp, cp, dp = self.c, L.tp, L.pp, L.cp, L.dp
@@ -727,6 +759,9 @@ class CostModel:
         if pp > 1 and (L.pp_schedule == "skippipe" or (L.pp_links and L.pp_schedule == "1f1b")):
             makespan = self._path_time(L, T, n_micro, t_f - p2p, t_b - p2p, p2p)
             bubble = max(0.0, makespan - n_micro * (t_f + t_b))
+        elif bound and L.pp_schedule == "zbv":  # (step_bound: no replay)
+            bubble = bubble_lower_bound(L.pp_schedule, pp, n_micro, v, t_f, t_b)
+            makespan = n_micro * (t_f + t_b) + bubble
         else:
             makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
         if c.host_cores and L.world > c.host_cores and pp > 1:
@@ -1059,38 +1094,69 @@ class CostModel:
         """A time no variant of ``L``'s (dp_replicate, dp_shard, tp, sp, pp, cp, cp_mode,
         micro-batch) can beat, whatever its zero stage, recompute and schedule (one of
         ``schedules``, (name, v) pairs): the average stage's forward and backward without
-        recompute, the smallest bubble, the optimizer pass with the most sharding, and the
-        unhideable part of data-parallel communication (ZeRO-0/1: the last bucket of the
-        all-reduce; ZeRO-2/3: one module's share of one gather and one reduce-scatter),
-        whichever is smaller."""
+        recompute, the smallest bubble (``bubble_lower_bound``: zbv's without replaying its
+        order), the optimizer pass with the most sharding, and the unhideable part of
+        data-parallel communication (ZeRO-0/1: the last bucket of the all-reduce; ZeRO-2/3:
+        one module's share of one gather and one reduce-scatter), whichever is smaller."""
+        n_micro, t_f, t_b, rest = self.bound_terms(L.pp, L.dp_shard, L.dp, L.cp, L.tp, L.sp, L.cp_mode,
+                                                   max(1, L.ep), L.micro_batch, L.cp_ulysses)
+        bubble = 0.0
+        if L.pp > 1 and not self.bubble_free(L.world):
+            bubble = min(bubble_lower_bound(sched, L.pp, n_micro, v, t_f, t_b) for sched, v in schedules)
+        return self.bound_of(n_micro, t_f, t_b, bubble, rest)
+
+    @staticmethod
+    def bound_of(n_micro: int, t_f: float, t_b: float, bubble: float, rest: float) -> float:
+        """``lower_bound`` from its terms with a given bubble (the search bounds each
+        schedule's variants with that schedule's own bubble). A hair below: sums grouped by
+        layer kind may round differently from the stage sums, and zbv's replay rounds too."""
+        return (n_micro * (t_f + t_b) + bubble + rest) * (1 - 1e-12)
+
+    def bubble_free(self, world: int) -> bool:
+        """Processes sharing a host's cores: a bubble can cost nothing (``_pipeline``)."""
+        return bool(self.c.host_cores and world > self.c.host_cores)
+
+    def bound_terms(self, pp: int, dp_shard: int, dp: int, cp: int, tp: int, sp: bool, cp_mode: str, ep: int,
+                    b: int, ulysses: int = 0) -> tuple[int, float, float, float]:
+        """``lower_bound``'s terms of a structure: (micro-batches, the average stage's
+        forward and backward per micro-batch, the optimizer, small collectives, data
+        parallel and fixed overhead). Sums over the layer kinds are cached per layer terms
+        and the data-parallel terms per (stage parameters, tp, shards, replicas): the
+        search asks for every structure."""
+        w = self.w
+        T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses)
+        sums = self._bound_sums.get(id(T))
+        if sums is None:
+            kinds, counts = T["kinds"], self.kind_counts
+            sums = self._bound_sums[id(T)] = (
+                sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"],
+                sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"],
+                sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"])
+        n_micro = w.global_batch // dp // b
+        # the slowest stage is at least the average one, whatever the split or schedule
+        t_f, t_b, P = sums[0] / pp, sums[1] / pp, sums[2] / pp  # P: the average stage's parameters
+        world = dp * cp * tp * pp
+        key = (P, tp, dp_shard * cp, dp * cp, world)
+        rest = self._bound_rest.get(key)
+        if rest is None:
+            rest = self._bound_rest[key] = self._bound_rest_of(*key)
+        return n_micro, t_f, t_b, rest
+
+    def _bound_rest_of(self, P: float, tp: int, n_shard: int, n_all: int, world: int) -> float:
         w, c, m = self.w, self.c, self.w.model
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, "none", L.cp_ulysses)
-        n_micro = w.global_batch // L.dp // L.micro_batch
-        kinds = T["kinds"]
-        # the slowest stage is at least the average one, whatever the split or schedule
-        counts = self.kind_counts
-        t_f = (sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"]) / L.pp
-        t_b = (sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"]) / L.pp
-        bubble = 0.0
-        shared_host = c.host_cores and L.world > c.host_cores
-        if L.pp > 1 and not shared_host:  # (on a shared host a bubble can cost nothing)
-            bubble = min(pipeline_time(sched, L.pp, n_micro, v, t_f, t_b)[1] for sched, v in schedules)
-        P = (sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"]) / L.pp  # average stage's
-        n_shard, n_all = L.dp_shard * L.cp, L.dp * L.cp
         opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.bw
-        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
+        small = 3 * self.ct("all_reduce", 8, world, 1, in_step=True)
         dp = 0.0
         if n_all > 1:
-            t_ar = self.ct("all_reduce", P * gb, n_all, L.tp)
+            t_ar = self.ct("all_reduce", P * gb, n_all, tp)
             dp = t_ar * min(1.0, BUCKET_BYTES / max(P * gb, 1.0))
             if n_shard > 1:  # FSDP: at least each collective's share of one module, once
                 wg, wr = FSDP_WIRE[w.dtype]
-                t_once = (self.ct("all_gather", P * wg, n_shard, L.tp)
-                          + self.ct("reduce_scatter", P * wr, n_shard, L.tp))
+                t_once = (self.ct("all_gather", P * wg, n_shard, tp)
+                          + self.ct("reduce_scatter", P * wr, n_shard, tp))
                 dp = min(dp, t_once / (m.n_layers + 4))
-        # (a hair below: sums grouped by layer kind may round differently from the stage sums)
-        return (n_micro * (t_f + t_b) + bubble + opt + small + dp + c.step_overhead_s) * (1 - 1e-12)
+        return opt + small + dp + c.step_overhead_s
 
 
 def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:

@@ -28,7 +28,7 @@ from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
-from meshfold.schedule import zbv_priced
+from meshfold.schedule import bubble_lower_bound, zbv_priced
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -136,48 +136,78 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
     start = _time.perf_counter()
     cm = CostModel(w, cluster)
     world = cluster.world_size
-    keyed = []
-    for st in structures(w, world, max_tp):
+    free = cm.bubble_free(world)  # (shared host cores: no bubble to bound)
+    sts = list(structures(w, world, max_tp))
+    scheds: dict[tuple[int, int], tuple] = {}
+
+    def terms(st: tuple) -> tuple:
+        """(micro-batches, t_f, t_b, rest, schedules) of ``CostModel.lower_bound``."""
         pp, dpr, dps, cp, tp, sp, mode, ep, b = st
-        probe = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, sp=sp, pp=pp, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
-        n_micro = w.global_batch // (dpr * dps) // b
-        keyed.append((cm.lower_bound(probe, tuple(schedules(w, pp, n_micro, False))), st))
-    keyed.sort(key=lambda x: x[0])
+        n_micro, t_f, t_b, rest = cm.bound_terms(pp, dps, dpr * dps, cp, tp, sp, mode, ep, b)
+        sc = scheds.get((pp, n_micro))
+        if sc is None:
+            sc = scheds[(pp, n_micro)] = tuple(schedules(w, pp, n_micro, False))
+        return n_micro, t_f, t_b, rest, sc
+
+    def bubble(sched: str, v: int, pp: int, n_micro: int, t_f: float, t_b: float) -> float:
+        return 0.0 if pp == 1 or free else bubble_lower_bound(sched, pp, n_micro, v, t_f, t_b)
+
+    bounds = []
+    for st in sts:  # lower_bound of each structure, without building Layouts
+        n_micro, t_f, t_b, rest, sc = terms(st)
+        pp = st[0]
+        bub = min(bubble(s, v, pp, n_micro, t_f, t_b) for s, v in sc)
+        bounds.append(cm.bound_of(n_micro, t_f, t_b, bub, rest))
+    order = sorted(range(len(sts)), key=bounds.__getitem__)  # stable: ties in enumeration order
     capacity = cluster.device.memory_gib * GiB
-    best: list[tuple[float, int, Estimate]] = []  # max-heap by -time of the K best fitting
-    fallback: list[tuple[float, int, Estimate]] = []  # fastest overall, when nothing fits
+    # Heaps of the K best as (-time, -structure, -variant, -recompute, layout): the root is
+    # the worst kept. Ties in time go to the layout enumerated first, so the result does
+    # not depend on the order structures are visited in (nor on how tight the bounds are).
+    best: list[tuple] = []  # fitting layouts
+    fallback: list[tuple] = []  # fastest overall, when nothing fits
     evaluated = visited = 0
-    counter = 0
-    for bound, st in keyed:
-        if len(best) >= top and bound >= -best[0][0]:
+
+    def keep(heap: list, item: tuple) -> None:
+        if len(heap) < top:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+
+    for i in order:
+        if len(best) >= top and bounds[i] >= -best[0][0]:
             break
         visited += 1
-        for L in variants(w, st, gpipe=False):
-            for r in RECOMPUTE:
+        st = sts[i]
+        pp = st[0]
+        n_micro, t_f, t_b, rest, _ = terms(st)
+        for j, L in enumerate(variants(w, st, gpipe=False)):
+            if len(best) >= top:  # bounds for every recompute of the variant: with this
+                # schedule's own bubble, then its exact stages, zero stage and traffic
+                b = bubble(L.pp_schedule, L.pp_virtual_stages, pp, n_micro, t_f, t_b)
+                if (cm.bound_of(n_micro, t_f, t_b, b, rest) >= -best[0][0]
+                        or cm.step_bound(L) >= -best[0][0]):
+                    continue
+            for k, r in enumerate(RECOMPUTE):
                 Lr = _with_recompute(L, r)
-                if best and cm.peak_memory(Lr) > capacity:
-                    continue  # does not fit: priced only if nothing fits (the fallback's)
-                e = cm.estimate(Lr, detail=False)
+                if best:
+                    if cm.peak_memory(Lr) > capacity:
+                        continue  # does not fit: priced only if nothing fits (the fallback's)
+                    t, fits = cm.step_time(Lr), True
+                else:
+                    e = cm.estimate(Lr, detail=False)
+                    t, fits = e.step_time_s, e.fits
                 evaluated += 1
-                counter += 1
-                if e.fits:
-                    item = (-e.step_time_s, counter, e)
-                    if len(best) < top:
-                        heapq.heappush(best, item)
-                    elif e.step_time_s < -best[0][0]:
-                        heapq.heapreplace(best, item)
+                item = (-t, -i, -j, -k, Lr)
+                if fits:
+                    keep(best, item)
                     break  # more recompute: slower and never needed (dominated)
                 if not best:
-                    item = (-e.step_time_s, counter, e)
-                    if len(fallback) < top:
-                        heapq.heappush(fallback, item)
-                    elif e.step_time_s < -fallback[0][0]:
-                        heapq.heapreplace(fallback, item)
+                    keep(fallback, item)
     chosen = best or fallback
-    # the few ranked layouts again with their per-dimension collectives
-    ranked = [cm.estimate(e.layout) for _, _, e in sorted(chosen, key=lambda x: (-x[0], x[1]))]
+    # the few ranked layouts again, in full and with their per-dimension collectives
+    ranked = [cm.estimate(x[-1]) for x in sorted(chosen, reverse=True)]
     notes = [] if best else ["no layout fits in device memory; showing the fastest that do not"]
-    return PlanResult(ranked, evaluated, len(keyed), visited, _time.perf_counter() - start, bool(best), notes)
+    return PlanResult(ranked, evaluated, len(sts), visited, _time.perf_counter() - start, bool(best), notes)
 
 
 def brute_force(w: Workload, cluster: Cluster) -> list[Estimate]:
