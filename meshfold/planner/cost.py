@@ -322,6 +322,7 @@ class CostModel:
         self._split_cache: dict = {}
         self._front_cache: dict = {}
         self._stage_sum_cache: dict = {}
+        self._per_rank_cache: dict = {}  # _memory's sums over each pp rank's blocks
         self._bound_sums: dict = {}  # id(layer terms) -> lower_bound's sums over layer kinds
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
@@ -857,11 +858,7 @@ class CostModel:
         n_shard, n_all = L.dp_shard * cp, L.dp * cp
         fsdp = L.zero >= 2 and n_shard > 1
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
-        zero = L.zero if n_shard > 1 else 0  # nothing to shard over: replicated states
-        accumulate = n_micro > 1
-        moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
-        top = stage_params.index(Pmax)
-        states = self._model_states(L, T, Pmax, moe_layers[top], zero, accumulate)
+        states, zero, accumulate, moe_layers = self._top_states(L, T, stage_params, n_micro)
         # Gathered parameter copies (FSDP2, in the compute dtype): ZeRO-2 keeps every block of
         # the rank gathered from its first forward to the step's last backward; ZeRO-3 the
         # running block and the prefetched next one.
@@ -872,7 +869,11 @@ class CostModel:
         full = L.recompute == "full"
         tokens = T["tokens"]
         stage_kinds = self.stage_kinds(L)[0]
-        block_params = [sum(T["kinds"][k][2] * n for k, n in r.items()) for r in stage_kinds]
+        bkey = (id(T), id(stage_kinds))  # per-rank sums, cached: pure functions of what the key names
+        block_params = self._per_rank_cache.get(bkey)
+        if block_params is None:
+            block_params = self._per_rank_cache[bkey] = [sum(T["kinds"][k][2] * n for k, n in r.items())
+                                                         for r in stage_kinds]
         # Under amp without FSDP's bf16 gathers, autocast's bf16 copy of every weight a
         # matmul reads (the input embedding is looked up, not multiplied), kept from each
         # micro-batch's forward to its backward; under full recompute only the weights
@@ -897,7 +898,11 @@ class CostModel:
         if True in per_layer and not full and (fsdp or not amp):
             per_layer[True] += T["w13"]  # (amp without FSDP: within the weight copies below)
         # blocks' activations per pipeline rank, by layer kind
-        layer_acts = tuple(sum(per_layer[k] * n for k, n in r.items()) for r in stage_kinds)
+        akey = (id(stage_kinds), tuple(sorted(per_layer.items())))
+        layer_acts = self._per_rank_cache.get(akey)
+        if layer_acts is None:
+            layer_acts = self._per_rank_cache[akey] = tuple(sum(per_layer[k] * n for k, n in r.items())
+                                                            for r in stage_kinds)
         acts = inflight * (layer_acts[0] + stage_in + weight_copies(0))
         if pp > 1:
             # the balanced split can give a later rank more blocks than rank 0 (whose stages
@@ -944,6 +949,31 @@ class CostModel:
                            + max(logits, recompute))
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
         return states, memory, peak_mem, activation_bytes
+
+    def _top_states(self, L: Layout, T: dict, stage_params: list, n_micro: int):
+        """Model states of the pp rank with the most parameters (``_memory``'s), the zero
+        stage in effect, whether gradients accumulate, and MoE layers per pp rank."""
+        Pmax = max(stage_params)
+        zero = L.zero if L.dp_shard * L.cp > 1 else 0  # nothing to shard over: replicated states
+        accumulate = n_micro > 1
+        moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
+        top = stage_params.index(Pmax)
+        return self._model_states(L, T, Pmax, moe_layers[top], zero, accumulate), zero, accumulate, moe_layers
+
+    def memory_floor(self, L: Layout) -> float:
+        """Bytes ``L`` needs with any recompute: the fullest rank's model states and the
+        reserved memory, which the peak holds whatever else it holds (the search skips a
+        variant whose floor does not fit without checking each recompute's peak)."""
+        n_micro = self.w.global_batch // L.dp // L.micro_batch
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses)
+        stages, last_rank = self.stage_kinds(L)
+        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        skey = (id(T), id(stages), L.pp, v, None)
+        hit = self._stage_sum_cache.get(skey)
+        if hit is None:
+            hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
+        states = self._top_states(L, T, hit[3], n_micro)[0]
+        return sum(states.values()) + self.c.device.reserved_gib * GiB
 
     def _model_states(self, L: Layout, T: dict, params: float, moe_layers: int, zero: int,
                       accumulate: bool) -> dict:

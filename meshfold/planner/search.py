@@ -21,16 +21,25 @@ and is what the tests compare against.
 from __future__ import annotations
 
 import heapq
+import math
 import time as _time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from meshfold.config import Config, TrainConfig
-from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.schedule import bubble_lower_bound, zbv_priced
 
 RECOMPUTE = ("none", "selective", "full")
+
+
+@lru_cache(maxsize=None)
+def _divisors(n: int) -> tuple[int, ...]:
+    """Every divisor of ``n``, ascending (``errors.divisors``, in O(sqrt n) and cached: the
+    search asks thousands of times at 16,384 devices)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(sorted(set(small + [n // d for d in small])))
 
 
 def structures(w: Workload, world: int, max_tp: int = 0):
@@ -181,14 +190,17 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         pp = st[0]
         n_micro, t_f, t_b, rest, _ = terms(st)
         for j, L in enumerate(variants(w, st, gpipe=False)):
-            if len(best) >= top:  # bounds for every recompute of the variant: with this
-                # schedule's own bubble, then its exact stages, zero stage and traffic
+            if len(best) >= top:  # this schedule's own bubble: a bound for the variant
                 b = bubble(L.pp_schedule, L.pp_virtual_stages, pp, n_micro, t_f, t_b)
-                if (cm.bound_of(n_micro, t_f, t_b, b, rest) >= -best[0][0]
-                        or cm.step_bound(L) >= -best[0][0]):
+                if cm.bound_of(n_micro, t_f, t_b, b, rest) >= -best[0][0]:
                     continue
+            if best and cm.memory_floor(L) > capacity:
+                continue  # its model states alone do not fit, whatever the recompute
+            # then its exact stages, zero stage and traffic (cheaper than a memory check)
+            if len(best) >= top and cm.step_bound(L) >= -best[0][0]:  # (no recompute: a bound
+                continue  # for every recompute)
             for k, r in enumerate(RECOMPUTE):
-                Lr = _with_recompute(L, r)
+                Lr = L if k == 0 else _with_recompute(L, r)
                 if best:
                     if cm.peak_memory(Lr) > capacity:
                         continue  # does not fit: priced only if nothing fits (the fallback's)
