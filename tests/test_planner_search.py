@@ -1,0 +1,95 @@
+"""The planner search's shortcuts against the straightforward pricing: the fast paths it
+prices with (``step_time``, ``peak_memory``) give exactly ``estimate``'s numbers, and what
+it prunes with (``lower_bound``, ``step_bound``, ``memory_floor``, ``bubble_lower_bound``)
+never exceeds them, on seeded samples of layouts; and the ranked list, ties included, is
+brute force's. Its speed is tracked by benchmarks/planner_search.py, not here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshfold.config import ModelConfig
+from meshfold.models.presets import preset
+from meshfold.planner.cluster import cluster_from_dict, load_cluster
+from meshfold.planner.cost import CostModel, Layout, Workload
+from meshfold.planner.search import RECOMPUTE, _with_recompute, brute_force, schedules, search, structures, variants
+from meshfold.schedule import bubble_lower_bound, pipeline_time, zbv_priced
+
+
+def _cases():
+    dense = ModelConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=32000, seq_len=2048)
+    moe = ModelConfig(dim=512, n_layers=4, n_heads=8, vocab_size=8192, seq_len=1024, moe_experts=8, moe_topk=2)
+    tiny = ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, seq_len=64)
+    return {
+        "405b-16384": (Workload(preset("llama3-405b"), global_batch=2048), load_cluster("h100", devices=16384), 40),
+        "dense-a100-16": (Workload(dense, 32), load_cluster("a100", devices=16), 60),
+        "moe-h100-8": (Workload(moe, 16), load_cluster("h100", devices=8), 60),
+        "cpu-shared": (Workload(tiny, 16, dtype="float32", flash=False),
+                       cluster_from_dict({"preset": "cpu-gloo", "host_cores": 2}), 60),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_fast_pricing_and_bounds_against_estimate(case):
+    w, cluster, n = _cases()[case]
+    sts = list(structures(w, cluster.world_size))
+    rng = random.Random(27)
+    picked = rng.sample(sts, min(n, len(sts)))
+    fast = CostModel(w, cluster)  # warm caches across layouts, as the search uses it
+    # the reference: a fresh model per layout (nothing cached); at 405B one model for the
+    # sample (its stage splits take a while), with only ``estimate`` called on it
+    shared = CostModel(w, cluster) if case.startswith("405b") else None
+    for st in picked:
+        pp, dpr, dps, cp, tp, sp, mode, ep, b = st
+        probe = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, sp=sp, pp=pp, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
+        n_micro = w.global_batch // (dpr * dps) // b
+        bound = fast.lower_bound(probe, tuple(schedules(w, pp, n_micro, False)))
+        for L in variants(w, st, gpipe=False):
+            step_bound, floor = fast.step_bound(L), fast.memory_floor(L)
+            for r in RECOMPUTE:
+                Lr = _with_recompute(L, r)
+                ref = (shared or CostModel(w, cluster)).estimate(Lr, detail=False)
+                assert fast.step_time(Lr) == ref.step_time_s, Lr.short()
+                assert fast.peak_memory(Lr) == ref.peak_mem_bytes, Lr.short()
+                assert fast.estimate(Lr).step_time_s == ref.step_time_s
+                assert bound <= ref.step_time_s and step_bound <= ref.step_time_s, Lr.short()
+                assert floor <= ref.peak_mem_bytes, Lr.short()
+
+
+def test_zbv_bubble_lower_bound_never_above_the_replay():
+    rng = random.Random(5)
+    for pp in (2, 3, 4, 8):
+        for m in (1, 2, 3, 4, 8, 16):
+            if not zbv_priced(pp, m):
+                continue
+            for _ in range(4):
+                t_f, t_b = rng.uniform(0.1, 3.0), rng.uniform(0.1, 6.0)
+                exact = pipeline_time("zbv", pp, m, 1, t_f, t_b)[1]
+                assert bubble_lower_bound("zbv", pp, m, 1, t_f, t_b) <= exact * (1 + 1e-12)
+    for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):  # closed forms: the same number
+        assert bubble_lower_bound(sched, 4, 8, v, 1.0, 2.0) == pipeline_time(sched, 4, 8, v, 1.0, 2.0)[1]
+
+
+def _ranked_by_brute_force(w, cluster, top):
+    """Brute force's K best, ties in enumeration order (structure, variant): the search's rule."""
+    cm = CostModel(w, cluster)
+    rows = []
+    for i, st in enumerate(structures(w, cluster.world_size)):
+        for j, L in enumerate(variants(w, st, gpipe=False)):
+            for r in RECOMPUTE:
+                e = cm.estimate(_with_recompute(L, r), detail=False)
+                if e.fits:
+                    rows.append((e.step_time_s, i, j, e.layout))
+                    break
+    return [(t, L) for t, _, _, L in sorted(rows, key=lambda x: x[:3])[:top]]
+
+
+@pytest.mark.parametrize("case", ["dense-a100-16", "moe-h100-8", "cpu-shared"])
+def test_search_ranks_as_brute_force_ties_included(case):
+    w, cluster, _ = _cases()[case]
+    want = _ranked_by_brute_force(w, cluster, 8)
+    res = search(w, cluster, top=8)
+    assert [(e.step_time_s, e.layout) for e in res.ranked] == want
+    assert brute_force  # (the unpruned reference the other planner tests compare against)
