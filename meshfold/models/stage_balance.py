@@ -79,12 +79,18 @@ def balanced_split(cfg: ModelConfig, n_stages: int, seq_len: int | None = None) 
         if k == n_stages - 1:
             c = cost(k, lo, L)
             return c, c * c, (L - lo,)
-        options = []
+        # min over (max, sum of squares, split) tuples; the split tuples are built only for
+        # the options tied on the first two (the planner asks for every stage count)
+        key, tied = None, []
         for hi in range(lo + 1, L - (n_stages - k - 1) + 1):
             c = cost(k, lo, hi)
             rest_max, rest_sq, rest = best(k + 1, hi)
-            options.append((max(c, rest_max), c * c + rest_sq, (hi - lo,) + rest))
-        return min(options)
+            option = (max(c, rest_max), c * c + rest_sq)
+            if key is None or option < key:
+                key, tied = option, [(hi, rest)]
+            elif option == key:
+                tied.append((hi, rest))
+        return key + (min((hi - lo,) + rest for hi, rest in tied),)
 
     return list(best(0, 0)[2])
 

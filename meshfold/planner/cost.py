@@ -323,7 +323,7 @@ class CostModel:
         self._front_cache: dict = {}
         self._stage_sum_cache: dict = {}
         self._per_rank_cache: dict = {}  # _memory's sums over each pp rank's blocks
-        self._bound_sums: dict = {}  # id(layer terms) -> lower_bound's sums over layer kinds
+        self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
         self.hbm = cluster.device.hbm_GBps * 1e9
@@ -1154,11 +1154,12 @@ class CostModel:
         and the data-parallel terms per (stage parameters, tp, shards, replicas): the
         search asks for every structure."""
         w = self.w
-        T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses)
-        sums = self._bound_sums.get(id(T))
+        tkey = (tp, sp, cp, cp_mode, ep, b, ulysses)
+        sums = self._bound_sums.get(tkey)
         if sums is None:
+            T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses)
             kinds, counts = T["kinds"], self.kind_counts
-            sums = self._bound_sums[id(T)] = (
+            sums = self._bound_sums[tkey] = (
                 sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"],
                 sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"],
                 sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"])

@@ -106,6 +106,12 @@ def schedules(w: Workload, pp: int, n_micro: int, gpipe: bool = True) -> list[tu
 def variants(w: Workload, st: tuple, gpipe: bool = True):
     """Every (zero, schedule, virtual stages) for one structure, as Layouts with
     recompute left to the caller."""
+    for zero, sched, v in variant_specs(w, st, gpipe):
+        yield _layout(st, zero, sched, v)
+
+
+def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
+    """``variants``' (zero, schedule, virtual stages), in its order, without the Layouts."""
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
@@ -114,8 +120,13 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
     scheds = schedules(w, pp, n_micro, gpipe)
     for zero in zeros:
         for sched, v in scheds:
-            yield Layout(dp_replicate=dpr, dp_shard=dps, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
-                         pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
+            yield zero, sched, v
+
+
+def _layout(st: tuple, zero: int, sched: str, v: int) -> Layout:
+    pp, dpr, dps, cp, tp, sp, mode, ep, b = st
+    return Layout(dp_replicate=dpr, dp_shard=dps, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
+                  pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
 
 
 def runtime_config(w: Workload, L: Layout):
@@ -189,11 +200,16 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         st = sts[i]
         pp = st[0]
         n_micro, t_f, t_b, rest, _ = terms(st)
-        for j, L in enumerate(variants(w, st, gpipe=False)):
-            if len(best) >= top:  # this schedule's own bubble: a bound for the variant
-                b = bubble(L.pp_schedule, L.pp_virtual_stages, pp, n_micro, t_f, t_b)
-                if cm.bound_of(n_micro, t_f, t_b, b, rest) >= -best[0][0]:
+        sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
+        for j, (zero, sched, v) in enumerate(variant_specs(w, st, gpipe=False)):
+            if len(best) >= top:
+                vb = sched_bound.get((sched, v))
+                if vb is None:
+                    vb = sched_bound[(sched, v)] = cm.bound_of(n_micro, t_f, t_b,
+                                                               bubble(sched, v, pp, n_micro, t_f, t_b), rest)
+                if vb >= -best[0][0]:
                     continue
+            L = _layout(st, zero, sched, v)
             if best and cm.memory_floor(L) > capacity:
                 continue  # its model states alone do not fit, whatever the recompute
             # then its exact stages, zero stage and traffic (cheaper than a memory check)
