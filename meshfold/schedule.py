@@ -411,14 +411,23 @@ def zbv_priced(pp: int, m: int) -> bool:
 def _zbv_makespan(pp: int, m: int, t_f: float, t_b: float) -> float:
     """``makespan(simulate(...))`` of the zbv order, on its precomputed dependency lists."""
     c = chunk_costs("zbv", 1, t_f, t_b)
-    cost = {"F": c["F"], "B": c["B"], "W": c["W"], "b": c["B"] + c["W"]}
-    end: list[float] = []
-    span = 0.0
-    for kind, rank_dep, other in _zbv_graph(pp, m):
-        t = max(end[rank_dep] if rank_dep >= 0 else 0.0, end[other] if other >= 0 else 0.0) + cost[kind]
-        end.append(t)
-        span = max(span, t)
-    return span
+    cost = (c["F"], c["B"], c["W"], c["B"] + c["W"])
+    kinds, firsts, seconds = _zbv_lists(pp, m)
+    end = [0.0] * (len(kinds) + 1)  # the last slot stays 0.0: "no dependency"
+    for i, (k, a, b) in enumerate(zip(kinds, firsts, seconds)):
+        end[i] = max(end[a], end[b]) + cost[k]
+    return max(end)
+
+
+@lru_cache(maxsize=64)
+def _zbv_lists(pp: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``_zbv_graph`` as flat lists for ``_zbv_makespan``'s loop: cost index (F, B, W, b)
+    and the two dependencies, -1 (none) mapped to the slot past the last action."""
+    graph = _zbv_graph(pp, m)
+    n = len(graph)
+    index = {"F": 0, "B": 1, "W": 2, "b": 3}
+    return (tuple(index[k] for k, _, _ in graph), tuple(a if a >= 0 else n for _, a, _ in graph),
+            tuple(b if b >= 0 else n for _, _, b in graph))
 
 
 @lru_cache(maxsize=64)
