@@ -1,7 +1,7 @@
 """The planner search's shortcuts against the straightforward pricing: the fast paths it
 prices with (``step_time``, ``peak_memory``) give exactly ``estimate``'s numbers, and what
 it prunes with (``lower_bound``, ``step_bound``, ``memory_floor``, ``bubble_lower_bound``)
-never exceeds them, on seeded samples of layouts; and the ranked list, ties included, is
+never exceeds them (``states_floor`` under ``memory_floor`` too), on seeded samples of layouts; and the ranked list, ties included, is
 brute force's. Its speed is tracked by benchmarks/planner_search.py, not here."""
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ def test_fast_pricing_and_bounds_against_estimate(case):
         probe = Layout(dp_replicate=dpr, dp_shard=dps, tp=tp, sp=sp, pp=pp, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
         n_micro = w.global_batch // (dpr * dps) // b
         bound = fast.lower_bound(probe, tuple(schedules(w, pp, n_micro, False)))
+        zeros = {L.zero for L in variants(w, st, gpipe=False)}
+        states_floor = fast.states_floor(probe, zeros)
         for L in variants(w, st, gpipe=False):
             step_bound, floor = fast.step_bound(L), fast.memory_floor(L)
+            assert states_floor <= floor, L.short()
             for r in RECOMPUTE:
                 Lr = _with_recompute(L, r)
                 ref = (shared or CostModel(w, cluster)).estimate(Lr, detail=False)

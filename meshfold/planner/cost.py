@@ -975,6 +975,22 @@ class CostModel:
         states = self._top_states(L, T, hit[3], n_micro)[0]
         return sum(states.values()) + self.c.device.reserved_gib * GiB
 
+    def states_floor(self, L: Layout, zeros) -> float:
+        """A floor under ``memory_floor`` of every variant of ``L``'s structure (pp, dp,
+        cp, tp, micro-batch) with a zero stage in ``zeros``: the model states of a pp rank
+        holding the average stage's blocks and embeddings (the fullest holds at least that)
+        and the reserved memory. Dense models only (0.0 with MoE layers: their experts
+        shard their own way)."""
+        if True in self.kind_counts:
+            return 0.0
+        ep, u = max(1, L.ep), L.cp_ulysses
+        n_micro = self.bound_terms(L.pp, L.dp_shard, L.dp, L.cp, L.tp, L.sp, L.cp_mode, ep, L.micro_batch, u)[0]
+        P = self._bound_sums[(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, u)][2] / L.pp
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, "none", u)
+        shard = L.dp_shard * L.cp > 1
+        return min(sum(self._model_states(L, T, P, 0, z if shard else 0, n_micro > 1).values())
+                   for z in zeros) + self.c.device.reserved_gib * GiB
+
     def _model_states(self, L: Layout, T: dict, params: float, moe_layers: int, zero: int,
                       accumulate: bool) -> dict:
         """``model_state_bytes`` of a pipeline rank with ``params`` parameters: sharded over

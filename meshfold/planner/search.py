@@ -200,8 +200,11 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         st = sts[i]
         pp = st[0]
         n_micro, t_f, t_b, rest, _ = terms(st)
+        specs = list(variant_specs(w, st, gpipe=False))
+        if best and cm.states_floor(_layout(st, 0, "1f1b", 1), {z for z, _, _ in specs}) > capacity:
+            continue  # no zero stage fits its model states: no variant fits
         sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
-        for j, (zero, sched, v) in enumerate(variant_specs(w, st, gpipe=False)):
+        for j, (zero, sched, v) in enumerate(specs):
             if len(best) >= top:
                 vb = sched_bound.get((sched, v))
                 if vb is None:
