@@ -80,10 +80,13 @@ def balanced_split(cfg: ModelConfig, n_stages: int, seq_len: int | None = None) 
             c = cost(k, lo, L)
             return c, c * c, (L - lo,)
         # min over (max, sum of squares, split) tuples; the split tuples are built only for
-        # the options tied on the first two (the planner asks for every stage count)
+        # the options tied on the first two, and once this stage alone costs more than the
+        # best option's max, every longer stage does too (the planner asks for every count)
         key, tied = None, []
         for hi in range(lo + 1, L - (n_stages - k - 1) + 1):
             c = cost(k, lo, hi)
+            if key is not None and c > key[0]:
+                break
             rest_max, rest_sq, rest = best(k + 1, hi)
             option = (max(c, rest_max), c * c + rest_sq)
             if key is None or option < key:
