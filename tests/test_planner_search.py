@@ -96,3 +96,29 @@ def test_search_ranks_as_brute_force_ties_included(case):
     res = search(w, cluster, top=8)
     assert [(e.step_time_s, e.layout) for e in res.ranked] == want
     assert brute_force  # (the unpruned reference the other planner tests compare against)
+
+
+def test_balanced_split_is_the_exhaustive_minimum():
+    """The pruned dynamic programme picks what trying every split picks: min of (most
+    expensive stage, sum of squares, split), the sums folded as the programme folds them."""
+    from itertools import combinations
+
+    from meshfold.models.stage_balance import balanced_split, block_cost, embedding_cost, output_cost
+
+    for cfg in (ModelConfig(dim=256, n_layers=8, n_heads=4, vocab_size=4096, seq_len=128),
+                ModelConfig(dim=256, n_layers=9, n_heads=4, vocab_size=64, seq_len=128)):
+        L, blocks = cfg.n_layers, [block_cost(cfg, i) for i in range(cfg.n_layers)]
+        prefix = [0.0]
+        for b in blocks:
+            prefix.append(prefix[-1] + b)
+        for n in range(1, L + 1):
+            options = []
+            for cuts in combinations(range(1, L), n - 1):
+                edges = (0,) + cuts + (L,)
+                costs = [prefix[edges[k + 1]] - prefix[edges[k]] + (embedding_cost(cfg) if k == 0 else 0.0)
+                         + (output_cost(cfg) if k == n - 1 else 0.0) for k in range(n)]
+                top, sq = costs[-1], costs[-1] * costs[-1]
+                for c in reversed(costs[:-1]):
+                    top, sq = max(c, top), c * c + sq
+                options.append((top, sq, tuple(edges[k + 1] - edges[k] for k in range(n))))
+            assert tuple(balanced_split(cfg, n)) == min(options)[2], (L, n)
