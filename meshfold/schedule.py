@@ -213,11 +213,13 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
     while any(todo) or any(pending_w):
         # Event order: the rank that is free earliest decides next (ties: lowest rank); all
         # completions up to its clock are known, so its choice sees the true ready set.
-        waiting = [q for q in range(pp) if q not in blocked]
-        if not waiting:
-            raise RuntimeError("zbv scheduler made no progress")
-        r = min(waiting, key=lambda q: (free_at[q], q))
-        now = free_at[r]
+        if blocked:
+            waiting = [(free_at[q], q) for q in range(pp) if q not in blocked]
+            if not waiting:
+                raise RuntimeError("zbv scheduler made no progress")
+            now, r = min(waiting)
+        else:  # (the common case, without a Python key function: the planner builds many)
+            now, r = min(zip(free_at, range(pp)))
         while future[r] and future[r][0][0] <= now:
             _, _, a = heapq.heappop(future[r])
             if a[1] == "B":
