@@ -173,10 +173,13 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         return 0.0 if pp == 1 or free else bubble_lower_bound(sched, pp, n_micro, v, t_f, t_b)
 
     bounds = []
+    smallest: dict = {}  # (pp, n_micro, t_f, t_b) -> smallest bubble: dp splits share it
     for st in sts:  # lower_bound of each structure, without building Layouts
         n_micro, t_f, t_b, rest, sc = terms(st)
         pp = st[0]
-        bub = min(bubble(s, v, pp, n_micro, t_f, t_b) for s, v in sc)
+        bub = smallest.get((pp, n_micro, t_f, t_b))
+        if bub is None:
+            bub = smallest[(pp, n_micro, t_f, t_b)] = min(bubble(s, v, pp, n_micro, t_f, t_b) for s, v in sc)
         bounds.append(cm.bound_of(n_micro, t_f, t_b, bub, rest))
     order = sorted(range(len(sts)), key=bounds.__getitem__)  # stable: ties in enumeration order
     capacity = cluster.device.memory_gib * GiB
