@@ -8,11 +8,15 @@ starts; the runtime raises it too for input it can only see later (a corpus, a c
 
 from __future__ import annotations
 
+import math
+
 
 class ConfigError(ValueError):
     """A configuration problem, phrased as one line that names the key to change."""
 
 
 def divisors(n: int) -> list[int]:
-    """Every divisor of ``n``, ascending: the values an error message suggests."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending: the values an error message suggests (and the
+    planner's search enumerates: pairs up to sqrt(n), it asks thousands of times)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

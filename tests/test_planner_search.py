@@ -12,6 +12,7 @@ from itertools import combinations
 import pytest
 
 from meshfold.config import ModelConfig
+from meshfold.errors import divisors
 from meshfold.models.presets import preset
 from meshfold.models.stage_balance import balanced_split, block_cost, embedding_cost, output_cost
 from meshfold.planner.cluster import cluster_from_dict, load_cluster
@@ -119,3 +120,9 @@ def test_balanced_split_is_the_exhaustive_minimum():
                     top, sq = max(c, top), c * c + sq
                 options.append((top, sq, tuple(edges[k + 1] - edges[k] for k in range(n))))
             assert tuple(balanced_split(cfg, n)) == min(options)[2], (L, n)
+
+
+def test_divisors_are_every_divisor_ascending():
+    """``errors.divisors`` pairs up to sqrt(n) (the search enumerates with it)."""
+    for n in list(range(1, 1200)) + [16384, 98304, 3 * 5 * 7 * 11 * 13]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n

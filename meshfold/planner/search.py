@@ -21,25 +21,16 @@ and is what the tests compare against.
 from __future__ import annotations
 
 import heapq
-import math
 import time as _time
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from meshfold.config import Config, TrainConfig
+from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.schedule import bubble_lower_bound, zbv_priced
 
 RECOMPUTE = ("none", "selective", "full")
-
-
-@lru_cache(maxsize=None)
-def _divisors(n: int) -> tuple[int, ...]:
-    """Every divisor of ``n``, ascending (``errors.divisors``, in O(sqrt n) and cached: the
-    search asks thousands of times at 16,384 devices)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return tuple(sorted(set(small + [n // d for d in small])))
 
 
 def structures(w: Workload, world: int, max_tp: int = 0):
