@@ -355,7 +355,7 @@ def simulate_rank(cfg: Config, world: int, rank: int, device: str = "cpu") -> di
             warnings.simplefilter("ignore")
             trainer = DryTrainer(dataclasses.replace(cfg), device)
             if gpu is not None:
-                gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts))
+                gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts), gpucheck.blocks(trainer.model_parts))
             trainer.gpu = gpu
             return trainer.dry_step()
     finally:

@@ -32,6 +32,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from meshfold import comm
 from meshfold.parallel.parallelize import parallelize
+from meshfold.parallel.compute_weights import master_parameters
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.exchange import Message, exchange_plan
 from meshfold.models.stage_balance import describe_split
@@ -62,8 +63,8 @@ class Pipeline:
 
     def __init__(self, cfg: Config, dims, device: torch.device, param_dtype: torch.dtype,
                  wire_dtype: torch.dtype | None = None, announce: bool = False):
-        """``wire_dtype``: activations and gradients travel in the compute dtype (bf16 under
-        autocast; default the parameter dtype). ``announce``: print the stage split (one rank)."""
+        """``wire_dtype``: activations and gradients travel, and enter stages, in the compute
+        dtype (bf16 under autocast: the residual stream's; default the parameter dtype). ``announce``: print the stage split (one rank)."""
 
         p = cfg.parallel
         self.cfg, self.device, self.param_dtype = cfg, device, param_dtype
@@ -184,7 +185,7 @@ class Pipeline:
                 if s == 0:
                     x = mb["inputs"]
                 else:
-                    x = self._take(("act", s, a.mb)).to(self.param_dtype).requires_grad_(True)
+                    x = self._take(("act", s, a.mb)).to(self.wire_dtype).requires_grad_(True)
                 start = time.perf_counter()
                 chunk = self.model.chunks[a.chunk]
                 out = forward(chunk, x, mb)
@@ -194,7 +195,7 @@ class Pipeline:
                     loss_sum += loss.detach().double()
                     out = loss * scale.to(loss.dtype)
                 else:
-                    out = out.to(self.param_dtype)
+                    out = out.to(self.wire_dtype)
                     self._hand_over(outbox, ("act", after, a.mb), out.detach())
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
@@ -206,7 +207,8 @@ class Pipeline:
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
                 if self.split_backward and s > 0:
-                    _, groups = stage_backward_input(outs, grads, [x], self.model.chunks[a.chunk].parameters())
+                    _, groups = stage_backward_input(outs, grads, [x],
+                                                       master_parameters(self.model.chunks[a.chunk]))
                     wgrad[(a.chunk, a.mb)] = groups
                 else:
                     torch.autograd.backward(outs, grads)
@@ -217,7 +219,7 @@ class Pipeline:
                 start = time.perf_counter()
                 groups = wgrad.pop((a.chunk, a.mb), None)
                 if groups is not None:
-                    stage_backward_weight(self.model.chunks[a.chunk].parameters(), groups)
+                    stage_backward_weight(master_parameters(self.model.chunks[a.chunk]), groups)
             events.append({"stage": self.rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
                            "start": start - t0, "end": time.perf_counter() - t0})
             self._post(*plan.batches[i + 1], outbox, micro)
@@ -326,13 +328,13 @@ class Pipeline:
                 msg = ("act", s, 0)
                 if msg not in self.local:
                     self._post([], [(self._owner(s - 1), msg)], outbox, [batch])
-                x = self._take(msg).to(self.param_dtype)
+                x = self._take(msg).to(self.wire_dtype)
             out = forward(self.model.chunks[c], x, batch)
             if s == self.n_stages - 1:
                 loss += loss_fn(out, batch["labels"]).double()
             else:
                 msg = ("act", s + 1, 0)
-                self._hand_over(outbox, msg, out.to(self.param_dtype))
+                self._hand_over(outbox, msg, out.to(self.wire_dtype))
                 if msg in outbox:
                     self._post([(self._owner(s + 1), msg)], [], outbox, [batch])
         for works, _ in self.inflight:
