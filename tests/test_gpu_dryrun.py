@@ -4,11 +4,17 @@ itself, in-process.
 
 Each matrix case asserts: ``gpu.errors`` empty (host tensors in device computations or
 collectives, math attention, dense [S, S] masks), no math-kernel attention, no host sync
-inside a layer (per-step reads are allowed and counted), and bf16 on the dp/tp/cp/pp wires
-when the compute dtype is bf16 (``train.dtype = auto``, resolved for the h100 cluster as the
-dry-run resolves it). A payload in another dtype on those wires must be one of: gradients
-reduced by FSDP2 in ``train.reduce_dtype`` (float32 as configured), integer metadata or
-codec bytes, or a float64 statistic of the MoE router or the dry-run's pipeline stand-in.
+inside a layer (per-step reads are allowed and counted), every transformer block entered
+in bf16 (the residual stream in the compute dtype, as FSDP2 and Megatron run it: bf16
+compute weights in every layout), and bf16 on the dp/tp/cp/pp wires when the compute dtype
+is bf16 (``train.dtype = auto``, resolved for the h100 cluster as the dry-run resolves it).
+A payload in another dtype on those wires must be one of (every place that sent it is
+checked): gradients reduced in ``train.reduce_dtype`` (float32 as configured: FSDP2's
+reduce-scatter, DDP's and ``GradReducer``'s all-reduce, a compression codec's encoding of
+them); the vocabulary-parallel cross-entropy's per-token max and sums over tp and ring
+attention's dK/dV accumulators around the cp ring, in float32 as Megatron and torch's
+context parallel send them; integer metadata or codec bytes; or a float64 statistic of the
+MoE router or the dry-run's pipeline stand-in.
 The one sync allowed inside a layer is the variable all-to-all's split sizes
 (``parallel/expert.py``: NCCL takes them on the host; docs/gpu.md).
 

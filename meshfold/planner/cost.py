@@ -495,8 +495,8 @@ class CostModel:
         # (calls, activation bytes, weight-gradient elements): activations (and their
         # gradients) cross the tp link in the compute dtype (``act``: bf16 under autocast,
         # tensor.py's ``wire_dtype``), the loss's per-token statistics in >= fp32, and the
-        # gradients of replicated weights in the dtype backward makes them, which depends on
-        # FSDP (``collectives`` prices them: ``tp_grad_bytes``), so counted in elements here.
+        # gradients of replicated weights in the dtype backward makes them, the compute
+        # weights' (``collectives`` prices them: ``tp_grad_bytes``), so counted in elements here.
         tp_layer = tp_first = tp_last = tp_moe = (0, 0.0, 0.0)
         if tp > 1:
             r_ar, A = RING["all_reduce"](tp), act * tokens * h
@@ -648,11 +648,11 @@ class CostModel:
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
         opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.bw
-        # bf16 autocast over fp32 weights without FSDP's bf16 gathers: every weight a
-        # matmul reads is cast to bf16 each micro-batch (4 + 2 bytes), its bf16 gradient
-        # cast back (2 + 4) and accumulated into the fp32 gradient (4 + 4 + 4)
+        # bf16 compute from fp32 weights without FSDP's bf16 gathers (parallel/compute_weights.py):
+        # every weight is cast to bf16 once a step (4 + 2 bytes); each micro-batch its bf16
+        # gradient is cast back (2 + 4) and accumulated into the fp32 gradient (4 + 4 + 4)
         fsdp = L.zero >= 2 and n_shard > 1
-        casts = (n_micro * Pmax * 24 / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
+        casts = ((6 + n_micro * 18) * Pmax / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
                  else 0.0)
         if fsdp and c.device.gemm_tile:
             # FSDP2's copy-out of every all-gather into the parameters (read and write the
@@ -830,54 +830,40 @@ class CostModel:
         # Gathered parameter copies (FSDP2, in the compute dtype): ZeRO-2 keeps every block of
         # the rank gathered from its first forward to the step's last backward; ZeRO-3 the
         # running block and the prefetched next one.
+        # Without FSDP, under bf16: the step's compute copies of every local parameter
+        # (parallel/compute_weights.py), made at its first forward and kept to its last backward.
         wg = FSDP_WIRE[w.dtype][0]
-        gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else 0.0
-        inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
         amp = w.dtype == "bf16-amp"
+        gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else (act * Pmax if amp else 0.0)
+        inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
         full = L.recompute == "full"
         tokens = T["tokens"]
         stage_kinds = self.stage_kinds(L)[0]
-        block_params = [sum(T["kinds"][k][2] * n for k, n in r.items()) for r in stage_kinds]
-        # Under amp without FSDP's bf16 gathers, autocast's bf16 copy of every weight a
-        # matmul reads (the input embedding is looked up, not multiplied), kept from each
-        # micro-batch's forward to its backward; under full recompute only the weights
-        # outside the recomputed blocks (the output layer); with amp the stage input is
-        # layer 0's (fp32) norm input, already counted.
-        tied_out = m.tie_embeddings and pp == 1
-        looked_up = T["pos_emb"] + (0 if tied_out else T["emb"])
-        blocks_recomputed = L.recompute in ("full", "op")  # their weights' copies made again in backward
-
-        def weight_copies(r: int) -> float:
-            if not amp or fsdp:
-                return 0.0
-            kept = stage_params[r] - (block_params[r] if blocks_recomputed else 0.0) - (looked_up if r == 0 else 0.0)
-            return act * max(0.0, kept)
-
-        stage_in = 0.0 if amp else act * tokens * h
+        # bf16 compute weights in every layout (FSDP2's gathers or the step's compute copies):
+        # the blocks take bf16 inputs, and the projections share one bf16 norm output
         per_layer = dict(T["act_kinds"])
-        if amp and fsdp and L.recompute == "op":  # FSDP2 hands the blocks bf16 inputs
+        if amp and L.recompute == "op":
             per_layer = {k: x - (4 - act) * tokens * h / (tp if L.sp else 1) for k, x in per_layer.items()}
-        elif amp and fsdp and not full:  # (and the projections share one bf16 norm output)
+        elif amp and not full:
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
-        if True in per_layer and not full and (fsdp or not amp):
-            per_layer[True] += T["w13"]  # (amp without FSDP: within the weight copies below)
+        if True in per_layer and not full:
+            per_layer[True] += T["w13"]
+        stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
         # blocks' activations per pipeline rank, by layer kind
         layer_acts = tuple(sum(per_layer[k] * n for k, n in r.items()) for r in stage_kinds)
-        acts = inflight * (layer_acts[0] + stage_in + weight_copies(0))
+        acts = inflight * (layer_acts[0] + stage_in)
         if pp > 1:
             # the balanced split can give a later rank more blocks than rank 0 (whose stages
             # hold the embedding, and under zbv the output layer): the largest over ranks.
             # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
             # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
-            for held, layers, params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
+            for held, layers, _params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
                                                           last_rank, n_micro, inflight):
-                mine = act * (params - (max(block_params) if blocks_recomputed else 0.0)) if (amp and not fsdp) else 0.0
-                acts = max(acts, held * (layers + stage_in + max(0.0, mine)))
+                acts = max(acts, held * (layers + stage_in))
         # the recompute working set while one block is recomputed and run backward: under full,
-        # all of its activations (and, under amp without FSDP, its weights' bf16 copies); under
-        # op, what the policy did not keep
+        # all of its activations; under op, what the policy did not keep
         if full:
-            recompute = T["act_full"] + (act * max_block if (amp and not fsdp) else 0.0)
+            recompute = T["act_full"]
         elif L.recompute == "op":
             recompute = max(0.0, T["act_full"] - T["act_kept"])
         else:
@@ -885,10 +871,8 @@ class CostModel:
         logits = (act + 8) * tokens * V / tp
         # what the loss keeps for backward: the logits as they came (parallel/loss.py's
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
-        # labels; with amp also the final norm (8h + 4) and, without FSDP, the output
-        # projection's bf16 copy of its input
-        saved_logits = (act * V / tp + 8) * tokens \
-            + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
+        # labels; with amp also the final norm (8h + 4)
+        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens if amp else 0.0)
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         buffers = 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0
         reserved = c.device.reserved_gib * GiB
@@ -904,7 +888,7 @@ class CostModel:
         if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
             last = self._model_states(L, T, stage_params[last_rank], moe_layers[last_rank], zero, accumulate)
             last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
-            last_acts = last_inflight * (layer_acts[last_rank] + weight_copies(last_rank))
+            last_acts = last_inflight * layer_acts[last_rank]
             peak_mem = max(peak_mem, sum(last.values()) + gathered + last_acts + buffers + reserved
                            + max(logits, recompute))
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
@@ -1017,7 +1001,7 @@ class CostModel:
                 add("dp", 1 if tp > 1 else buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
-            grad = tp_grad_bytes(w.dtype, fsdp=L.zero >= 2 and n_shard > 1)
+            grad = tp_grad_bytes(w.dtype)
             moe_layers0 = stages[0].get(True, 0)
             for part, times in (("tp_layer", layers0), ("tp_moe", moe_layers0), ("tp_first", 1),
                                 ("tp_last", 1 if last_on_rank0 else 0)):

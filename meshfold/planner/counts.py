@@ -28,11 +28,12 @@ FSDP_WIRE = {"bf16": (2, 2), "bf16-amp": (2, 4), "float32": (4, 4), "float64": (
 BUCKET_BYTES = 25 * 2**20
 
 
-def tp_grad_bytes(dtype: str, fsdp: bool) -> int:
+def tp_grad_bytes(dtype: str) -> int:
     """Bytes per element of a replicated weight's gradient as tensor parallel sums it over
-    tp (``TensorParallelGroup.grad_sum``): the dtype backward makes it in, the parameter's,
-    which under FSDP2 is its mixed-precision ``param_dtype`` (bf16 for meshfold's bfloat16)."""
-    return FSDP_WIRE[dtype][0] if fsdp else DTYPE_BYTES[dtype][0]
+    tp (``TensorParallelGroup.grad_sum``): the dtype backward makes it in, the compute
+    weight's: FSDP2's mixed-precision ``param_dtype`` or the step's compute copy
+    (``parallel/compute_weights.py``), bf16 for meshfold's bfloat16 in every layout."""
+    return FSDP_WIRE[dtype][0]
 
 
 def buckets(size_bytes: float) -> int:
