@@ -79,7 +79,7 @@ def test_step_refreshes_the_copies_and_evaluation_needs_no_graph():
 
 def _bf16(run_dir, **sections):
     cfg = tiny_config(run_dir, **sections)
-    cfg["train"].update({"dtype": "bfloat16", "steps": 3})
+    cfg["train"].update({"dtype": "bfloat16", "steps": 2})
     return cfg
 
 
