@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections import Counter, defaultdict
 
 import torch
@@ -297,6 +298,11 @@ class GpuRecorder(TorchDispatchMode):
     def comm_call(self, op: str, tensors, group, dim):
         if dim is not None and tensors:
             self._wire(dim, tensors[0].dtype, op)
+        if threading.current_thread() is not threading.main_thread():
+            # NCCL runs each rank's collectives (over all its communicators) in issue order:
+            # a second issuing thread can order them differently on two ranks and deadlock
+            self.error(f"{op} on {dim} issued from thread {threading.current_thread().name!r} at "
+                       f"{where(skip_comm=True)}: collectives must be issued in the step's order")
         self._comm_depth += 1
         try:
             yield
