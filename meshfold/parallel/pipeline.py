@@ -23,7 +23,6 @@ the backward.
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +30,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshfold import comm
+from meshfold.device import StepClock
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.compute_weights import master_parameters
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
@@ -173,7 +173,8 @@ class Pipeline:
         self._set_grad_sync(None)
         # No barrier: every rank starts when it is ready; the bubble is measured against
         # the wall clock (one host, or NTP-synchronised hosts).
-        wall0, t0 = time.time(), time.perf_counter()
+        clock = StepClock(self.device)
+        clock.start()
         self._post(*plan.batches[0], outbox, micro)
         for i, a in enumerate(order):
             if last_grad_action.get(a.chunk) == i:
@@ -186,7 +187,7 @@ class Pipeline:
                     x = mb["inputs"]
                 else:
                     x = self._take(("act", s, a.mb)).to(self.wire_dtype).requires_grad_(True)
-                start = time.perf_counter()
+                start = clock.mark()
                 chunk = self.model.chunks[a.chunk]
                 out = forward(chunk, x, mb)
                 aux = moe_aux(chunk, m)
@@ -201,7 +202,7 @@ class Pipeline:
             elif a.kind == "B":
                 x, out, aux = saved.pop((a.chunk, a.mb))
                 grad = None if s == self.n_stages - 1 else self._take(("grad", s, a.mb)).to(out.dtype)
-                start = time.perf_counter()
+                start = clock.mark()
                 outs, grads = [out], [torch.ones_like(out) if grad is None else grad]
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
@@ -216,16 +217,19 @@ class Pipeline:
                     self._hand_over(outbox, ("grad", before, a.mb), x.grad)
                 del x, out, aux
             else:
-                start = time.perf_counter()
+                start = clock.mark()
                 groups = wgrad.pop((a.chunk, a.mb), None)
                 if groups is not None:
                     stage_backward_weight(master_parameters(self.model.chunks[a.chunk]), groups)
             events.append({"stage": self.rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
-                           "start": start - t0, "end": time.perf_counter() - t0})
+                           "start": start, "end": clock.mark()})
             self._post(*plan.batches[i + 1], outbox, micro)
         for works, _ in self.inflight:
             comm.wait_all(works)
-        span = time.perf_counter() - t0
+        span = clock.finish()
+        for e in events:  # (GPU: the events' times, read once the step's work is done)
+            e["start"], e["end"] = clock.seconds(e["start"]), clock.seconds(e["end"])
+        wall0 = clock.wall0
         self.inflight, self.local, self.inbox, self.recv_works = [], {}, {}, {}
         for reducers in self.reducers:
             for reducer in reducers:
