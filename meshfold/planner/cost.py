@@ -399,8 +399,8 @@ class CostModel:
         R = cp // u
         kv_local = m.kv_heads // min(tp, m.kv_heads)  # kv heads per tp rank
         kv_heads = u if (u > 1 and kv_local % u) else kv_local
-        cp_fwd = cp_sent = cp_sent_rec = 0.0
-        cp_calls = cp_calls_rec = 0
+        cp_fwd = cp_sel = cp_sent = cp_sent_rec = cp_sent_sel = 0.0
+        cp_calls = cp_calls_rec = cp_calls_sel = 0
         if cp > 1 and u > 1:
             size = act * tokens * h / tp  # q and the attention output
             kv_size = act * tokens * kv_heads * m.head_dim  # k and v (GQA: fewer heads)
@@ -408,14 +408,20 @@ class CostModel:
                       + 4 * call)
             cp_sent = 4 * RING["all_to_all"](u) * (size + kv_size)  # q, k, v, out: forward and backward
             cp_sent_rec, cp_calls, cp_calls_rec = cp_sent / 2, 8, 4
+            # selective recompute re-runs the attention core from its q, k, v: their three
+            # all-to-alls again, not the output's (checkpoint stops once backward has what it needs)
+            cp_sent_sel, cp_calls_sel = RING["all_to_all"](u) * (size + 2 * kv_size), 3
+            cp_sel = self.ct("all_to_all", size, u, tp) + 2 * self.ct("all_to_all", kv_size, u, tp) + 3 * call
         if cp > 1 and R > 1:
             kv = 2 * act * tokens * kv_heads * m.head_dim
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
             cp_fwd += max((R - 1) * hop - attn_f, hop)
+            cp_sel += max((R - 1) * hop - attn_f, hop)
             cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
             cp_sent_rec += (R - 1) * kv
-            cp_calls, cp_calls_rec = cp_calls + 3 * R - 2, cp_calls_rec + R - 1
+            cp_sent_sel += (R - 1) * kv
+            cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
         # the tiled attention's fixed cost per tile (a third forward, two thirds backward)
         tile_t = 0.0
         if cp > 1:
@@ -443,8 +449,8 @@ class CostModel:
                 # saves the 1st, 3rd, ...) and the attention kernel; the block's tp and
                 # cp communication is re-run (meshfold's collectives are not kept)
                 rec = sum(gemms[1::2]) + ew_f - ew_attn * scale + 2 * tp_ar + cp_fwd
-            elif recompute == "selective":  # the attention core and its softmax
-                rec = attn_f + ew_attn * scale
+            elif recompute == "selective":  # the attention core and its softmax, with its cp communication
+                rec = attn_f + ew_attn * scale + cp_sel
             else:
                 rec = 0.0
             bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
@@ -541,7 +547,7 @@ class CostModel:
                    out_bwd=out_bwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
-                   cp_calls=(cp_calls, cp_calls_rec), cp_sent_rec=cp_sent_rec,
+                   cp_calls=(cp_calls, cp_calls_rec, cp_calls_sel), cp_sent_rec=cp_sent_rec, cp_sent_sel=cp_sent_sel,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    pos_emb=s * h if m.pos == "learned" else 0.0,  # learned positions: whole on every tp rank
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
@@ -1020,9 +1026,11 @@ class CostModel:
         # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
         if cp > 1:
-            recomputed = L.recompute in ("full", "op")
-            per_layer = T["cp_calls"][0] + (T["cp_calls"][1] if recomputed else 0)
-            sent = T["cp_sent"] + (T["cp_sent_rec"] if recomputed else 0.0)
+            # the collectives recompute issues again: the block's forward ones (full, op), or the
+            # attention core's (selective)
+            redo = {"full": 1, "op": 1, "selective": 2}.get(L.recompute)
+            per_layer = T["cp_calls"][0] + (T["cp_calls"][redo] if redo else 0)
+            sent = T["cp_sent"] + ((T["cp_sent_rec"], T["cp_sent_sel"])[redo - 1] if redo else 0.0)
             add("cp", n_micro * layers0 * per_layer, n_micro * layers0 * sent)
             meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp
             add("cp", n_micro, n_micro * RING["all_gather"](cp) * meta)
