@@ -455,7 +455,7 @@ class CostModel:
                 rec = 0.0
             bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
                    + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
-            ep_sent = 0.0
+            ep_sent = ep_sent_rec = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
                 # (top-k copies of each, the kept ones under a capacity; with tp each tp rank
@@ -466,13 +466,14 @@ class CostModel:
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = RING["all_to_all"](ep) * (4 * routed + 8 * m.moe_experts / tp)
+                ep_sent_rec = RING["all_to_all"](ep) * (2 * routed + 8 * m.moe_experts / tp)  # the forward again
             if moe:  # the router is replicated over tp; the routed experts split over ep too
                 router = m.dim * m.moe_experts
                 params = (attn_p / tp + ffn_total / tp + norm_p
                           + router - router / tp - routed_params(m) / tp * (1 - 1 / ep))
             else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
                 params = dense_layer_params_local(m, tp) + norm_p
-            out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
+            out[moe] = (fwd, bwd, params, fwd_c, ep_sent, ep_sent_rec)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
         # cross-entropy's memory-bound passes per logit (forward: fp32 upcast a + 4,
         # log-softmax's three reads and one write 16; backward: the gradient's fill 4,
@@ -848,9 +849,7 @@ class CostModel:
         # bf16 compute weights in every layout (FSDP2's gathers or the step's compute copies):
         # the blocks take bf16 inputs, and the projections share one bf16 norm output
         per_layer = dict(T["act_kinds"])
-        if amp and L.recompute == "op":
-            per_layer = {k: x - (4 - act) * tokens * h / (tp if L.sp else 1) for k, x in per_layer.items()}
-        elif amp and not full:
+        if amp and L.recompute not in ("full", "op"):
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
         if True in per_layer and not full:
             per_layer[True] += T["w13"]
@@ -1040,11 +1039,12 @@ class CostModel:
         if moe0 and n_all > 1:
             add("dp", n_micro * moe0, n_micro * moe0 * RING["all_reduce"](n_all) * 8 * (w.model.moe_experts + 2))
         # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
-        # the two transposes backward
+        # the two transposes backward; full or op recompute re-runs the forward three
         ep_layers = sum(n for k, n in stages[0].items() if k)
         if L.ep > 1 and ep_layers:
-            ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
-            add("ep", n_micro * 5 * ep_layers, n_micro * ep_bytes)
+            again = L.recompute in ("full", "op")
+            ep_bytes = sum((T["kinds"][k][4] + (T["kinds"][k][5] if again else 0.0)) * n for k, n in stages[0].items())
+            add("ep", n_micro * (8 if again else 5) * ep_layers, n_micro * ep_bytes)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 
     def lower_bound(self, L: Layout, schedules: tuple = ()) -> float:
