@@ -113,6 +113,8 @@ class DryTrainer(Trainer):
         self.compression = build_compression(cfg.lowcomm)  # lowcomm.compression's DDP hook, as the Trainer
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
+        if isinstance(self.model, ddp_module.DistributedDataParallel):
+            self.model.reducer = _KeptBuckets(self.model.reducer)
         self.pipeline = getattr(self.engine, "pipe", None)
         if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
             use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
@@ -345,6 +347,22 @@ def _ddp_without_shape_check():
         ddp_module._verify_param_shape_across_processes = original
 
 
+class _KeptBuckets:
+    """DDP's reducer, as DDP's Python side calls it, except that it never rebuilds its
+    buckets: after the first backward DDP re-allocates them in the order gradients arrived,
+    copying parameter values, which fake tensors do not have. The dry-run's later steps keep
+    the first step's buckets (built with the same size cap)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
 def simulate_rank(cfg: Config, world: int, rank: int, device: str = "cpu") -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -355,7 +373,7 @@ def simulate_rank(cfg: Config, world: int, rank: int, device: str = "cpu") -> di
             warnings.simplefilter("ignore")
             trainer = DryTrainer(dataclasses.replace(cfg), device)
             if gpu is not None:
-                gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts))
+                gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts), gpucheck.blocks(trainer.model_parts))
             trainer.gpu = gpu
             return trainer.dry_step()
     finally:

@@ -44,11 +44,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections import Counter, defaultdict
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -69,13 +71,19 @@ _aten = torch.ops.aten
 _MODES = ("__torch_function__", "__torch_dispatch__", "marked", "read_counts")
 
 
+# thin wrappers of comm.py's collectives (the tp group's raw ones): a collective's place is their caller
+_COMM_WRAPPERS = {(os.path.join(_PKG, "parallel", "tensor.py"), name)
+                  for name in ("all_reduce_", "all_gather", "reduce_scatter")}
+
+
 def where(skip_comm: bool = False) -> str:
-    """``meshfold/<path>:<line>`` of the innermost meshfold frame on the stack (not this module)."""
+    """``meshfold/<path>:<line>`` of the innermost meshfold frame on the stack (not this module;
+    with ``skip_comm``, not comm.py or a wrapper of it)."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_PKG) and path != _SELF and frame.f_code.co_name not in _MODES \
-                and not (skip_comm and path == comm.__file__):
+                and not (skip_comm and (path == comm.__file__ or (path, frame.f_code.co_name) in _COMM_WRAPPERS)):
             return f"meshfold/{os.path.relpath(path, _PKG)}:{frame.f_lineno}"
         frame = frame.f_back
     return "torch (no meshfold frame)"
@@ -203,16 +211,29 @@ class GpuRecorder(TorchDispatchMode):
         self.attention: Counter = Counter()
         self.wire: dict[str, set] = defaultdict(set)
         self.wire_places: dict[str, str] = {}  # "dim dtype" -> "op from place" of the first such call
+        self.wire_sources: dict[str, set] = defaultdict(set)  # "dim dtype" -> every "op from place"
+        self.block_ids: set[int] = set()
+        self.block_inputs: Counter = Counter()  # dtype of the residual stream entering each block call
         self.errors: list[str] = []
         self._comm_depth = 0
         self._naming = 0
         self._tolist = None
 
-    def attach(self, dims, layer_modules=()) -> None:
-        """Once the rank is built: its mesh's groups and layers; what building did is not a step."""
+    def attach(self, dims, layer_modules=(), blocks=()) -> None:
+        """Once the rank is built: its mesh's groups, layers and transformer blocks; what
+        building did is not a step."""
         self.groups, self.layer_ids = _group_dims(dims), {id(m) for m in layer_modules}
+        self.block_ids = {id(m) for m in blocks}
         self.pop_step()
         self.in_layer, self.wire, self.wire_places = set(), defaultdict(set), {}
+        self.wire_sources, self.block_inputs = defaultdict(set), Counter()
+
+    def block_called(self, module, args) -> None:
+        """A transformer block's forward: the dtype its input (the residual stream) has."""
+        if id(module) in self.block_ids:
+            x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+            if x is not None:
+                self.block_inputs[_dtype_name(x.dtype)] += 1
 
     # -- bookkeeping
 
@@ -277,6 +298,11 @@ class GpuRecorder(TorchDispatchMode):
     def comm_call(self, op: str, tensors, group, dim):
         if dim is not None and tensors:
             self._wire(dim, tensors[0].dtype, op)
+        if threading.current_thread() is not threading.main_thread():
+            # NCCL runs each rank's collectives (over all its communicators) in issue order:
+            # a second issuing thread can order them differently on two ranks and deadlock
+            self.error(f"{op} on {dim} issued from thread {threading.current_thread().name!r} at "
+                       f"{where(skip_comm=True)}: collectives must be issued in the step's order")
         self._comm_depth += 1
         try:
             yield
@@ -370,11 +396,15 @@ class GpuRecorder(TorchDispatchMode):
     def _wire(self, dim: str, dtype: torch.dtype, op: str) -> None:
         name = _dtype_name(dtype)
         self.wire[dim].add(name)
-        self.wire_places.setdefault(f"{dim} {name}", f"{op} from {where(skip_comm=True)}")
+        place = f"{op} from {where(skip_comm=True)}"
+        self.wire_places.setdefault(f"{dim} {name}", place)
+        self.wire_sources[f"{dim} {name}"].add(place)
 
     def report(self) -> dict:
         return {"wire_dtypes": {d: sorted(v) for d, v in sorted(self.wire.items())}, "wire_places": self.wire_places,
-                "errors": list(self.errors), "in_layer": sorted(self.in_layer)}
+                "wire_sources": {k: sorted(v) for k, v in sorted(self.wire_sources.items())},
+                "errors": list(self.errors), "in_layer": sorted(self.in_layer),
+                "block_inputs": dict(sorted(self.block_inputs.items()))}
 
 
 def _to_host(args, kwargs) -> bool:
@@ -449,10 +479,12 @@ def recording(dims=None, layer_modules=()):
     rec = GpuRecorder(dims, layer_modules)
     comm.set_observer(rec)
     _EMULATING = True
+    hook = register_module_forward_pre_hook(lambda module, args: rec.block_called(module, args))
     try:
         with rec, _Functions(rec):
             yield rec
     finally:
+        hook.remove()
         _EMULATING = False
         comm.set_observer(None)
 
@@ -476,6 +508,12 @@ def layer_modules(parts) -> list:
     return out
 
 
+def blocks(parts) -> list:
+    """The transformer blocks (``layers.<i>``) in ``parts``, in order."""
+    layers = (getattr(getattr(part, "module", part), "layers", None) for part in parts)  # (DDP: .module)
+    return [m for group in layers if group is not None for m in group.values()]
+
+
 def extrapolate(c1: dict, c2: dict, k: float) -> dict:
     """Counts of a step of m micro-batches from steps of ``unit`` and ``2 unit`` (affine in m)."""
     return {key: int(round(c1.get(key, 0) + k * (c2.get(key, 0) - c1.get(key, 0))))
@@ -492,7 +530,11 @@ def summary(per_rank: dict) -> dict:
         attention.update(g["attention"])
         errors += [e if len(per_rank) == 1 else f"rank {rank}: {e}" for e in g["errors"]]
     syncs = first["syncs"]
+    blocks_in = Counter()
+    for g in per_rank.values():
+        blocks_in.update(g.get("block_inputs", {}))
     return {"host_syncs_per_step": int(sum(syncs.values())),
+            "block_inputs": dict(sorted(blocks_in.items())),
             "host_syncs": [{"where": w, "count": c} for w, c in sorted(syncs.items(), key=lambda x: -x[1])],
             "attention": dict(sorted(attention.items())),
             "wire_dtypes": {d: sorted(v) for d, v in sorted(wire.items())},

@@ -74,6 +74,15 @@ def note_checkpoint_inputs(args) -> None:
             counter.add(a)
 
 
+def note_model_state(tensors) -> None:
+    """Called with tensors that are model state made inside a step (the bf16 compute copies of
+    ``parallel/compute_weights.py``), which autograd saves like FSDP2's gathered parameters:
+    not activations, for counters open now; one opened later sees them as parameters."""
+    for counter in _ACTIVE:
+        counter.param_storages.update(_storage_key(t.to_local() if hasattr(t, "to_local") else t)
+                                      for t in tensors)
+
+
 def counting() -> bool:
     """Whether a ``count_saved_activations`` is open (recompute wrappers report to it)."""
     return bool(_ACTIVE)

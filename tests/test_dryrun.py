@@ -59,6 +59,8 @@ ACT_TOL = 0.10
 AGREEMENT = [
     pytest.param(4, {"tp": 2, "dp_shard": 2, "zero": 1}, {}, id="tp2-zero1"),
     pytest.param(4, {"dp_shard": 4, "zero": 1}, {}, id="ddp-zero1"),
+    # 4 micro-batches: two simulated steps, DDP's buckets kept after the first backward
+    pytest.param(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, {}, id="ddp2-4-micro-batches"),
     pytest.param(4, {"dp_shard": 4, "zero": 3}, {}, id="fsdp4-zero3"),
     pytest.param(8, {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 4}, {}, id="tp2xpp2xdp2-zero1"),
 ]

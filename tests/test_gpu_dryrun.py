@@ -4,11 +4,17 @@ itself, in-process.
 
 Each matrix case asserts: ``gpu.errors`` empty (host tensors in device computations or
 collectives, math attention, dense [S, S] masks), no math-kernel attention, no host sync
-inside a layer (per-step reads are allowed and counted), and bf16 on the dp/tp/cp/pp wires
-when the compute dtype is bf16 (``train.dtype = auto``, resolved for the h100 cluster as the
-dry-run resolves it). A payload in another dtype on those wires must be one of: gradients
-reduced by FSDP2 in ``train.reduce_dtype`` (float32 as configured), integer metadata or
-codec bytes, or a float64 statistic of the MoE router or the dry-run's pipeline stand-in.
+inside a layer (per-step reads are allowed and counted), every transformer block entered
+in bf16 (the residual stream in the compute dtype, as FSDP2 and Megatron run it: bf16
+compute weights in every layout), and bf16 on the dp/tp/cp/pp wires when the compute dtype
+is bf16 (``train.dtype = auto``, resolved for the h100 cluster as the dry-run resolves it).
+A payload in another dtype on those wires must be one of (every place that sent it is
+checked): gradients reduced in ``train.reduce_dtype`` (float32 as configured: FSDP2's
+reduce-scatter, DDP's and ``GradReducer``'s all-reduce, a compression codec's encoding of
+them); the vocabulary-parallel cross-entropy's per-token max and sums over tp and ring
+attention's dK/dV accumulators around the cp ring, in float32 as Megatron and torch's
+context parallel send them; integer metadata or codec bytes; or a float64 statistic of the
+MoE router or the dry-run's pipeline stand-in.
 The one sync allowed inside a layer is the variable all-to-all's split sizes
 (``parallel/expert.py``: NCCL takes them on the host; docs/gpu.md).
 
@@ -37,13 +43,10 @@ MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 
 MOE = {"moe_experts": 4, "moe_topk": 2, "moe_every": 1, "moe_ffn_dim": 32}
 NO_DOCS = {"doc_mask": False}  # layouts are checked on plain causal rows; documents have their own cases
 
-TP_FP32 = ("the tp wire carries float32 from TensorParallelGroup.all_reduce_ (parallel/tensor.py:97): the "
-           "vocabulary-parallel loss statistics (parallel/loss.py) and the gradient sums of replicated weights "
-           "(grad_sum) are reduced in fp32")
-RING_FP32 = ("ring attention's backward passes the dk/dv accumulators around the ring in float32 "
-             "(parallel/context.py, the backward's exchange)")
-DDP_FP32 = ("ZeRO-0/1 layouts keep fp32 compute weights (issue #26 item 3): gradients are all-reduced on dp "
-            "in float32 (parallel/data.py)")
+GATES_FP32 = ("the MoE gates' gradients are summed over tp in float32 (parallel/expert.py: tp.grad_sum of the "
+              "fp32 routing weights, per token and choice), where the tokens' own gradients cross in bf16")
+ZERO1_FP32_GATHER = ("ZeRO-1 all-gathers the updated fp32 master weights (parallel/optim.py); Megatron's "
+                     "distributed optimizer gathers bf16 parameters and keeps fp32 masters only for its shard")
 
 
 def case(world, parallel, model=None, train=None, data=None, lowcomm=None, xfail=None):
@@ -51,34 +54,31 @@ def case(world, parallel, model=None, train=None, data=None, lowcomm=None, xfail
 
 
 CASES = {
-    "ddp": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, xfail=DDP_FP32),
-    "zero1": case(2, {"dp_shard": 2, "zero": 1}, xfail=DDP_FP32),
+    "ddp": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}),
+    "zero1": case(2, {"dp_shard": 2, "zero": 1}, xfail=ZERO1_FP32_GATHER),
     "zero2-recompute-selective": case(2, {"dp_shard": 2, "zero": 2}, train={"recompute": "selective"}),
     "zero3-recompute-full": case(2, {"dp_shard": 2, "zero": 3}, train={"recompute": "full"}),
     "hsdp": case(4, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}),
     "offload-params": case(2, {"dp_shard": 2, "zero": 3}, train={"offload": "params"}),
     "offload-optimizer": case(2, {"dp_shard": 2, "zero": 3}, train={"offload": "optimizer"}),
-    "tp-sp-fsdp": case(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}, xfail=TP_FP32),
-    "tp-zero1": case(4, {"tp": 2, "dp_shard": 2, "zero": 1}, xfail=DDP_FP32),
+    "tp-sp-fsdp": case(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}),
+    "tp-zero1": case(4, {"tp": 2, "dp_shard": 2, "zero": 1}, xfail=ZERO1_FP32_GATHER),
     "pp-gpipe": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe", "pp_microbatches": 2}),
     "pp-1f1b": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b", "pp_microbatches": 2}),
     "pp-interleaved": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved", "pp_virtual_stages": 2,
                                "pp_microbatches": 2}, model={"n_layers": 4}),
     "pp-zbv": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "zbv", "pp_microbatches": 2}, model={"n_layers": 4}),
-    "cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, xfail=RING_FP32),
+    "cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}),
     "cp-ulysses": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ulysses"}),
-    "cp-hybrid": case(4, {"cp": 4, "dp_shard": 1, "cp_mode": "hybrid", "cp_ulysses": 2}, xfail=RING_FP32),
+    "cp-hybrid": case(4, {"cp": 4, "dp_shard": 1, "cp_mode": "hybrid", "cp_ulysses": 2}),
     "doc-mask": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True}),
-    "doc-mask-cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, data={"doc_mask": True},
-                             xfail=RING_FP32),
+    "doc-mask-cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, data={"doc_mask": True}),
     "moe-ep": case(4, {"dp_shard": 4, "zero": 3, "ep": 2}, model=MOE),
-    "moe-ep-tp": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE, xfail=TP_FP32),
+    "moe-ep-tp": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE, xfail=GATES_FP32),
     "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}),
     "diloco": case(4, {"dp_shard": 2, "zero": 3}, lowcomm={"method": "diloco", "workers": 2, "inner_steps": 2}),
-    "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"},
-                     xfail=DDP_FP32),
-    "onebit": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "onebit"},
-                   xfail=DDP_FP32),
+    "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"}),
+    "onebit": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "onebit"}),
 }
 
 
@@ -98,11 +98,21 @@ def matrix():
 
 
 def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
-    """A non-bf16 payload on a dp/tp/cp/pp wire that is what the config asks for (see the module doc)."""
+    """A non-bf16 payload on a dp/tp/cp/pp wire that is what the config asks for, or what
+    Megatron and torch send there too (see the module doc)."""
     op, _, where = place.partition(" from ")
-    if dtype == "float32":  # FSDP2's gradient reduction in the configured reduce dtype (HSDP: then over replicas)
-        return cfg.train.reduce_dtype == "float32" and ("reduce_scatter" in op or (
-            op == "allreduce" and dim == "dp_replicate" and cfg.parallel.zero >= 2))
+    if dtype == "float32":
+        if where.startswith("meshfold/parallel/loss.py"):  # vocabulary-parallel CE's per-token max and sums
+            return dim == "tp"
+        if where.startswith("meshfold/parallel/context.py"):  # ring backward's dK/dV accumulators
+            return dim == "cp"
+        if where.startswith("meshfold/lowcomm/codecs.py"):  # a codec's encoding of the (fp32) gradients
+            return cfg.train.reduce_dtype == "float32" and dim.startswith("dp")
+        reduce = cfg.train.reduce_dtype == "float32"  # gradients reduced in the configured dtype:
+        all_reduce = op in ("allreduce", "all_reduce")  # (torch's op name, comm.py's)
+        if cfg.parallel.zero >= 2:  # FSDP2's reduce-scatter (HSDP: then over replicas)
+            return reduce and ("reduce_scatter" in op or (all_reduce and dim == "dp_replicate"))
+        return reduce and all_reduce and dim.startswith("dp")  # DDP's / GradReducer's all-reduce
     if dtype == "float64":
         return where.startswith(("meshfold/parallel/expert.py", "meshfold/dryrun.py"))
     return dtype.startswith(("int", "uint"))
@@ -110,6 +120,8 @@ def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
 
 def findings(g: dict, cfg) -> list[str]:
     out = [f"error: {e}" for e in g["errors"]]
+    if set(g["block_inputs"]) != {"bfloat16"}:  # the residual stream in the compute dtype, as FSDP2 and Megatron run it
+        out.append(f"blocks entered in {g['block_inputs']}")
     if "math" in g["attention"]:
         out.append(f"math attention: {g['attention']}")
     out += [f"host sync inside a layer: {p}" for p in g["in_layer"]
@@ -117,13 +129,11 @@ def findings(g: dict, cfg) -> list[str]:
     for dim, dtypes in g["wire_dtypes"].items():
         if dim not in WIRES:
             continue
-        if "bfloat16" not in dtypes and not all(_wire_ok(dim, dt, g["wire_places"].get(f"{dim} {dt}", ""), cfg)
-                                                for dt in dtypes):
+        sources = {dt: g["wire_sources"].get(f"{dim} {dt}", [""]) for dt in dtypes}
+        if "bfloat16" not in dtypes and not all(_wire_ok(dim, dt, p, cfg) for dt in dtypes for p in sources[dt]):
             out.append(f"no bf16 on the {dim} wire: {dtypes}")
-        for dt in dtypes:
-            place = g["wire_places"].get(f"{dim} {dt}", "")
-            if dt != "bfloat16" and not _wire_ok(dim, dt, place, cfg):
-                out.append(f"{dt} on the {dim} wire: {place}")
+        out += [f"{dt} on the {dim} wire: {p}" for dt in dtypes if dt != "bfloat16" for p in sources[dt]
+                if not _wire_ok(dim, dt, p, cfg)]
     return out
 
 

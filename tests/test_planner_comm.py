@@ -93,10 +93,11 @@ def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, tra
     _compare(parallel, model=model, train=train, tmp_path=tmp_path)
 
 
-# train.dtype = bfloat16 (fp32 master weights, bf16 autocast, fp32 residual stream): the tp
-# activations and their gradients travel in bf16 (parallel/tensor.py's wire_dtype), the
+# train.dtype = bfloat16 (fp32 master weights, bf16 compute weights, bf16 residual stream): the
+# tp activations and their gradients travel in bf16 (parallel/tensor.py's wire_dtype), the
 # loss's per-token statistics in fp32, and replicated weights' gradients in the dtype backward
-# makes them (fp32; bf16 under FSDP2's param_dtype). Exact, as in float64.
+# makes them: the compute weights' (bf16: FSDP2's param_dtype or the step's compute copies,
+# parallel/compute_weights.py). Exact, as in float64.
 @pytest.mark.parametrize("world,parallel,model", [
     (8, {"tp": 2, "pp": 2, "dp_shard": 2, "zero": 1}, None),  # f's gradient all-reduce, embedding all-reduce
     (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 1}, None),  # embedding reduce-scatter + all-gather

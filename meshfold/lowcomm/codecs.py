@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
+from meshfold.gpucheck import on_cuda
 
 # Every buffer below is created on the device of the tensor being coded (``device=``), and
 # the arithmetic runs there in the tensor's own precision (at least fp32): no host round
@@ -304,12 +305,16 @@ class PowerSGD(Codec):
     same all-reduce as every P of the call: two all-reduces per call whatever the number
     of matrices (one of the uncompressed tensors and all P, one of all Q).
 
-    ``reduce_async`` (the DDP hook's path) runs the call on one communication thread and
-    returns at once, so the exchange overlaps the rest of backward. One thread per codec
-    keeps every rank's collectives in the order the hook was called (DDP calls it in the
-    same bucket order on every rank), which is what gloo and NCCL match collectives by; a
-    ``then`` callback would issue the Q all-reduce from whichever thread completed the P
-    all-reduce, in completion order, which can differ between ranks."""
+    ``reduce_async`` (the DDP hook's path) on a GPU issues the call's collectives right
+    there, on the thread running backward, in the order DDP calls the hook (the same bucket
+    order on every rank, interleaved with backward's own collectives, e.g. ring attention's,
+    in graph order): NCCL runs collectives of different communicators in the order each rank
+    issued them, so a second issuing thread could order them differently on two ranks and
+    deadlock. Its waits between the P and Q all-reduces are stream waits there, so backward
+    is not held up on the host. On the host (gloo), where a wait blocks, the call runs on one
+    communication thread and returns at once, so the exchange overlaps the rest of backward;
+    one thread per codec keeps every rank's collectives in hook order (a ``then`` callback
+    would issue the Q all-reduce from whichever thread completed the P all-reduce)."""
 
     def __init__(self, group, rank: int, seed: int = 0):
         super().__init__(group)
@@ -329,7 +334,7 @@ class PowerSGD(Codec):
         return r * (n + m) < n * m
 
     def reduce_async(self, named) -> torch.futures.Future:
-        if self.n == 1:
+        if self.n == 1 or (named and on_cuda(named[0][1])):
             return super().reduce_async(named)
         if self._thread is None:
             device = named[0][1].device if named else None

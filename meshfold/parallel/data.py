@@ -114,29 +114,44 @@ def _count_fsdp_bytes(root: nn.Module, dims: ParallelDims, reshard_after_forward
                 lambda out, n=n_rep: ledger().record("dp", "all_reduce", out.numel() * out.element_size(), n))
 
 
-def _counting_allreduce_hook(group: dist.ProcessGroup):
+def _on_wire(flat: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
+    """The gradients ``flat`` as they cross the link: in ``train.reduce_dtype`` when it is
+    narrower than theirs (``wire``), else themselves (reduced in place)."""
+    return flat if wire is None or wire == flat.dtype else flat.to(wire)
+
+
+def _counting_allreduce_hook(group: dist.ProcessGroup, wire: torch.dtype | None = None):
     n = dist.get_world_size(group)
 
     def hook(_state, bucket):
         tensor = bucket.buffer()
         tensor.div_(n)
-        fut = comm.all_reduce(tensor, group, "dp", async_op=True).get_future()
+        sent = _on_wire(tensor, wire)
+        fut = comm.all_reduce(sent, group, "dp", async_op=True).get_future()
         # the all-reduce is in place: the bucket is its result (the ``fake`` backend of
         # ``meshfold dry-run`` completes the future without a value)
-        return fut.then(lambda f: (f.wait(), tensor)[1])
+        return fut.then(lambda f: (f.wait(), tensor if sent is tensor else tensor.copy_(sent))[1])
 
     return hook
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims, comm_hook=None) -> nn.Module:
+def reduce_wire_dtype(train, device_type: str) -> torch.dtype | None:
+    """The dtype data parallel reduces gradients in when it is narrower than theirs:
+    ``train.reduce_dtype = bfloat16`` under a bf16 compute dtype; None (their own) otherwise."""
+    if train is None or train.reduce_dtype != "bfloat16" or resolved_dtype_name(train.dtype, device_type) != "bfloat16":
+        return None
+    return torch.bfloat16
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims, comm_hook=None, wire: torch.dtype | None = None) -> nn.Module:
     """``comm_hook``: None, or ``install(ddp, group)`` registering the one communication
     hook DDP takes in place of the counting all-reduce (``lowcomm.compression``'s,
     ``lowcomm/compress.py``: the feature that owns it passes it down, so this layer never
-    imports it)."""
+    imports it). ``wire``: see ``reduce_wire_dtype``."""
     group = dims.group("dp_cp")
     ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=25)
     if comm_hook is None:
-        ddp.register_comm_hook(None, _counting_allreduce_hook(group))
+        ddp.register_comm_hook(None, _counting_allreduce_hook(group, wire))
     else:
         comm_hook(ddp, group)
     return ddp
@@ -157,8 +172,8 @@ class GradReducer:
     Unarmed backwards (earlier micro-batches) only accumulate: no traffic."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, n: int,
-                 bucket_bytes: int = 25 * 2**20):
-        self.group, self.n = group, n
+                 bucket_bytes: int = 25 * 2**20, wire: torch.dtype | None = None):
+        self.group, self.n, self.wire = group, n, wire
         params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []
         size = bucket_bytes + 1
@@ -199,6 +214,7 @@ class GradReducer:
             return
         flat = torch.cat([_local_grad(p).reshape(-1) for p in params])
         flat.div_(self.n)
+        flat = _on_wire(flat, self.wire)
         work = comm.all_reduce(flat, self.group, "dp", async_op=True)
         self._works[i] = (work, params, flat)
 
@@ -213,14 +229,14 @@ class GradReducer:
             offset = 0
             for p in params:
                 g = _local_grad(p)
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))  # (casts back from the wire dtype)
                 offset += g.numel()
         self._works.clear()
         self.armed = False
 
 
-def attach_grad_reducer(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    model.grad_reducer = GradReducer(list(model.parameters()), dims.group("dp_cp"), dims.size("dp_cp"))
+def attach_grad_reducer(model: nn.Module, dims: ParallelDims, wire: torch.dtype | None = None) -> nn.Module:
+    model.grad_reducer = GradReducer(list(model.parameters()), dims.group("dp_cp"), dims.size("dp_cp"), wire=wire)
     return model
 
 
@@ -249,15 +265,17 @@ def fsdp_policies(train, device_type: str = "cpu") -> tuple[MixedPrecisionPolicy
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, mp_policy=None, offload_policy=None,
                         comm_hook=None, train=None) -> nn.Module:
     """``comm_hook``: see ``apply_ddp`` (used only when the layout is DDP's)."""
+    device_type = dims.mesh.device_type if dims.mesh is not None else "cpu"
     if train is not None and mp_policy is None and offload_policy is None:
-        mp_policy, offload_policy = fsdp_policies(train, dims.mesh.device_type if dims.mesh is not None else "cpu")
+        mp_policy, offload_policy = fsdp_policies(train, device_type)
     if uses_fsdp(dims):
         return apply_fsdp(model, dims, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp_policy,
                           offload_policy=offload_policy)
+    wire = reduce_wire_dtype(train, device_type)
     if uses_grad_reducer(dims):
-        return attach_grad_reducer(model, dims)
+        return attach_grad_reducer(model, dims, wire)
     if uses_ddp(dims):
-        return apply_ddp(model, dims, comm_hook)
+        return apply_ddp(model, dims, comm_hook, wire)
     return model
 
 

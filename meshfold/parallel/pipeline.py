@@ -23,7 +23,6 @@ the backward.
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +30,9 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from meshfold import comm
+from meshfold.device import StepClock
 from meshfold.parallel.parallelize import parallelize
+from meshfold.parallel.compute_weights import master_parameters
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
 from meshfold.parallel.exchange import Message, exchange_plan
 from meshfold.models.stage_balance import describe_split
@@ -62,8 +63,8 @@ class Pipeline:
 
     def __init__(self, cfg: Config, dims, device: torch.device, param_dtype: torch.dtype,
                  wire_dtype: torch.dtype | None = None, announce: bool = False):
-        """``wire_dtype``: activations and gradients travel in the compute dtype (bf16 under
-        autocast; default the parameter dtype). ``announce``: print the stage split (one rank)."""
+        """``wire_dtype``: activations and gradients travel, and enter stages, in the compute
+        dtype (bf16 under autocast: the residual stream's; default the parameter dtype). ``announce``: print the stage split (one rank)."""
 
         p = cfg.parallel
         self.cfg, self.device, self.param_dtype = cfg, device, param_dtype
@@ -172,7 +173,8 @@ class Pipeline:
         self._set_grad_sync(None)
         # No barrier: every rank starts when it is ready; the bubble is measured against
         # the wall clock (one host, or NTP-synchronised hosts).
-        wall0, t0 = time.time(), time.perf_counter()
+        clock = StepClock(self.device)
+        clock.start()
         self._post(*plan.batches[0], outbox, micro)
         for i, a in enumerate(order):
             if last_grad_action.get(a.chunk) == i:
@@ -184,8 +186,8 @@ class Pipeline:
                 if s == 0:
                     x = mb["inputs"]
                 else:
-                    x = self._take(("act", s, a.mb)).to(self.param_dtype).requires_grad_(True)
-                start = time.perf_counter()
+                    x = self._take(("act", s, a.mb)).to(self.wire_dtype).requires_grad_(True)
+                start = clock.mark()
                 chunk = self.model.chunks[a.chunk]
                 out = forward(chunk, x, mb)
                 aux = moe_aux(chunk, m)
@@ -194,19 +196,20 @@ class Pipeline:
                     loss_sum += loss.detach().double()
                     out = loss * scale.to(loss.dtype)
                 else:
-                    out = out.to(self.param_dtype)
+                    out = out.to(self.wire_dtype)
                     self._hand_over(outbox, ("act", after, a.mb), out.detach())
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
                 x, out, aux = saved.pop((a.chunk, a.mb))
                 grad = None if s == self.n_stages - 1 else self._take(("grad", s, a.mb)).to(out.dtype)
-                start = time.perf_counter()
+                start = clock.mark()
                 outs, grads = [out], [torch.ones_like(out) if grad is None else grad]
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
                 if self.split_backward and s > 0:
-                    _, groups = stage_backward_input(outs, grads, [x], self.model.chunks[a.chunk].parameters())
+                    _, groups = stage_backward_input(outs, grads, [x],
+                                                       master_parameters(self.model.chunks[a.chunk]))
                     wgrad[(a.chunk, a.mb)] = groups
                 else:
                     torch.autograd.backward(outs, grads)
@@ -214,16 +217,19 @@ class Pipeline:
                     self._hand_over(outbox, ("grad", before, a.mb), x.grad)
                 del x, out, aux
             else:
-                start = time.perf_counter()
+                start = clock.mark()
                 groups = wgrad.pop((a.chunk, a.mb), None)
                 if groups is not None:
-                    stage_backward_weight(self.model.chunks[a.chunk].parameters(), groups)
+                    stage_backward_weight(master_parameters(self.model.chunks[a.chunk]), groups)
             events.append({"stage": self.rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
-                           "start": start - t0, "end": time.perf_counter() - t0})
+                           "start": start, "end": clock.mark()})
             self._post(*plan.batches[i + 1], outbox, micro)
         for works, _ in self.inflight:
             comm.wait_all(works)
-        span = time.perf_counter() - t0
+        span = clock.finish()
+        for e in events:  # (GPU: the events' times, read once the step's work is done)
+            e["start"], e["end"] = clock.seconds(e["start"]), clock.seconds(e["end"])
+        wall0 = clock.wall0
         self.inflight, self.local, self.inbox, self.recv_works = [], {}, {}, {}
         for reducers in self.reducers:
             for reducer in reducers:
@@ -326,13 +332,13 @@ class Pipeline:
                 msg = ("act", s, 0)
                 if msg not in self.local:
                     self._post([], [(self._owner(s - 1), msg)], outbox, [batch])
-                x = self._take(msg).to(self.param_dtype)
+                x = self._take(msg).to(self.wire_dtype)
             out = forward(self.model.chunks[c], x, batch)
             if s == self.n_stages - 1:
                 loss += loss_fn(out, batch["labels"]).double()
             else:
                 msg = ("act", s + 1, 0)
-                self._hand_over(outbox, msg, out.to(self.param_dtype))
+                self._hand_over(outbox, msg, out.to(self.wire_dtype))
                 if msg in outbox:
                     self._post([(self._owner(s + 1), msg)], [], outbox, [batch])
         for works, _ in self.inflight:

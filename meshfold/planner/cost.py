@@ -412,8 +412,8 @@ class CostModel:
         R = cp // u
         kv_local = m.kv_heads // min(tp, m.kv_heads)  # kv heads per tp rank
         kv_heads = u if (u > 1 and kv_local % u) else kv_local
-        cp_fwd = cp_sent = cp_sent_rec = 0.0
-        cp_calls = cp_calls_rec = 0
+        cp_fwd = cp_sel = cp_sent = cp_sent_rec = cp_sent_sel = 0.0
+        cp_calls = cp_calls_rec = cp_calls_sel = 0
         if cp > 1 and u > 1:
             size = act * tokens * h / tp  # q and the attention output
             kv_size = act * tokens * kv_heads * m.head_dim  # k and v (GQA: fewer heads)
@@ -421,14 +421,20 @@ class CostModel:
                       + 4 * call)
             cp_sent = 4 * RING["all_to_all"](u) * (size + kv_size)  # q, k, v, out: forward and backward
             cp_sent_rec, cp_calls, cp_calls_rec = cp_sent / 2, 8, 4
+            # selective recompute re-runs the attention core from its q, k, v: their three
+            # all-to-alls again, not the output's (checkpoint stops once backward has what it needs)
+            cp_sent_sel, cp_calls_sel = RING["all_to_all"](u) * (size + 2 * kv_size), 3
+            cp_sel = self.ct("all_to_all", size, u, tp) + 2 * self.ct("all_to_all", kv_size, u, tp) + 3 * call
         if cp > 1 and R > 1:
             kv = 2 * act * tokens * kv_heads * m.head_dim
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
             cp_fwd += max((R - 1) * hop - attn_f, hop)
+            cp_sel += max((R - 1) * hop - attn_f, hop)
             cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
             cp_sent_rec += (R - 1) * kv
-            cp_calls, cp_calls_rec = cp_calls + 3 * R - 2, cp_calls_rec + R - 1
+            cp_sent_sel += (R - 1) * kv
+            cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
         # the tiled attention's fixed cost per tile (a third forward, two thirds backward)
         tile_t = 0.0
         if cp > 1:
@@ -456,13 +462,13 @@ class CostModel:
                 # saves the 1st, 3rd, ...) and the attention kernel; the block's tp and
                 # cp communication is re-run (meshfold's collectives are not kept)
                 rec = sum(gemms[1::2]) + ew_f - ew_attn * scale + 2 * tp_ar + cp_fwd
-            elif recompute == "selective":  # the attention core and its softmax
-                rec = attn_f + ew_attn * scale
+            elif recompute == "selective":  # the attention core and its softmax, with its cp communication
+                rec = attn_f + ew_attn * scale + cp_sel
             else:
                 rec = 0.0
             bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
                    + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
-            ep_sent = 0.0
+            ep_sent = ep_sent_rec = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
                 # (top-k copies of each, the kept ones under a capacity; with tp each tp rank
@@ -473,13 +479,14 @@ class CostModel:
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = RING["all_to_all"](ep) * (4 * routed + 8 * m.moe_experts / tp)
+                ep_sent_rec = RING["all_to_all"](ep) * (2 * routed + 8 * m.moe_experts / tp)  # the forward again
             if moe:  # the router is replicated over tp; the routed experts split over ep too
                 router = m.dim * m.moe_experts
                 params = (attn_p / tp + ffn_total / tp + norm_p
                           + router - router / tp - routed_params(m) / tp * (1 - 1 / ep))
             else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
                 params = dense_layer_params_local(m, tp) + norm_p
-            out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
+            out[moe] = (fwd, bwd, params, fwd_c, ep_sent, ep_sent_rec)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
         # cross-entropy's memory-bound passes per logit (forward: fp32 upcast a + 4,
         # log-softmax's three reads and one write 16; backward: the gradient's fill 4,
@@ -508,8 +515,8 @@ class CostModel:
         # (calls, activation bytes, weight-gradient elements): activations (and their
         # gradients) cross the tp link in the compute dtype (``act``: bf16 under autocast,
         # tensor.py's ``wire_dtype``), the loss's per-token statistics in >= fp32, and the
-        # gradients of replicated weights in the dtype backward makes them, which depends on
-        # FSDP (``collectives`` prices them: ``tp_grad_bytes``), so counted in elements here.
+        # gradients of replicated weights in the dtype backward makes them, the compute
+        # weights' (``collectives`` prices them: ``tp_grad_bytes``), so counted in elements here.
         tp_layer = tp_first = tp_last = tp_moe = (0, 0.0, 0.0)
         if tp > 1:
             r_ar, A = RING["all_reduce"](tp), act * tokens * h
@@ -554,7 +561,7 @@ class CostModel:
                    out_bwd=out_bwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
-                   cp_calls=(cp_calls, cp_calls_rec), cp_sent_rec=cp_sent_rec,
+                   cp_calls=(cp_calls, cp_calls_rec, cp_calls_sel), cp_sent_rec=cp_sent_rec, cp_sent_sel=cp_sent_sel,
                    p2p_bytes=act * tokens * h / (tp if sp else 1), emb=V * h / tp,
                    pos_emb=s * h if m.pos == "learned" else 0.0,  # learned positions: whole on every tp rank
                    emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather,
@@ -670,11 +677,11 @@ class CostModel:
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
         opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.bw
-        # bf16 autocast over fp32 weights without FSDP's bf16 gathers: every weight a
-        # matmul reads is cast to bf16 each micro-batch (4 + 2 bytes), its bf16 gradient
-        # cast back (2 + 4) and accumulated into the fp32 gradient (4 + 4 + 4)
+        # bf16 compute from fp32 weights without FSDP's bf16 gathers (parallel/compute_weights.py):
+        # every weight is cast to bf16 once a step (4 + 2 bytes); each micro-batch its bf16
+        # gradient is cast back (2 + 4) and accumulated into the fp32 gradient (4 + 4 + 4)
         fsdp = L.zero >= 2 and n_shard > 1
-        casts = (n_micro * Pmax * 24 / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
+        casts = ((6 + n_micro * 18) * Pmax / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
                  else 0.0)
         if fsdp and c.device.gemm_tile:
             # FSDP2's copy-out of every all-gather into the parameters (read and write the
@@ -862,62 +869,42 @@ class CostModel:
         # Gathered parameter copies (FSDP2, in the compute dtype): ZeRO-2 keeps every block of
         # the rank gathered from its first forward to the step's last backward; ZeRO-3 the
         # running block and the prefetched next one.
+        # Without FSDP, under bf16: the step's compute copies of every local parameter
+        # (parallel/compute_weights.py), made at its first forward and kept to its last backward.
         wg = FSDP_WIRE[w.dtype][0]
-        gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else 0.0
-        inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
         amp = w.dtype == "bf16-amp"
+        gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else (act * Pmax if amp else 0.0)
+        inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
         full = L.recompute == "full"
         tokens = T["tokens"]
         stage_kinds = self.stage_kinds(L)[0]
-        bkey = (id(T), id(stage_kinds))  # per-rank sums, cached: pure functions of what the key names
-        block_params = self._per_rank_cache.get(bkey)
-        if block_params is None:
-            block_params = self._per_rank_cache[bkey] = [sum(T["kinds"][k][2] * n for k, n in r.items())
-                                                         for r in stage_kinds]
-        # Under amp without FSDP's bf16 gathers, autocast's bf16 copy of every weight a
-        # matmul reads (the input embedding is looked up, not multiplied), kept from each
-        # micro-batch's forward to its backward; under full recompute only the weights
-        # outside the recomputed blocks (the output layer); with amp the stage input is
-        # layer 0's (fp32) norm input, already counted.
-        tied_out = m.tie_embeddings and pp == 1
-        looked_up = T["pos_emb"] + (0 if tied_out else T["emb"])
-        blocks_recomputed = L.recompute in ("full", "op")  # their weights' copies made again in backward
-
-        def weight_copies(r: int) -> float:
-            if not amp or fsdp:
-                return 0.0
-            kept = stage_params[r] - (block_params[r] if blocks_recomputed else 0.0) - (looked_up if r == 0 else 0.0)
-            return act * max(0.0, kept)
-
-        stage_in = 0.0 if amp else act * tokens * h
+        # bf16 compute weights in every layout (FSDP2's gathers or the step's compute copies):
+        # the blocks take bf16 inputs, and the projections share one bf16 norm output
         per_layer = dict(T["act_kinds"])
-        if amp and fsdp and L.recompute == "op":  # FSDP2 hands the blocks bf16 inputs
-            per_layer = {k: x - (4 - act) * tokens * h / (tp if L.sp else 1) for k, x in per_layer.items()}
-        elif amp and fsdp and not full:  # (and the projections share one bf16 norm output)
+        if amp and L.recompute not in ("full", "op"):
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
-        if True in per_layer and not full and (fsdp or not amp):
-            per_layer[True] += T["w13"]  # (amp without FSDP: within the weight copies below)
+        if True in per_layer and not full:
+            per_layer[True] += T["w13"]
+        stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
         # blocks' activations per pipeline rank, by layer kind
         akey = (id(stage_kinds), tuple(sorted(per_layer.items())))
         layer_acts = self._per_rank_cache.get(akey)
         if layer_acts is None:
             layer_acts = self._per_rank_cache[akey] = tuple(sum(per_layer[k] * n for k, n in r.items())
                                                             for r in stage_kinds)
-        acts = inflight * (layer_acts[0] + stage_in + weight_copies(0))
+        acts = inflight * (layer_acts[0] + stage_in)
         if pp > 1:
             # the balanced split can give a later rank more blocks than rank 0 (whose stages
             # hold the embedding, and under zbv the output layer): the largest over ranks.
             # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
             # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
-            for held, layers, params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
+            for held, layers, _params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
                                                           last_rank, n_micro, inflight):
-                mine = act * (params - (max(block_params) if blocks_recomputed else 0.0)) if (amp and not fsdp) else 0.0
-                acts = max(acts, held * (layers + stage_in + max(0.0, mine)))
+                acts = max(acts, held * (layers + stage_in))
         # the recompute working set while one block is recomputed and run backward: under full,
-        # all of its activations (and, under amp without FSDP, its weights' bf16 copies); under
-        # op, what the policy did not keep
+        # all of its activations; under op, what the policy did not keep
         if full:
-            recompute = T["act_full"] + (act * max_block if (amp and not fsdp) else 0.0)
+            recompute = T["act_full"]
         elif L.recompute == "op":
             recompute = max(0.0, T["act_full"] - T["act_kept"])
         else:
@@ -925,10 +912,8 @@ class CostModel:
         logits = (act + 8) * tokens * V / tp
         # what the loss keeps for backward: the logits as they came (parallel/loss.py's
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
-        # labels; with amp also the final norm (8h + 4) and, without FSDP, the output
-        # projection's bf16 copy of its input
-        saved_logits = (act * V / tp + 8) * tokens \
-            + ((8 * h + 4 + (0 if fsdp else act * h)) * tokens if amp else 0.0)
+        # labels; with amp also the final norm (8h + 4)
+        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens if amp else 0.0)
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         buffers = 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0
         reserved = c.device.reserved_gib * GiB
@@ -944,7 +929,7 @@ class CostModel:
         if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
             last = self._model_states(L, T, stage_params[last_rank], moe_layers[last_rank], zero, accumulate)
             last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
-            last_acts = last_inflight * (layer_acts[last_rank] + weight_copies(last_rank))
+            last_acts = last_inflight * layer_acts[last_rank]
             peak_mem = max(peak_mem, sum(last.values()) + gathered + last_acts + buffers + reserved
                            + max(logits, recompute))
             activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
@@ -1098,7 +1083,7 @@ class CostModel:
                 add("dp", 1 if tp > 1 else buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
-            grad = tp_grad_bytes(w.dtype, fsdp=L.zero >= 2 and n_shard > 1)
+            grad = tp_grad_bytes(w.dtype)
             moe_layers0 = stages[0].get(True, 0)
             for part, times in (("tp_layer", layers0), ("tp_moe", moe_layers0), ("tp_first", 1),
                                 ("tp_last", 1 if last_on_rank0 else 0)):
@@ -1117,9 +1102,11 @@ class CostModel:
         # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
         if cp > 1:
-            recomputed = L.recompute in ("full", "op")
-            per_layer = T["cp_calls"][0] + (T["cp_calls"][1] if recomputed else 0)
-            sent = T["cp_sent"] + (T["cp_sent_rec"] if recomputed else 0.0)
+            # the collectives recompute issues again: the block's forward ones (full, op), or the
+            # attention core's (selective)
+            redo = {"full": 1, "op": 1, "selective": 2}.get(L.recompute)
+            per_layer = T["cp_calls"][0] + (T["cp_calls"][redo] if redo else 0)
+            sent = T["cp_sent"] + ((T["cp_sent_rec"], T["cp_sent_sel"])[redo - 1] if redo else 0.0)
             add("cp", n_micro * layers0 * per_layer, n_micro * layers0 * sent)
             meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp
             add("cp", n_micro, n_micro * RING["all_gather"](cp) * meta)
@@ -1129,11 +1116,12 @@ class CostModel:
         if moe0 and n_all > 1:
             add("dp", n_micro * moe0, n_micro * moe0 * RING["all_reduce"](n_all) * 8 * (w.model.moe_experts + 2))
         # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
-        # the two transposes backward
+        # the two transposes backward; full or op recompute re-runs the forward three
         ep_layers = sum(n for k, n in stages[0].items() if k)
         if L.ep > 1 and ep_layers:
-            ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
-            add("ep", n_micro * 5 * ep_layers, n_micro * ep_bytes)
+            again = L.recompute in ("full", "op")
+            ep_bytes = sum((T["kinds"][k][4] + (T["kinds"][k][5] if again else 0.0)) * n for k, n in stages[0].items())
+            add("ep", n_micro * (8 if again else 5) * ep_layers, n_micro * ep_bytes)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 
     def lower_bound(self, L: Layout, schedules: tuple = ()) -> float:

@@ -28,11 +28,12 @@ FSDP_WIRE = {"bf16": (2, 2), "bf16-amp": (2, 4), "float32": (4, 4), "float64": (
 BUCKET_BYTES = 25 * 2**20
 
 
-def tp_grad_bytes(dtype: str, fsdp: bool) -> int:
+def tp_grad_bytes(dtype: str) -> int:
     """Bytes per element of a replicated weight's gradient as tensor parallel sums it over
-    tp (``TensorParallelGroup.grad_sum``): the dtype backward makes it in, the parameter's,
-    which under FSDP2 is its mixed-precision ``param_dtype`` (bf16 for meshfold's bfloat16)."""
-    return FSDP_WIRE[dtype][0] if fsdp else DTYPE_BYTES[dtype][0]
+    tp (``TensorParallelGroup.grad_sum``): the dtype backward makes it in, the compute
+    weight's: FSDP2's mixed-precision ``param_dtype`` or the step's compute copy
+    (``parallel/compute_weights.py``), bf16 for meshfold's bfloat16 in every layout."""
+    return FSDP_WIRE[dtype][0]
 
 
 def buckets(size_bytes: float) -> int:
@@ -130,11 +131,10 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     generalised to GQA and SwiGLU; with GPT's shape, act=2, dropout and no flash it is
     exactly ``s b h (34 + 5 a s / h)`` at tp=1 and ``s b h (10 + 24/t + 5 a s / (h t))``).
 
-    ``amp``: meshfold's ``train.dtype = bfloat16`` (autocast over fp32 weights), whose
-    residual stream stays fp32: each RMSNorm keeps its fp32 input, its fp32 normalised
-    output and 1/rms (8h + 4 bytes a token, ``models/llama.py``), and autocast makes a
-    separate bf16 copy of the (fp32) norm output for every projection that reads it
-    (q, k, v; w1 and w3), where the formula above has one act-sized input each.
+    ``amp``: meshfold's ``train.dtype = bfloat16`` (fp32 parameters, bf16 compute): each
+    RMSNorm keeps an fp32 copy of its input, its normalised output and 1/rms (8h + 4 bytes
+    a token, ``models/llama.py``); ``autocast_input_copies`` are what autocast would add
+    over fp32 weights (the caller takes them out: the blocks compute from bf16 weights).
 
     ``moe``: the layer is a MoE block (default: the model has experts); its experts keep
     the SwiGLU/GELU activations of the top-k rows each token is routed to (the kept ones
@@ -145,10 +145,11 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
         # written as the 2h + 2hkv of the split term below
         latents = m.mla_q_rank + m.mla_kv_rank + m.mla_rope_dim
         hkv = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim + m.mla_v_dim) + latents / 2 - h
-    if recompute == "full":  # only the layer input survives
-        return (4 if amp else act) * s * b * h / (tp if sp else 1)
+    if recompute == "full":  # only the layer input survives (the residual stream: act-sized, as
+        # the blocks compute from bf16 weights in every layout under bf16)
+        return act * s * b * h / (tp if sp else 1)
     if recompute == "op":
-        return op_kept_bytes(m, s, b, tp, sp, act, flash, amp, moe)
+        return op_kept_bytes(m, s, b, tp, sp, act, flash, moe)
     # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
     # the QKV and first MLP projections, and the two dropout masks (1 byte each).
     replicated = s * b * h * (2 * act + act + act) + (2 * s * b * h if dropout else 0)
@@ -173,10 +174,10 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
 
 
 def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, flash: bool,
-                  amp: bool = False, moe: bool | None = None) -> float:
+                  moe: bool | None = None) -> float:
     """What ``train.recompute = "op"`` keeps of one layer (``parallel/recompute.py``, torchtitan's
     op policy), for one micro-batch of ``b`` sequences of ``s`` tokens on one device: the
-    block input (fp32 under ``amp``; a 1/tp sequence slice with sp), the output of every
+    block input (a 1/tp sequence slice with sp), the output of every
     other matmul in the order the block calls them (wq, wk, wv, wo, w1, w3, w2: q, v, w1's
     and w2's outputs are kept), and the fused attention kernel's output and log-sum-exp
     (an unfused attention keeps nothing: its batched matmuls are recomputed). Under tp the
@@ -193,7 +194,7 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
     widths = [q, kv, kv, h] + ([f, f, h] if m.mlp == "swiglu" else [f, h])
     kept = act * s * b * sum(widths[0::2])
     attention = (act * q + max(4, act) * m.n_heads / tp) * s * b if flash else 0.0
-    block_input = (4 if amp else act) * s * b * h / (tp if sp else 1)
+    block_input = act * s * b * h / (tp if sp else 1)  # the bf16 residual stream under amp too
     return block_input + kept + attention
 
 

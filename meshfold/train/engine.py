@@ -33,6 +33,7 @@ from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, u
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.timeline import TIMELINE_FILE
 from meshfold.memory import count_saved_activations
+from meshfold.parallel.compute_weights import ComputeWeights, compute_weights_for
 from meshfold.parallel.optim import clip_grad_norm_
 
 
@@ -65,8 +66,14 @@ class StepEngine:
         self.use_doc_mask = use_doc_mask
         self.grad_reducers = dims.size("dp_cp")
         self.metrics: dict = {}  # this step's fields for metrics.jsonl (activation_bytes, bubble, cp)
+        self.weights: ComputeWeights | None = None  # set by the subclass once it holds the modules
 
     # ------------------------------------------------------------------ shared policy
+
+    def compute_weights(self):
+        """The step's bf16 compute copies of the fp32 parameters, for layouts FSDP2 does
+        not cast (parallel/compute_weights.py); nothing to do otherwise."""
+        return self.weights.active() if self.weights is not None else contextlib.nullcontext()
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -143,6 +150,7 @@ class LocalEngine(StepEngine):
                  autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool):
         super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask)
         self.model, self.parts = model, [model]
+        self.weights = compute_weights_for([unwrap(model)], autocast_dtype, uses_fsdp(dims))
 
     def forward_loss(self, mb: dict) -> torch.Tensor:
         with self.autocast():
@@ -154,16 +162,17 @@ class LocalEngine(StepEngine):
         """Accumulate gradients over the micro-batches; returns this rank's loss sum."""
         scale = self.loss_scale(global_tokens)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            with self.grad_sync(last):
-                with self.activation_counter(first=i == 0) as counted:
-                    loss = self.forward_loss(mb)
-                if counted is not None:
-                    self.metrics["activation_bytes"] = counted.bytes
-                aux = self.moe_aux(self.model, len(micro))
-                (loss * scale.to(loss.dtype) + (0.0 if aux is None else aux)).backward()
-            loss_sum += loss.detach().double()
+        with self.compute_weights():
+            for i, mb in enumerate(micro):
+                last = i == len(micro) - 1
+                with self.grad_sync(last):
+                    with self.activation_counter(first=i == 0) as counted:
+                        loss = self.forward_loss(mb)
+                    if counted is not None:
+                        self.metrics["activation_bytes"] = counted.bytes
+                    aux = self.moe_aux(self.model, len(micro))
+                    (loss * scale.to(loss.dtype) + (0.0 if aux is None else aux)).backward()
+                loss_sum += loss.detach().double()
         for reducer in grad_reducers(self.model):
             reducer.finish()
         return loss_sum
@@ -194,7 +203,8 @@ class LocalEngine(StepEngine):
         return count_saved_activations(self.model)
 
     def evaluate(self, batch: dict) -> torch.Tensor:
-        return self.forward_loss(batch).double()
+        with self.compute_weights():
+            return self.forward_loss(batch).double()
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return unsharded(unwrap(self.model).named_parameters(), grads)
@@ -211,14 +221,16 @@ class PipelineEngine(StepEngine):
         super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask)
         self.pipe = pipe
         self.model, self.parts = pipe.model, list(pipe.chunks)
+        self.weights = compute_weights_for(self.parts, autocast_dtype, uses_fsdp(dims))
         self.write_timeline = write_timeline
 
     def forward_backward(self, micro: list[dict], global_tokens: torch.Tensor,
                          step: int | None = None) -> torch.Tensor:
         """The schedule's execution (loss summed over stages); with ``step``, the timeline
         of the steps that are logged."""
-        loss_sum = self.pipe.forward_backward(micro, self.loss_scale(global_tokens), self.forward, self.loss_fn,
-                                              self.moe_aux)
+        with self.compute_weights():
+            loss_sum = self.pipe.forward_backward(micro, self.loss_scale(global_tokens), self.forward, self.loss_fn,
+                                                  self.moe_aux)
         self.metrics.update(self.pipe.metrics)
         t = self.cfg.train
         if step is not None and (step % max(1, t.log_every) == 0 or step == t.steps):
@@ -229,7 +241,8 @@ class PipelineEngine(StepEngine):
         return self.dims.group("pp")  # stages hold disjoint parameters
 
     def evaluate(self, batch: dict) -> torch.Tensor:
-        return self.pipe.forward_loss_sum(batch, self.forward, self.loss_fn)
+        with self.compute_weights():
+            return self.pipe.forward_loss_sum(batch, self.forward, self.loss_fn)
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Gathered from every stage onto pp rank 0 (empty elsewhere)."""
