@@ -324,6 +324,9 @@ class MoE(nn.Module):
         self.dispatcher: nn.Module = LocalDispatcher()
         # Sums a tensor over the ranks holding different tokens (identity in one process).
         self.reduce_stats = None
+        # Wraps the router weight where this rank routes only part of a sequence (tensor
+        # parallel with sp: its gradient is summed over tp); identity in one process.
+        self.router_weight_hook = None
         self._aux: torch.Tensor | None = None
         self._step_stats: torch.Tensor | None = None  # global [counts(E), tokens, dropped]
         self._replay: list = []  # (f, tokens) of this step's forwards, for recomputation
@@ -381,7 +384,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        logits = F.linear(flat, _local(self.router.weight)).to(torch.promote_types(x.dtype, torch.float32))
+        w = _local(self.router.weight)
+        if self.router_weight_hook is not None:
+            w = self.router_weight_hook(w)
+        logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
         if self.training and torch.is_grad_enabled():
@@ -391,10 +397,10 @@ class MoE(nn.Module):
         expert, gate = idx.flatten(), gates.flatten()
         if self.capacity_factor > 0:  # dropless keeps every assignment: nothing to select
             tokens, expert, gate = self._kept(keep.flatten(), batch, seq, tokens, expert, gate)
-        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view(batch, seq, dim)
+        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts).view(batch, seq, dim)
+        if self.shared_experts is not None:  # on [batch, seq, dim]: sequence parallel splits dim 1
+            out = out + self.shared_experts(x)
+        return out
 
     def _kept(self, keep: torch.Tensor, batch: int, seq: int, *rows: torch.Tensor) -> tuple:
         """The kept assignments of each of ``rows``. Without values (``has_values``): as many
