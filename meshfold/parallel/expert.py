@@ -223,7 +223,7 @@ def _stats_reducer(group: dist.ProcessGroup | None, tp: TensorParallelGroup | No
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
         if tp is not None:  # sp: each tp rank routed its own slice of the sequence
-            tp.all_reduce_(stats)
+            all_reduce(stats, tp.group, "tp")
         if group is not None:
             # Runs over the data x context ranks, so it is data-parallel traffic; "ep" is the all-to-all.
             all_reduce(stats, group, "dp")
