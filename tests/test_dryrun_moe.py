@@ -124,15 +124,16 @@ def test_moe_dry_run_agrees_with_planner(world, parallel, model, tmp_path):
 
 
 def test_moe_sp_with_ep_and_full_recompute_collectives_agree(tmp_path):
-    # ep 2 x tp 2 with sp under full recompute: the recomputed forward re-runs the three tp
-    # gathers and the ep counts, dispatch and combine; every collective's calls and bytes agree
-    # (activations under full recompute are item 1 of issue 27: dense layouts differ alike).
+    # ep 2 x tp 2 with sp under full recompute, with the sequence-wise balance loss: the
+    # recomputed forward re-runs the three tp gathers, the per-sequence counts' tp sum and the
+    # ep counts, dispatch and combine; every collective's calls and bytes agree (activations
+    # under full recompute are item 1 of issue 27: dense layouts differ alike).
     from meshfold.config import from_dict
     from meshfold.dryrun import dry_run
 
     cfg = tiny_config(str(tmp_path), parallel={"tp": 2, "sp": True, "dp_shard": 4, "ep": 2, "zero": 3},
                       train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16", "recompute": "full"})
-    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **MOE})
+    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **MOE, "moe_seq_aux_loss_coef": 0.01})
     out = dry_run(from_dict(cfg), 8, cluster="h100")
     rt, pl = out["runtime"]["collectives"], out["planner"]["collectives"]
     assert {d: x["count"] for d, x in pl.items()} == {d: x["count"] for d, x in rt.items()}, (rt, pl)

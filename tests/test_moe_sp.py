@@ -11,9 +11,9 @@ import pytest
 
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 
-# softmax router, top-2, a shared expert, balance and z losses large enough to matter
+# softmax router, top-2, a shared expert; global-batch, sequence-wise and z losses large enough to matter
 MOE = {"moe_experts": 4, "moe_topk": 2, "moe_aux_loss_coef": 0.05, "moe_z_loss_coef": 1e-3,
-       "moe_shared_experts": 1}
+       "moe_seq_aux_loss_coef": 0.02, "moe_shared_experts": 1}
 TRAIN = {"steps": 2}
 
 

@@ -53,9 +53,6 @@ def validate(cfg: Config) -> None:
         if p.sp and m.moe_experts and m.moe_capacity_factor > 0:
             raise ConfigError("model.moe_capacity_factor > 0 (per-sequence capacity) with parallel.sp needs whole "
                               "sequences on a rank; use moe_capacity_factor = 0 (dropless) or parallel.sp = false")
-        if p.sp and m.moe_experts and m.moe_seq_aux_loss_coef > 0:
-            raise ConfigError("model.moe_seq_aux_loss_coef > 0 (sequence-wise balance loss) with parallel.sp needs "
-                              "whole sequences on a rank; use moe_seq_aux_loss_coef = 0 or parallel.sp = false")
     if p.cp > 1:
         chunks = 2 * p.cp if (p.cp_mode != "ulysses" and p.cp_balance) else p.cp
         if m.seq_len % chunks:

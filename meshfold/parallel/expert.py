@@ -232,6 +232,17 @@ def _stats_reducer(group: dist.ProcessGroup | None, tp: TensorParallelGroup | No
     return reduce
 
 
+def _seq_counts_reducer(tp: TensorParallelGroup):
+    """Per-sequence expert counts [sequences, E] of the sequence-wise balance loss, summed over
+    the tp ranks holding slices of the same sequences (sp); no gradient flows through them."""
+    def reduce(counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.clone()
+        all_reduce(counts, tp.group, "tp")
+        return counts
+
+    return reduce
+
+
 def expert_mesh(dims: ParallelDims):
     """The (edp, ep) view of the dp_cp ranks, ep innermost."""
     ep = dims.parallel.ep
@@ -281,6 +292,7 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
             replicate_router_and_split_shared(moe, tp)
             if sp is not None:  # each tp rank routes its own tokens: the router's gradient is partial
                 moe.router_weight_hook = tp.grad_sum
+                moe.seq_shards, moe.reduce_seq_counts = tp.size, _seq_counts_reducer(tp)
     if dims.parallel.ep == 1:
         if tp is not None:
             split_experts_over_tp(model, dims)

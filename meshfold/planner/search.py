@@ -38,8 +38,8 @@ def structures(w: Workload, world: int, max_tp: int = 0):
     valid for the model (config.validate's rules) and tile ``world`` devices and the batch."""
     m, s, G = w.model, w.s, w.global_batch
     kv = m.kv_heads
-    # MoE with sp routes sequence slices: a per-sequence capacity or balance loss needs them whole
-    moe_needs_whole_sequences = m.moe_experts and (m.moe_capacity_factor > 0 or m.moe_seq_aux_loss_coef > 0)
+    # MoE with sp routes sequence slices: a per-sequence capacity needs them whole
+    moe_needs_whole_sequences = m.moe_experts and m.moe_capacity_factor > 0
     for tp in _divisors(world):
         if m.n_heads % tp or (kv % tp and tp % kv) or (max_tp and tp > max_tp):
             continue
