@@ -95,6 +95,10 @@ AGREEMENT = [
                  {"n_layers": 3, "moe_first_dense": 1, "moe_shared_experts": 1}, id="tp2-experts-dense+moe-shared"),
     pytest.param(8, {"pp": 2, "dp_shard": 4, "ep": 2, "zero": 3, "pp_microbatches": 2},
                  {"n_layers": 4, "moe_capacity_factor": 0.5}, id="pp2xep2-capacity0.5"),
+    # sequence parallel: each tp rank routes its slice; tokens, experts and gates gathered over
+    # tp around the experts, sums reduce-scattered back; stats and router gradient over tp
+    pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},
+                 {"n_layers": 3, "moe_first_dense": 1, "moe_shared_experts": 1}, id="tp2-sp-dense+moe-shared"),
 ]
 
 
@@ -103,7 +107,9 @@ def test_moe_dry_run_agrees_with_planner(world, parallel, model, tmp_path):
     from meshfold.config import from_dict
     from meshfold.dryrun import dry_run
 
-    cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})
+    model = dict(model)
+    train = {"steps": 1, "micro_batch": 1, "dtype": "bfloat16", "recompute": model.pop("recompute", "none")}
+    cfg = tiny_config(str(tmp_path), parallel=parallel, train=train)
     cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **MOE, **model})
     out = dry_run(from_dict(cfg), world, cluster="h100")
     rt, pl = out["runtime"], out["planner"]
@@ -115,6 +121,24 @@ def test_moe_dry_run_agrees_with_planner(world, parallel, model, tmp_path):
     for dim in ("dp", "ep", "tp"):
         if dim in rt["collectives"]:
             assert pl["collectives"][dim]["bytes"] == pytest.approx(rt["collectives"][dim]["bytes"], rel=1e-6), dim
+
+
+def test_moe_sp_with_ep_and_full_recompute_collectives_agree(tmp_path):
+    # ep 2 x tp 2 with sp under full recompute, with the sequence-wise balance loss: the
+    # recomputed forward re-runs the three tp gathers, the per-sequence counts' tp sum and the
+    # ep counts, dispatch and combine; every collective's calls and bytes agree (activations
+    # under full recompute are item 1 of issue 27: dense layouts differ alike).
+    from meshfold.config import from_dict
+    from meshfold.dryrun import dry_run
+
+    cfg = tiny_config(str(tmp_path), parallel={"tp": 2, "sp": True, "dp_shard": 4, "ep": 2, "zero": 3},
+                      train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16", "recompute": "full"})
+    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **MOE, "moe_seq_aux_loss_coef": 0.01})
+    out = dry_run(from_dict(cfg), 8, cluster="h100")
+    rt, pl = out["runtime"]["collectives"], out["planner"]["collectives"]
+    assert {d: x["count"] for d, x in pl.items()} == {d: x["count"] for d, x in rt.items()}, (rt, pl)
+    for dim in rt:
+        assert pl[dim]["bytes"] == pytest.approx(rt[dim]["bytes"], rel=1e-6), (dim, rt, pl)
 
 
 def test_moe_preset_at_1024_ranks(tmp_path):

@@ -324,6 +324,12 @@ class MoE(nn.Module):
         self.dispatcher: nn.Module = LocalDispatcher()
         # Sums a tensor over the ranks holding different tokens (identity in one process).
         self.reduce_stats = None
+        # Wraps the router weight where this rank routes only part of a sequence (tensor
+        # parallel with sp: its gradient is summed over tp); identity in one process.
+        self.router_weight_hook = None
+        # Ranks splitting each sequence (tp with sp) and the sum of per-sequence expert counts
+        # over them, for the sequence-wise balance loss (1 and None in one process).
+        self.seq_shards, self.reduce_seq_counts = 1, None
         self._aux: torch.Tensor | None = None
         self._step_stats: torch.Tensor | None = None  # global [counts(E), tokens, dropped]
         self._replay: list = []  # (f, tokens) of this step's forwards, for recomputation
@@ -381,7 +387,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        logits = F.linear(flat, _local(self.router.weight)).to(torch.promote_types(x.dtype, torch.float32))
+        w = _local(self.router.weight)
+        if self.router_weight_hook is not None:
+            w = self.router_weight_hook(w)
+        logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         keep = self.capacity_keep(idx, batch, seq)
         if self.training and torch.is_grad_enabled():
@@ -391,10 +400,10 @@ class MoE(nn.Module):
         expert, gate = idx.flatten(), gates.flatten()
         if self.capacity_factor > 0:  # dropless keeps every assignment: nothing to select
             tokens, expert, gate = self._kept(keep.flatten(), batch, seq, tokens, expert, gate)
-        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view(batch, seq, dim)
+        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts).view(batch, seq, dim)
+        if self.shared_experts is not None:  # on [batch, seq, dim]: sequence parallel splits dim 1
+            out = out + self.shared_experts(x)
+        return out
 
     def _kept(self, keep: torch.Tensor, batch: int, seq: int, *rows: torch.Tensor) -> tuple:
         """The kept assignments of each of ``rows``. Without values (``has_values``): as many
@@ -438,7 +447,8 @@ class MoE(nn.Module):
         if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(logits, -1).pow(2).sum() / n_tokens
         if self.seq_aux_coef:
-            aux = aux + self.seq_aux_coef * self.sequence_balance(probs, idx, seq) / (n_tokens / seq)
+            full = seq * self.seq_shards  # tokens per whole sequence
+            aux = aux + self.seq_aux_coef * self.sequence_balance(probs, idx, seq) / (n_tokens / full)
         if not recomputing:
             self._aux = aux if self._aux is None else self._aux + aux
 
@@ -446,12 +456,17 @@ class MoE(nn.Module):
         """DeepSeek-V3's sequence-wise balance term, summed over this rank's sequences (whole
         sequences: context parallel is refused with it): per sequence of s tokens,
         sum_i f_i P_i with f_i = E/(k s) * (tokens choosing i), P_i = mean over its tokens of
-        the normalised scores. The caller divides by the global number of sequences."""
+        the normalised scores. The caller divides by the global number of sequences. With the
+        sequence split over ``seq_shards`` ranks (``seq`` tokens here) the counts are summed
+        over them and P_i is this slice's share of the mean, so the ranks' terms add up."""
         per_seq = idx.view(-1, seq * self.topk)
         counts = torch.zeros(per_seq.shape[0], self.n_experts, dtype=probs.dtype, device=probs.device)
         counts.scatter_add_(1, per_seq, torch.ones_like(per_seq, dtype=probs.dtype))
-        f = counts * (self.n_experts / (self.topk * seq))  # no gradient, as in the paper
-        P = probs.view(-1, seq, self.n_experts).mean(1)
+        if self.reduce_seq_counts is not None:
+            counts = self.reduce_seq_counts(counts)
+        full = seq * self.seq_shards
+        f = counts * (self.n_experts / (self.topk * full))  # no gradient, as in the paper
+        P = probs.view(-1, seq, self.n_experts).sum(1) / full
         return (f * P).sum()
 
     # ------------------------------------------------------------------ step bookkeeping

@@ -21,7 +21,13 @@ neighbouring dp_shard/cp ranks:
   rank's experts are split again over tp (DTensor ``Shard(0)`` on the (ep, tp) mesh) and
   tp rank r dispatches only the assignments of its expert column
   (``AllToAllDispatcher(tp=...)``). The router weight becomes a replicated tp DTensor and
-  the shared experts are split over tp like a dense feed-forward.
+  the shared experts are split over tp like a dense feed-forward;
+* with sequence parallel (``parallel.sp``) each tp rank routes only its 1/tp of the sequence
+  (router, top-k, balance statistics); the tokens, their chosen experts and gates are
+  all-gathered over tp around the experts and the per-token sums reduce-scattered back
+  (``tokens_in`` / ``tokens_out``; Megatron's all-gather dispatcher), so the block's output
+  stays sequence-sharded; the router's gradient and the balance statistics are summed
+  over tp, and the shared experts run as a sequence-parallel feed-forward.
 
 Gradients: every rank scales its loss by R (see the trainer), and an expert's gradient
 collects, through the backward all-to-all, the contributions of all tokens of its ep group;
@@ -32,7 +38,8 @@ gradients are therefore scaled by 1/ep where they enter the expert computation
 twice (torch 2.13).
 
 The load-balancing statistics are made global here too: ``MoE.reduce_stats`` becomes an
-all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded under "dp").
+all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded under "dp"),
+preceded with sp by the same all-reduce over tp (recorded under "tp").
 """
 
 from __future__ import annotations
@@ -61,6 +68,30 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     all_to_all_single(out, x.contiguous(), group, "ep", out_splits=out_splits, in_splits=in_splits)
     return out
+
+
+def tokens_in(tp: TensorParallelGroup, x, token, expert, weight) -> tuple:
+    """Tokens and their routing into experts split over tp (``x`` [rows, dim]; ``token``,
+    ``expert``, ``weight``: one entry per assignment). Without sp every tp rank holds the same
+    tokens: f on ``x`` (all-reduce backward, wire dtype) and the gates' gradient summed over
+    tp. With sp each tp rank routed only its 1/tp of the sequence: ``x``, the chosen experts
+    and the gates are all-gathered over tp, rank-major (reduce-scatter backward; the gates in
+    their own >= fp32 dtype), so every tp rank sees every token of the sequence for its
+    expert column (Megatron's all-gather token dispatcher)."""
+    if not tp.sp:
+        return tp.enter(x), token, expert, tp.grad_sum(weight)
+    rows = x.shape[0]
+    # dropless (config refuses a capacity with sp): every rank's assignments are its rows' top-k
+    # in row order, so rank r's token ids are this rank's shifted by r * rows
+    shift = rows * torch.arange(tp.size, device=token.device, dtype=token.dtype)
+    token = (token[None] + shift[:, None]).flatten()
+    return tp.gather_tokens(x), token, tp.all_gather(expert, 0), tp.gather_tokens(weight, exact=True)
+
+
+def tokens_out(tp: TensorParallelGroup, out: torch.Tensor) -> torch.Tensor:
+    """The per-token partial sums of this tp rank's experts, summed over tp: all-reduce
+    (no sp), or reduce-scatter back to each rank's own rows (sp)."""
+    return tp.scatter_tokens(out) if tp.sp else tp.leave(out)
 
 
 class AllToAll(torch.autograd.Function):
@@ -101,9 +132,8 @@ class AllToAllDispatcher(nn.Module):
             local_e, key = per_ep, expert
         else:
             tp = self.tp
-            # the tokens enter like a column-parallel layer's input (f: its gradient crosses the
-            # tp link in the compute dtype; sp is refused with MoE); the gates' in their own
-            x, weight = tp.enter(x), tp.grad_sum(weight)
+            # the tokens enter like a column-parallel layer's input (no sp: f; sp: gathered)
+            x, token, expert, weight = tokens_in(tp, x, token, expert, weight)
             local_e = per_ep // tp.size
             within = expert % per_ep - tp.rank * local_e  # index among this tp column's experts
             mine = (within >= 0) & (within < local_e)
@@ -134,7 +164,7 @@ class AllToAllDispatcher(nn.Module):
         back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
         y = AllToAll.apply(y[back], send_splits, recv_splits, self.group)
         out = combine(x, token, y, weight[order])
-        return out if self.tp is None else self.tp.leave(out)
+        return out if self.tp is None else tokens_out(self.tp, out)
 
     def _balanced_column(self, assignments: int, n_experts: int, local_e: int) -> list[list[int]]:
         """A balanced router's rows from this rank to each ep rank's experts of this tp column
@@ -155,7 +185,7 @@ class TensorParallelExpertDispatcher(nn.Module):
         self.tp, self.start, self.stop = tp, start, stop
 
     def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
-        x, weight = self.tp.enter(x), self.tp.grad_sum(weight)  # as AllToAllDispatcher's
+        x, token, expert, weight = tokens_in(self.tp, x, token, expert, weight)  # as AllToAllDispatcher's
         n_local = self.stop - self.start
         local = (expert >= self.start) & (expert < self.stop)
         key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
@@ -165,7 +195,7 @@ class TensorParallelExpertDispatcher(nn.Module):
         order = torch.argsort(key, stable=True)[:rows]
         token = token[order]
         y = experts(gather_rows(x, token), counts, gates=weight[order])
-        return self.tp.leave(scatter_add_rows(x, token, y))
+        return tokens_out(self.tp, scatter_add_rows(x, token, y))
 
 
 def replicate_router_and_split_shared(moe: MoE, tp: TensorParallelGroup) -> None:
@@ -189,12 +219,26 @@ def split_experts_over_tp(model: nn.Module, dims: ParallelDims) -> None:
         moe.dispatcher = TensorParallelExpertDispatcher(tp, start, stop)
 
 
-def _stats_reducer(group: dist.ProcessGroup, n: int):
+def _stats_reducer(group: dist.ProcessGroup | None, tp: TensorParallelGroup | None = None):
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
-        # Runs over the data x context ranks, so it is data-parallel traffic; "ep" is the all-to-all.
-        all_reduce(stats, group, "dp")
+        if tp is not None:  # sp: each tp rank routed its own slice of the sequence
+            all_reduce(stats, tp.group, "tp")
+        if group is not None:
+            # Runs over the data x context ranks, so it is data-parallel traffic; "ep" is the all-to-all.
+            all_reduce(stats, group, "dp")
         return stats
+
+    return reduce
+
+
+def _seq_counts_reducer(tp: TensorParallelGroup):
+    """Per-sequence expert counts [sequences, E] of the sequence-wise balance loss, summed over
+    the tp ranks holding slices of the same sequences (sp); no gradient flows through them."""
+    def reduce(counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.clone()
+        all_reduce(counts, tp.group, "tp")
+        return counts
 
     return reduce
 
@@ -237,15 +281,18 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     layers = moe_layers(model)
     if not layers or not dims.distributed:
         return model
-    reducers = dims.size("dp_cp")
-    if reducers > 1:
-        reduce = _stats_reducer(dims.group("dp_cp"), reducers)
+    tp = TensorParallelGroup.from_dims(dims) if dims.size("tp") > 1 else None
+    sp = tp if tp is not None and tp.sp else None
+    if dims.size("dp_cp") > 1 or sp is not None:
+        reduce = _stats_reducer(dims.group("dp_cp") if dims.size("dp_cp") > 1 else None, sp)
         for _, moe in layers:
             moe.reduce_stats = reduce
-    tp = TensorParallelGroup.from_dims(dims) if dims.size("tp") > 1 else None
     if tp is not None:
         for _, moe in layers:
             replicate_router_and_split_shared(moe, tp)
+            if sp is not None:  # each tp rank routes its own tokens: the router's gradient is partial
+                moe.router_weight_hook = tp.grad_sum
+                moe.seq_shards, moe.reduce_seq_counts = tp.size, _seq_counts_reducer(tp)
     if dims.parallel.ep == 1:
         if tp is not None:
             split_experts_over_tp(model, dims)

@@ -120,6 +120,16 @@ class TensorParallelGroup:
         Under autocast the collective carries the compute dtype (``wire_dtype``)."""
         return _ScatterSeq.apply(x, self) if self.sp else _ReduceFromTP.apply(x, self)
 
+    def gather_tokens(self, t: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """Rows (dim 0) of every tp rank, rank-major: all-gather forward, reduce-scatter
+        backward; in the wire dtype, or (``exact``) in ``t``'s own (MoE gates under sp)."""
+        return _GatherTokens.apply(t, self, None if exact else wire_dtype(t))
+
+    def scatter_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over tp of rank-major rows, each rank keeping its own (``gather_tokens``'s
+        conjugate): reduce-scatter forward, all-gather backward, in the wire dtype."""
+        return _ScatterTokens.apply(t, self)
+
     def grad_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Identity forward; the gradient is summed over tp ranks in backward, in its own
         dtype (a replicated parameter's gradient: fp32 under bf16 autocast)."""
@@ -206,6 +216,32 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.tp.all_gather(_on_wire(grad, ctx.wire), SEQ_DIM).to(grad.dtype), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 forward, reduce-scatter backward (both in ``wire`` dtype, if any)."""
+
+    @staticmethod
+    def forward(ctx, x, tp, wire):
+        ctx.tp, ctx.wire = tp, wire
+        return tp.all_gather(_on_wire(x, wire), 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.reduce_scatter(_on_wire(grad, ctx.wire), 0).to(grad.dtype), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Reduce-scatter along dim 0 forward, all-gather backward (both in the wire dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp, ctx.wire = tp, wire_dtype(x)
+        return tp.reduce_scatter(_on_wire(x, ctx.wire), 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_gather(_on_wire(grad, ctx.wire), 0).to(grad.dtype), None
 
 
 class _GatheredLinears(torch.autograd.Function):
@@ -530,7 +566,8 @@ def parallelize_tensor(model: Transformer, dims: ParallelDims, cfg: Config) -> T
         _parallelize_attention(block.attention, tp)
         if type(block.feed_forward) is FeedForward:
             _parallelize_ffn(block.feed_forward, tp)
-        # MoE: left to expert parallel; computed redundantly on tp ranks (config.validate refuses sp with MoE)
+        # MoE: left to expert parallel (parallel/expert.py splits its experts over tp and, with
+        # sp, gathers each rank's routed tokens around them)
     _parallelize_norm(model.norm, tp)
 
     if model.tok_embeddings is not None:

@@ -374,7 +374,7 @@ class CostModel:
         act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp, moe)
-                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act) if moe and recompute != "full" else 0.0)
+                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp) if moe and recompute != "full" else 0.0)
                      for moe in set(self.kinds)}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
         # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
@@ -468,7 +468,7 @@ class CostModel:
                 rec = 0.0
             bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
                    + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
-            ep_sent = ep_sent_rec = 0.0
+            ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
                 # (top-k copies of each, the kept ones under a capacity; with tp each tp rank
@@ -479,14 +479,15 @@ class CostModel:
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
                 ep_sent = RING["all_to_all"](ep) * (4 * routed + 8 * m.moe_experts / tp)
-                ep_sent_rec = RING["all_to_all"](ep) * (2 * routed + 8 * m.moe_experts / tp)  # the forward again
+                if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
+                    ep_sent += RING["all_to_all"](ep) * (2 * routed + 8 * m.moe_experts / tp)
             if moe:  # the router is replicated over tp; the routed experts split over ep too
                 router = m.dim * m.moe_experts
                 params = (attn_p / tp + ffn_total / tp + norm_p
                           + router - router / tp - routed_params(m) / tp * (1 - 1 / ep))
             else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
                 params = dense_layer_params_local(m, tp) + norm_p
-            out[moe] = (fwd, bwd, params, fwd_c, ep_sent, ep_sent_rec)
+            out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
         # cross-entropy's memory-bound passes per logit (forward: fp32 upcast a + 4,
         # log-softmax's three reads and one write 16; backward: the gradient's fill 4,
@@ -539,12 +540,31 @@ class CostModel:
                 calls += 2
                 weights += 2 * m.head_dim
             tp_layer = (calls, sent, r_ar * weights)
-            if True in self.kinds:  # a MoE block (sp refused): its gates' gradient summed over tp in
+            shared = 1 if m.moe_shared_experts else 0
+            gates = tokens * m.moe_topk * kept_fraction(m, s) * max(4, act)
+            if True in self.kinds and not sp:  # a MoE block: its gates' gradient summed over tp in
                 # backward (the expert output leaves, its input enters like a dense MLP's), and the
                 # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
-                shared = 1 if m.moe_shared_experts else 0
-                gates = tokens * m.moe_topk * kept_fraction(m, s) * max(4, act)
                 tp_moe = (1 + 2 * shared, r_ar * (gates + 2 * shared * A), 0.0)
+            elif True in self.kinds:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
+                # in place of the dense MLP's 5 calls (2.5 all-reduces of A) counted in tp_layer: the
+                # tokens gathered (AG fwd, RS bwd; not re-gathered), the chosen experts (int64, AG)
+                # and the gates (AG fwd, RS bwd, >= fp32), the per-token sums scattered back (RS
+                # fwd, AG bwd); the balance statistics (E + 2 float64, all-reduce, not re-sent
+                # under recompute); the router's gradient (E x dim elements); a shared expert is a
+                # sequence-parallel MLP (5 calls). Full recompute re-runs the three gathers (the
+                # dense MLP's one counted in tp_layer) and, with a shared expert after them, the
+                # scatter and the shared expert's gather (its exit is not repeated).
+                # The sequence-wise balance loss sums its per-sequence counts (b x E, >= fp32) over
+                # tp, again when recomputed.
+                ids = 8 * tokens * m.moe_topk
+                stats = 8 * (m.moe_experts + 2)
+                seq_aux = (1 + recomputed) if m.moe_seq_aux_loss_coef > 0 else 0
+                tp_moe = (4 + 5 * shared + recomputed * (2 + 2 * shared) + seq_aux,
+                          r_ar * ((2 - 2.5 + 2.5 * shared) * A + 0.5 * ids + gates + stats
+                                  + recomputed * (0.5 * (ids + gates) + shared * A)
+                                  + seq_aux * b * m.moe_experts * max(4, act)),
+                          r_ar * m.moe_experts * h)
             pos = r_ar * s * h if (sp and m.pos == "learned") else 0.0
             tp_first = (2 + (1 if pos else 0), r_ar * A, pos) if sp else (1, r_ar * A, 0.0)
             loss = (2, r_ar * 3 * tokens * max(4, act))  # max logit, (sum exp, target)
@@ -1116,12 +1136,12 @@ class CostModel:
         if moe0 and n_all > 1:
             add("dp", n_micro * moe0, n_micro * moe0 * RING["all_reduce"](n_all) * 8 * (w.model.moe_experts + 2))
         # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
-        # the two transposes backward; full or op recompute re-runs the forward three
+        # the two transposes backward
         ep_layers = sum(n for k, n in stages[0].items() if k)
         if L.ep > 1 and ep_layers:
-            again = L.recompute in ("full", "op")
-            ep_bytes = sum((T["kinds"][k][4] + (T["kinds"][k][5] if again else 0.0)) * n for k, n in stages[0].items())
-            add("ep", n_micro * (8 if again else 5) * ep_layers, n_micro * ep_bytes)
+            ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
+            calls = 5 + (3 if L.recompute in ("full", "op") else 0)  # recomputed: counts, dispatch, combine
+            add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 
     def lower_bound(self, L: Layout, schedules: tuple = ()) -> float:

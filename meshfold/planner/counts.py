@@ -198,7 +198,7 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
     return block_input + kept + attention
 
 
-def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int) -> float:
+def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int, sp: bool = False) -> float:
     """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
     activations, for one micro-batch of b sequences of s tokens on one rank, as
     ``models/moe.py`` and ``parallel/expert.py`` run it under a balanced router: the router's
@@ -209,11 +209,13 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     dispatcher weights the returned rows by their gates first (``combine``: the product
     keeps the fp32 rows, A x dim more); without ep the gates are folded into the experts
     (the gated A x min(expert_dim, dim) product). Not here: the fused w1|w3 weight copy
-    (``CostModel._memory``: it depends on FSDP)."""
+    (``CostModel._memory``: it depends on FSDP). With ``sp`` each tp rank routes its 1/tp of
+    the tokens (router state / tp); the experts still see their column of all of them."""
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
     A = T * k * kept_fraction(m, s) / tp
     wide = max(4, act)
     router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
+    router /= tp if sp else 1
     if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
         dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
     else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source

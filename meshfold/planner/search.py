@@ -38,6 +38,8 @@ def structures(w: Workload, world: int, max_tp: int = 0):
     valid for the model (config.validate's rules) and tile ``world`` devices and the batch."""
     m, s, G = w.model, w.s, w.global_batch
     kv = m.kv_heads
+    # MoE with sp routes sequence slices: a per-sequence capacity needs them whole
+    moe_needs_whole_sequences = m.moe_experts and m.moe_capacity_factor > 0
     for tp in _divisors(world):
         if m.n_heads % tp or (kv % tp and tp % kv) or (max_tp and tp > max_tp):
             continue
@@ -66,7 +68,7 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 eps = [1]
                 if m.moe_experts:
                     eps = [e for e in _divisors(m.moe_experts) if (dp * cp) % e == 0]
-                sps = [False] + ([True] if tp > 1 and s % tp == 0 and not m.moe_experts else [])
+                sps = [False] + ([True] if tp > 1 and s % tp == 0 and not moe_needs_whole_sequences else [])
                 for dpr in _divisors(dp):
                     dps = dp // dpr
                     # (as parallel/config.py validates: with tp, ep x tp divides the experts)
