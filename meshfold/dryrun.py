@@ -73,7 +73,7 @@ from meshfold.mesh import build_mesh
 from meshfold.models.moe import moe_end_step, moe_layers
 from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
-from meshfold.parallel.data import uses_ddp, uses_grad_reducer
+from meshfold.parallel.data import BUCKET_MB, uses_ddp, uses_grad_reducer
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.optim import build_optimizer, grad_norm
 from meshfold.parallel.stages import stage_split
@@ -338,20 +338,31 @@ def _real_mesh_tensors():
 def _ddp_without_shape_check():
     """DDP's constructor compares parameter shapes across ranks by reading their values
     (``_verify_param_shape_across_processes``), which fake tensors do not have; every
-    simulated rank builds its model by the same code, so the check is skipped here."""
+    simulated rank builds its model by the same code, so the check is skipped here. And DDP
+    runs its first backward with all gradients in one bucket, then rebuilds the buckets
+    (``bucket_cap_mb``) in the order gradients arrived, which copies values fake tensors do
+    not have (``_KeptBuckets`` stops it): here the buckets are cut at the cap from the
+    start, so the simulated step sends what every step after a real run's first sends."""
     original = ddp_module._verify_param_shape_across_processes
+    assign = dist._compute_bucket_assignment_by_size
+
+    def steady_buckets(params, limits, *args, **kwargs):
+        return assign(params, [BUCKET_MB * 2**20] if list(limits) == [sys.maxsize] else limits, *args, **kwargs)
+
     ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    dist._compute_bucket_assignment_by_size = steady_buckets
     try:
         yield
     finally:
         ddp_module._verify_param_shape_across_processes = original
+        dist._compute_bucket_assignment_by_size = assign
 
 
 class _KeptBuckets:
     """DDP's reducer, as DDP's Python side calls it, except that it never rebuilds its
     buckets: after the first backward DDP re-allocates them in the order gradients arrived,
-    copying parameter values, which fake tensors do not have. The dry-run's later steps keep
-    the first step's buckets (built with the same size cap)."""
+    copying parameter values, which fake tensors do not have. The dry-run's DDP cuts its
+    buckets at the cap from the start (``_ddp_without_shape_check``) and keeps them."""
 
     def __init__(self, reducer):
         self._reducer = reducer

@@ -5,6 +5,7 @@ bytes is in test_planner_comm.py; step-time accuracy in benchmarks/planner_accur
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -453,3 +454,20 @@ def test_every_searched_layout_is_runnable(case):
     if case == "dense":  # the search space holds Megatron's layouts (tp x pp x dp, zero 0/1)
         assert any(lay.tp > 1 and lay.zero <= 1 and lay.dp > 1
                    for st in structures(w, 8) for lay in variants(w, st))
+
+
+def test_ddp_bucket_count_is_torchs():
+    """The planner's count of DDP's gradient buckets equals torch's own assignment (what the
+    dry-run's DDP uses from its first step) on parameters below, around and above the cap."""
+    import torch
+    import torch.distributed as dist
+
+    from meshfold.planner.counts import BUCKET_BYTES, ddp_buckets
+
+    rng = random.Random(0)
+    for _ in range(20):
+        sizes = [4 * rng.choice([3, 1000, 2**20, 3 * 2**20, 5 * 2**20, 7 * 2**20, 20 * 2**20])
+                 for _ in range(rng.randint(1, 12))]
+        params = [torch.empty(n // 4) for n in sizes]
+        buckets, _ = dist._compute_bucket_assignment_by_size(params, [BUCKET_BYTES], [False] * len(params))
+        assert ddp_buckets(sizes) == len(buckets), sizes

@@ -46,6 +46,10 @@ from meshfold.device import resolved_dtype_name
 from meshfold.mesh import ParallelDims
 
 
+# DDP's gradient bucket cap (torch's default, 25 MiB): also the size of GradReducer's buckets.
+BUCKET_MB = 25
+
+
 def uses_fsdp(dims: ParallelDims) -> bool:
     return dims.parallel.zero >= 2 and dims.size("dp_shard_cp") > 1
 
@@ -149,7 +153,7 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, comm_hook=None, wire: torch.
     ``lowcomm/compress.py``: the feature that owns it passes it down, so this layer never
     imports it). ``wire``: see ``reduce_wire_dtype``."""
     group = dims.group("dp_cp")
-    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=25)
+    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=BUCKET_MB)
     if comm_hook is None:
         ddp.register_comm_hook(None, _counting_allreduce_hook(group, wire))
     else:
@@ -172,7 +176,7 @@ class GradReducer:
     Unarmed backwards (earlier micro-batches) only accumulate: no traffic."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, n: int,
-                 bucket_bytes: int = 25 * 2**20, wire: torch.dtype | None = None):
+                 bucket_bytes: int = BUCKET_MB * 2**20, wire: torch.dtype | None = None):
         self.group, self.n, self.wire = group, n, wire
         params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []

@@ -36,6 +36,7 @@ from meshfold.planner.counts import (
     layer_activation_bytes,
     model_state_bytes,
     moe_activation_bytes,
+    ddp_buckets,
     reducer_buckets,
     routed_params,
     tp_grad_bytes,
@@ -1083,8 +1084,12 @@ class CostModel:
         elif n_all > 1:
             # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
             calls = chunks * buckets(P0 * gb / chunks)
-            if (tp > 1 or pp > 1) and L.pp_schedule != "zbv":  # GradReducer: greedy per parameter
-                m = w.model
+            m = w.model
+            if tp == 1 and pp == 1:  # torch DDP's buckets
+                sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
+                if sizes is not None:
+                    calls = ddp_buckets([e * gb for e in sizes])
+            elif L.pp_schedule != "zbv":  # GradReducer: greedy per parameter
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
                 elif L.pp_schedule == "interleaved":

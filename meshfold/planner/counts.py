@@ -69,6 +69,18 @@ def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
     return attention + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
 
 
+def ddp_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Buckets torch DDP cuts parameters of ``sizes`` bytes into, in registration order
+    (``_compute_bucket_assignment_by_size``): a bucket closes as soon as it holds at least
+    ``bucket_bytes``, so a parameter larger than a bucket closes the one it joins."""
+    count, size = 0, 0.0
+    for nbytes in sizes:
+        size += nbytes
+        if size >= bucket_bytes:
+            count, size = count + 1, 0.0
+    return count + (1 if size > 0 else 0)
+
+
 def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> list[float] | None:
     """Local parameter elements of one pipeline chunk (``layers`` blocks, the embedding if
     ``first``, the final norm and output if ``last``) in registration order, for the dense
