@@ -13,7 +13,7 @@ from meshfold.config import ConfigError, ModelConfig
 from meshfold.models.presets import preset
 from meshfold.planner.cluster import cluster_from_dict, load_cluster
 from meshfold.planner.cost import CostModel, Layout, Workload, estimate, megatron_flops_per_iteration
-from meshfold.planner.counts import layer_activation_bytes, model_state_bytes
+from meshfold.planner.counts import BUCKET_BYTES, ddp_buckets, layer_activation_bytes, model_state_bytes
 from meshfold.planner.search import RECOMPUTE, brute_force, search
 from meshfold.planner.simulate import schedule_events, simulate
 from meshfold.schedule import chunks_per_rank, makespan, pipeline_time
@@ -461,8 +461,6 @@ def test_ddp_bucket_count_is_torchs():
     dry-run's DDP uses from its first step) on parameters below, around and above the cap."""
     import torch
     import torch.distributed as dist
-
-    from meshfold.planner.counts import BUCKET_BYTES, ddp_buckets
 
     rng = random.Random(0)
     for _ in range(20):
