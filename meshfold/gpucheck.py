@@ -332,6 +332,8 @@ class GpuRecorder(TorchDispatchMode):
             self.attention[kernel] += 1
             if kernel == "math":
                 self.error(f"math attention kernel at {where()} ({dtype} block: no fused CUDA kernel)")
+        if name == "_flash_attention_forward":  # packed documents' varlen kernel (models/attention_ops.py)
+            self.attention["flash-varlen"] += 1
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if not isinstance(x, FakeTensor) or comm.is_host_marked(x) or x.constant is not None:
             return False, None  # real values (the mesh's rank tables, fake copies of them): not device data

@@ -150,6 +150,38 @@ def test_default_document_attention_matches_the_dense_mask_without_host_reads_in
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-10, msg=name)
 
 
+def test_document_attention_takes_strided_rows_spanning_whole_tiles():
+    """The loader hands out rows sliced from a wider buffer (inputs and doc_ids are views with
+    a row stride of seq + 1); with the sequence a whole number of tiles nothing pads (copies)
+    them. Found on a GPU machine's CPU reference run: the tile masks used ``view`` there."""
+    from meshfold.models.llama import CoreAttention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 32, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    wide = torch.tensor([[0] * 5 + [1] * 20 + [2] * 8, [3] * 33])
+    doc_ids = wide[:, :32]  # stride (33, 1): not contiguous
+    assert not doc_ids.is_contiguous()
+    core = CoreAttention()
+    core.document_tile = 16
+    got = core(q, k, v, doc_ids=doc_ids)
+    want = CoreAttention(dense=True)(q, k, v, doc_ids=doc_ids.contiguous())
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_document_runs_for_the_flash_varlen_kernel():
+    """CUDA's packed-document path (flash varlen) attends within runs: a run ends where the
+    document changes, where positions restart, and at the end of each row."""
+    from meshfold.models.attention_ops import DocumentPlan
+
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 0, 1, 2, 3]])
+    cu, longest = DocumentPlan(doc_ids, positions, 4).runs
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 8, 12, 16] and longest == 5
+    cu, longest = DocumentPlan(doc_ids, None, 4).runs  # positions default to the row's
+    assert cu.tolist() == [0, 3, 8, 16] and longest == 8
+
+
 def test_document_attention_runs_on_fake_tensors():
     """The dry-run (fake tensors: shapes, no values) can run packed documents: the plan
     assumes every tile reaches one tile back instead of reading the windows."""

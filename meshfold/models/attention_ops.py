@@ -159,33 +159,74 @@ DOCUMENT_TILE = 256  # query tile of document attention (256 measured fastest on
 
 class DocumentPlan:
     """What ``document_attention`` needs of a micro-batch's documents, made once and shared by
-    every layer (they all see the same ``doc_ids``/``positions``): the query tiles grouped by
-    how far back their keys reach, with their gather indices and (tile x window) masks. The
-    one host read (which window sizes occur) happens here, never inside a layer."""
+    every layer (they all see the same ``doc_ids``/``positions``): for the flash varlen kernel
+    (CUDA) the document runs, for the tile path the query tiles grouped by how far back their
+    keys reach, with their gather indices and (tile x window) masks. Each is made on first
+    use, with its one host read, never inside a layer's own work."""
 
     def __init__(self, doc_ids: torch.Tensor, positions: torch.Tensor | None, tile: int):
         b, s = doc_ids.shape
-        device = doc_ids.device
-        self.tile = tile = min(tile, s)
-        self.pad = pad = (-s) % tile
+        self.tile = min(tile, s)
+        self.pad = (-s) % self.tile
+        self.n = (s + self.pad) // self.tile
         if positions is None:
-            positions = torch.arange(s, device=device).expand(b, -1)
+            positions = torch.arange(s, device=doc_ids.device).expand(b, -1)
+        self.doc_ids, self.positions = doc_ids, positions
+        self._groups = self._runs = None
+
+    def prepare(self, flash: bool) -> "DocumentPlan":
+        """Make now (before the layers) what the kernel path will read: the runs for flash
+        varlen, else the tile groups."""
+        _ = self.runs if flash else self.groups
+        return self
+
+    @property
+    def groups(self) -> list[tuple]:
+        """The tile path's query tiles grouped by window: (flat tile indices, key rows, key
+        tile spans, mask [m, 1, tile, (w+1)*tile]), made on first use."""
+        if self._groups is None:
+            self._groups = self._tile_groups()
+        return self._groups
+
+    def _tile_groups(self) -> list[tuple]:
+        doc_ids, positions, tile, n, pad = self.doc_ids, self.positions, self.tile, self.n, self.pad
+        b, device = doc_ids.shape[0], doc_ids.device
         if pad:  # pad tokens form their own document: they see only each other, nobody sees them
             doc_ids = torch.cat([doc_ids, (doc_ids.min() - 1).expand(b, pad)], 1)
             positions = F.pad(positions, (0, pad))
-        self.n = n = (s + pad) // tile
         reach = document_windows(doc_ids, tile).flatten()  # [b * n], exact: tile i reaches tiles i-w..i
         pt, dt = positions.reshape(b, n, tile), doc_ids.reshape(b, n, tile)
-        self.groups = []  # (flat tile indices, key rows, key tile spans, mask [m, 1, tile, (w+1)*tile])
+        groups = []
         fake = is_fake(reach)  # the dry-run's tensors carry no values: every tile reaches one tile back
         for w in [1] if fake else torch.unique(reach).tolist():  # the one host read
             sel = torch.arange(b * n, device=device) if fake else (reach == w).nonzero().squeeze(1)
             row, ti = (sel // n).unsqueeze(1), sel % n
             span = (ti.unsqueeze(1) + torch.arange(-w, 1, device=device)).clamp(min=0)  # key tiles [m, w + 1]
             kd, kp = dt[row, span].flatten(1, 2), pt[row, span].flatten(1, 2)
-            mask = ((dt.view(b * n, tile)[sel].unsqueeze(-1) == kd.unsqueeze(-2))
+            mask = ((dt.reshape(b * n, tile)[sel].unsqueeze(-1) == kd.unsqueeze(-2))
                     & (pt.reshape(b * n, tile)[sel].unsqueeze(-1) >= kp.unsqueeze(-2)))
-            self.groups.append((sel, row, span, mask.unsqueeze(1)))
+            groups.append((sel, row, span, mask.unsqueeze(1)))
+        return groups
+
+    @property
+    def runs(self) -> tuple[torch.Tensor, int]:
+        """The flash varlen kernel's view of the micro-batch: (cumulative run starts over the
+        flattened rows, int32 on the device, and the longest run). A run is a stretch of one
+        document with rising positions; rows end runs. One host read (the run starts, a
+        [b * s] bool copy), made on first use."""
+        if self._runs is None:
+            doc_ids, positions = self.doc_ids, self.positions
+            b, s = doc_ids.shape
+            starts = torch.ones_like(doc_ids, dtype=torch.bool)
+            starts[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]) | (positions[:, 1:] <= positions[:, :-1])
+            host = starts.flatten().cpu()  # the one host read
+            if is_fake(host):  # the dry-run's tensors carry no values: one run per row
+                cu, longest = torch.arange(0, b * s + 1, s, dtype=torch.int32), s
+            else:
+                cu = torch.cat([host.nonzero().squeeze(1), torch.tensor([b * s])]).to(torch.int32)
+                longest = int((cu[1:] - cu[:-1]).max())
+            self._runs = (cu.to(doc_ids.device, non_blocking=True), longest)
+        return self._runs
 
 
 _PLANS: list[tuple] = []  # (weakref to the key tensor, weakref to positions or None, tile, plan), newest last
@@ -219,6 +260,10 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
     b, s, heads, d = q.shape
     hkv, dv = k.shape[2], v.shape[-1]  # latent attention: v's head size differs from q/k's
     plan = document_plan(doc_ids, positions, tile, key)
+    if flash_varlen_ok(q, q.dtype, d, dv):
+        cu, longest = plan.runs
+        out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest, attention_scale(d))
+        return out.view(b, s, heads, dv)
     tile, pad, n = plan.tile, plan.pad, plan.n
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
@@ -241,3 +286,41 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
 
 def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+FLASH_VARLEN = True  # packed documents through flash-attention's varlen kernel on CUDA (benchmarks switch it)
+
+
+def flash_varlen_ok(x: torch.Tensor, dtype: torch.dtype, qk_dim: int, v_dim: int) -> bool:
+    """Whether packed documents go to flash-attention's varlen kernel: on CUDA (``x``'s
+    device) in fp16/bf16, equal q and v head sizes up to 256. It takes grouped kv heads
+    natively and no mask, so it computes only the documents' causal triangles (the tile path
+    adds a tile per query tile, a mask and, on CUDA, kv heads repeated per query head for the
+    memory-efficient kernel)."""
+    return (FLASH_VARLEN and on_cuda(x) and dtype in (torch.float16, torch.bfloat16)
+            and qk_dim == v_dim and qk_dim <= 256 and qk_dim % 8 == 0)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the next matmul on ``x`` computes in (autocast's, when it is on)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal attention within each run of ``cu`` (flattened [tokens, heads, d] layout)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest, scale):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, rng, unused,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.models.attention_ops import DOCUMENT_TILE, document_attention, document_plan
+from meshfold.models.attention_ops import (DOCUMENT_TILE, compute_dtype, document_attention, document_plan,
+                                          flash_varlen_ok)
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.mla import MLAttention
@@ -236,7 +237,9 @@ class Transformer(nn.Module):
         if doc_ids is not None:  # the documents' attention windows: once per micro-batch, not per layer
             tile = next((getattr(layer.attention.core, "document_tile", None) for layer in self.layers.values()), None)
             if tile is not None:
-                document_plan(doc_ids, positions, tile)
+                qk, v = ((self.cfg.mla_nope_dim + self.cfg.mla_rope_dim, self.cfg.mla_v_dim) if self.cfg.mla
+                         else (self.cfg.head_dim, self.cfg.head_dim))
+                document_plan(doc_ids, positions, tile).prepare(flash_varlen_ok(h, compute_dtype(h), qk, v))
         for layer in self.layers.values():
             h = layer(h, rope, positions, doc_ids)
         if self.norm is not None:
