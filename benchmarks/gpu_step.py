@@ -25,6 +25,7 @@ shapes (on the CPU too), to check the script before a device run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -68,6 +69,7 @@ def part(name: str, budget_s: float, need_s: float):
             RESULTS[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             print(RESULTS[name]["traceback"], flush=True)
         finally:
+            gc.collect()  # the part's trainer and model: the next part's peak memory is its own
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         print(json.dumps(RESULTS[name], default=str)[:1500], flush=True)
@@ -117,7 +119,7 @@ class SyncCounter:
         return self
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
+        if "synchroniz" not in str(message) or "set_sync_debug_mode" in (line or ""):
             return
         import traceback as tb
         frames = tb.extract_stack()[:-2]
@@ -306,7 +308,7 @@ def train_run(args, device, steps: int, profile_kernels: bool = False, **over) -
     return out
 
 
-def hf_run(args, device, steps: int) -> dict:
+def hf_run(args, device, steps: int, compile_model: bool = False) -> dict:
     from throughput_vs_hf import hf_model
     cfg = config(args, **{"data.doc_mask": False})
     trainer = Trainer(cfg)  # its data pipeline: the same batches as meshfold's causal run
@@ -314,6 +316,7 @@ def hf_run(args, device, steps: int) -> dict:
     del trainer
     torch.manual_seed(0)
     model = hf_model(cfg.model).to(device)
+    forward = torch.compile(model) if compile_model else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     mb = cfg.train.micro_batch
@@ -326,7 +329,7 @@ def hf_run(args, device, steps: int) -> dict:
         for lo in range(0, b["inputs"].shape[0], mb):
             x, y = b["inputs"][lo:lo + mb].to(device), b["labels"][lo:lo + mb].to(device)
             with torch.autocast(device.type, dtype=dt, enabled=device.type == "cuda"):
-                logits = model(input_ids=x).logits
+                logits = forward(input_ids=x).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum") / n
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -344,7 +347,7 @@ def hf_run(args, device, steps: int) -> dict:
     out = {"step_s": round(statistics.median(times), 4), "tokens_per_s": round(tokens / statistics.median(times), 1)}
     if device.type == "cuda":
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    del model, opt
+    del model, forward, opt
     return out
 
 
@@ -399,7 +402,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget-s", type=float, default=330)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: check the script (CPU is fine)")
-    ap.add_argument("--parts", nargs="*", default=["attention", "train", "tiles", "causal", "hf", "moe", "compile"])
+    ap.add_argument("--parts", nargs="*", default=["attention", "train", "tiles", "causal", "hf", "moe", "compile", "hf-compile"])
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -427,6 +430,9 @@ def main():
         part("train: plain causal rows", budget, 40)(lambda: train_run(args, device, steps, **{"data.doc_mask": False}))
     if "hf" in args.parts:
         part("hf: transformers Llama, plain causal rows", budget, 40)(lambda: hf_run(args, device, steps))
+    if "hf-compile" in args.parts:
+        part("hf: transformers Llama compiled, plain causal rows", budget, 90)(
+            lambda: hf_run(args, device, steps, compile_model=True))
     if "moe" in args.parts:
         part("moe: bf16 device step vs fp64 CPU", budget, 40)(lambda: moe_check(args, device))
     if "compile" in args.parts:

@@ -66,6 +66,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from meshfold import comm, gpucheck
 from meshfold.comm import ledger, reset_ledger
 from meshfold.config import Config, load_config, validate
+from meshfold.data.loader import to_device, with_host_run_starts
 from meshfold.device import resolve_dtypes
 from meshfold.errors import ConfigError
 from meshfold.lowcomm.compress import build_compression
@@ -174,7 +175,7 @@ class DryTrainer(Trainer):
         if self.use_doc_mask:
             batch["doc_ids"] = torch.zeros_like(batch["inputs"])
         batch = shard_for_context_parallel(batch, self.cfg, self.dims)
-        return {k: v.to(self.device) for k, v in batch.items()}  # as the trainer's prefetcher moves it
+        return to_device(with_host_run_starts(batch), self.device)  # as the trainer's prefetcher moves it
 
     def _step(self, micro: list[dict]) -> tuple[dict, float]:
         """One optimizer step over ``micro``: (collectives, activation bytes)."""

@@ -182,6 +182,26 @@ def test_document_runs_for_the_flash_varlen_kernel():
     assert cu.tolist() == [0, 3, 8, 16] and longest == 8
 
 
+def test_document_runs_come_from_the_loader_without_a_device_read(monkeypatch):
+    """The loader finds the runs on the host batch (in its prefetch thread) and keeps them
+    there when it moves the batch; the plan of a micro-batch's doc_ids then reads nothing
+    back from the device (on a GPU that read was one sync per micro-batch)."""
+    from meshfold.data.loader import HOST_RUN_STARTS, to_device, with_host_run_starts
+    from meshfold.models import attention_ops
+
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 0, 1, 2, 3]])
+    batch = with_host_run_starts({"inputs": torch.zeros(2, 8, dtype=torch.long), "doc_ids": doc_ids,
+                                  "positions": positions})
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved[HOST_RUN_STARTS] is batch[HOST_RUN_STARTS]  # stays on the host
+    mb = {k: v[1:2] for k, v in moved.items()}  # the second micro-batch of one row
+    attention_ops.note_run_starts(mb["doc_ids"], mb.pop(HOST_RUN_STARTS))
+    monkeypatch.setattr(attention_ops, "run_starts", lambda *a: pytest.fail("read the runs back from the device"))
+    cu, longest = attention_ops.DocumentPlan(mb["doc_ids"], mb["positions"], 4).runs
+    assert cu.tolist() == [0, 4, 8] and longest == 4
+
+
 def test_document_attention_runs_on_fake_tensors():
     """The dry-run (fake tensors: shapes, no values) can run packed documents: the plan
     assumes every tile reaches one tile back instead of reading the windows."""

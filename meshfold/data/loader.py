@@ -18,6 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from meshfold.models.attention_ops import run_starts
+
+# The batch's document run starts, kept on the host (the one key not moved to the device):
+# the flash varlen kernel's plan needs them on the host, where the batch was made.
+HOST_RUN_STARTS = "doc_run_starts_host"
+
 
 def peek(sampler, k: int) -> list[torch.Tensor]:
     """The global indices the next ``k`` ``sampler.next()`` calls will return, with the
@@ -27,6 +33,19 @@ def peek(sampler, k: int) -> list[torch.Tensor]:
         return [sampler.next() for _ in range(k)]
     finally:
         sampler.load_state_dict(state)
+
+
+def with_host_run_starts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The host batch with its document run starts (for the flash varlen kernel's plan, found
+    here instead of read back from the GPU once per micro-batch)."""
+    if "doc_ids" in batch:
+        batch[HOST_RUN_STARTS] = run_starts(batch["doc_ids"], batch.get("positions"))
+    return batch
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict:
+    """Every tensor of the batch on ``device``, but the run starts, which stay on the host."""
+    return {k: v if k == HOST_RUN_STARTS else v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
 
 
 class Prefetcher:
@@ -39,7 +58,9 @@ class Prefetcher:
 
     def _build(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
         batch = self.make(indices)
-        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
+        if self.pin:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return with_host_run_starts(batch)
 
     def get(self, indices: torch.Tensor, upcoming: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch for ``indices`` on the device; starts building ``upcoming`` ones."""
@@ -57,7 +78,7 @@ class Prefetcher:
             for stale in self.pending.values():
                 stale.cancel()
             self.pending = keep
-        return {k: v.to(self.device, non_blocking=self.pin) for k, v in batch.items()}
+        return to_device(batch, self.device, self.pin)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -215,11 +215,13 @@ class DocumentPlan:
         document with rising positions; rows end runs. One host read (the run starts, a
         [b * s] bool copy), made on first use."""
         if self._runs is None:
-            doc_ids, positions = self.doc_ids, self.positions
+            doc_ids = self.doc_ids
             b, s = doc_ids.shape
-            starts = torch.ones_like(doc_ids, dtype=torch.bool)
-            starts[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]) | (positions[:, 1:] <= positions[:, :-1])
-            host = starts.flatten().cpu()  # the one host read
+            host = _noted_starts(doc_ids)  # the data loader's, made on the host: no read
+            if host is None:
+                host = run_starts(doc_ids, self.positions).flatten().cpu()  # the one host read
+            else:
+                host = host.flatten()
             if is_fake(host):  # the dry-run's tensors carry no values: one run per row
                 cu, longest = torch.arange(0, b * s + 1, s, dtype=torch.int32), s
             else:
@@ -227,6 +229,29 @@ class DocumentPlan:
                 longest = int((cu[1:] - cu[:-1]).max())
             self._runs = (cu.to(doc_ids.device, non_blocking=True), longest)
         return self._runs
+
+
+def run_starts(doc_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """[b, s] bool: where a run of one document with rising positions begins (row starts too)."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    if positions is not None:
+        starts[:, 1:] |= positions[:, 1:] <= positions[:, :-1]
+    return starts
+
+
+_NOTED: list[tuple] = []  # (weakref to a micro-batch's doc_ids on the device, its run starts on the host)
+
+
+def note_run_starts(doc_ids: torch.Tensor, starts: torch.Tensor) -> None:
+    """The run starts of the device tensor ``doc_ids``, computed on the host by whoever moved
+    it there (the data loader): the plan then needs no device read for them."""
+    _NOTED.append((weakref.ref(doc_ids), starts))
+    del _NOTED[:-_PLANS_KEPT]
+
+
+def _noted_starts(doc_ids: torch.Tensor) -> torch.Tensor | None:
+    return next((starts for ref, starts in reversed(_NOTED) if ref() is doc_ids), None)
 
 
 _PLANS: list[tuple] = []  # (weakref to the key tensor, weakref to positions or None, tile, plan), newest last

@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from meshfold.config import Config
+from meshfold.data.loader import HOST_RUN_STARTS
 from meshfold.data.micro import micro_batch_count, split_micro_batches
 from meshfold.mesh import ParallelDims
+from meshfold.models.attention_ops import note_run_starts
 from meshfold.models.moe import moe_aux_loss
 from meshfold.parallel.context import context_step_metrics
 from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
@@ -100,7 +102,12 @@ class StepEngine:
     def micro_batches(self, batch: dict) -> list[dict]:
         p, local = self.cfg.parallel, batch["inputs"].shape[0]
         n = micro_batch_count(local, self.cfg.train.micro_batch, p.pp, p.pp_microbatches)
-        return split_micro_batches(batch, n)
+        micro = split_micro_batches(batch, n)
+        for mb in micro:  # document runs found on the host by the loader: no read back per micro-batch
+            starts = mb.pop(HOST_RUN_STARTS, None)
+            if starts is not None and "doc_ids" in mb:
+                note_run_starts(mb["doc_ids"], starts)
+        return micro
 
     # ------------------------------------------------------------------ the step
 
