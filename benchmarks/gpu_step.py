@@ -402,7 +402,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget-s", type=float, default=330)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: check the script (CPU is fine)")
-    ap.add_argument("--parts", nargs="*", default=["attention", "train", "tiles", "causal", "hf", "moe", "compile", "hf-compile"])
+    ap.add_argument("--parts", nargs="*", default=["attention", "train", "tiles", "causal", "hf", "moe", "compile", "hf-compile", "wide"])
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -435,6 +435,12 @@ def main():
             lambda: hf_run(args, device, steps, compile_model=True))
     if "moe" in args.parts:
         part("moe: bf16 device step vs fp64 CPU", budget, 40)(lambda: moe_check(args, device))
+    if "wide" in args.parts:  # llama3-8b's widths (4 of its 32 layers), seq 8192: the planner's 8B terms on one GPU
+        def wide():
+            a = argparse.Namespace(**{**vars(args), "preset": "llama3-8b", "seq": 8192, "global_batch": 4,
+                                      "micro_batch": 1})
+            return train_run(a, device, steps, **{"model.n_layers": 4})
+        part("train: llama3-8b widths, 4 layers, seq 8192", budget, 40)(wide)
     if "compile" in args.parts:
         part("train: defaults + compile", budget, 120)(
             lambda: train_run(args, device, steps, **{"train.compile": True}))

@@ -23,6 +23,7 @@ from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
 from meshfold.parallel.config import ulysses_degree
 from meshfold.parallel.expert_shard import expert_shard_padding
+from meshfold.parallel.loss import CHUNK_ELEMENTS
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.counts import (
     BUCKET_BYTES,
@@ -930,7 +931,12 @@ class CostModel:
             recompute = max(0.0, T["act_full"] - T["act_kept"])
         else:
             recompute = 0.0
-        logits = (act + 8) * tokens * V / tp
+        # the loss's moment (parallel/loss.py's chunked cross-entropy, in backward): the logits
+        # as they came, their gradient in the same dtype, and a chunk's fp32 working copies
+        # (the upcast logits, their log-softmax or exp, its gradient, the cast back); per token
+        # the labels and the log-sum-exp. Measured on an H200 (llama3.2-1b, 8,192 tokens x
+        # 128,256, bf16; docs/gpu.md): 4.8 B per logit at the peak; this gives 4.5.
+        logits = 2 * act * tokens * V / tp + 4 * 4 * min(CHUNK_ELEMENTS, tokens * V / tp) + 8 * tokens
         # what the loss keeps for backward: the logits as they came (parallel/loss.py's
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
         # labels; with amp also the final norm (8h + 4)
