@@ -73,9 +73,9 @@ from meshfold.mesh import build_mesh
 from meshfold.models.moe import moe_end_step, moe_layers
 from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
-from meshfold.parallel.data import BUCKET_MB, uses_ddp, uses_grad_reducer
+from meshfold.parallel.data import BUCKET_MB
 from meshfold.memory import count_saved_activations
-from meshfold.parallel.optim import build_optimizer, grad_norm
+from meshfold.parallel.optim import grad_norm
 from meshfold.parallel.stages import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
@@ -118,10 +118,7 @@ class DryTrainer(Trainer):
         self.pipeline = getattr(self.engine, "pipe", None)
         if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
             use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
-        self.optimizer = build_optimizer(
-            self.model, t, self.dims, device,  # cuda: the fused AdamW a GPU rank runs
-            zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
-            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
+        self.optimizer = self.build_optimizer(device)  # cuda: the fused AdamW a GPU rank runs
         if self.pipeline is not None:  # timings need real values (no step number: no timeline)
             self.pipeline._reduce_step = self._pipeline_step_reduction
             set_sync = self.pipeline._set_grad_sync

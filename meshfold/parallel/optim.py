@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.mesh import ParallelDims
+from meshfold.parallel.compute_weights import ComputeWeights
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig
@@ -72,18 +73,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedAdamW(torch.optim.Optimizer):
-    """ZeRO-1 for layouts whose parameters are DTensors or pipeline stages: Megatron-LM's
-    distributed optimizer. Gradients arrive already averaged (``GradReducer``, once per
-    step). This rank's local parameter pieces, laid end to end, form one flat range of
-    ``total`` elements cut into n equal segments (element granularity, so no rank holds
-    more than ceil(total/n) elements of Adam state however uneven the parameters are);
-    rank r keeps Adam state for segment r only, as views into the parameters it covers,
-    updates them, and one all-gather of the segments hands every rank the updated values.
+    """ZeRO-1 as Megatron-LM's distributed optimizer. Gradients arrive already averaged
+    (DDP or ``GradReducer``, once per step). This rank's local parameter pieces, laid end
+    to end, form one flat range of ``total`` elements cut into n equal segments (element
+    granularity, so no rank holds more than ceil(total/n) elements of Adam state however
+    uneven the parameters are); rank r keeps Adam state for segment r only, as views into
+    the parameters it covers, updates them, and one all-gather of the segments hands every
+    rank the updated values.
+
+    ``compute_dtype`` (bf16 compute, ``parallel/compute_weights.py``): the all-gather
+    carries the updated segments in that dtype, into one flat buffer whose views are the
+    next step's compute weights (``compute_copy``), so the wire carries half the bytes of
+    fp32 and nothing else is cast. The fp32 parameters stay the master weights, but each
+    rank's are current only on its own segment after a step: ``sync_masters`` gathers the
+    fp32 values (checkpoints, ``full_state``, export; collective over the group) and
+    ``masters_written`` recasts the buffer after the parameters were loaded.
+
     ``param_groups`` still list every parameter, with every key AdamW's groups have (so
     schedulers work, and a checkpoint's param groups load into any layout's optimizer).
     ``pieces``/``_views`` and the inner optimizer's state are what checkpoints save."""
 
-    def __init__(self, groups: list[dict], group: dist.ProcessGroup, **adam_kwargs):
+    def __init__(self, groups: list[dict], group: dist.ProcessGroup, compute_dtype: torch.dtype | None = None,
+                 **adam_kwargs):
         adamw_defaults = torch.optim.AdamW([torch.empty(0, requires_grad=True)], **adam_kwargs).defaults
         super().__init__(groups, dict(adamw_defaults, weight_decay=0.0))
         self.group = group
@@ -116,9 +127,99 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._inner_of = [i for i, g in enumerate(self.param_groups)
                           if any(self._owns(p) for p in g["params"])]
         self.optim = torch.optim.AdamW(inner_groups, **adam_kwargs) if inner_groups else None
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, self.dtype) else None
+        self.stale = False  # the fp32 parameters outside this rank's segment lag the compute buffer
+        if self.compute_dtype is not None:
+            self._init_compute_buffer()
 
     def _owns(self, p) -> bool:
         return any(q is p for q, _, _ in self.pieces)
+
+    # ------------------------------------------------------------------ bf16 compute buffer
+
+    @torch.no_grad()
+    def _init_compute_buffer(self) -> None:
+        """The flat compute-dtype buffer (every rank's segments, as the all-gather returns
+        them), a view of it per parameter (a DTensor with the parameter's placements under
+        tp), and this rank's send segment."""
+        self.compute_flat = torch.zeros(self.n * self.segment, dtype=self.compute_dtype, device=self.device)
+        self._send = torch.zeros(self.segment, dtype=self.compute_dtype, device=self.device)
+        self._compute: dict[int, torch.Tensor] = {}
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            view = self.compute_flat[offset: offset + t.numel()].view(t.shape)
+            if isinstance(p, DTensor):
+                view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+            self._compute[id(p)] = view
+            offset += t.numel()
+        self.masters_written()
+
+    @torch.no_grad()
+    def masters_written(self) -> None:
+        """The fp32 parameters were set on every rank (built, loaded from a checkpoint):
+        cast them into the compute buffer; they are current everywhere."""
+        if self.compute_dtype is None:
+            return
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            self.compute_flat[offset: offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
+        self._versions = self._param_versions()
+        self.stale = False
+
+    def _param_versions(self) -> list[int]:
+        return [_local(p)._version for p in self.params]
+
+    def compute_copies(self) -> dict[int, torch.Tensor]:
+        """The step's compute weights by ``id`` of the fp32 parameter: its values in the
+        gathered buffer, with the gradient going to the parameter as a cast's would.
+        Parameters this optimizer does not update are not in it (they are cast from their
+        fp32 values, current everywhere)."""
+        if self.compute_dtype is None:
+            return {}
+        if self._versions != self._param_versions():  # a write the buffer has not seen
+            raise RuntimeError("ZeRO-1 with bf16 compute: fp32 master parameters were written outside the "
+                               "optimizer; call masters_written() once they are set on every rank")
+        return {id(p): _FromBuffer.apply(p, self._compute[id(p)]) for p in self.params}
+
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Make every rank's fp32 parameters current (one fp32 all-gather of the segments,
+        counted on dp): before a checkpoint, an unsharded copy or an export. A no-op when
+        they are; collective over the group otherwise (``stale`` is the same on every rank)."""
+        if self.stale:
+            self._gather(self.dtype, self._install_masters)
+            self._versions = self._param_versions()
+            self.stale = False
+
+    def _install_masters(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def _gather(self, dtype: torch.dtype, install=None) -> torch.Tensor:
+        """All-gather every rank's updated segment, in ``dtype``: into the compute buffer
+        (``dtype`` the compute dtype), or into a temporary flat tensor handed to ``install``."""
+        if dtype == self.compute_dtype:
+            flat, mine = self.compute_flat, self._send
+        else:
+            flat = torch.zeros(self.n * self.segment, dtype=dtype, device=self.device)
+            mine = torch.zeros(self.segment, dtype=dtype, device=self.device)
+        offset = 0
+        for view in self._views:
+            mine[offset: offset + view.numel()].copy_(view)
+            offset += view.numel()
+        comm.all_gather_into_tensor(flat, mine, self.group, "dp")
+        if install is not None:
+            install(flat)
+        return flat
+
+    # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -130,18 +231,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             for view, (p, a, b) in zip(self._views, self.pieces):
                 view.grad = None if p.grad is None else _local(p.grad).reshape(-1)[a:b]
             self.optim.step()
-        flat = torch.zeros(self.n * self.segment, dtype=self.dtype, device=self.device)
-        mine = flat.narrow(0, self.rank * self.segment, self.segment)
-        offset = 0
-        for view in self._views:
-            mine[offset: offset + view.numel()].copy_(view)
-            offset += view.numel()
-        comm.all_gather_into_tensor(flat, mine.clone(), self.group, "dp")
-        offset = 0
-        for p in self.params:
-            t = _local(p)
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        if self.compute_dtype is not None:
+            # bf16 on the wire, into the next step's compute weights; the fp32 masters of the
+            # other segments stay as they were until sync_masters (the next step never reads them)
+            self._gather(self.compute_dtype)
+            self.stale = self.n > 1
+            self._versions = self._param_versions()
+        else:
+            self._gather(self.dtype, self._install_masters)
         for view in self._views:
             view.grad = None
 
@@ -151,6 +248,21 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+
+class _FromBuffer(torch.autograd.Function):
+    """``copy`` (a compute-dtype view of ZeRO-1's gathered buffer) as the compute weight of
+    the fp32 ``master``: the gradient flows back to the master in its dtype, exactly as
+    through the cast ``master.to(copy.dtype)`` it replaces (micro-batches accumulate in fp32)."""
+
+    @staticmethod
+    def forward(ctx, master, copy):
+        ctx.dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
@@ -195,16 +307,24 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
-                    zero_one: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
+                    zero_one: bool = False, sharded: bool = False,
+                    weights: ComputeWeights | None = None) -> torch.optim.Optimizer:
     """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tensor
     parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
     ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages). Both checkpoint
-    (meshfold/train/checkpoint.py)."""
+    (meshfold/train/checkpoint.py). ``weights``: the step's compute weights (bf16 compute
+    without FSDP2); given with ``zero_one``, ``ShardedAdamW`` gathers the updated values in
+    their dtype straight into them (Megatron's distributed optimizer: bf16 on the wire, in
+    one flat collective) in every ZeRO-1 layout, and becomes their source."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = adamw_kwargs(cfg, device_type)
-    if zero_one and sharded:
+    if zero_one and (sharded or weights is not None):
         kwargs.pop("fused", None)
-        return ShardedAdamW(groups, dims.group("dp_shard_cp"), **kwargs)
+        opt = ShardedAdamW(groups, dims.group("dp_shard_cp"), weights.dtype if weights is not None else None,
+                           **kwargs)
+        if weights is not None and opt.compute_dtype is not None:
+            weights.source = opt
+        return opt
     if zero_one:
         kwargs.pop("fused", None)
         return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)

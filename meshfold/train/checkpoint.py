@@ -225,6 +225,19 @@ class Checkpointer:
         opt = self.optimizer
         return opt if isinstance(opt, ShardedAdamW) else None
 
+    def _sync_masters(self) -> None:
+        """ZeRO-1 under bf16 keeps each rank's fp32 parameters current only on its own
+        segment between checkpoints (``ShardedAdamW.sync_masters``): gather them first."""
+        sharded = self._sharded()
+        if sharded is not None:
+            sharded.sync_masters()
+
+    def _masters_written(self) -> None:
+        """Parameters loaded on every rank: ZeRO-1's bf16 compute buffer recast from them."""
+        sharded = self._sharded()
+        if sharded is not None:
+            sharded.masters_written()
+
     def _fqn_of_params(self) -> dict[int, str]:
 
         return {id(p): name for name, p in unwrap(_whole_model(self.parts)).named_parameters()}
@@ -328,6 +341,7 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
+        self._sync_masters()
         sd = self.state_dict()
         self.last_saved_step = step
         try:
@@ -497,6 +511,7 @@ class Checkpointer:
             self._load_param_groups(self.optimizer, sd["optim"])
         for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
+        self._masters_written()
         self.scheduler.load_state_dict(sd["scheduler"])
         if restore_sampler:
             self.sampler.load_state_dict(sd["sampler"])
@@ -585,6 +600,7 @@ class Checkpointer:
         sd = {"model": self._model_state()}
         safe_load(sd, path)
         set_model_state_dict(_whole_model(self.parts), sd["model"])
+        self._masters_written()
 
     def resume(self) -> int | None:
         """At the start of ``fit``: resume from the newest good checkpoint
