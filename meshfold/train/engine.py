@@ -213,7 +213,8 @@ class LocalEngine(StepEngine):
             return self.forward_loss(batch).double()
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        self.sync_masters()
+        if not grads:
+            self.sync_masters()
         return unsharded(unwrap(self.model).named_parameters(), grads)
 
 
@@ -253,6 +254,7 @@ class PipelineEngine(StepEngine):
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Gathered from every stage onto pp rank 0 (empty elsewhere)."""
-        self.sync_masters()
+        if not grads:
+            self.sync_masters()
         return self.pipe.gather_state(unsharded(itertools.chain.from_iterable(
             c.named_parameters() for c in self.pipe.chunks), grads))
