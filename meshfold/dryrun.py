@@ -242,9 +242,19 @@ class DryTrainer(Trainer):
                         for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
             g = {f: gpucheck.extrapolate(g1[f], g2[f], k) for f in g1} if gpu else None
         extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
-        return {**extra, "param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
+        return {**extra, "param_bytes": _param_bytes(self.model, self.optimizer),
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
                 "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
+
+
+def _param_bytes(model: torch.nn.Module, opt) -> int:
+    """The parameter bytes the rank holds: its local pieces, except that ZeRO-1 under bf16
+    holds only its own segment of the fp32 values (``ShardedAdamW.held_param_bytes``)."""
+    held = getattr(opt, "held_param_bytes", None)
+    if held is not None and opt.compute_dtype is not None:
+        mine = {id(p) for p in opt.params}
+        return held() + sum(_local_bytes(q) for q in model.parameters() if id(q) not in mine)
+    return sum(_local_bytes(q) for q in model.parameters())
 
 
 def _local_bytes(t: torch.Tensor) -> int:

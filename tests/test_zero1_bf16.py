@@ -1,7 +1,7 @@
 """ZeRO-1 under bf16 compute (``parallel/optim.py::ShardedAdamW`` with a compute dtype):
-the updated parameters cross dp in bf16, gathered into the step's compute weights, and the
-fp32 masters, current only on each rank's own segment between checkpoints, are gathered
-where they are read whole. Checked against the same layout with ZeRO-0 (every rank
+the updated parameters cross dp in bf16, gathered into the step's compute weights; each
+rank keeps fp32 values for its own segment only, and the module's fp32 parameters are
+freed between steps and gathered where they are read whole. Checked against the same layout with ZeRO-0 (every rank
 updating whole fp32 parameters: the same reductions, so bit for bit), through checkpoints
 (what is saved is the current fp32 masters; a resume continues bit for bit)."""
 
@@ -31,6 +31,12 @@ def _zero1_source(cfg_dict: dict) -> dict:
     opt = tr.optimizer
     out = {"sharded": isinstance(opt, ShardedAdamW), "dtype": getattr(opt, "compute_dtype", None),
            "source": tr.engine.weights is not None and tr.engine.weights.source is opt}
+    tr.train_step()
+    # after a step the rank holds fp32 values for its own segment only (the module's fp32
+    # parameters have no storage), until a checkpoint or full_state gathers them
+    out["held"] = opt.held_param_bytes() / (opt.segment * 4)
+    tr.full_state()
+    out["synced"] = opt.held_param_bytes() / (sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in tr.model.parameters()) * 4 + opt.segment * 4)
     tr.checkpointer.close()
     tr.fault.close()
     return out
@@ -45,8 +51,10 @@ def test_bf16_zero1_equals_zero0_bitwise(tmp_path, zero1, zero0):
     # that the bf16 compute weights arrive by an all-gather instead of a cast on every rank.
     # A rank computing from stale or bf16-rounded masters would differ after step 2.
     world = 2 * zero1.get("tp", 1)
-    assert run_on(world, _zero1_source, _bf16(tmp_path / "w", zero1))[0] == {
+    wiring = run_on(world, _zero1_source, _bf16(tmp_path / "w", zero1))[0]
+    assert {k: wiring[k] for k in ("sharded", "dtype", "source")} == {
         "sharded": True, "dtype": torch.bfloat16, "source": True}
+    assert 0.9 < wiring["held"] <= 1.0 and 0.99 < wiring["synced"] <= 1.0, wiring
     a = run_on(world, train_collect, _bf16(tmp_path / "z1", zero1))[0]
     b = run_on(world, train_collect, _bf16(tmp_path / "z0", zero0))[0]
     assert a["losses"] == b["losses"]

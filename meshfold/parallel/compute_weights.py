@@ -25,9 +25,10 @@ pipeline's weight-gradient pass); the copies count as model state, not activatio
 
 Under ZeRO-1 the optimizer keeps them: ``parallel/optim.py::ShardedAdamW`` all-gathers the
 updated values in bf16 into one flat buffer after each step, and the copies are views of it
-(``source``), as Megatron's distributed optimizer gathers bf16 parameters. Each rank's fp32
-parameters are then current only on the segment it updates; ``sync_masters`` gathers them
-in fp32 where they are read whole (checkpoints, ``full_state``, export).
+(``source``), as Megatron's distributed optimizer gathers bf16 parameters. Each rank keeps
+fp32 values only for the segment it updates, and the module's fp32 parameters are freed
+between steps; ``sync_masters`` gathers them in fp32 where they are read whole
+(checkpoints, ``full_state``, export).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class ComputeWeights:
                         self.slots.append((module, name, p))
         self.swapped = False
         # ZeRO-1 under bf16 (``parallel/optim.py::ShardedAdamW``, set by ``build_optimizer``):
-        # the copies come from the optimizer's gathered bf16 buffer, not from the fp32
-        # parameters, which outside a rank's own segment lag it between checkpoints.
+        # the copies come from the optimizer's gathered bf16 buffer; the fp32 parameters hold
+        # no values between checkpoints (each rank keeps its own segment's).
         self.source = None
 
     def sync_masters(self) -> None:

@@ -72,22 +72,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns a (DTensor) parameter's local storage (``to_local`` may return
+    a view of it)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class ShardedAdamW(torch.optim.Optimizer):
     """ZeRO-1 as Megatron-LM's distributed optimizer. Gradients arrive already averaged
     (DDP or ``GradReducer``, once per step). This rank's local parameter pieces, laid end
     to end, form one flat range of ``total`` elements cut into n equal segments (element
     granularity, so no rank holds more than ceil(total/n) elements of Adam state however
-    uneven the parameters are); rank r keeps Adam state for segment r only, as views into
-    the parameters it covers, updates them, and one all-gather of the segments hands every
-    rank the updated values.
+    uneven the parameters are); rank r keeps Adam state for segment r only, updates it, and
+    one all-gather of the segments hands every rank the updated values.
 
-    ``compute_dtype`` (bf16 compute, ``parallel/compute_weights.py``): the all-gather
-    carries the updated segments in that dtype, into one flat buffer whose views are the
-    next step's compute weights (``compute_copy``), so the wire carries half the bytes of
-    fp32 and nothing else is cast. The fp32 parameters stay the master weights, but each
-    rank's are current only on its own segment after a step: ``sync_masters`` gathers the
-    fp32 values (checkpoints, ``full_state``, export; collective over the group) and
-    ``masters_written`` recasts the buffer after the parameters were loaded.
+    fp32 compute (``compute_dtype`` None): the state's parameters are views into the
+    parameters, and the all-gather writes the updated fp32 values back into them.
+
+    bf16 compute (``compute_dtype``, ``parallel/compute_weights.py``), as Megatron: the rank
+    keeps fp32 master values only for its segment (``master_shard``, which Adam updates);
+    the all-gather carries the updated segments in bf16, into one flat buffer whose views
+    are the next step's compute weights (``compute_copies``): half the bytes of fp32 on the
+    wire, no cast per step. The module's fp32 parameters then hold no values between steps
+    (``release``: their storage is freed, 4 B per parameter; shapes, gradients and autograd
+    are untouched); ``sync_masters`` gathers the fp32 values into them where they are read
+    whole (checkpoint save, ``full_state``; collective over the group), ``materialize``
+    gives them storage to be loaded into, and ``masters_written`` takes loaded values back
+    into the shard and the buffer.
 
     ``param_groups`` still list every parameter, with every key AdamW's groups have (so
     schedulers work, and a checkpoint's param groups load into any layout's optimizer).
@@ -105,30 +116,45 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError(f"ZeRO-1 with tensor/pipeline parallel needs one parameter dtype, got {dtypes}")
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, self.dtype) else None
         total = sum(_local(p).numel() for p in self.params)
         self.segment = max(1, math.ceil(total / self.n))
         lo, hi = self.rank * self.segment, (self.rank + 1) * self.segment
-        # (param, start, stop) of the pieces this rank updates, in flat order.
+        # (param, start, stop) of the pieces this rank updates, in flat order; per group.
         self.pieces: list[tuple[torch.Tensor, int, int]] = []
-        inner_groups = []
+        owned: list[list[tuple[torch.Tensor, int, int]]] = []
         offset = 0
         for g in self.param_groups:
-            views = []
+            owned.append([])
             for p in g["params"]:
                 numel = _local(p).numel()
                 a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
                 if a < b:
                     self.pieces.append((p, a, b))
-                    views.append(_local(p).detach().view(-1)[a:b])
+                    owned[-1].append((p, a, b))
                 offset += numel
+        # Adam's parameters: views into the parameters (fp32 compute) or into the rank's own
+        # fp32 master shard (bf16 compute), piece after piece
+        self.master_shard = None
+        if self.compute_dtype is not None:
+            self.master_shard = torch.zeros(sum(b - a for _, a, b in self.pieces), dtype=self.dtype,
+                                            device=self.device)
+        inner_groups, at = [], 0
+        for g, pieces in zip(self.param_groups, owned):
+            views = []
+            for p, a, b in pieces:
+                if self.master_shard is None:
+                    views.append(_local(p).detach().view(-1)[a:b])
+                else:
+                    views.append(self.master_shard[at: at + b - a])
+                    at += b - a
             if views:
                 inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
         self._views = [v for g in inner_groups for v in g["params"]]
-        self._inner_of = [i for i, g in enumerate(self.param_groups)
-                          if any(self._owns(p) for p in g["params"])]
+        self._inner_of = [i for i, g in enumerate(owned) if g]
         self.optim = torch.optim.AdamW(inner_groups, **adam_kwargs) if inner_groups else None
-        self.compute_dtype = compute_dtype if compute_dtype not in (None, self.dtype) else None
-        self.stale = False  # the fp32 parameters outside this rank's segment lag the compute buffer
+        self.current = True  # the module's fp32 parameters hold the current values
+        self._released: list[torch.Tensor] = []  # local parameter tensors whose storage is freed
         if self.compute_dtype is not None:
             self._init_compute_buffer()
 
@@ -141,7 +167,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _init_compute_buffer(self) -> None:
         """The flat compute-dtype buffer (every rank's segments, as the all-gather returns
         them), a view of it per parameter (a DTensor with the parameter's placements under
-        tp), and this rank's send segment."""
+        tp), and this rank's send segment; then the built parameters taken in."""
         self.compute_flat = torch.zeros(self.n * self.segment, dtype=self.compute_dtype, device=self.device)
         self._send = torch.zeros(self.segment, dtype=self.compute_dtype, device=self.device)
         self._compute: dict[int, torch.Tensor] = {}
@@ -159,19 +185,49 @@ class ShardedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def masters_written(self) -> None:
         """The fp32 parameters were set on every rank (built, loaded from a checkpoint):
-        cast them into the compute buffer; they are current everywhere."""
+        take this rank's segment of them into the master shard, cast them all into the
+        compute buffer, and free them."""
         if self.compute_dtype is None:
             return
+        if self._released:
+            raise RuntimeError("ZeRO-1 masters_written() on released parameters (materialize() before loading)")
+        for view, (p, a, b) in zip(self._views, self.pieces):
+            view.copy_(_local(p).reshape(-1)[a:b])
         offset = 0
         for p in self.params:
             t = _local(p)
             self.compute_flat[offset: offset + t.numel()].copy_(t.reshape(-1))
             offset += t.numel()
+        self.release()
+
+    def release(self) -> None:
+        """Free the module's fp32 parameters' storage (their values live in the ranks' master
+        shards). A parameter whose storage holds more than itself (a view) is kept."""
+        for p in self.params:
+            t = _held(p)
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.nbytes() == t.numel() * t.element_size() and t.is_contiguous():
+                storage.resize_(0)
+                self._released.append(t)
+        self.current = False
         self._versions = self._param_versions()
-        self.stale = False
+
+    def materialize(self) -> None:
+        """Storage for every released parameter again (values undefined until written:
+        ``sync_masters`` or a checkpoint load followed by ``masters_written``)."""
+        for t in self._released:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        self._released = []
+
+    def held_param_bytes(self) -> int:
+        """Bytes of fp32 parameter values this rank holds: the module's parameters that
+        have storage, and the master shard."""
+        held = sum(_held(p).untyped_storage().nbytes() for p in self.params)
+        return held + (self.master_shard.numel() * self.master_shard.element_size()
+                       if self.master_shard is not None else 0)
 
     def _param_versions(self) -> list[int]:
-        return [_local(p)._version for p in self.params]
+        return [_held(p)._version for p in self.params]
 
     def compute_copies(self) -> dict[int, torch.Tensor]:
         """The step's compute weights by ``id`` of the fp32 parameter: its values in the
@@ -187,13 +243,16 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync_masters(self) -> None:
-        """Make every rank's fp32 parameters current (one fp32 all-gather of the segments,
-        counted on dp): before a checkpoint, an unsharded copy or an export. A no-op when
-        they are; collective over the group otherwise (``stale`` is the same on every rank)."""
-        if self.stale:
-            self._gather(self.dtype, self._install_masters)
-            self._versions = self._param_versions()
-            self.stale = False
+        """Make every rank's fp32 parameters hold the current values (one fp32 all-gather of
+        the master shards, counted on dp): before a checkpoint, an unsharded copy or an
+        export. A no-op when they do; collective over the group otherwise (``current`` is
+        the same on every rank). They stay until the next step frees them."""
+        if self.compute_dtype is None or self.current:
+            return
+        self.materialize()
+        self._gather(self.dtype, self._install_masters)
+        self.current = True
+        self._versions = self._param_versions()
 
     def _install_masters(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -232,11 +291,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                 view.grad = None if p.grad is None else _local(p.grad).reshape(-1)[a:b]
             self.optim.step()
         if self.compute_dtype is not None:
-            # bf16 on the wire, into the next step's compute weights; the fp32 masters of the
-            # other segments stay as they were until sync_masters (the next step never reads them)
+            # bf16 on the wire, into the next step's compute weights; the module's fp32
+            # parameters (gathered for a checkpoint since the last step) are out of date: freed
             self._gather(self.compute_dtype)
-            self.stale = self.n > 1
-            self._versions = self._param_versions()
+            self.release()
         else:
             self._gather(self.dtype, self._install_masters)
         for view in self._views:
