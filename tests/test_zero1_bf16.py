@@ -45,12 +45,14 @@ def _zero1_source(cfg_dict: dict) -> dict:
 @pytest.mark.parametrize("zero1, zero0", [
     ({"dp_shard": 2, "zero": 1}, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}),  # DDP
     ({"tp": 2, "dp_shard": 2, "zero": 1}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1, "zero": 0}),  # GradReducer
-], ids=["ddp", "tp2"])
+    ({"pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 2},  # pipeline stages: plain parameters, GradReducer
+     {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "zero": 0, "pp_microbatches": 2}),
+], ids=["ddp", "tp2", "pp2"])
 def test_bf16_zero1_equals_zero0_bitwise(tmp_path, zero1, zero0):
     # Same split, same reduction: the only difference is who updates which fp32 values and
     # that the bf16 compute weights arrive by an all-gather instead of a cast on every rank.
     # A rank computing from stale or bf16-rounded masters would differ after step 2.
-    world = 2 * zero1.get("tp", 1)
+    world = 2 * zero1.get("tp", 1) * zero1.get("pp", 1)
     wiring = run_on(world, _zero1_source, _bf16(tmp_path / "w", zero1))[0]
     assert {k: wiring[k] for k in ("sharded", "dtype", "source")} == {
         "sharded": True, "dtype": torch.bfloat16, "source": True}
