@@ -269,10 +269,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         else:
             flat = torch.zeros(self.n * self.segment, dtype=dtype, device=self.device)
             mine = torch.zeros(self.segment, dtype=dtype, device=self.device)
-        offset = 0
-        for view in self._views:
-            mine[offset: offset + view.numel()].copy_(view)
-            offset += view.numel()
+        if self.master_shard is not None:  # the pieces end to end already: one copy (and cast)
+            mine[: self.master_shard.numel()].copy_(self.master_shard)
+        else:
+            offset = 0
+            for view in self._views:
+                mine[offset: offset + view.numel()].copy_(view)
+                offset += view.numel()
         comm.all_gather_into_tensor(flat, mine, self.group, "dp")
         if install is not None:
             install(flat)
