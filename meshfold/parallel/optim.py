@@ -158,9 +158,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self.compute_dtype is not None:
             self._init_compute_buffer()
 
-    def _owns(self, p) -> bool:
-        return any(q is p for q, _, _ in self.pieces)
-
     # ------------------------------------------------------------------ bf16 compute buffer
 
     @torch.no_grad()
