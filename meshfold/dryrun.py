@@ -74,9 +74,9 @@ from meshfold.mesh import build_mesh
 from meshfold.models.moe import moe_end_step, moe_layers
 from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
-from meshfold.parallel.data import BUCKET_MB, uses_ddp, uses_grad_reducer
+from meshfold.parallel.data import BUCKET_MB
 from meshfold.memory import count_saved_activations
-from meshfold.parallel.optim import build_optimizer, grad_norm
+from meshfold.parallel.optim import grad_norm
 from meshfold.parallel.stages import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
@@ -119,10 +119,7 @@ class DryTrainer(Trainer):
         self.pipeline = getattr(self.engine, "pipe", None)
         if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
             use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
-        self.optimizer = build_optimizer(
-            self.model, t, self.dims, device,  # cuda: the fused AdamW a GPU rank runs
-            zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
-            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"))
+        self.optimizer = self.build_optimizer(device)  # cuda: the fused AdamW a GPU rank runs
         if self.pipeline is not None:  # timings need real values (no step number: no timeline)
             self.pipeline._reduce_step = self._pipeline_step_reduction
             set_sync = self.pipeline._set_grad_sync
@@ -246,9 +243,19 @@ class DryTrainer(Trainer):
                         for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
             g = {f: gpucheck.extrapolate(g1[f], g2[f], k) for f in g1} if gpu else None
         extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
-        return {**extra, "param_bytes": sum(_local_bytes(q) for q in self.model.parameters()),
+        return {**extra, "param_bytes": _param_bytes(self.model, self.optimizer),
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
                 "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
+
+
+def _param_bytes(model: torch.nn.Module, opt) -> int:
+    """The parameter bytes the rank holds: its local pieces, except that ZeRO-1 under bf16
+    holds only its own segment of the fp32 values (``ShardedAdamW.held_param_bytes``)."""
+    held = getattr(opt, "held_param_bytes", None)
+    if held is not None and opt.compute_dtype is not None:
+        mine = {id(p) for p in opt.params}
+        return held() + sum(_local_bytes(q) for q in model.parameters() if id(q) not in mine)
+    return sum(_local_bytes(q) for q in model.parameters())
 
 
 def _local_bytes(t: torch.Tensor) -> int:

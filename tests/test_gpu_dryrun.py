@@ -45,8 +45,6 @@ NO_DOCS = {"doc_mask": False}  # layouts are checked on plain causal rows; docum
 
 GATES_FP32 = ("the MoE gates (the router's fp32 weights, k per token) cross tp in float32 (parallel/expert.py: "
               "their gradient sum, and with sp their all-gather), where the tokens themselves cross in bf16")
-ZERO1_FP32_GATHER = ("ZeRO-1 all-gathers the updated fp32 master weights (parallel/optim.py); Megatron's "
-                     "distributed optimizer gathers bf16 parameters and keeps fp32 masters only for its shard")
 
 
 def case(world, parallel, model=None, train=None, data=None, lowcomm=None, xfail=None):
@@ -55,14 +53,14 @@ def case(world, parallel, model=None, train=None, data=None, lowcomm=None, xfail
 
 CASES = {
     "ddp": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}),
-    "zero1": case(2, {"dp_shard": 2, "zero": 1}, xfail=ZERO1_FP32_GATHER),
+    "zero1": case(2, {"dp_shard": 2, "zero": 1}),
     "zero2-recompute-selective": case(2, {"dp_shard": 2, "zero": 2}, train={"recompute": "selective"}),
     "zero3-recompute-full": case(2, {"dp_shard": 2, "zero": 3}, train={"recompute": "full"}),
     "hsdp": case(4, {"dp_replicate": 2, "dp_shard": 2, "zero": 3}),
     "offload-params": case(2, {"dp_shard": 2, "zero": 3}, train={"offload": "params"}),
     "offload-optimizer": case(2, {"dp_shard": 2, "zero": 3}, train={"offload": "optimizer"}),
     "tp-sp-fsdp": case(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}),
-    "tp-zero1": case(4, {"tp": 2, "dp_shard": 2, "zero": 1}, xfail=ZERO1_FP32_GATHER),
+    "tp-zero1": case(4, {"tp": 2, "dp_shard": 2, "zero": 1}),
     "pp-gpipe": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe", "pp_microbatches": 2}),
     "pp-1f1b": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b", "pp_microbatches": 2}),
     "pp-interleaved": case(2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved", "pp_virtual_stages": 2,

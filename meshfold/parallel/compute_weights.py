@@ -22,6 +22,13 @@ What differs from a module's usual state while a step runs: ``module.parameters(
 the bf16 copies (``master_parameters`` yields the fp32 ones, e.g. for the zero-bubble
 pipeline's weight-gradient pass); the copies count as model state, not activations
 (``memory.note_model_state``).
+
+Under ZeRO-1 the optimizer keeps them: ``parallel/optim.py::ShardedAdamW`` all-gathers the
+updated values in bf16 into one flat buffer after each step, and the copies are views of it
+(``source``), as Megatron's distributed optimizer gathers bf16 parameters. Each rank keeps
+fp32 values only for the segment it updates, and the module's fp32 parameters are freed
+between steps; ``sync_masters`` gathers them in fp32 where they are read whole
+(checkpoints, ``full_state``, export).
 """
 
 from __future__ import annotations
@@ -53,6 +60,16 @@ class ComputeWeights:
                     if p is not None and p.is_floating_point() and p.dtype != dtype:
                         self.slots.append((module, name, p))
         self.swapped = False
+        # ZeRO-1 under bf16 (``parallel/optim.py::ShardedAdamW``, set by ``build_optimizer``):
+        # the copies come from the optimizer's gathered bf16 buffer; the fp32 parameters hold
+        # no values between checkpoints (each rank keeps its own segment's).
+        self.source = None
+
+    def sync_masters(self) -> None:
+        """Make the fp32 parameters current on every rank before they are read whole
+        (``full_state``, export); a no-op without a ZeRO-1 source. Collective over dp."""
+        if self.source is not None:
+            self.source.sync_masters()
 
     @contextlib.contextmanager
     def active(self):
@@ -62,10 +79,12 @@ class ComputeWeights:
             yield
             return
         copies: dict[int, torch.Tensor] = {}
+        gathered = self.source.compute_copies() if self.source is not None else {}
         for module, name, p in self.slots:
             c = copies.get(id(p))
             if c is None:
-                c = copies[id(p)] = p.to(self.dtype)
+                c = gathered.get(id(p))
+                c = copies[id(p)] = p.to(self.dtype) if c is None else c
                 c._meshfold_master = p
             module._parameters[name] = c
         note_model_state(copies.values())

@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.mesh import ParallelDims
+from meshfold.parallel.compute_weights import ComputeWeights
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig
@@ -71,19 +72,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns a (DTensor) parameter's local storage (``to_local`` may return
+    a view of it)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class ShardedAdamW(torch.optim.Optimizer):
-    """ZeRO-1 for layouts whose parameters are DTensors or pipeline stages: Megatron-LM's
-    distributed optimizer. Gradients arrive already averaged (``GradReducer``, once per
-    step). This rank's local parameter pieces, laid end to end, form one flat range of
-    ``total`` elements cut into n equal segments (element granularity, so no rank holds
-    more than ceil(total/n) elements of Adam state however uneven the parameters are);
-    rank r keeps Adam state for segment r only, as views into the parameters it covers,
-    updates them, and one all-gather of the segments hands every rank the updated values.
+    """ZeRO-1 as Megatron-LM's distributed optimizer. Gradients arrive already averaged
+    (DDP or ``GradReducer``, once per step). This rank's local parameter pieces, laid end
+    to end, form one flat range of ``total`` elements cut into n equal segments (element
+    granularity, so no rank holds more than ceil(total/n) elements of Adam state however
+    uneven the parameters are); rank r keeps Adam state for segment r only, updates it, and
+    one all-gather of the segments hands every rank the updated values.
+
+    fp32 compute (``compute_dtype`` None): the state's parameters are views into the
+    parameters, and the all-gather writes the updated fp32 values back into them.
+
+    bf16 compute (``compute_dtype``, ``parallel/compute_weights.py``), as Megatron: the rank
+    keeps fp32 master values only for its segment (``master_shard``, which Adam updates);
+    the all-gather carries the updated segments in bf16, into one flat buffer whose views
+    are the next step's compute weights (``compute_copies``): half the bytes of fp32 on the
+    wire, no cast per step. The module's fp32 parameters then hold no values between steps
+    (``release``: their storage is freed, 4 B per parameter; shapes, gradients and autograd
+    are untouched); ``sync_masters`` gathers the fp32 values into them where they are read
+    whole (checkpoint save, ``full_state``; collective over the group), ``materialize``
+    gives them storage to be loaded into, and ``masters_written`` takes loaded values back
+    into the shard and the buffer.
+
     ``param_groups`` still list every parameter, with every key AdamW's groups have (so
     schedulers work, and a checkpoint's param groups load into any layout's optimizer).
     ``pieces``/``_views`` and the inner optimizer's state are what checkpoints save."""
 
-    def __init__(self, groups: list[dict], group: dist.ProcessGroup, **adam_kwargs):
+    def __init__(self, groups: list[dict], group: dist.ProcessGroup, compute_dtype: torch.dtype | None = None,
+                 **adam_kwargs):
         adamw_defaults = torch.optim.AdamW([torch.empty(0, requires_grad=True)], **adam_kwargs).defaults
         super().__init__(groups, dict(adamw_defaults, weight_decay=0.0))
         self.group = group
@@ -94,31 +116,169 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError(f"ZeRO-1 with tensor/pipeline parallel needs one parameter dtype, got {dtypes}")
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, self.dtype) else None
         total = sum(_local(p).numel() for p in self.params)
         self.segment = max(1, math.ceil(total / self.n))
         lo, hi = self.rank * self.segment, (self.rank + 1) * self.segment
-        # (param, start, stop) of the pieces this rank updates, in flat order.
+        # (param, start, stop) of the pieces this rank updates, in flat order; per group.
         self.pieces: list[tuple[torch.Tensor, int, int]] = []
-        inner_groups = []
+        owned: list[list[tuple[torch.Tensor, int, int]]] = []
         offset = 0
         for g in self.param_groups:
-            views = []
+            owned.append([])
             for p in g["params"]:
                 numel = _local(p).numel()
                 a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
                 if a < b:
                     self.pieces.append((p, a, b))
-                    views.append(_local(p).detach().view(-1)[a:b])
+                    owned[-1].append((p, a, b))
                 offset += numel
+        # Adam's parameters: views into the parameters (fp32 compute) or into the rank's own
+        # fp32 master shard (bf16 compute), piece after piece
+        self.master_shard = None
+        if self.compute_dtype is not None:
+            self.master_shard = torch.zeros(sum(b - a for _, a, b in self.pieces), dtype=self.dtype,
+                                            device=self.device)
+        inner_groups, at = [], 0
+        for g, pieces in zip(self.param_groups, owned):
+            views = []
+            for p, a, b in pieces:
+                if self.master_shard is None:
+                    views.append(_local(p).detach().view(-1)[a:b])
+                else:
+                    views.append(self.master_shard[at: at + b - a])
+                    at += b - a
             if views:
                 inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
         self._views = [v for g in inner_groups for v in g["params"]]
-        self._inner_of = [i for i, g in enumerate(self.param_groups)
-                          if any(self._owns(p) for p in g["params"])]
+        self._inner_of = [i for i, g in enumerate(owned) if g]
         self.optim = torch.optim.AdamW(inner_groups, **adam_kwargs) if inner_groups else None
+        self.current = True  # the module's fp32 parameters hold the current values
+        self._released: list[torch.Tensor] = []  # local parameter tensors whose storage is freed
+        if self.compute_dtype is not None:
+            self._init_compute_buffer()
 
-    def _owns(self, p) -> bool:
-        return any(q is p for q, _, _ in self.pieces)
+    # ------------------------------------------------------------------ bf16 compute buffer
+
+    @torch.no_grad()
+    def _init_compute_buffer(self) -> None:
+        """The flat compute-dtype buffer (every rank's segments, as the all-gather returns
+        them), a view of it per parameter (a DTensor with the parameter's placements under
+        tp), and this rank's send segment; then the built parameters taken in."""
+        self.compute_flat = torch.zeros(self.n * self.segment, dtype=self.compute_dtype, device=self.device)
+        self._send = torch.zeros(self.segment, dtype=self.compute_dtype, device=self.device)
+        self._compute: dict[int, torch.Tensor] = {}
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            view = self.compute_flat[offset: offset + t.numel()].view(t.shape)
+            if isinstance(p, DTensor):
+                view = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
+            self._compute[id(p)] = view
+            offset += t.numel()
+        self.masters_written()
+
+    @torch.no_grad()
+    def masters_written(self) -> None:
+        """The fp32 parameters were set on every rank (built, loaded from a checkpoint):
+        take this rank's segment of them into the master shard, cast them all into the
+        compute buffer, and free them."""
+        if self.compute_dtype is None:
+            return
+        if self._released:
+            raise RuntimeError("ZeRO-1 masters_written() on released parameters (materialize() before loading)")
+        for view, (p, a, b) in zip(self._views, self.pieces):
+            view.copy_(_local(p).reshape(-1)[a:b])
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            self.compute_flat[offset: offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
+        self.release()
+
+    def release(self) -> None:
+        """Free the module's fp32 parameters' storage (their values live in the ranks' master
+        shards). A parameter whose storage holds more than itself (a view) is kept."""
+        for p in self.params:
+            t = _held(p)
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.nbytes() == t.numel() * t.element_size() and t.is_contiguous():
+                storage.resize_(0)
+                self._released.append(t)
+        self.current = False
+        self._versions = self._param_versions()
+
+    def materialize(self) -> None:
+        """Storage for every released parameter again (values undefined until written:
+        ``sync_masters`` or a checkpoint load followed by ``masters_written``)."""
+        for t in self._released:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        self._released = []
+
+    def held_param_bytes(self) -> int:
+        """Bytes of fp32 parameter values this rank holds: the module's parameters that
+        have storage, and the master shard."""
+        held = sum(_held(p).untyped_storage().nbytes() for p in self.params)
+        return held + (self.master_shard.numel() * self.master_shard.element_size()
+                       if self.master_shard is not None else 0)
+
+    def _param_versions(self) -> list[int]:
+        return [_held(p)._version for p in self.params]
+
+    def compute_copies(self) -> dict[int, torch.Tensor]:
+        """The step's compute weights by ``id`` of the fp32 parameter: its values in the
+        gathered buffer, with the gradient going to the parameter as a cast's would.
+        Parameters this optimizer does not update are not in it (they are cast from their
+        fp32 values, current everywhere)."""
+        if self.compute_dtype is None:
+            return {}
+        if self._versions != self._param_versions():  # a write the buffer has not seen
+            raise RuntimeError("ZeRO-1 with bf16 compute: fp32 master parameters were written outside the "
+                               "optimizer; call masters_written() once they are set on every rank")
+        return {id(p): _FromBuffer.apply(p, self._compute[id(p)]) for p in self.params}
+
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Make every rank's fp32 parameters hold the current values (one fp32 all-gather of
+        the master shards, counted on dp): before a checkpoint, an unsharded copy or an
+        export. A no-op when they do; collective over the group otherwise (``current`` is
+        the same on every rank). They stay until the next step frees them."""
+        if self.compute_dtype is None or self.current:
+            return
+        self.materialize()
+        self._gather(self.dtype, self._install_masters)
+        self.current = True
+        self._versions = self._param_versions()
+
+    def _install_masters(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            t = _local(p)
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def _gather(self, dtype: torch.dtype, install=None) -> torch.Tensor:
+        """All-gather every rank's updated segment, in ``dtype``: into the compute buffer
+        (``dtype`` the compute dtype), or into a temporary flat tensor handed to ``install``."""
+        if dtype == self.compute_dtype:
+            flat, mine = self.compute_flat, self._send
+        else:
+            flat = torch.zeros(self.n * self.segment, dtype=dtype, device=self.device)
+            mine = torch.zeros(self.segment, dtype=dtype, device=self.device)
+        if self.master_shard is not None:  # the pieces end to end already: one copy (and cast)
+            mine[: self.master_shard.numel()].copy_(self.master_shard)
+        else:
+            offset = 0
+            for view in self._views:
+                mine[offset: offset + view.numel()].copy_(view)
+                offset += view.numel()
+        comm.all_gather_into_tensor(flat, mine, self.group, "dp")
+        if install is not None:
+            install(flat)
+        return flat
+
+    # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -130,18 +290,13 @@ class ShardedAdamW(torch.optim.Optimizer):
             for view, (p, a, b) in zip(self._views, self.pieces):
                 view.grad = None if p.grad is None else _local(p.grad).reshape(-1)[a:b]
             self.optim.step()
-        flat = torch.zeros(self.n * self.segment, dtype=self.dtype, device=self.device)
-        mine = flat.narrow(0, self.rank * self.segment, self.segment)
-        offset = 0
-        for view in self._views:
-            mine[offset: offset + view.numel()].copy_(view)
-            offset += view.numel()
-        comm.all_gather_into_tensor(flat, mine.clone(), self.group, "dp")
-        offset = 0
-        for p in self.params:
-            t = _local(p)
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        if self.compute_dtype is not None:
+            # bf16 on the wire, into the next step's compute weights; the module's fp32
+            # parameters (gathered for a checkpoint since the last step) are out of date: freed
+            self._gather(self.compute_dtype)
+            self.release()
+        else:
+            self._gather(self.dtype, self._install_masters)
         for view in self._views:
             view.grad = None
 
@@ -151,6 +306,21 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+
+class _FromBuffer(torch.autograd.Function):
+    """``copy`` (a compute-dtype view of ZeRO-1's gathered buffer) as the compute weight of
+    the fp32 ``master``: the gradient flows back to the master in its dtype, exactly as
+    through the cast ``master.to(copy.dtype)`` it replaces (micro-batches accumulate in fp32)."""
+
+    @staticmethod
+    def forward(ctx, master, copy):
+        ctx.dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 class HostOffloadAdamW(torch.optim.AdamW):
@@ -195,16 +365,24 @@ class HostOffloadAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
-                    zero_one: bool = False, sharded: bool = False) -> torch.optim.Optimizer:
+                    zero_one: bool = False, sharded: bool = False,
+                    weights: ComputeWeights | None = None) -> torch.optim.Optimizer:
     """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tensor
     parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
     ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages). Both checkpoint
-    (meshfold/train/checkpoint.py)."""
+    (meshfold/train/checkpoint.py). ``weights``: the step's compute weights (bf16 compute
+    without FSDP2); given with ``zero_one``, ``ShardedAdamW`` gathers the updated values in
+    their dtype straight into them (Megatron's distributed optimizer: bf16 on the wire, in
+    one flat collective) in every ZeRO-1 layout, and becomes their source."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = adamw_kwargs(cfg, device_type)
-    if zero_one and sharded:
+    if zero_one and (sharded or weights is not None):
         kwargs.pop("fused", None)
-        return ShardedAdamW(groups, dims.group("dp_shard_cp"), **kwargs)
+        opt = ShardedAdamW(groups, dims.group("dp_shard_cp"), weights.dtype if weights is not None else None,
+                           **kwargs)
+        if weights is not None and opt.compute_dtype is not None:
+            weights.source = opt
+        return opt
     if zero_one:
         kwargs.pop("fused", None)
         return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)

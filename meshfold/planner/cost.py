@@ -41,6 +41,7 @@ from meshfold.planner.counts import (
     reducer_buckets,
     routed_params,
     tp_grad_bytes,
+    zero1_gather,
 )
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
@@ -870,8 +871,9 @@ class CostModel:
             t_z1 = 0.0
             calls = buckets(Pmax * gb)
             if L.zero == 1 and n_shard > 1:
-                t_z1 = self.ct("all_gather", Pmax * pb, n_shard, st_dps)
-                calls += buckets(Pmax * pb)
+                zb, flat = zero1_gather(w.dtype, tp)
+                t_z1 = self.ct("all_gather", Pmax * zb, n_shard, st_dps)
+                calls += 1 if flat else buckets(Pmax * zb)
             last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
         return dp_exposed
@@ -1109,9 +1111,10 @@ class CostModel:
                     calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
             add("dp", calls, RING["all_reduce"](n_all) * P0 * gb)
             if L.zero == 1 and n_shard > 1:
-                # with tp, ShardedAdamW gathers its flat segments in one call; else
-                # ZeroRedundancyOptimizer's buckets
-                add("dp", 1 if tp > 1 else buckets(P0 * pb), RING["all_gather"](n_shard) * P0 * pb)
+                # ShardedAdamW's flat segments in one call (bf16 under meshfold's bfloat16), or
+                # ZeroRedundancyOptimizer's buckets (counts.zero1_gather)
+                zb, flat = zero1_gather(w.dtype, tp)
+                add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * P0 * zb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             grad = tp_grad_bytes(w.dtype)

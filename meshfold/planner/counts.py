@@ -36,6 +36,18 @@ def tp_grad_bytes(dtype: str) -> int:
     return FSDP_WIRE[dtype][0]
 
 
+def zero1_gather(dtype: str, tp: int) -> tuple[int, bool]:
+    """ZeRO-1's all-gather of the updated parameters: (bytes per parameter, whether it is
+    one flat call). Under meshfold's bfloat16 ``ShardedAdamW`` gathers the compute dtype
+    straight into the step's compute weights, in one call, in every layout; otherwise it
+    gathers the stored dtype, in one call with tp (``ShardedAdamW``), else in
+    ``ZeroRedundancyOptimizer``'s buckets (parallel/optim.py). (Runs with a
+    low-communication method, 1-bit Adam or live recovery keep the fp32 gather.)"""
+    if dtype == "bf16-amp":
+        return DTYPE_BYTES[dtype][3], True
+    return DTYPE_BYTES[dtype][0], tp > 1
+
+
 def buckets(size_bytes: float) -> int:
     """Collective calls that move ``size_bytes`` in BUCKET_BYTES buckets."""
     return max(1, math.ceil(size_bytes / BUCKET_BYTES)) if size_bytes > 0 else 0
@@ -103,10 +115,15 @@ def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16"
     """Parameters, gradients and optimizer states per device under ZeRO stage ``zero``
     with ``shards`` ranks sharing them (Rajbhandari et al. 2020, Sec. 5). ``accumulate``:
     gradients are reduced once per optimizer step over several micro-batches, so ZeRO-2/3
-    hold them unsharded until then (FSDP2 without gradient sync keeps unsharded grads)."""
+    hold them unsharded until then (FSDP2 without gradient sync keeps unsharded grads).
+    ZeRO-1 with ``bf16-amp`` shards the fp32 parameters too (Megatron's distributed
+    optimizer: the rank computes from the gathered bf16 copies)."""
     pb, gb, ob, _ = DTYPE_BYTES[dtype]
     n = max(1, shards)
-    return {"params": params * pb / (n if zero >= 3 else 1),
+    # ZeRO-1 under meshfold's bfloat16 keeps fp32 values only for the rank's own segment
+    # (parallel/optim.py::ShardedAdamW; the bf16 compute copies are ``gathered_param_bytes``)
+    sharded_params = zero >= 3 or (zero == 1 and dtype == "bf16-amp")
+    return {"params": params * pb / (n if sharded_params else 1),
             "grads": params * gb / (n if zero >= 2 and not accumulate else 1),
             "optimizer": params * ob / (n if zero >= 1 else 1)}
 

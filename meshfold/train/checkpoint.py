@@ -225,6 +225,26 @@ class Checkpointer:
         opt = self.optimizer
         return opt if isinstance(opt, ShardedAdamW) else None
 
+    def _sync_masters(self) -> None:
+        """ZeRO-1 under bf16 keeps each rank's fp32 values only for its own segment between
+        checkpoints (``ShardedAdamW.sync_masters``): gather them into the parameters first."""
+        sharded = self._sharded()
+        if sharded is not None:
+            sharded.sync_masters()
+
+    def _materialize(self) -> None:
+        """Storage for the fp32 parameters to load into (ZeRO-1 under bf16 frees them)."""
+        sharded = self._sharded()
+        if sharded is not None and sharded.compute_dtype is not None:
+            sharded.materialize()
+
+    def _masters_written(self) -> None:
+        """Parameters loaded on every rank: ZeRO-1 under bf16 takes them into its master
+        shard and bf16 compute buffer (and frees them again)."""
+        sharded = self._sharded()
+        if sharded is not None:
+            sharded.masters_written()
+
     def _fqn_of_params(self) -> dict[int, str]:
 
         return {id(p): name for name, p in unwrap(_whole_model(self.parts)).named_parameters()}
@@ -328,6 +348,7 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
+        self._sync_masters()
         sd = self.state_dict()
         self.last_saved_step = step
         try:
@@ -457,6 +478,7 @@ class Checkpointer:
         its step."""
         saved = read_dcp_metadata(path).state_dict_metadata
         meta_keys = set(saved)
+        self._materialize()  # (ZeRO-1 under bf16 frees the fp32 parameters between steps)
         sd = self.state_dict()
         # Keys this rank may ask for: its own RNG if the checkpoint has it, extras present.
         sd.pop(f"rng.rank{self.rank}")
@@ -497,6 +519,7 @@ class Checkpointer:
             self._load_param_groups(self.optimizer, sd["optim"])
         for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
+        self._masters_written()
         self.scheduler.load_state_dict(sd["scheduler"])
         if restore_sampler:
             self.sampler.load_state_dict(sd["sampler"])
@@ -582,9 +605,11 @@ class Checkpointer:
         error = self._validate_everywhere(path)
         if _any_rank(error is not None):
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
+        self._materialize()
         sd = {"model": self._model_state()}
         safe_load(sd, path)
         set_model_state_dict(_whole_model(self.parts), sd["model"])
+        self._masters_written()
 
     def resume(self) -> int | None:
         """At the start of ``fit``: resume from the newest good checkpoint

@@ -148,6 +148,12 @@ class StepEngine:
         """Unsharded parameters (or their gradients) by model name, for tests and export."""
         raise NotImplementedError
 
+    def sync_masters(self) -> None:
+        """The fp32 parameters current on every rank (ZeRO-1 under bf16 updates only its own
+        segment's between checkpoints: parallel/compute_weights.py); collective over dp."""
+        if self.weights is not None:
+            self.weights.sync_masters()
+
 
 class LocalEngine(StepEngine):
     """This rank holds the whole (possibly tp/cp/ep/dp-sharded) model: micro-batches run in
@@ -214,6 +220,8 @@ class LocalEngine(StepEngine):
             return self.forward_loss(batch).double()
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        if not grads:
+            self.sync_masters()
         return unsharded(unwrap(self.model).named_parameters(), grads)
 
 
@@ -253,5 +261,7 @@ class PipelineEngine(StepEngine):
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Gathered from every stage onto pp rank 0 (empty elsewhere)."""
+        if not grads:
+            self.sync_masters()
         return self.pipe.gather_state(unsharded(itertools.chain.from_iterable(
             c.named_parameters() for c in self.pipe.chunks), grads))

@@ -100,11 +100,7 @@ class Trainer:
         self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
-        self.optimizer = build_optimizer(
-            self.model, t, self.dims, self.device.type,
-            zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
-            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
-        )
+        self.optimizer = self.build_optimizer(self.device.type)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
@@ -173,6 +169,20 @@ class Trainer:
         model = parallelize(model, cfg, dims, self.device,
                             comm_hook=self.compression.install if self.compression is not None else None)
         return LocalEngine(model, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask)
+
+    def build_optimizer(self, device_type: str) -> torch.optim.Optimizer:
+        """AdamW, ZeRO-1 sharded over dp_shard_cp where ``parallel.zero = 1`` shards it.
+        Under bf16 compute ZeRO-1 gathers bf16 parameters straight into the step's compute
+        weights (``parallel/optim.py::ShardedAdamW``), except where a feature reads or writes
+        the fp32 parameters between steps or replaces the optimizer (low-communication
+        methods, 1-bit Adam, live recovery): those keep the fp32 gather."""
+        cfg, t = self.cfg, self.cfg.train
+        features_touch_masters = cfg.lowcomm.method != "none" or cfg.lowcomm.onebit_adam or t.live_recovery
+        return build_optimizer(
+            self.model, t, self.dims, device_type,
+            zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
+            sharded=uses_grad_reducer(self.dims) and self.dims.enabled("tp"),
+            weights=None if features_touch_masters else self.engine.weights)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
