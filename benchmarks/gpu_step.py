@@ -351,10 +351,12 @@ def hf_run(args, device, steps: int, compile_model: bool = False) -> dict:
     return out
 
 
-def moe_check(args, device) -> dict:
-    """The first step's loss on the device (bf16, grouped GEMMs) against float64 on the CPU."""
+def moe_check(args, device, capacity: float = 0.0) -> dict:
+    """The first step's loss on the device (bf16, grouped GEMMs) against float64 on the CPU;
+    ``capacity``: ``model.moe_capacity_factor`` (the padded, sync-free path)."""
     over = {"model.moe_experts": 8, "model.moe_topk": 2, "model.moe_every": 1,
-            "model.moe_ffn_dim": 256 if not args.tiny else 32, "model.vocab_size": 32000}
+            "model.moe_ffn_dim": 256 if not args.tiny else 32, "model.vocab_size": 32000,
+            "model.moe_capacity_factor": capacity}
     shape = {} if args.tiny else {"model.dim": 512, "model.n_layers": 2, "model.n_heads": 8,
                                   "model.n_kv_heads": 4, "model.ffn_dim": 1024}
 
@@ -402,7 +404,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget-s", type=float, default=330)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: check the script (CPU is fine)")
-    ap.add_argument("--parts", nargs="*", default=["attention", "train", "tiles", "causal", "hf", "moe", "compile", "hf-compile", "wide"])
+    ap.add_argument("--parts", nargs="*", default=["attention", "train", "tiles", "causal", "hf", "moe", "compile", "hf-compile", "wide", "moe-capacity"])
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -441,6 +443,8 @@ def main():
                                       "micro_batch": 1})
             return train_run(a, device, steps, **{"model.n_layers": 4})
         part("train: llama3-8b widths, 4 layers, seq 8192", budget, 40)(wide)
+    if "moe-capacity" in args.parts:
+        part("moe: capacity 1.25, bf16 device step vs fp64 CPU", budget, 40)(lambda: moe_check(args, device, 1.25))
     if "compile" in args.parts:
         part("train: defaults + compile", budget, 120)(
             lambda: train_run(args, device, steps, **{"train.compile": True}))
