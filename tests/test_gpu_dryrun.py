@@ -43,8 +43,6 @@ MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 
 MOE = {"moe_experts": 4, "moe_topk": 2, "moe_every": 1, "moe_ffn_dim": 32}
 NO_DOCS = {"doc_mask": False}  # layouts are checked on plain causal rows; documents have their own cases
 
-GATES_FP32 = ("the MoE gates (the router's fp32 weights, k per token) cross tp in float32 (parallel/expert.py: "
-              "their gradient sum, and with sp their all-gather), where the tokens themselves cross in bf16")
 ZERO1_FP32_GATHER = ("ZeRO-1 all-gathers the updated fp32 master weights (parallel/optim.py); Megatron's "
                      "distributed optimizer gathers bf16 parameters and keeps fp32 masters only for its shard")
 
@@ -74,8 +72,8 @@ CASES = {
     "doc-mask": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True}),
     "doc-mask-cp-ring": case(2, {"cp": 2, "dp_shard": 1, "cp_mode": "ring"}, data={"doc_mask": True}),
     "moe-ep": case(4, {"dp_shard": 4, "zero": 3, "ep": 2}, model=MOE),
-    "moe-ep-tp": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE, xfail=GATES_FP32),
-    "moe-ep-tp-sp": case(8, {"tp": 2, "sp": True, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE, xfail=GATES_FP32),
+    "moe-ep-tp": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE),
+    "moe-ep-tp-sp": case(8, {"tp": 2, "sp": True, "dp_shard": 4, "zero": 3, "ep": 2}, model=MOE),
     "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}),
     "diloco": case(4, {"dp_shard": 2, "zero": 3}, lowcomm={"method": "diloco", "workers": 2, "inner_steps": 2}),
     "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"}),

@@ -58,7 +58,8 @@ from meshfold.models.moe import (MoE, balanced_counts, combine, count_rows, gath
                                   scatter_add_rows)
 from meshfold.parallel.data import fsdp_policies
 from meshfold.parallel.expert_shard import expert_shard_dim
-from meshfold.parallel.tensor import TensorParallelGroup, _distribute, _parallelize_ffn, shard_range
+from meshfold.parallel.tensor import (TensorParallelGroup, _distribute, _on_wire, _parallelize_ffn, shard_range,
+                                      wire_dtype)
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -75,9 +76,15 @@ def tokens_in(tp: TensorParallelGroup, x, token, expert, weight) -> tuple:
     ``expert``, ``weight``: one entry per assignment). Without sp every tp rank holds the same
     tokens: f on ``x`` (all-reduce backward, wire dtype) and the gates' gradient summed over
     tp. With sp each tp rank routed only its 1/tp of the sequence: ``x``, the chosen experts
-    and the gates are all-gathered over tp, rank-major (reduce-scatter backward; the gates in
-    their own >= fp32 dtype), so every tp rank sees every token of the sequence for its
-    expert column (Megatron's all-gather token dispatcher)."""
+    and the gates are all-gathered over tp, rank-major (reduce-scatter backward), so every tp
+    rank sees every token of the sequence for its expert column (Megatron's all-gather token
+    dispatcher). Gates and their gradients cross in the wire dtype, as the tokens do."""
+    # The gates are cast to the compute dtype before they cross and the k weighted outputs are
+    # still added in fp32 after (``combine``): the experts apply a gate in the compute dtype
+    # anyway (GroupedExperts._run), and an assignment's gate gradient is non-zero on the one tp
+    # rank owning its expert, so the sum over tp adds zeros to one bf16 value: exact in bf16.
+    # Summing in fp32 instead would only double the bytes of that exchange.
+    weight = _on_wire(weight, wire_dtype(weight))
     if not tp.sp:
         return tp.enter(x), token, expert, tp.grad_sum(weight)
     rows = x.shape[0]
@@ -85,7 +92,7 @@ def tokens_in(tp: TensorParallelGroup, x, token, expert, weight) -> tuple:
     # in row order, so rank r's token ids are this rank's shifted by r * rows
     shift = rows * torch.arange(tp.size, device=token.device, dtype=token.dtype)
     token = (token[None] + shift[:, None]).flatten()
-    return tp.gather_tokens(x), token, tp.all_gather(expert, 0), tp.gather_tokens(weight, exact=True)
+    return tp.gather_tokens(x), token, tp.all_gather(expert, 0), tp.gather_tokens(weight)
 
 
 def tokens_out(tp: TensorParallelGroup, out: torch.Tensor) -> torch.Tensor:

@@ -542,7 +542,7 @@ class CostModel:
                 weights += 2 * m.head_dim
             tp_layer = (calls, sent, r_ar * weights)
             shared = 1 if m.moe_shared_experts else 0
-            gates = tokens * m.moe_topk * kept_fraction(m, s) * max(4, act)
+            gates = tokens * m.moe_topk * kept_fraction(m, s) * act  # in the compute dtype (parallel/expert.py)
             if True in self.kinds and not sp:  # a MoE block: its gates' gradient summed over tp in
                 # backward (the expert output leaves, its input enters like a dense MLP's), and the
                 # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
@@ -550,7 +550,7 @@ class CostModel:
             elif True in self.kinds:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
                 # in place of the dense MLP's 5 calls (2.5 all-reduces of A) counted in tp_layer: the
                 # tokens gathered (AG fwd, RS bwd; not re-gathered), the chosen experts (int64, AG)
-                # and the gates (AG fwd, RS bwd, >= fp32), the per-token sums scattered back (RS
+                # and the gates (AG fwd, RS bwd, compute dtype), the per-token sums scattered back (RS
                 # fwd, AG bwd); the balance statistics (E + 2 float64, all-reduce, not re-sent
                 # under recompute); the router's gradient (E x dim elements); a shared expert is a
                 # sequence-parallel MLP (5 calls). Full recompute re-runs the three gathers (the
