@@ -309,3 +309,54 @@ def test_grouped_gemm_matches_naive_without_host_reads(dtype, tol):
     torch.testing.assert_close(out[0], out[1], rtol=tol, atol=tol)
     torch.testing.assert_close(grads[0], grads[1], rtol=tol, atol=tol)
     assert (grads[0][[1, 3, 4, 7]] == 0).all()  # experts without tokens: zero gradient
+
+
+def naive_capacity_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, int]:
+    """The capacity definition in plain Python: per sequence, each expert takes the first
+    C = ceil(c s k / E) assignments of its queue (first choices of every position, then second
+    choices, ...); the rest are dropped. (Output, assignments dropped.)"""
+    b, s, _ = x.shape
+    k, E = cfg.moe_topk, cfg.moe_experts
+    cap = math.ceil(cfg.moe_capacity_factor * s * k / E)
+    out, dropped = torch.zeros_like(x), 0
+    for q in range(b):
+        logits = x[q] @ moe.router.weight.t()
+        scores = logits.softmax(-1)
+        idx = scores.topk(k, dim=-1).indices
+        taken = [0] * E
+        for j in range(k):
+            for t in range(s):
+                e = int(idx[t, j])
+                if taken[e] >= cap:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                g = scores[t, e] / (scores[t, idx[t]].sum() if cfg.moe_norm_topk else 1.0)
+                w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+                out[q, t] += g * (w2 @ (F.silu(w1 @ x[q, t]) * (w3 @ x[q, t])))
+    return out, dropped
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_capacity_matches_naive_without_host_reads(factor):
+    """Capacity mode runs in fixed slots (padded, ``CapacitySlots``): the same output and the
+    same dropped assignments as the plain definition, float64, and neither the forward nor the
+    backward reads a tensor on the host (the router and expert weights get gradients)."""
+    cfg = tiny(moe_capacity_factor=factor, moe_norm_topk=True)
+    moe = build_moe(cfg).train()
+    x = torch.randn(3, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    want, dropped = naive_capacity_moe(moe, x, cfg)
+    if factor < 1.5:
+        assert dropped > 0  # the case really drops
+    xg = x.clone().requires_grad_()
+    with no_host_reads():
+        got = moe(xg)
+        got.pow(2).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert int(moe.end_step()["dropped"]) == dropped
+    xn = x.clone().requires_grad_()
+    ref = build_moe(cfg)
+    naive_capacity_moe(ref, xn, cfg)[0].pow(2).sum().backward()
+    torch.testing.assert_close(xg.grad, xn.grad, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)

@@ -32,7 +32,7 @@ from meshfold.planner.counts import (
     buckets,
     chunk_param_sizes,
     dense_layer_params_local,
-    kept_fraction,
+    routed_fraction,
     layer_activation_bytes,
     model_state_bytes,
     moe_activation_bytes,
@@ -472,16 +472,17 @@ class CostModel:
             ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
-                # (top-k copies of each, the kept ones under a capacity; with tp each tp rank
-                # sends only its expert column's 1/tp) forward, and their transposes backward,
-                # over the ep ranks (innermost of dp x cp: stride tp); before them the
-                # per-expert row counts (E/tp int64)
-                routed = act * tokens * m.moe_topk * kept_fraction(m, s) * h / tp
+                # (top-k copies of each, every capacity slot under a capacity; with tp each tp
+                # rank sends only its expert column's 1/tp) forward, and their transposes
+                # backward, over the ep ranks (innermost of dp x cp: stride tp); before them,
+                # dropless, the per-expert row counts (E/tp int64)
+                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
+                counts = 8 * m.moe_experts / tp if m.moe_capacity_factor <= 0 else 0.0
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
-                ep_sent = RING["all_to_all"](ep) * (4 * routed + 8 * m.moe_experts / tp)
+                ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
-                    ep_sent += RING["all_to_all"](ep) * (2 * routed + 8 * m.moe_experts / tp)
+                    ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
             if moe:  # the router is replicated over tp; the routed experts split over ep too
                 router = m.dim * m.moe_experts
                 params = (attn_p / tp + ffn_total / tp + norm_p
@@ -542,7 +543,7 @@ class CostModel:
                 weights += 2 * m.head_dim
             tp_layer = (calls, sent, r_ar * weights)
             shared = 1 if m.moe_shared_experts else 0
-            gates = tokens * m.moe_topk * kept_fraction(m, s) * act  # in the compute dtype (parallel/expert.py)
+            gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/expert.py)
             if True in self.kinds and not sp:  # a MoE block: its gates' gradient summed over tp in
                 # backward (the expert output leaves, its input enters like a dense MLP's), and the
                 # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
@@ -1140,12 +1141,13 @@ class CostModel:
         # float64 all-reduced over dp x cp, recorded as dp; replayed, not re-sent, under recompute)
         if moe0 and n_all > 1:
             add("dp", n_micro * moe0, n_micro * moe0 * RING["all_reduce"](n_all) * 8 * (w.model.moe_experts + 2))
-        # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
-        # the two transposes backward
+        # expert parallel: per MoE layer the token counts (dropless only), dispatch and combine
+        # forward, and the two transposes backward
         ep_layers = sum(n for k, n in stages[0].items() if k)
         if L.ep > 1 and ep_layers:
             ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
-            calls = 5 + (3 if L.recompute in ("full", "op") else 0)  # recomputed: counts, dispatch, combine
+            fwd_calls = 3 if w.model.moe_capacity_factor <= 0 else 2
+            calls = fwd_calls + 2 + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 

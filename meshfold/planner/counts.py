@@ -116,15 +116,15 @@ def routed_params(m: ModelConfig) -> int:
     return m.moe_experts * mlp_params(dataclasses.replace(m, bias=False), m.expert_dim)
 
 
-def kept_fraction(m: ModelConfig, s: int) -> float:
-    """Fraction of the (token, expert) assignments a balanced router keeps: 1 when dropless;
-    with ``moe_capacity_factor`` c, per sequence of s tokens each expert gets its even share
-    of s k (``models/moe.py: balanced_counts``) and keeps at most C = ceil(c s k / E)."""
+def routed_fraction(m: ModelConfig, s: int) -> float:
+    """Rows the routed experts compute (and the ep all-to-alls carry) per (token, expert)
+    assignment: 1 when dropless; with ``moe_capacity_factor`` c every expert has its
+    C = ceil(c s k / E) slots per sequence of s tokens, filled or not (``models/moe.py``
+    ``CapacitySlots``: padded to capacity), so E C / (s k)."""
     if m.moe_capacity_factor <= 0 or not m.moe_experts:
         return 1.0
     total, E = s * m.moe_topk, m.moe_experts
-    cap = math.ceil(m.moe_capacity_factor * total / E)
-    return sum(min(total // E + (e < total % E), cap) for e in range(E)) / total
+    return E * math.ceil(m.moe_capacity_factor * total / E) / total
 
 
 def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp: bool) -> float:
@@ -149,7 +149,7 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     over fp32 weights (the caller takes them out: the blocks compute from bf16 weights).
 
     ``moe``: the layer is a MoE block (default: the model has experts); its experts keep
-    the SwiGLU/GELU activations of the top-k rows each token is routed to (the kept ones
+    the SwiGLU/GELU activations of the top-k rows each token is routed to (every slot
     under a capacity; ``moe_activation_bytes`` adds what routing and dispatch keep)."""
     h, a = m.dim, m.n_heads
     hkv = m.kv_heads * m.head_dim
@@ -174,7 +174,7 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     f = m.hidden_dim
     mlp = (2 if m.mlp == "gelu" else 4) * act * s * b * f
     if (m.moe_experts > 0) if moe is None else moe:  # top-k experts each see the token
-        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * kept_fraction(m, s) + m.moe_shared_experts)
+        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * routed_fraction(m, s) + m.moe_shared_experts)
     split = act * s * b * (2 * h + 2 * hkv) + mlp
     # Scores: softmax output, dropout mask and dropout output (5 a s^2 b with act=2);
     # fused attention keeps only the log-sum-exp.
@@ -215,7 +215,7 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     activations, for one micro-batch of b sequences of s tokens on one rank, as
     ``models/moe.py`` and ``parallel/expert.py`` run it under a balanced router: the router's
     scores (T x E, >= fp32), the chosen experts and gates; the A = T k / tp assignments of
-    this rank's expert column (kept ones under a capacity) enter the experts as act-sized
+    this rank's expert column (every capacity slot under a capacity) enter the experts as act-sized
     rows, with their int64 row indices; the rows coming back are added per token with an
     ``index_add`` in >= fp32, which keeps its A x dim source. With ep > 1 the all-to-all
     dispatcher weights the returned rows by their gates first (``combine``: the product
@@ -224,7 +224,7 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     (``CostModel._memory``: it depends on FSDP). With ``sp`` each tp rank routes its 1/tp of
     the tokens (router state / tp); the experts still see their column of all of them."""
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
-    A = T * k * kept_fraction(m, s) / tp
+    A = T * k * routed_fraction(m, s) / tp
     wide = max(4, act)
     router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
     router /= tp if sp else 1
