@@ -24,11 +24,19 @@ def tiny(**kw) -> ModelConfig:
 
 
 def build_moe(cfg: ModelConfig, seed: int = 0) -> MoE:
+    """Random weights, drawn per logical matrix (w1, w2, w3 of the experts in that order, then
+    the rest), so the values do not depend on how the experts store w1|w3 (one ``w13``)."""
     torch.manual_seed(seed)
     moe = MoE(cfg).double()
     for name, p in moe.named_parameters():
         with torch.no_grad():
-            p.copy_(torch.randn_like(p) * (0.3 if "router" in name else 0.1))
+            if name == "experts.w13":
+                w1 = torch.randn_like(p[:, : p.shape[1] // 2]) * 0.1
+                w2 = torch.randn_like(moe.experts.w2) * 0.1
+                p.copy_(torch.cat([w1, torch.randn_like(w1) * 0.1], dim=1))
+                moe.experts.w2.copy_(w2)
+            elif name != "experts.w2" or cfg.mlp != "swiglu":
+                p.copy_(torch.randn_like(p) * (0.3 if "router" in name else 0.1))
     return moe
 
 
@@ -45,7 +53,7 @@ def naive_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
             gates = gates / gates.sum()
         for g, e in zip(gates, idx):
-            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            (w1, w3), w2 = moe.experts.w13[e].chunk(2), moe.experts.w2[e]  # w13: w1's rows, then w3's
             out[t] += g * (w2 @ (F.silu(w1 @ flat[t]) * (w3 @ flat[t])))
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(flat)
@@ -298,7 +306,7 @@ def test_grouped_gemm_matches_naive_without_host_reads(dtype, tol):
     assert float((got.detach().double() - want).abs().max() / scale) < tol
     assert moe.pop_aux() is not None  # the aux-loss statistics were built without host reads
     # The grouped GEMM and the padded bmm agree, values and weight gradients.
-    w = moe.experts.w1.detach().clone().requires_grad_()
+    w = moe.experts.w13.detach().clone().requires_grad_()
     rows = torch.randn(10, 16, dtype=dtype)
     counts = torch.tensor([3, 0, 4, 0, 0, 2, 1, 0])
     out, grads = [], []
@@ -332,7 +340,7 @@ def naive_capacity_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> tuple[tor
                     continue
                 taken[e] += 1
                 g = scores[t, e] / (scores[t, idx[t]].sum() if cfg.moe_norm_topk else 1.0)
-                w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+                (w1, w3), w2 = moe.experts.w13[e].chunk(2), moe.experts.w2[e]  # w13: w1's rows, then w3's
                 out[q, t] += g * (w2 @ (F.silu(w1 @ x[q, t]) * (w3 @ x[q, t])))
     return out, dropped
 

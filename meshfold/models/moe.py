@@ -205,14 +205,20 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.T
 
 class GroupedExperts(nn.Module):
     """E expert MLPs stored as stacked weights [E, out, in], run as grouped GEMMs on tokens
-    already sorted by expert. Under expert parallel each rank holds a slice of the experts."""
+    already sorted by expert. Under expert parallel each rank holds a slice of the experts.
+
+    SwiGLU experts keep w1 and w3 as one parameter ``w13`` [E, 2 hidden, dim] (w1's rows,
+    then w3's: transformers' fused ``gate_up_proj`` layout), so their first GEMM runs on it
+    directly: no concatenated copy of the expert weights per forward. GELU experts: ``w1``."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu"):
         super().__init__()
         self.kind = kind
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        if kind == "swiglu":
+            self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        else:
+            self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
@@ -227,7 +233,8 @@ class GroupedExperts(nn.Module):
         weights join the graph, so each gets a (possibly zero) gradient on every rank."""
         dtype = _compute_dtype(x)
         x = x.to(dtype)
-        w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
+        w_in = self.w13 if self.kind == "swiglu" else self.w1
+        w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
         if groups is None:
             kernel = expert_kernel(x, self.kernel)
             groups = _Groups(counts, x.shape[0], kernel, align=max(1, GROUP_ALIGN_BYTES // x.element_size()))
@@ -239,13 +246,11 @@ class GroupedExperts(nn.Module):
         return self._run(x, w1, w2, groups, gates)
 
     def _run(self, x, w1, w2, groups, gates):
-        dtype = x.dtype
-        if self.w3 is None:
+        """``w1``: the first GEMM's weight (SwiGLU: w13, twice the columns per expert)."""
+        if self.kind != "swiglu":
             h = F.gelu(grouped_linear(x, w1, groups), approximate="tanh")
         else:
-            # w1 and w3 in one GEMM: twice the columns per expert, better use of small matmuls.
-            w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
-            h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
+            h1, h3 = grouped_linear(x, w1, groups).chunk(2, dim=-1)
             h = F.silu(h1) * h3
         if gates is None:
             return grouped_linear(h, w2, groups)

@@ -577,9 +577,7 @@ class CostModel:
                 tp_last = (1 + loss[0], r_ar * A + loss[1], 0.0)
         # with ep > 1 the routed experts are their own FSDP group, sharded over the edp ranks
         expert_p = routed_params(m) / (tp * ep) if ep > 1 else 0.0
-        # the experts' fused w1|w3 (torch.cat), kept for the backward of their first GEMM
-        w13 = 2 * m.moe_experts / (tp * ep) * m.expert_dim * h * act if m.mlp == "swiglu" else 0.0
-        hit = dict(kinds=out, expert_p=expert_p, act_kinds=act_kinds, w13=w13, out_fwd=out_fwd,
+        hit = dict(kinds=out, expert_p=expert_p, act_kinds=act_kinds, out_fwd=out_fwd,
                    out_bwd=out_bwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
@@ -905,8 +903,6 @@ class CostModel:
         per_layer = dict(T["act_kinds"])
         if amp and L.recompute not in ("full", "op"):
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
-        if True in per_layer and not full:
-            per_layer[True] += T["w13"]
         stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
         # blocks' activations per pipeline rank, by layer kind
         akey = (id(stage_kinds), tuple(sorted(per_layer.items())))
@@ -1030,11 +1026,11 @@ class CostModel:
         E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep
         if not E_l:
             return 1.0
-        # w1 (and w3 with swiglu) [E_l, hidden, dim], w2 [E_l, dim, hidden]: equal sizes
-        shapes = [(E_l, m.expert_dim, m.dim), (E_l, m.dim, m.expert_dim)]
-        if m.mlp == "swiglu":
-            shapes.append(shapes[0])
-        return sum(expert_shard_padding(s, edp) for s in shapes) / len(shapes)
+        # w2 [E_l, dim, hidden] and w1 [E_l, hidden, dim], or with swiglu the fused w13
+        # [E_l, 2 hidden, dim] (models/moe.py), weighted by their sizes
+        wide = 2 if m.mlp == "swiglu" else 1
+        shapes = [((E_l, wide * m.expert_dim, m.dim), wide), ((E_l, m.dim, m.expert_dim), 1)]
+        return sum(n * expert_shard_padding(s, edp) for s, n in shapes) / (wide + 1)
 
     def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
                     n_micro: int) -> dict:

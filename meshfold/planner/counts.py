@@ -220,8 +220,7 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     ``index_add`` in >= fp32, which keeps its A x dim source. With ep > 1 the all-to-all
     dispatcher weights the returned rows by their gates first (``combine``: the product
     keeps the fp32 rows, A x dim more); without ep the gates are folded into the experts
-    (the gated A x min(expert_dim, dim) product). Not here: the fused w1|w3 weight copy
-    (``CostModel._memory``: it depends on FSDP). With ``sp`` each tp rank routes its 1/tp of
+    (the gated A x min(expert_dim, dim) product). With ``sp`` each tp rank routes its 1/tp of
     the tokens (router state / tp); the experts still see their column of all of them."""
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
     A = T * k * routed_fraction(m, s) / tp
@@ -229,9 +228,14 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
     router /= tp if sp else 1
     if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
-        dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
+        dispatch, ids = A * h * act + A * (2 * h + 1) * wide, 5 * A * 8
     else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source
-        dispatch = A * h * act + A * 8 + A * (min(m.expert_dim, h) + 1) * act + A * h * wide
+        dispatch, ids = A * h * act + A * (min(m.expert_dim, h) + 1) * act + A * h * wide, A * 8
+    if m.moe_capacity_factor > 0:  # fixed slots (models/moe.py CapacitySlots): one batched matmul,
+        # no aligned groups; each slot's token id and filled flag, each assignment's slot (int64)
+        # and kept flag for its gate (every assignment: tp ranks route the same tokens)
+        return router + dispatch + A * 9 + T * k * 9
+    dispatch += ids
     # The grouped GEMM's groups padded to 16 bytes of rows (models/moe.py GROUP_ALIGN_BYTES):
     # up to align - 1 rows more per local expert, with their input and hidden activations,
     # and each row's place in the padded layout (int64).
