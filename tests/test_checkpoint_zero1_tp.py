@@ -131,7 +131,7 @@ LOADS_INTO_ONE_PROCESS = {  # id: (world, [parallel], [model] updates)
     # dp_replicate replicas write identical boxes, which DCP keeps once
     "tp2xdp_replicate2xdp_shard2": (8, {"tp": 2, "dp_replicate": 2, "dp_shard": 2, "zero": 1}, {}),
     # MoE: 3-D expert weights (experts x rows x columns); with one layer a dp segment ends
-    # inside experts.w2, cut into partial rows of partial matrices (asserted below)
+    # inside an expert weight, cut into partial rows of partial matrices (asserted below)
     "moe-tp2xdp2": (4, TP_ZERO1, {"moe_experts": 4, "moe_topk": 2, "n_layers": 1}),
 }
 
@@ -154,9 +154,12 @@ def test_zero1_checkpoint_loads_into_one_process(tmp_path, layout):
     run_on(world, train_segment, _cfg(tmp_path / "loaded", parallel, model), SPLIT)
     if "moe_experts" in model:
         meta = read_dcp_metadata(tmp_path / "loaded" / "checkpoints" / f"step-{SPLIT}").state_dict_metadata
-        w2 = meta["optim.state.layers.0.feed_forward.experts.w2.exp_avg"]
-        sizes = [tuple(c.sizes) for c in w2.chunks]
-        assert any(z[0] == 1 and z[1] == 1 and z[2] < w2.size[2] for z in sizes), sizes
+        cut = {}  # a dp segment ends inside one expert weight: partial rows of a partial matrix
+        for w in ("w13", "w2"):
+            t = meta[f"optim.state.layers.0.feed_forward.experts.{w}.exp_avg"]
+            cut[w] = [tuple(c.sizes) for c in t.chunks
+                      if c.sizes[0] == 1 and c.sizes[1] == 1 and c.sizes[2] < t.size[2]]
+        assert any(cut.values()), cut
     loaded = state_at(_cfg(tmp_path / "loaded", model=model))
     assert own["start"] == loaded["start"] == SPLIT
     assert loaded["steps"] == own["steps"] and set(own["steps"].values()) == {float(SPLIT)}

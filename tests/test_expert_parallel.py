@@ -201,8 +201,8 @@ def test_fewer_local_experts_than_edp_ranks_shard_dim1(train, tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
     m = from_dict(tiny_config("/tmp/x", model=TWO)).model
     h, d = m.expert_dim, m.dim
-    # w1, w2, w3 of each MoE layer: [1, out, in] halved on out; Shard(1) on edp, Shard(0) on ep
-    assert layout and {x[:3] for x in layout} == {(1, (1, h // 2, d), (Shard(1), Shard(0))),
+    # w13 [1, 2h, d] and w2 [1, d, h] of each MoE layer halved on out; Shard(1) on edp, Shard(0) on ep
+    assert layout and {x[:3] for x in layout} == {(1, (1, h, d), (Shard(1), Shard(0))),
                                                   (1, (1, d // 2, h), (Shard(1), Shard(0)))}
     assert {x[3] for x in layout} == {train.get("offload") == "params"}
 

@@ -24,11 +24,19 @@ def tiny(**kw) -> ModelConfig:
 
 
 def build_moe(cfg: ModelConfig, seed: int = 0) -> MoE:
+    """Random weights, drawn per logical matrix (w1, w2, w3 of the experts in that order, then
+    the rest), so the values do not depend on how the experts store w1|w3 (one ``w13``)."""
     torch.manual_seed(seed)
     moe = MoE(cfg).double()
     for name, p in moe.named_parameters():
         with torch.no_grad():
-            p.copy_(torch.randn_like(p) * (0.3 if "router" in name else 0.1))
+            if name == "experts.w13":
+                w1 = torch.randn_like(p[:, : p.shape[1] // 2]) * 0.1
+                w2 = torch.randn_like(moe.experts.w2) * 0.1
+                p.copy_(torch.cat([w1, torch.randn_like(w1) * 0.1], dim=1))
+                moe.experts.w2.copy_(w2)
+            elif name != "experts.w2" or cfg.mlp != "swiglu":
+                p.copy_(torch.randn_like(p) * (0.3 if "router" in name else 0.1))
     return moe
 
 
@@ -45,7 +53,7 @@ def naive_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
             gates = gates / gates.sum()
         for g, e in zip(gates, idx):
-            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            (w1, w3), w2 = moe.experts.w13[e].chunk(2), moe.experts.w2[e]  # w13: w1's rows, then w3's
             out[t] += g * (w2 @ (F.silu(w1 @ flat[t]) * (w3 @ flat[t])))
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(flat)
@@ -298,7 +306,7 @@ def test_grouped_gemm_matches_naive_without_host_reads(dtype, tol):
     assert float((got.detach().double() - want).abs().max() / scale) < tol
     assert moe.pop_aux() is not None  # the aux-loss statistics were built without host reads
     # The grouped GEMM and the padded bmm agree, values and weight gradients.
-    w = moe.experts.w1.detach().clone().requires_grad_()
+    w = moe.experts.w13.detach().clone().requires_grad_()
     rows = torch.randn(10, 16, dtype=dtype)
     counts = torch.tensor([3, 0, 4, 0, 0, 2, 1, 0])
     out, grads = [], []
@@ -309,3 +317,54 @@ def test_grouped_gemm_matches_naive_without_host_reads(dtype, tol):
     torch.testing.assert_close(out[0], out[1], rtol=tol, atol=tol)
     torch.testing.assert_close(grads[0], grads[1], rtol=tol, atol=tol)
     assert (grads[0][[1, 3, 4, 7]] == 0).all()  # experts without tokens: zero gradient
+
+
+def naive_capacity_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, int]:
+    """The capacity definition in plain Python: per sequence, each expert takes the first
+    C = ceil(c s k / E) assignments of its queue (first choices of every position, then second
+    choices, ...); the rest are dropped. (Output, assignments dropped.)"""
+    b, s, _ = x.shape
+    k, E = cfg.moe_topk, cfg.moe_experts
+    cap = math.ceil(cfg.moe_capacity_factor * s * k / E)
+    out, dropped = torch.zeros_like(x), 0
+    for q in range(b):
+        logits = x[q] @ moe.router.weight.t()
+        scores = logits.softmax(-1)
+        idx = scores.topk(k, dim=-1).indices
+        taken = [0] * E
+        for j in range(k):
+            for t in range(s):
+                e = int(idx[t, j])
+                if taken[e] >= cap:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                g = scores[t, e] / (scores[t, idx[t]].sum() if cfg.moe_norm_topk else 1.0)
+                (w1, w3), w2 = moe.experts.w13[e].chunk(2), moe.experts.w2[e]  # w13: w1's rows, then w3's
+                out[q, t] += g * (w2 @ (F.silu(w1 @ x[q, t]) * (w3 @ x[q, t])))
+    return out, dropped
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_capacity_matches_naive_without_host_reads(factor):
+    """Capacity mode runs in fixed slots (padded, ``CapacitySlots``): the same output and the
+    same dropped assignments as the plain definition, float64, and neither the forward nor the
+    backward reads a tensor on the host (the router and expert weights get gradients)."""
+    cfg = tiny(moe_capacity_factor=factor, moe_norm_topk=True)
+    moe = build_moe(cfg).train()
+    x = torch.randn(3, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    want, dropped = naive_capacity_moe(moe, x, cfg)
+    if factor < 1.5:
+        assert dropped > 0  # the case really drops
+    xg = x.clone().requires_grad_()
+    with no_host_reads():
+        got = moe(xg)
+        got.pow(2).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert int(moe.end_step()["dropped"]) == dropped
+    xn = x.clone().requires_grad_()
+    ref = build_moe(cfg)
+    naive_capacity_moe(ref, xn, cfg)[0].pow(2).sum().backward()
+    torch.testing.assert_close(xg.grad, xn.grad, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)

@@ -64,3 +64,53 @@ def test_moe_with_sequence_parallel_matches_one_process(world, parallel, ref, tm
         assert mine["comm_bytes"]["tp"] > 0
     # each rank's MoE blocks saw its 1/(dp tp) of the tokens: nothing routed twice
     assert [o["rows"] for o in outs] == [ref_out["rows"] // world] * world
+
+
+def _gates_across_tp(sp: bool, n: int, experts: int) -> tuple:
+    """``tokens_in`` on a real tp group of 2 under bf16 autocast: the gates it returns and the
+    gradient their fp32 originals get when each tp rank uses only its expert column's gates
+    (weights ``c``: fp32 values that bf16 cannot hold)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshfold.parallel.expert import tokens_in
+    from meshfold.parallel.tensor import TensorParallelGroup
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = dist.get_rank()
+    tp = TensorParallelGroup(mesh, mesh.get_group(), 2, rank, sp)
+    gen = torch.Generator().manual_seed(7)
+    g_all = torch.rand(2 * n, generator=gen, dtype=torch.float32)
+    expert_all = torch.randint(0, experts, (2 * n,), generator=gen)
+    c_all = torch.randn(2 * n, generator=gen, dtype=torch.float32)
+    mine = slice(rank * n, (rank + 1) * n) if sp else slice(None)  # sp: this rank's tokens only
+    g = g_all[mine].clone().requires_grad_()
+    x = torch.randn(g.shape[0] // 2, 4, generator=gen)  # top-2: two assignments per row
+    token = torch.arange(x.shape[0]).repeat_interleave(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, expert, w = tokens_in(tp, x, token, expert_all[mine], g)
+        column = expert // (experts // 2) == rank  # this rank's experts
+        (w[column].float() * c_all[column]).sum().backward()
+    return w.dtype, w.detach().float(), g.grad
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_gates_cross_tp_in_bf16_and_their_gradient_sum_is_exact(sp):
+    """Under bf16 autocast the gates cross tp in bf16 (as the tokens do): the values are the
+    gates rounded to bf16, and the gradient summed over tp is exactly each assignment's one
+    non-zero term (the owning rank's, a bf16 number): what one process gets from the same
+    loss on the rounded gates."""
+    import torch
+
+    n, experts = 8, 4
+    outs = run_on(2, _gates_across_tp, sp, n, experts)
+    gen = torch.Generator().manual_seed(7)
+    g_all = torch.rand(2 * n, generator=gen, dtype=torch.float32)
+    torch.randint(0, experts, (2 * n,), generator=gen)
+    c_all = torch.randn(2 * n, generator=gen, dtype=torch.float32)
+    for rank, (dtype, w, grad) in enumerate(outs):
+        assert dtype == torch.bfloat16
+        assert torch.equal(w, g_all.bfloat16().float())  # sp: gathered rank-major
+        want = c_all.bfloat16().float()  # d/dg of c * bf16(g): c rounded as autograd casts it back
+        assert torch.equal(grad, want[rank * n:(rank + 1) * n] if sp else want)

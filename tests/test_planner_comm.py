@@ -106,9 +106,9 @@ def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, tra
     (2, {"tp": 2, "sp": True, "dp_shard": 1},  # norm biases, wo/w2 biases, learned positions
      {"bias": True, "norm": "layernorm", "pos": "learned", "mlp": "gelu"}),
     (4, {"tp": 2, "dp_shard": 2, "zero": 1},  # experts split over tp: the tokens enter in bf16,
-     {"moe_experts": 4, "moe_topk": 2, "moe_shared_experts": 1}),  # the gates in fp32; shared experts
+     {"moe_experts": 4, "moe_topk": 2, "moe_shared_experts": 1}),  # the gates in bf16; shared experts
     (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 1},  # MoE with sp: tokens (bf16), experts (int64),
-     {"moe_experts": 4, "moe_topk": 2, "moe_shared_experts": 1}),  # gates (fp32) gathered; stats, router
+     {"moe_experts": 4, "moe_topk": 2, "moe_shared_experts": 1}),  # gates (bf16) gathered; stats, router
 ], ids=["tp2xpp2xdp2-zero1", "tp2-sp-zero1", "tp2-sp-fsdp-qknorm-kv1", "tp2-sp-gpt2", "tp2-moe-zero1",
         "tp2-sp-moe-zero1"])
 def test_tp_collectives_match_runtime_in_bfloat16(tmp_path, world, parallel, model):

@@ -16,7 +16,8 @@ Hugging Face rotates the two *halves* (``rotate_half``), so q_proj/k_proj rows (
 are permuted per head: HF row ``h*d + j`` holds meshfold row ``h*d + 2j`` (j < d/2) or
 ``h*d + 2(j-d/2) + 1``; Qwen3's per-head q/k norm weights get the same permutation (one head).
 MoE layers: the router is ``gate`` (``block_sparse_moe.gate`` in Mixtral), each expert's
-gate/up/down (Mixtral: w1/w3/w2) joins meshfold's stacked ``experts.w1/w3/w2`` [E, out, in]
+gate/up/down (Mixtral: w1/w3/w2) joins meshfold's stacked experts [E, out, in], gate and up
+fused as ``experts.w13`` (gate's rows, then up's) and down as ``experts.w2``
 (transformers 5's fused ``experts.gate_up_proj``/``down_proj`` import too), DeepSeek's
 ``shared_experts`` are ``feed_forward.shared_experts`` and V3's ``e_score_correction_bias`` is
 the balancing bias ``expert_bias``. DeepSeek's multi-head latent attention rotates adjacent
@@ -380,11 +381,40 @@ def _rotated_heads(mine: str, m: ModelConfig) -> int | None:
     return None
 
 
+FUSED_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w1", "feed_forward.experts.w3")
+
+
+def _unfuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """meshfold's fused ``experts.w13`` [E, 2F, D] as its two halves ``experts.w1`` / ``w3``."""
+    fused, w1, w3 = FUSED_EXPERTS
+    out = {}
+    for name, value in state.items():
+        if name.endswith("." + fused):
+            stem = name[: -len(fused)]
+            out[stem + w1], out[stem + w3] = value.chunk(2, dim=1)
+        else:
+            out[name] = value
+    return out
+
+
+def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``experts.w1`` and ``w3`` joined as meshfold's ``experts.w13`` (``_unfuse_experts``'s inverse)."""
+    fused, w1, w3 = FUSED_EXPERTS
+    out = {}
+    for name, value in state.items():
+        stem = name[: -len(w1)]
+        if name.endswith("." + w1) and stem + w3 in state:
+            out[stem + fused] = torch.cat([value, state[stem + w3]], dim=1)
+        elif not name.endswith("." + w3):
+            out[name] = value
+    return out
+
+
 def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names and values (hub layout: one tensor per expert; Mixtral's block_sparse_moe)."""
     mixtral = bool(m.moe_experts) and not (m.qk_norm or m.mla)
     out = {}
-    for name, value in state.items():
+    for name, value in _unfuse_experts(state).items():
         if name in TOP_NAMES:
             out[TOP_NAMES[name]] = value
             continue
@@ -471,7 +501,7 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
             raise ConfigError(f"convert import: layer {layer} has experts {sorted(per_expert)[:5]}..., the config "
                               f"says {m.moe_experts}")
         out[f"layers.{layer}.{mine}"] = torch.stack([per_expert[j] for j in range(m.moe_experts)])
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in _fuse_experts(out).items()}
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -13,7 +13,9 @@
 Dropless by default. With ``moe_capacity_factor`` c > 0 each expert accepts at most
 C = ceil(c * s * k / E) assignments *per sequence* (s tokens); assignments are queued
 first-choice before second-choice, then by position, and the rest are dropped. Because the
-queue is per sequence, the same tokens are dropped whatever the data-parallel layout.
+queue is per sequence, the same tokens are dropped whatever the data-parallel layout. The
+kept assignments then run in fixed slots, batch x C per expert (``CapacitySlots``, padded):
+fixed shapes, no host read (dropless reads the routing's counts where its shapes need them).
 
 Auxiliary losses (added to the training loss by the trainer through ``moe_aux_loss``):
 
@@ -182,9 +184,19 @@ class _Groups:
             self.slot = (F.one_hot(expert, E).cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)
 
 
+def fixed_groups(n_experts: int, per: int) -> _Groups:
+    """Capacity mode's layout: ``per`` rows for each expert, expert-major ([E * per] rows, the
+    empty slots zero rows): one batched matmul over [E, per, .], no offsets, no host read."""
+    groups = _Groups.__new__(_Groups)
+    groups.kernel, groups.dest, groups.E, groups.cap = "bmm", None, n_experts, per
+    return groups
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
     """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]
     (grouped GEMM with aligned groups: x and the result are in the padded layout)."""
+    if groups.kernel == "bmm":
+        return torch.bmm(x.view(groups.E, groups.cap, -1), w.transpose(-2, -1)).view(groups.E * groups.cap, -1)
     if groups.kernel == "grouped_mm":
         return _GROUPED_MM(x, w.transpose(-2, -1), offs=groups.offsets)
     padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
@@ -193,14 +205,20 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.T
 
 class GroupedExperts(nn.Module):
     """E expert MLPs stored as stacked weights [E, out, in], run as grouped GEMMs on tokens
-    already sorted by expert. Under expert parallel each rank holds a slice of the experts."""
+    already sorted by expert. Under expert parallel each rank holds a slice of the experts.
+
+    SwiGLU experts keep w1 and w3 as one parameter ``w13`` [E, 2 hidden, dim] (w1's rows,
+    then w3's: transformers' fused ``gate_up_proj`` layout), so their first GEMM runs on it
+    directly: no concatenated copy of the expert weights per forward. GELU experts: ``w1``."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu"):
         super().__init__()
         self.kind = kind
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        if kind == "swiglu":
+            self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        else:
+            self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim)) if kind == "swiglu" else None
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
@@ -215,7 +233,8 @@ class GroupedExperts(nn.Module):
         weights join the graph, so each gets a (possibly zero) gradient on every rank."""
         dtype = _compute_dtype(x)
         x = x.to(dtype)
-        w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (self.w1, self.w2))
+        w_in = self.w13 if self.kind == "swiglu" else self.w1
+        w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
         if groups is None:
             kernel = expert_kernel(x, self.kernel)
             groups = _Groups(counts, x.shape[0], kernel, align=max(1, GROUP_ALIGN_BYTES // x.element_size()))
@@ -227,13 +246,11 @@ class GroupedExperts(nn.Module):
         return self._run(x, w1, w2, groups, gates)
 
     def _run(self, x, w1, w2, groups, gates):
-        dtype = x.dtype
-        if self.w3 is None:
+        """``w1``: the first GEMM's weight (SwiGLU: w13, twice the columns per expert)."""
+        if self.kind != "swiglu":
             h = F.gelu(grouped_linear(x, w1, groups), approximate="tanh")
         else:
-            # w1 and w3 in one GEMM: twice the columns per expert, better use of small matmuls.
-            w13 = torch.cat([w1, _local(self.w3, self.grad_scale).to(dtype)], dim=1)
-            h1, h3 = grouped_linear(x, w13, groups).chunk(2, dim=-1)
+            h1, h3 = grouped_linear(x, w1, groups).chunk(2, dim=-1)
             h = F.silu(h1) * h3
         if gates is None:
             return grouped_linear(h, w2, groups)
@@ -280,13 +297,48 @@ def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weight: torch
     return out.index_add(0, token, y.to(acc) * weight[:, None].to(acc)).to(y.dtype)
 
 
+class CapacitySlots:
+    """Capacity mode's fixed layout, built on the device without a host read: every expert
+    has ``per`` slots (``MoE.capacity_slots``: batch x C, one block of C per sequence), expert-
+    major, [E * per] in all. A kept assignment goes to slot ``expert * per + slot``; a dropped
+    one to a spare slot past the end (then cut off). Per slot: its token (0 where empty) and
+    whether it is filled; ``gates`` puts each kept assignment's gate in its slot (0 where
+    empty), differentiably. Empty slots compute zero rows that add nothing to any token."""
+
+    def __init__(self, token: torch.Tensor, expert: torch.Tensor, keep: torch.Tensor, slot: torch.Tensor,
+                 per: int, n_experts: int):
+        n = n_experts * per
+        self.per, self.keep = per, keep
+        self.dest = torch.where(keep, expert * per + slot, n)
+        # scatter-adds: each slot receives at most one kept assignment (the spare one only zeros)
+        self.token = torch.zeros(n + 1, dtype=token.dtype, device=token.device).scatter_add_(
+            0, self.dest, torch.where(keep, token, 0))[:n]
+        self.filled = torch.zeros(n + 1, dtype=torch.int64, device=token.device).scatter_add_(
+            0, self.dest, keep.long())[:n].bool()
+
+    def gates(self, weight: torch.Tensor) -> torch.Tensor:
+        n = self.token.shape[0]
+        return weight.new_zeros(n + 1).scatter_add(0, self.dest, torch.where(self.keep, weight, 0))[:n]
+
+    def rows(self, x: torch.Tensor, pick=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the token of each slot that ``pick`` selects from [E * per], its row of x: zeros where empty)."""
+        token, filled = pick(self.token), pick(self.filled)
+        return token, gather_rows(x, token).masked_fill(~filled[:, None], 0)
+
+
 class LocalDispatcher(nn.Module):
     """All experts on this rank: group the assignments by expert (a sort for the grouped
     GEMM; none for the padded kernel, which places rows by slot), run with the gates folded
-    into the experts' hidden activations, and add the rows per token."""
+    into the experts' hidden activations, and add the rows per token. Under a capacity
+    (``capacity``) the rows go to their fixed slots instead: one batched matmul, no host read."""
 
     def forward(self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
-                experts: GroupedExperts, n_experts: int) -> torch.Tensor:
+                experts: GroupedExperts, n_experts: int, capacity: tuple | None = None) -> torch.Tensor:
+        if capacity is not None:  # (keep, slot, per) of every assignment (``MoE.capacity_slots``)
+            slots = CapacitySlots(token, expert, *capacity, n_experts)
+            token, rows = slots.rows(x)
+            y = experts(rows, None, fixed_groups(n_experts, slots.per), slots.gates(weight))
+            return scatter_add_rows(x, token, y)
         counts = count_rows(expert, n_experts, lambda: balanced_counts(expert.shape[0], n_experts))
         kernel = expert_kernel(x.to(_compute_dtype(x)), experts.kernel)
         if kernel == "padded_bmm":
@@ -371,16 +423,27 @@ class MoE(nn.Module):
         keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
+    def capacity(self, seq: int) -> int:
+        """C: the assignments an expert accepts per sequence of ``seq`` tokens."""
+        return math.ceil(self.capacity_factor * seq * self.topk / self.n_experts)
+
     def capacity_keep(self, idx: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """[T, k] bool: which assignments fit in their expert's per-sequence capacity."""
         if self.capacity_factor <= 0:
             return torch.ones_like(idx, dtype=torch.bool)
-        cap = math.ceil(self.capacity_factor * seq * self.topk / self.n_experts)
-        onehot = F.one_hot(idx.view(batch, seq, self.topk), self.n_experts)  # [b, s, k, E]
-        queue = onehot.transpose(1, 2).reshape(batch, self.topk * seq, self.n_experts)  # first choices first
-        slot = queue.cumsum(1) - 1  # place in the expert's queue
-        keep = ((slot < cap) & queue.bool()).any(-1)
-        return keep.view(batch, self.topk, seq).transpose(1, 2).reshape(-1, self.topk)
+        return self.capacity_slots(idx, batch, seq)[0]
+
+    def capacity_slots(self, idx: torch.Tensor, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, k] bool, [T, k] int64): which assignments fit in their expert's per-sequence
+        capacity C, and each one's slot among its expert's batch x C: C times its sequence
+        plus its place in the expert's queue (first choices first, then by position)."""
+        cap, k = self.capacity(seq), self.topk
+        queue_idx = idx.view(batch, seq, k).transpose(1, 2).reshape(batch, k * seq)  # first choices first
+        onehot = F.one_hot(queue_idx, self.n_experts)  # [b, k s, E]
+        place = (onehot.cumsum(1) - 1).gather(2, queue_idx[..., None]).squeeze(2)  # place in the expert's queue
+        slot = place + cap * torch.arange(batch, device=idx.device)[:, None]
+        back = lambda t: t.view(batch, k, seq).transpose(1, 2).reshape(-1, k)  # noqa: E731
+        return back(place < cap), back(slot)
 
     # ------------------------------------------------------------------ forward
 
@@ -392,29 +455,23 @@ class MoE(nn.Module):
             w = self.router_weight_hook(w)
         logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
-        keep = self.capacity_keep(idx, batch, seq)
+        if self.capacity_factor > 0:
+            keep, slot = self.capacity_slots(idx, batch, seq)
+        else:  # dropless keeps every assignment
+            keep, slot = torch.ones_like(idx, dtype=torch.bool), None
         if self.training and torch.is_grad_enabled():
             self._aux_terms(logits, probs, idx, keep, seq)
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         expert, gate = idx.flatten(), gates.flatten()
-        if self.capacity_factor > 0:  # dropless keeps every assignment: nothing to select
-            tokens, expert, gate = self._kept(keep.flatten(), batch, seq, tokens, expert, gate)
-        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts).view(batch, seq, dim)
+        # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
+        # host read, the same tokens dropped (docs/gpu.md)
+        capacity = None if slot is None else (keep.flatten(), slot.flatten(), batch * self.capacity(seq))
+        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts, capacity)
+        out = out.view(batch, seq, dim)
         if self.shared_experts is not None:  # on [batch, seq, dim]: sequence parallel splits dim 1
             out = out + self.shared_experts(x)
         return out
-
-    def _kept(self, keep: torch.Tensor, batch: int, seq: int, *rows: torch.Tensor) -> tuple:
-        """The kept assignments of each of ``rows``. Without values (``has_values``): as many
-        as a balanced router keeps (per sequence, each expert's share of s * k, at most the
-        capacity), the first ones (only their number matters there). With values it is a host
-        read (boolean-mask selection): capacity mode has one per MoE layer (docs/gpu.md)."""
-        if has_values(keep):
-            return tuple(r[keep] for r in rows)
-        cap = math.ceil(self.capacity_factor * seq * self.topk / self.n_experts)
-        n = batch * sum(min(c, cap) for c in balanced_counts(seq * self.topk, self.n_experts))
-        return tuple(r[:n] for r in rows)
 
     def _aux_terms(self, logits, probs, idx, keep, seq: int) -> None:
         """Global routing statistics of this forward, and this rank's share of the aux losses.

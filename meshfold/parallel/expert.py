@@ -13,7 +13,8 @@ neighbouring dp_shard/cp ranks:
   dim 0 when edp divides E_l, else on out or in when edp divides it (no padding), else on
   dim 0 padded (``expert_shard.py``, which the planner prices too);
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
-  the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped;
+  the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped. Under a
+  capacity each expert's slots are padded to capacity: equal splits, no host read;
 * with tp > 1 no expert FLOP is done twice, in every composition: with ep = 1 (FSDP2,
   ZeRO-1/DDP-style reducer, or no data parallel) the experts are split over the tp ranks
   (``TensorParallelExpertDispatcher``): each tp rank computes its slice of the experts for
@@ -54,18 +55,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.comm import all_reduce, all_to_all_single
 from meshfold.mesh import ParallelDims
-from meshfold.models.moe import (MoE, balanced_counts, combine, count_rows, gather_rows, moe_layers, read_counts,
-                                  scatter_add_rows)
+from meshfold.models.moe import (CapacitySlots, MoE, balanced_counts, combine, count_rows, fixed_groups, gather_rows,
+                                  moe_layers, read_counts, scatter_add_rows)
 from meshfold.parallel.data import fsdp_policies
 from meshfold.parallel.expert_shard import expert_shard_dim
-from meshfold.parallel.tensor import TensorParallelGroup, _distribute, _parallelize_ffn, shard_range
+from meshfold.parallel.tensor import (TensorParallelGroup, _distribute, _on_wire, _parallelize_ffn, shard_range,
+                                      wire_dtype)
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
 
 
-def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+def _a2a(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits),) + tuple(x.shape[1:]))
     all_to_all_single(out, x.contiguous(), group, "ep", out_splits=out_splits, in_splits=in_splits)
     return out
 
@@ -75,9 +77,15 @@ def tokens_in(tp: TensorParallelGroup, x, token, expert, weight) -> tuple:
     ``expert``, ``weight``: one entry per assignment). Without sp every tp rank holds the same
     tokens: f on ``x`` (all-reduce backward, wire dtype) and the gates' gradient summed over
     tp. With sp each tp rank routed only its 1/tp of the sequence: ``x``, the chosen experts
-    and the gates are all-gathered over tp, rank-major (reduce-scatter backward; the gates in
-    their own >= fp32 dtype), so every tp rank sees every token of the sequence for its
-    expert column (Megatron's all-gather token dispatcher)."""
+    and the gates are all-gathered over tp, rank-major (reduce-scatter backward), so every tp
+    rank sees every token of the sequence for its expert column (Megatron's all-gather token
+    dispatcher). Gates and their gradients cross in the wire dtype, as the tokens do."""
+    # The gates are cast to the compute dtype before they cross and the k weighted outputs are
+    # still added in fp32 after (``combine``): the experts apply a gate in the compute dtype
+    # anyway (GroupedExperts._run), and an assignment's gate gradient is non-zero on the one tp
+    # rank owning its expert, so the sum over tp adds zeros to one bf16 value: exact in bf16.
+    # Summing in fp32 instead would only double the bytes of that exchange.
+    weight = _on_wire(weight, wire_dtype(weight))
     if not tp.sp:
         return tp.enter(x), token, expert, tp.grad_sum(weight)
     rows = x.shape[0]
@@ -85,7 +93,7 @@ def tokens_in(tp: TensorParallelGroup, x, token, expert, weight) -> tuple:
     # in row order, so rank r's token ids are this rank's shifted by r * rows
     shift = rows * torch.arange(tp.size, device=token.device, dtype=token.dtype)
     token = (token[None] + shift[:, None]).flatten()
-    return tp.gather_tokens(x), token, tp.all_gather(expert, 0), tp.gather_tokens(weight, exact=True)
+    return tp.gather_tokens(x), token, tp.all_gather(expert, 0), tp.gather_tokens(weight)
 
 
 def tokens_out(tp: TensorParallelGroup, out: torch.Tensor) -> torch.Tensor:
@@ -95,7 +103,7 @@ def tokens_out(tp: TensorParallelGroup, out: torch.Tensor) -> torch.Tensor:
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single with variable splits; its backward is the reverse exchange."""
+    """all_to_all_single with variable splits (None: equal ones); its backward is the reverse exchange."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
@@ -118,23 +126,29 @@ class AllToAllDispatcher(nn.Module):
     experts), so every assignment is computed once; the partial per-token sums are added
     over tp (Megatron's f/g pair around the MoE, as for a row-parallel linear).
 
-    The per-expert counts are exchanged on the device; the variable all-to-all needs its
-    split sizes on the host, read once per forward (both directions in one transfer)."""
+    Dropless, the per-expert counts are exchanged on the device; the variable all-to-all
+    needs its split sizes on the host, read once per forward (both directions in one
+    transfer), as torchtitan's and Megatron's all-to-all dispatchers do. Under a capacity
+    (``capacity``) every expert has its fixed slots (``CapacitySlots``, padded): the
+    all-to-alls have equal splits and nothing is read on the host (Megatron's
+    ``moe_pad_expert_input_to_capacity``)."""
 
     def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.group, self.ep_rank, self.ep = group, ep_rank, ep
         self.tp = tp if tp is not None and tp.size > 1 else None
 
-    def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
+    def forward(self, x, token, expert, weight, experts, n_experts: int, capacity: tuple | None = None):
         P, per_ep = self.ep, n_experts // self.ep
+        if self.tp is not None:  # the tokens enter like a column-parallel layer's input (no sp: f; sp: gathered)
+            x, token, expert, weight = tokens_in(self.tp, x, token, expert, weight)
+        local_e = per_ep // (self.tp.size if self.tp is not None else 1)
+        if capacity is not None:
+            return self._fixed(x, CapacitySlots(token, expert, *capacity, n_experts), weight, experts, local_e)
         if self.tp is None:
-            local_e, key = per_ep, expert
+            key = expert
         else:
             tp = self.tp
-            # the tokens enter like a column-parallel layer's input (no sp: f; sp: gathered)
-            x, token, expert, weight = tokens_in(tp, x, token, expert, weight)
-            local_e = per_ep // tp.size
             within = expert % per_ep - tp.rank * local_e  # index among this tp column's experts
             mine = (within >= 0) & (within < local_e)
             key = torch.where(mine, (expert // per_ep) * local_e + within, P * local_e)  # others sort last
@@ -166,6 +180,22 @@ class AllToAllDispatcher(nn.Module):
         out = combine(x, token, y, weight[order])
         return out if self.tp is None else tokens_out(self.tp, out)
 
+    def _fixed(self, x, slots: CapacitySlots, weight, experts, local_e: int) -> torch.Tensor:
+        """Capacity mode: the slots of this tp column's experts on every ep rank (padded rows,
+        zeros where empty) go out and come back in equal-split all-to-alls."""
+        P, per = self.ep, slots.per
+        r, t = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
+        pick = lambda v: v.view(P, t, -1)[:, r].reshape(-1)  # noqa: E731  ep rank j's column-r experts' slots
+        token, rows = slots.rows(x, pick)
+        rows = AllToAll.apply(rows, None, None, self.group)  # [source rank, local expert, slot, dim]
+        dim = rows.shape[1]
+        rows = rows.view(P, local_e, per, dim).transpose(0, 1).reshape(local_e * P * per, dim)
+        y = experts(rows, None, fixed_groups(local_e, P * per))
+        y = y.view(local_e, P, per, -1).transpose(0, 1).reshape(P * local_e * per, -1)
+        y = AllToAll.apply(y, None, None, self.group)
+        out = combine(x, token, y, pick(slots.gates(weight)))
+        return out if self.tp is None else tokens_out(self.tp, out)
+
     def _balanced_column(self, assignments: int, n_experts: int, local_e: int) -> list[list[int]]:
         """A balanced router's rows from this rank to each ep rank's experts of this tp column
         (``balanced_counts`` over all experts, by global expert id)."""
@@ -184,9 +214,15 @@ class TensorParallelExpertDispatcher(nn.Module):
         super().__init__()
         self.tp, self.start, self.stop = tp, start, stop
 
-    def forward(self, x, token, expert, weight, experts, n_experts: int) -> torch.Tensor:
+    def forward(self, x, token, expert, weight, experts, n_experts: int, capacity: tuple | None = None):
         x, token, expert, weight = tokens_in(self.tp, x, token, expert, weight)  # as AllToAllDispatcher's
         n_local = self.stop - self.start
+        if capacity is not None:  # this rank's experts' fixed slots (padded): no host read
+            slots = CapacitySlots(token, expert, *capacity, n_experts)
+            pick = lambda v: v[self.start * slots.per: self.stop * slots.per]  # noqa: E731
+            token, rows = slots.rows(x, pick)
+            y = experts(rows, None, fixed_groups(n_local, slots.per), pick(slots.gates(weight)))
+            return tokens_out(self.tp, scatter_add_rows(x, token, y))
         local = (expert >= self.start) & (expert < self.stop)
         key = torch.where(local, expert - self.start, n_local)  # other ranks' experts sort last
         mine = lambda: balanced_counts(expert.shape[0], n_experts)[self.start:self.stop]  # noqa: E731

@@ -120,10 +120,10 @@ class TensorParallelGroup:
         Under autocast the collective carries the compute dtype (``wire_dtype``)."""
         return _ScatterSeq.apply(x, self) if self.sp else _ReduceFromTP.apply(x, self)
 
-    def gather_tokens(self, t: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    def gather_tokens(self, t: torch.Tensor) -> torch.Tensor:
         """Rows (dim 0) of every tp rank, rank-major: all-gather forward, reduce-scatter
-        backward; in the wire dtype, or (``exact``) in ``t``'s own (MoE gates under sp)."""
-        return _GatherTokens.apply(t, self, None if exact else wire_dtype(t))
+        backward; in the wire dtype."""
+        return _GatherTokens.apply(t, self, wire_dtype(t))
 
     def scatter_tokens(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over tp of rank-major rows, each rank keeping its own (``gather_tokens``'s

@@ -33,7 +33,7 @@ from meshfold.planner.counts import (
     buckets,
     chunk_param_sizes,
     dense_layer_params_local,
-    kept_fraction,
+    routed_fraction,
     layer_activation_bytes,
     model_state_bytes,
     moe_activation_bytes,
@@ -474,16 +474,17 @@ class CostModel:
             ep_sent = 0.0
             if moe and ep > 1:
                 # expert parallel: dispatch and combine all-to-alls of the routed tokens
-                # (top-k copies of each, the kept ones under a capacity; with tp each tp rank
-                # sends only its expert column's 1/tp) forward, and their transposes backward,
-                # over the ep ranks (innermost of dp x cp: stride tp); before them the
-                # per-expert row counts (E/tp int64)
-                routed = act * tokens * m.moe_topk * kept_fraction(m, s) * h / tp
+                # (top-k copies of each, every capacity slot under a capacity; with tp each tp
+                # rank sends only its expert column's 1/tp) forward, and their transposes
+                # backward, over the ep ranks (innermost of dp x cp: stride tp); before them,
+                # dropless, the per-expert row counts (E/tp int64)
+                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
+                counts = 8 * m.moe_experts / tp if m.moe_capacity_factor <= 0 else 0.0
                 a2a = self.ct("all_to_all", routed, ep, tp) + call
                 fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
-                ep_sent = RING["all_to_all"](ep) * (4 * routed + 8 * m.moe_experts / tp)
+                ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
-                    ep_sent += RING["all_to_all"](ep) * (2 * routed + 8 * m.moe_experts / tp)
+                    ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
             if moe:  # the router is replicated over tp; the routed experts split over ep too
                 router = m.dim * m.moe_experts
                 params = (attn_p / tp + ffn_total / tp + norm_p
@@ -544,7 +545,7 @@ class CostModel:
                 weights += 2 * m.head_dim
             tp_layer = (calls, sent, r_ar * weights)
             shared = 1 if m.moe_shared_experts else 0
-            gates = tokens * m.moe_topk * kept_fraction(m, s) * max(4, act)
+            gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/expert.py)
             if True in self.kinds and not sp:  # a MoE block: its gates' gradient summed over tp in
                 # backward (the expert output leaves, its input enters like a dense MLP's), and the
                 # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
@@ -552,7 +553,7 @@ class CostModel:
             elif True in self.kinds:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
                 # in place of the dense MLP's 5 calls (2.5 all-reduces of A) counted in tp_layer: the
                 # tokens gathered (AG fwd, RS bwd; not re-gathered), the chosen experts (int64, AG)
-                # and the gates (AG fwd, RS bwd, >= fp32), the per-token sums scattered back (RS
+                # and the gates (AG fwd, RS bwd, compute dtype), the per-token sums scattered back (RS
                 # fwd, AG bwd); the balance statistics (E + 2 float64, all-reduce, not re-sent
                 # under recompute); the router's gradient (E x dim elements); a shared expert is a
                 # sequence-parallel MLP (5 calls). Full recompute re-runs the three gathers (the
@@ -578,9 +579,7 @@ class CostModel:
                 tp_last = (1 + loss[0], r_ar * A + loss[1], 0.0)
         # with ep > 1 the routed experts are their own FSDP group, sharded over the edp ranks
         expert_p = routed_params(m) / (tp * ep) if ep > 1 else 0.0
-        # the experts' fused w1|w3 (torch.cat), kept for the backward of their first GEMM
-        w13 = 2 * m.moe_experts / (tp * ep) * m.expert_dim * h * act if m.mlp == "swiglu" else 0.0
-        hit = dict(kinds=out, expert_p=expert_p, act_kinds=act_kinds, w13=w13, out_fwd=out_fwd,
+        hit = dict(kinds=out, expert_p=expert_p, act_kinds=act_kinds, out_fwd=out_fwd,
                    out_bwd=out_bwd, act_full=act_full, act_kept=act_kept,
                    tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last, final_norm=norm_p / 2,
                    tp_ar=tp_ar, tp_bytes=tp_bytes, cp_fwd=cp_fwd, cp_sent=cp_sent, tokens=tokens,
@@ -907,8 +906,6 @@ class CostModel:
         per_layer = dict(T["act_kinds"])
         if amp and L.recompute not in ("full", "op"):
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
-        if True in per_layer and not full:
-            per_layer[True] += T["w13"]
         stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
         # blocks' activations per pipeline rank, by layer kind
         akey = (id(stage_kinds), tuple(sorted(per_layer.items())))
@@ -1037,11 +1034,11 @@ class CostModel:
         E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep
         if not E_l:
             return 1.0
-        # w1 (and w3 with swiglu) [E_l, hidden, dim], w2 [E_l, dim, hidden]: equal sizes
-        shapes = [(E_l, m.expert_dim, m.dim), (E_l, m.dim, m.expert_dim)]
-        if m.mlp == "swiglu":
-            shapes.append(shapes[0])
-        return sum(expert_shard_padding(s, edp) for s in shapes) / len(shapes)
+        # w2 [E_l, dim, hidden] and w1 [E_l, hidden, dim], or with swiglu the fused w13
+        # [E_l, 2 hidden, dim] (models/moe.py), weighted by their sizes
+        wide = 2 if m.mlp == "swiglu" else 1
+        shapes = [((E_l, wide * m.expert_dim, m.dim), wide), ((E_l, m.dim, m.expert_dim), 1)]
+        return sum(n * expert_shard_padding(s, edp) for s, n in shapes) / (wide + 1)
 
     def collectives(self, L: Layout, T: dict, stages: list, stage_layers: list, stage_params: list,
                     n_micro: int) -> dict:
@@ -1149,12 +1146,13 @@ class CostModel:
         # float64 all-reduced over dp x cp, recorded as dp; replayed, not re-sent, under recompute)
         if moe0 and n_all > 1:
             add("dp", n_micro * moe0, n_micro * moe0 * RING["all_reduce"](n_all) * 8 * (w.model.moe_experts + 2))
-        # expert parallel: per MoE layer the token counts, dispatch and combine forward, and
-        # the two transposes backward
+        # expert parallel: per MoE layer the token counts (dropless only), dispatch and combine
+        # forward, and the two transposes backward
         ep_layers = sum(n for k, n in stages[0].items() if k)
         if L.ep > 1 and ep_layers:
             ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
-            calls = 5 + (3 if L.recompute in ("full", "op") else 0)  # recomputed: counts, dispatch, combine
+            fwd_calls = 3 if w.model.moe_capacity_factor <= 0 else 2
+            calls = fwd_calls + 2 + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 

@@ -133,15 +133,15 @@ def routed_params(m: ModelConfig) -> int:
     return m.moe_experts * mlp_params(dataclasses.replace(m, bias=False), m.expert_dim)
 
 
-def kept_fraction(m: ModelConfig, s: int) -> float:
-    """Fraction of the (token, expert) assignments a balanced router keeps: 1 when dropless;
-    with ``moe_capacity_factor`` c, per sequence of s tokens each expert gets its even share
-    of s k (``models/moe.py: balanced_counts``) and keeps at most C = ceil(c s k / E)."""
+def routed_fraction(m: ModelConfig, s: int) -> float:
+    """Rows the routed experts compute (and the ep all-to-alls carry) per (token, expert)
+    assignment: 1 when dropless; with ``moe_capacity_factor`` c every expert has its
+    C = ceil(c s k / E) slots per sequence of s tokens, filled or not (``models/moe.py``
+    ``CapacitySlots``: padded to capacity), so E C / (s k)."""
     if m.moe_capacity_factor <= 0 or not m.moe_experts:
         return 1.0
     total, E = s * m.moe_topk, m.moe_experts
-    cap = math.ceil(m.moe_capacity_factor * total / E)
-    return sum(min(total // E + (e < total % E), cap) for e in range(E)) / total
+    return E * math.ceil(m.moe_capacity_factor * total / E) / total
 
 
 def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp: bool) -> float:
@@ -166,7 +166,7 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     over fp32 weights (the caller takes them out: the blocks compute from bf16 weights).
 
     ``moe``: the layer is a MoE block (default: the model has experts); its experts keep
-    the SwiGLU/GELU activations of the top-k rows each token is routed to (the kept ones
+    the SwiGLU/GELU activations of the top-k rows each token is routed to (every slot
     under a capacity; ``moe_activation_bytes`` adds what routing and dispatch keep)."""
     h, a = m.dim, m.n_heads
     hkv = m.kv_heads * m.head_dim
@@ -191,7 +191,7 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     f = m.hidden_dim
     mlp = (2 if m.mlp == "gelu" else 4) * act * s * b * f
     if (m.moe_experts > 0) if moe is None else moe:  # top-k experts each see the token
-        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * kept_fraction(m, s) + m.moe_shared_experts)
+        mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * routed_fraction(m, s) + m.moe_shared_experts)
     split = act * s * b * (2 * h + 2 * hkv) + mlp
     # Scores: softmax output, dropout mask and dropout output (5 a s^2 b with act=2);
     # fused attention keeps only the log-sum-exp.
@@ -232,23 +232,27 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     activations, for one micro-batch of b sequences of s tokens on one rank, as
     ``models/moe.py`` and ``parallel/expert.py`` run it under a balanced router: the router's
     scores (T x E, >= fp32), the chosen experts and gates; the A = T k / tp assignments of
-    this rank's expert column (kept ones under a capacity) enter the experts as act-sized
+    this rank's expert column (every capacity slot under a capacity) enter the experts as act-sized
     rows, with their int64 row indices; the rows coming back are added per token with an
     ``index_add`` in >= fp32, which keeps its A x dim source. With ep > 1 the all-to-all
     dispatcher weights the returned rows by their gates first (``combine``: the product
     keeps the fp32 rows, A x dim more); without ep the gates are folded into the experts
-    (the gated A x min(expert_dim, dim) product). Not here: the fused w1|w3 weight copy
-    (``CostModel._memory``: it depends on FSDP). With ``sp`` each tp rank routes its 1/tp of
+    (the gated A x min(expert_dim, dim) product). With ``sp`` each tp rank routes its 1/tp of
     the tokens (router state / tp); the experts still see their column of all of them."""
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
-    A = T * k * kept_fraction(m, s) / tp
+    A = T * k * routed_fraction(m, s) / tp
     wide = max(4, act)
     router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
     router /= tp if sp else 1
     if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
-        dispatch = A * h * act + 5 * A * 8 + A * (2 * h + 1) * wide
+        dispatch, ids = A * h * act + A * (2 * h + 1) * wide, 5 * A * 8
     else:  # gathered rows and their ids, the gated product and the gates, the fp32 sum's source
-        dispatch = A * h * act + A * 8 + A * (min(m.expert_dim, h) + 1) * act + A * h * wide
+        dispatch, ids = A * h * act + A * (min(m.expert_dim, h) + 1) * act + A * h * wide, A * 8
+    if m.moe_capacity_factor > 0:  # fixed slots (models/moe.py CapacitySlots): one batched matmul,
+        # no aligned groups; each slot's token id and filled flag, each assignment's slot (int64)
+        # and kept flag for its gate (every assignment: tp ranks route the same tokens)
+        return router + dispatch + A * 9 + T * k * 9
+    dispatch += ids
     # The grouped GEMM's groups padded to 16 bytes of rows (models/moe.py GROUP_ALIGN_BYTES):
     # up to align - 1 rows more per local expert, with their input and hidden activations,
     # and each row's place in the padded layout (int64).
