@@ -121,8 +121,7 @@ class SyncCounter:
     def _show(self, message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message) or "set_sync_debug_mode" in (line or ""):
             return
-        import traceback as tb
-        frames = tb.extract_stack()[:-2]
+        frames = traceback.extract_stack()[:-2]
         place = next((f for f in reversed(frames) if "/meshfold/" in f.filename), None) or \
             next((f for f in reversed(frames) if "/torch/" not in f.filename and "warnings" not in f.filename), None)
         where = f"{place.filename.split('/meshfold/')[-1] if place else '?'}:{place.lineno if place else 0}"
