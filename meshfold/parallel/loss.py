@@ -26,10 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from meshfold.data.dataset import IGNORE_INDEX
+from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
 from meshfold.parallel.tensor import TensorParallelGroup
-
-
-CHUNK_ELEMENTS = 1 << 25  # logits per chunk: a chunk's fp32 working copies are 128 MiB each
 
 
 class _ChunkedCE(torch.autograd.Function):

@@ -23,7 +23,7 @@ from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
 from meshfold.parallel.config import ulysses_degree
 from meshfold.parallel.expert_shard import expert_shard_padding
-from meshfold.parallel.loss import CHUNK_ELEMENTS
+from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.counts import (
     BUCKET_BYTES,
