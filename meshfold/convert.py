@@ -23,6 +23,7 @@ from meshfold.models.hf import (ARCHITECTURES, FAMILIES, from_hf, hf_config_from
 from meshfold.models.llama import Transformer, rope_tables
 from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
                                              validate_checkpoint, write_manifest)
+from meshfold.train.renamed_keys import join_whole
 from meshfold.train.run_dir import describe_os_error
 
 
@@ -41,7 +42,7 @@ def read_checkpoint_model(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelCon
              for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     sd = {"model": model}
     safe_load(sd, ckpt, no_dist=True)
-    return sd["model"], m
+    return join_whole(sd["model"]), m  # (a checkpoint from before a rename: renamed_keys.py)
 
 
 # Files of a Hugging Face model folder that describe its tokenizer (copied both ways).

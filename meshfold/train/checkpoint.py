@@ -79,6 +79,7 @@ from meshfold.train.checkpoint_files import (
     write_manifest,
 )
 from meshfold.train.progress import Progress
+from meshfold.train.renamed_keys import joinable, read_old_names
 from meshfold.train.run_dir import describe_os_error, explain_write_failure
 from meshfold.train.zero_state import Chunks, Piece, chunks_of, sharded_layout
 
@@ -477,7 +478,7 @@ class Checkpointer:
         """Load every piece of state from ``path`` into the run's objects; sets and returns
         its step."""
         saved = read_dcp_metadata(path).state_dict_metadata
-        meta_keys = set(saved)
+        meta_keys = set(saved) | joinable(saved)  # (and what it has under old names: renamed_keys.py)
         self._materialize()  # (ZeRO-1 under bf16 frees the fp32 parameters between steps)
         sd = self.state_dict()
         # Keys this rank may ask for: its own RNG if the checkpoint has it, extras present.
@@ -503,7 +504,9 @@ class Checkpointer:
             sd["optim"] = self._zero_one_template(meta_keys)
         elif sharded is not None:
             sd["optim"] = self._sharded_template(meta_keys)
+        put_back = read_old_names(sd, saved)  # a checkpoint from before a rename
         safe_load(sd, path)
+        put_back()
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
         model = _whole_model(self.parts)
@@ -607,7 +610,9 @@ class Checkpointer:
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
         self._materialize()
         sd = {"model": self._model_state()}
+        put_back = read_old_names(sd, read_dcp_metadata(path).state_dict_metadata)
         safe_load(sd, path)
+        put_back()
         set_model_state_dict(_whole_model(self.parts), sd["model"])
         self._masters_written()
 

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from meshfold.train.renamed_keys import joined_shape, old_keys
+
 MANIFEST = "meshfold.json"
 DCP_JSON = "dcp_metadata.json"  # DCP's metadata as JSON: what loading reads (never the pickled .metadata)
 HASHES = "_sha256.json"  # per-rank sidecar "__<rank>_sha256.json", merged into the manifest
@@ -105,6 +107,14 @@ def validate_checkpoint(path: Path, expected_shapes: dict[str, tuple] | None = N
         meta = read_dcp_metadata(path).state_dict_metadata
         for key, shape in expected_shapes.items():
             got = meta.get(key)
+            found = old_keys(key, meta) if got is None else None
+            if found is not None:  # saved before the tensor was joined from these (renamed_keys.py)
+                joined = joined_shape(*found, meta)
+                if joined is not None and joined == tuple(shape):
+                    continue
+                raise CheckpointError(
+                    f"{path}: {key} is saved as {', '.join(found[0])}, which do not join into its shape "
+                    f"{tuple(shape)}; check the [model] section against {path / MANIFEST}")
             if got is None:
                 raise CheckpointError(f"{path}: has no tensor {key} (saved from a different model)")
             if isinstance(got, TensorStorageMetadata) and tuple(got.size) != tuple(shape):
