@@ -14,10 +14,11 @@ then read off:
   gradients at their largest in the step (after the last backward, or between
   micro-batches, where FSDP2 holds unsharded gradients while gradient sync is off);
 - ``optimizer_bytes``: the optimizer state it created (ZeRO-1 ranks only their part);
-- ``activation_bytes``: what autograd saves for backward in one micro-batch (counted with
-  the same saved-tensor hooks as ``metrics.jsonl``); with pipeline parallel, the per-micro-
-  batch bytes of this rank's chunks times the micro-batches its schedule keeps in flight
-  (``DryTrainer.inflight``);
+- ``activation_bytes``: what autograd saves for backward in one micro-batch's forward
+  (counted with the same saved-tensor hooks as ``metrics.jsonl``); with pipeline parallel, the per-micro-
+  batch bytes of each of this rank's chunks (counted in forward only), held from the chunk's
+  forward to its backward in the rank's order for the real micro-batch count: the most
+  held at once (``DryTrainer.held_activations``);
 - ``collectives``: ``{dim: {"count", "bytes"}}`` of the step, as the communication layer
   (meshfold/comm.py) records them.
 
@@ -81,7 +82,7 @@ from meshfold.parallel.stages import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel
-from meshfold.schedule import chunks_per_rank, inflight_microbatches, stage_of
+from meshfold.schedule import chunks_per_rank, held_counts, held_peak, stage_of
 from meshfold.train.progress import Progress
 from meshfold.train.trainer import Trainer
 
@@ -182,7 +183,7 @@ class DryTrainer(Trainer):
         if self.pipeline is not None:
             with count_saved_activations(self.model) as counted:
                 loss_sum = self.engine.forward_backward(micro, tokens)
-            activations = counted.bytes / len(micro) * self.inflight()
+            activations = self.held_activations(counted.by_tag, len(micro))
         else:
             loss_sum = self.engine.forward_backward(micro, tokens)
             activations = self.engine.pop_metrics().get("activation_bytes", 0)
@@ -206,15 +207,15 @@ class DryTrainer(Trainer):
             moe.end_step()
         return self.ledger.pop_step_collectives(), activations
 
-    def inflight(self) -> float:
-        """Micro-batches whose activations this pipeline rank holds at once: GPipe all of
-        them, 1F1B ``pp - r`` on pp rank r (Narayanan et al. 2021), interleaved and ZB-V
-        the first rank's count (``inflight_microbatches``; an upper bound for the others)."""
-        p, m = self.cfg.parallel, self.n_micro
-        r = self.dims.rank("pp")
-        if p.pp_schedule == "1f1b":
-            return float(min(m, p.pp - r))
-        return inflight_microbatches(p.pp_schedule, p.pp, m, p.pp_virtual_stages)
+    def held_activations(self, by_chunk: dict, counted_micro: int) -> float:
+        """The most activation bytes this pipeline rank holds at once in a step of the real
+        micro-batch count: each chunk's bytes per micro-batch (counted over
+        ``counted_micro`` of them) held from its forward to its backward, in this rank's
+        order (``schedule.held_counts``: the planner prices the same moments)."""
+        order = self.pipeline.orders_for(self.n_micro, self.micro_rows)
+        chunks = chunks_per_rank(self.cfg.parallel.pp_schedule, self.cfg.parallel.pp_virtual_stages)
+        per_micro = [by_chunk.get(c, 0) / counted_micro for c in range(chunks)]
+        return held_peak(held_counts(order), per_micro)
 
     def dry_step(self) -> dict:
         """Every micro-batch has the same shapes, so a step's collectives are affine in the
@@ -225,6 +226,7 @@ class DryTrainer(Trainer):
         self.grad_bytes = 0
         micro = self.micro_batches(self.fake_batch())
         self.n_micro = m = len(micro)
+        self.micro_rows = micro[0]["inputs"].shape[0]
         p = self.cfg.parallel
         unit = p.pp if p.pp > 1 and p.pp_schedule == "interleaved" else 1
         gpu = self.gpu

@@ -36,10 +36,14 @@ class SavedActivationCounter:
                                 for fp in _fsdp_params(m)]
         self.seen: set[int] = set()
         self.bytes = 0
+        self.tag = None  # what the bytes are counted under (a pipeline chunk: ``activation_tag``)
+        self.by_tag: dict = {}
 
     def add(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
+        if torch._C._current_graph_task_id() != -1:
+            return  # saved inside a backward (recomputation, the loss's chunks): freed within it
         storage = t.untyped_storage()
         ptr = _storage_key(t)
         if ptr in self.param_storages or ptr in self.seen:
@@ -48,6 +52,7 @@ class SavedActivationCounter:
             return
         self.seen.add(ptr)
         self.bytes += storage.nbytes()
+        self.by_tag[self.tag] = self.by_tag.get(self.tag, 0) + storage.nbytes()
 
     def _gathered_storages(self) -> set[int]:
         # (a DTensor parameter's unsharded form is a DTensor: expert or tensor parallel)
@@ -81,6 +86,21 @@ def note_model_state(tensors) -> None:
     for counter in _ACTIVE:
         counter.param_storages.update(_storage_key(t.to_local() if hasattr(t, "to_local") else t)
                                       for t in tensors)
+
+
+@contextlib.contextmanager
+def activation_tag(tag):
+    """Count what is saved inside under ``tag`` (``SavedActivationCounter.by_tag``) in the
+    counters open now: the pipeline tags each forward with its chunk, whose activations
+    live until that chunk's backward."""
+    before = [(c, c.tag) for c in _ACTIVE]
+    for c, _ in before:
+        c.tag = tag
+    try:
+        yield
+    finally:
+        for c, old in before:
+            c.tag = old
 
 
 def counting() -> bool:

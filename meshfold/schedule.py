@@ -500,3 +500,34 @@ def schedule_inflight(schedule: str, orders: list[list[Action]]) -> float:
             elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.mb) not in split):
                 held -= 1
     return peak / chunks
+
+
+def held_counts(order: list[Action]) -> tuple[tuple[int, ...], ...]:
+    """Per chunk, how many micro-batches' activations a rank running ``order`` holds (each
+    from its F until its last backward action: W where the backward is split, else B), at
+    each moment the count rises, leaving out moments another matches or exceeds in every
+    chunk. The most the rank holds, given each chunk's bytes per micro-batch b, is
+    ``max(sum(n_c * b_c))`` over these (``held_peak``): the one definition the dry-run's
+    measurement and the planner's prediction share."""
+    chunks = max((a.chunk for a in order), default=0) + 1
+    split = {(a.chunk, a.mb) for a in order if a.kind == "W"}
+    held, moments = [0] * chunks, set()
+    for a in order:
+        if a.kind == "F":
+            held[a.chunk] += 1
+            moments.add(tuple(held))
+        elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.mb) not in split):
+            held[a.chunk] -= 1
+    return tuple(x for x in moments if not any(y != x and all(q >= p for p, q in zip(x, y)) for y in moments))
+
+
+@lru_cache(maxsize=4096)
+def rank_held_counts(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """``held_counts`` of pp rank ``rank``'s order in ``schedule`` (cached: the planner asks often)."""
+    return held_counts(schedule_actions(schedule, pp, virtual, m)[rank])
+
+
+def held_peak(counts: tuple[tuple[int, ...], ...], chunk_bytes) -> float:
+    """The most bytes held at once: ``counts`` from ``held_counts``, ``chunk_bytes`` each
+    chunk's bytes per micro-batch."""
+    return max((sum(n * b for n, b in zip(c, chunk_bytes)) for c in counts), default=0.0)

@@ -29,10 +29,10 @@ KNOWN: dict[tuple[str, str], str] = {}
 
 def _draw(rng: random.Random) -> tuple[str, int, dict, dict, dict]:
     moe = rng.random() < 0.3
-    model = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
-             "seq_len": rng.choice([32, 64])}
+    model = {"dim": 512, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 4096,
+             "seq_len": rng.choice([256, 512])}
     if moe:
-        model.update({"moe_experts": 4, "moe_topk": 2, "moe_ffn_dim": 64})
+        model.update({"moe_experts": 4, "moe_topk": 2, "moe_ffn_dim": 512})
     tp = rng.choice([1, 2])
     pp = rng.choice([1, 1, 2])
     cp = rng.choice([1, 1, 2, 4])

@@ -35,7 +35,7 @@ def test_executor_and_planner_share_the_schedule_functions():
     assert executor.chunks_per_rank is schedule.chunks_per_rank and executor.stage_of is schedule.stage_of
     assert planner.schedule_actions is schedule.schedule_actions
     assert cost.pipeline_time is schedule.pipeline_time
-    assert cost.inflight_microbatches is schedule.inflight_microbatches
+    assert cost.rank_held_counts is schedule.rank_held_counts and cost.held_peak is schedule.held_peak
     assert not hasattr(planner, "stage_orders") and not hasattr(planner, "simulate_schedule")
 
 

@@ -31,6 +31,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from meshfold import comm
 from meshfold.device import StepClock
+from meshfold.memory import activation_tag
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.compute_weights import master_parameters
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
@@ -189,15 +190,16 @@ class Pipeline:
                     x = self._take(("act", s, a.mb)).to(self.wire_dtype).requires_grad_(True)
                 start = clock.mark()
                 chunk = self.model.chunks[a.chunk]
-                out = forward(chunk, x, mb)
-                aux = moe_aux(chunk, m)
-                if s == self.n_stages - 1:
-                    loss = loss_fn(out, mb["labels"])
-                    loss_sum += loss.detach().double()
-                    out = loss * scale.to(loss.dtype)
-                else:
-                    out = out.to(self.wire_dtype)
-                    self._hand_over(outbox, ("act", after, a.mb), out.detach())
+                with activation_tag(a.chunk):  # (for a counter: held until this chunk's backward)
+                    out = forward(chunk, x, mb)
+                    aux = moe_aux(chunk, m)
+                    if s == self.n_stages - 1:
+                        loss = loss_fn(out, mb["labels"])
+                        loss_sum += loss.detach().double()
+                        out = loss * scale.to(loss.dtype)
+                    else:
+                        out = out.to(self.wire_dtype)
+                        self._hand_over(outbox, ("act", after, a.mb), out.detach())
                 saved[(a.chunk, a.mb)] = (x, out, aux)
             elif a.kind == "B":
                 x, out, aux = saved.pop((a.chunk, a.mb))

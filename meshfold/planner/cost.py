@@ -48,9 +48,10 @@ from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
 from meshfold.schedule import (
     bubble_lower_bound,
     chunks_per_rank,
-    inflight_microbatches,
+    held_peak,
     pipeline_time,
     rank_chunk_of_stage,
+    rank_held_counts,
     stage_of,
 )
 from meshfold.parallel.skip import nccl_safe
@@ -323,9 +324,8 @@ class CostModel:
         self._layer_cache: dict = {}
         self._stage_cache: dict = {}
         self._split_cache: dict = {}
-        self._front_cache: dict = {}
+        self._held_cache: dict = {}  # _held's per-rank activations
         self._stage_sum_cache: dict = {}
-        self._per_rank_cache: dict = {}  # _memory's sums over each pp rank's blocks
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
@@ -624,21 +624,6 @@ class CostModel:
             hit = self._stage_cache[key] = (ranks, last)
         return hit
 
-    def _rank_front(self, schedule: str, stage_layers: tuple, stage_params: list, last_rank: int,
-                    n_micro: int, inflight: float) -> list:
-        """(in-flight micro-batches, blocks' activations, parameters) of pipeline ranks 1..
-        (not the last stage's, counted with its logits), without those another rank beats on
-        all three: the only candidates for the largest activations (cached: the search asks often)."""
-        key = (stage_layers, id(stage_params), schedule, last_rank, n_micro, inflight)
-        hit = self._front_cache.get(key)
-        if hit is None:
-            pp = len(stage_layers)
-            rows = {({"gpipe": n_micro, "1f1b": min(n_micro, pp - r)}.get(schedule, inflight),
-                     stage_layers[r], stage_params[r]) for r in range(1, pp) if r != last_rank}
-            hit = [x for x in rows if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in rows)]
-            self._front_cache[key] = hit
-        return hit
-
     def _stage_sums(self, T: dict, stages: list, last_rank: int, pp: int, v: int, p2p: float):
         """Per-micro-batch forward/backward of the slowest stage, total busy time over
         stages, and each stage's parameters and layer count (cached per layer terms)."""
@@ -897,7 +882,6 @@ class CostModel:
         wg = FSDP_WIRE[w.dtype][0]
         amp = w.dtype == "bf16-amp"
         gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else (act * Pmax if amp else 0.0)
-        inflight = inflight_microbatches(L.pp_schedule, pp, n_micro, v)
         full = L.recompute == "full"
         tokens = T["tokens"]
         stage_kinds = self.stage_kinds(L)[0]
@@ -907,21 +891,17 @@ class CostModel:
         if amp and L.recompute not in ("full", "op"):
             per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
         stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
-        # blocks' activations per pipeline rank, by layer kind
-        akey = (id(stage_kinds), tuple(sorted(per_layer.items())))
-        layer_acts = self._per_rank_cache.get(akey)
-        if layer_acts is None:
-            layer_acts = self._per_rank_cache[akey] = tuple(sum(per_layer[k] * n for k, n in r.items())
-                                                            for r in stage_kinds)
-        acts = inflight * (layer_acts[0] + stage_in)
-        if pp > 1:
-            # the balanced split can give a later rank more blocks than rank 0 (whose stages
-            # hold the embedding, and under zbv the output layer): the largest over ranks.
-            # 1F1B's rank r holds min(m, pp - r) micro-batches, GPipe's all; interleaved and
-            # zbv: the fullest rank's count for every rank (an upper bound, as the dry-run's)
-            for held, layers, _params in self._rank_front(L.pp_schedule, layer_acts, stage_params,
-                                                          last_rank, n_micro, inflight):
-                acts = max(acts, held * (layers + stage_in))
+        # what the loss keeps for backward: the logits as they came (parallel/loss.py's
+        # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
+        # labels; with amp also the final norm (8h + 4)
+        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens if amp else 0.0)
+        logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
+        if pp == 1:
+            acts = sum(per_layer[k] * n for k, n in stage_kinds[0].items()) + stage_in
+            held, held_logits = [acts], [acts + saved_logits]
+        else:  # every rank's chunks, each held from its forward to its backward in the rank's order
+            held, held_logits = self._held(L, per_layer, stage_in, saved_logits, n_micro)
+            acts = max(held)
         # the recompute working set while one block is recomputed and run backward: under full,
         # all of its activations; under op, what the policy did not keep
         if full:
@@ -936,11 +916,6 @@ class CostModel:
         # the labels and the log-sum-exp. Measured on an H200 (llama3.2-1b, 8,192 tokens x
         # 128,256, bf16; docs/gpu.md): 4.8 B per logit at the peak; this gives 4.5.
         logits = 2 * act * tokens * V / tp + 4 * 4 * min(CHUNK_ELEMENTS, tokens * V / tp) + 8 * tokens
-        # what the loss keeps for backward: the logits as they came (parallel/loss.py's
-        # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
-        # labels; with amp also the final norm (8h + 4)
-        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens if amp else 0.0)
-        logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         buffers = 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0
         reserved = c.device.reserved_gib * GiB
         memory = {**states, "gathered_params": gathered, "activations": acts,
@@ -951,15 +926,39 @@ class CostModel:
         # set next to them; the logits are freed by then)
         base = sum(states.values()) + gathered + acts + buffers + reserved
         peak_mem = base + max(memory["logits"], recompute)
-        activation_bytes = acts + (saved_logits if logits_here else 0.0)
+        activation_bytes = max(held_logits)
         if pp > 1 and last_rank > 0:  # the last stage holds the logits but fewer in-flight micro-batches
             last = self._model_states(L, T, stage_params[last_rank], moe_layers[last_rank], zero, accumulate)
-            last_inflight = min(float(n_micro), 1.0 if L.pp_schedule != "gpipe" else float(n_micro))
-            last_acts = last_inflight * layer_acts[last_rank]
-            peak_mem = max(peak_mem, sum(last.values()) + gathered + last_acts + buffers + reserved
+            peak_mem = max(peak_mem, sum(last.values()) + gathered + held[last_rank] + buffers + reserved
                            + max(logits, recompute))
-            activation_bytes = max(activation_bytes, last_acts + last_inflight * saved_logits)
         return states, memory, peak_mem, activation_bytes
+
+    def _held(self, L: Layout, per_layer: dict, stage_in: float, saved_logits: float,
+              n_micro: int) -> tuple[list, list]:
+        """Per pipeline rank, the most activation bytes it holds at once, without and with
+        the last stage's saved logits: each chunk's bytes per micro-batch, held from its
+        forward to its backward in the rank's order (``schedule.held_counts``: the moments
+        the dry-run's measurement is taken at too). Cached: the search asks often."""
+        sched = L.pp_schedule
+        v = L.pp_virtual_stages if sched == "interleaved" else 1
+        key = (L.pp, sched, v, tuple(L.pp_split), n_micro, tuple(sorted(per_layer.items())), stage_in, saved_logits)
+        hit = self._held_cache.get(key)
+        if hit is None:
+            stage_bytes, start = [], 0
+            for n in self.stage_split(L):
+                stage_bytes.append(sum(per_layer[self.kinds[i]] for i in range(start, start + n)) + stage_in)
+                start += n
+            last = len(stage_bytes) - 1
+            chunks = chunks_per_rank(sched, v)
+            without, with_logits = [], []
+            for r in range(L.pp):
+                stages = [stage_of(sched, L.pp, r, c) for c in range(chunks)]
+                counts = rank_held_counts(sched, L.pp, v, n_micro, r)
+                without.append(held_peak(counts, [stage_bytes[st] for st in stages]))
+                with_logits.append(held_peak(counts, [stage_bytes[st] + (saved_logits if st == last else 0.0)
+                                                      for st in stages]))
+            hit = self._held_cache[key] = (without, with_logits)
+        return hit
 
     def _top_states(self, L: Layout, T: dict, stage_params: list, n_micro: int):
         """Model states of the pp rank with the most parameters (``_memory``'s), the zero
