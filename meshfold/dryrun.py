@@ -82,7 +82,7 @@ from meshfold.parallel.stages import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel
-from meshfold.schedule import chunks_per_rank, held_counts, held_peak, stage_of
+from meshfold.schedule import chunks_per_rank, held_counts, held_peak, rank_grad_moments, stage_of
 from meshfold.train.progress import Progress
 from meshfold.train.trainer import Trainer
 
@@ -110,6 +110,8 @@ class DryTrainer(Trainer):
         self.step_metrics, self.progress, self.capture_grads = {}, Progress(), False
         self.grad_reducers = self.dims.size("dp_cp")
         self.held_grad_bytes = 0
+        self.chunk_grads: dict[int, dict[int, int]] = {1: {}, 2: {}}  # (_note_chunk_grads)
+        self.reduced_chunks: set = set()
         self.announce_split = False  # stdout carries the report (--json: JSON only)
         self.loss_fn = self.build_loss()
         self.compression = build_compression(cfg.lowcomm)  # lowcomm.compression's DDP hook, as the Trainer
@@ -127,6 +129,7 @@ class DryTrainer(Trainer):
 
             def measured_set_sync(chunk):  # called before each chunk's last backward
                 self._note_held_grads()
+                self._note_chunk_grads(chunk)
                 set_sync(chunk)
 
             self.pipeline._set_grad_sync = measured_set_sync
@@ -142,6 +145,35 @@ class DryTrainer(Trainer):
 
     def _note_held_grads(self) -> None:
         self.held_grad_bytes = max(self.held_grad_bytes, held_grad_bytes(self.model))
+
+    def _note_chunk_grads(self, chunk) -> None:
+        """Each pipeline chunk's gradient bytes while it accumulates (unsharded between
+        micro-batches) and once reduced, seen before each chunk's last backward
+        (``chunk``; None starts a step, "all" ends it): what ``held_pipeline_grads`` combines
+        at the moments of the real micro-batch count."""
+        if chunk is None:
+            self.reduced_chunks = set()
+            return
+        if chunk == "all":
+            return
+        for c, module in enumerate(self.pipeline.model.chunks):
+            held = held_grad_bytes(module)
+            if held:
+                seen = self.chunk_grads[2 if c in self.reduced_chunks else 1]
+                seen[c] = max(seen.get(c, 0), held)
+        self.reduced_chunks.add(chunk)
+
+    def held_pipeline_grads(self) -> int:
+        """The most gradient bytes this pipeline rank holds before a chunk's last backward
+        in a step of the real micro-batch count: its chunks' accumulating and reduced
+        bytes at each of those moments (``schedule.rank_grad_moments``, as the planner)."""
+        p = self.cfg.parallel
+        v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
+        if p.pp_schedule == "skippipe" or chunks_per_rank(p.pp_schedule, p.pp_virtual_stages) == 1:
+            return 0
+        moments = rank_grad_moments(p.pp_schedule, p.pp, v, self.n_micro, self.dims.rank("pp"))
+        return max(sum(self.chunk_grads[s].get(c, 0) for c, s in enumerate(moment) if s)
+                   for moment in moments)
 
     def _pipeline_step_reduction(self, loss_sum, events, wall0, span, m):
         """What ``Pipeline._reduce_step`` sends (loss sum and timings, one all-gather over pp),
@@ -245,6 +277,8 @@ class DryTrainer(Trainer):
                         for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
             g = {f: gpucheck.extrapolate(g1[f], g2[f], k) for f in g1} if gpu else None
         extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
+        if self.pipeline is not None:
+            self.grad_bytes = max(self.grad_bytes, self.held_pipeline_grads())
         return {**extra, "param_bytes": _param_bytes(self.model, self.optimizer),
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
                 "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}

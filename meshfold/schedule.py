@@ -531,3 +531,27 @@ def held_peak(counts: tuple[tuple[int, ...], ...], chunk_bytes) -> float:
     """The most bytes held at once: ``counts`` from ``held_counts``, ``chunk_bytes`` each
     chunk's bytes per micro-batch."""
     return max((sum(n * b for n, b in zip(c, chunk_bytes)) for c in counts), default=0.0)
+
+
+@lru_cache(maxsize=4096)
+def rank_grad_moments(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per chunk of pp rank ``rank``, the state of its weight gradients just before each
+    chunk's last backward action (its last W where the order has W actions, else its last
+    B: where a layout that shards gradients reduces that chunk's): 0 none yet, 1
+    accumulating unsharded over the micro-batches, 2 reduced (sharded). Weight gradients
+    start at a chunk's first W where its backward is split (every stage but the first),
+    else at its first B. The dry-run measures held gradients at these moments; the
+    planner prices the fullest of them."""
+    order = schedule_actions(schedule, pp, virtual, m)[rank]
+    has_w = {a.chunk for a in order if a.kind == "W"}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, a in enumerate(order):
+        split = a.chunk in has_w and stage_of(schedule, pp, rank, a.chunk) > 0
+        if a.kind == ("W" if split else "B"):
+            first.setdefault(a.chunk, i)
+        if a.kind == ("W" if a.chunk in has_w else "B"):
+            last[a.chunk] = i
+    chunks = max((a.chunk for a in order), default=0) + 1
+    return tuple(tuple(2 if x in last and last[x] < i else 1 if first.get(x, i) < i else 0 for x in range(chunks))
+                 for i in sorted(last.values()))

@@ -397,9 +397,13 @@ class _RingAttention(torch.autograd.Function):
             wait_all(works)
             if nxt is not None:
                 cur = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
+        # The output in the compute dtype, rows [b, s, heads, d] contiguous: what the fused
+        # backward takes (as flash attention's), and what the caller's output projection
+        # saves too (a view), so the block keeps one copy of it, not an fp32 one besides.
+        result = out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.layout, ctx.plan, ctx.auxes = layout, plan, auxes
-        return out.transpose(1, 2).to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -408,10 +412,10 @@ class _RingAttention(torch.autograd.Function):
         plan: ContextParallelPlan = ctx.plan
         b, s, heads, d = q.shape
         groups = heads // k.shape[2]
-        acc = out.dtype
+        acc = lse.dtype
         scale = 1.0 / math.sqrt(d)
         qt, dout = q.transpose(1, 2), grad_out.to(q.dtype).transpose(1, 2)
-        out_k, lse_k = out.to(q.dtype), _finite(lse)  # the final rows: P = exp(S - lse_final)
+        out_k, lse_k = out.transpose(1, 2), _finite(lse)  # the final rows: P = exp(S - lse_final)
         dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
         cur = torch.stack([k, v]).transpose(2, 3).contiguous()
         R = layout.R

@@ -51,6 +51,7 @@ from meshfold.schedule import (
     held_peak,
     pipeline_time,
     rank_chunk_of_stage,
+    rank_grad_moments,
     rank_held_counts,
     stage_of,
 )
@@ -874,6 +875,10 @@ class CostModel:
         fsdp = L.zero >= 2 and n_shard > 1
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
         states, zero, accumulate, moe_layers = self._top_states(L, T, stage_params, n_micro)
+        if accumulate and zero >= 2 and pp > 1 and chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) > 1:
+            # a rank's chunks reduce their gradients each at its own last backward: the
+            # unsharded ones are only those still accumulating at the fullest moment
+            states = {**states, "grads": states["grads"] * self._grad_share(L, T, n_micro, L.dp_shard * cp)}
         # Gathered parameter copies (FSDP2, in the compute dtype): ZeRO-2 keeps every block of
         # the rank gathered from its first forward to the step's last backward; ZeRO-3 the
         # running block and the prefetched next one.
@@ -932,6 +937,36 @@ class CostModel:
             peak_mem = max(peak_mem, sum(last.values()) + gathered + held[last_rank] + buffers + reserved
                            + max(logits, recompute))
         return states, memory, peak_mem, activation_bytes
+
+    def _grad_share(self, L: Layout, T: dict, n_micro: int, n_shard: int) -> float:
+        """The gradients the fullest pp rank holds at its fullest moment
+        (``schedule.rank_grad_moments``: chunks still accumulating whole, chunks already
+        reduced as their 1/n_shard share, chunks not yet in backward nothing), as a
+        fraction of the largest rank's unsharded gradients."""
+        sched = L.pp_schedule
+        v = L.pp_virtual_stages if sched == "interleaved" else 1
+        key = ("grads", id(T), L.pp, sched, v, tuple(L.pp_split), n_micro, n_shard)
+        hit = self._held_cache.get(key)
+        if hit is None:
+            kinds, split = T["kinds"], self.stage_split(L)
+            params, start = [], 0
+            for st, n in enumerate(split):
+                p = sum(kinds[self.kinds[i]][2] for i in range(start, start + n))
+                if st == 0:
+                    p += T["emb"] + T["pos_emb"]
+                if st == len(split) - 1:
+                    p += T["emb"] + T["final_norm"]
+                params.append(p)
+                start += n
+            weight = (0.0, 1.0, 1.0 / max(1, n_shard))
+            held = whole = 0.0
+            for rank in range(L.pp):
+                mine = [params[stage_of(sched, L.pp, rank, c)] for c in range(chunks_per_rank(sched, v))]
+                whole = max(whole, sum(mine))
+                held = max(held, max(sum(p * weight[s] for p, s in zip(mine, moment))
+                                     for moment in rank_grad_moments(sched, L.pp, v, n_micro, rank)))
+            hit = self._held_cache[key] = held / max(whole, 1e-30)
+        return hit
 
     def _held(self, L: Layout, per_layer: dict, stage_in: float, saved_logits: float,
               n_micro: int) -> tuple[list, list]:
