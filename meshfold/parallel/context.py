@@ -33,6 +33,7 @@ carry a (tile x tile) mask. The kernels are the fused ones that return the log-s
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -501,41 +502,47 @@ def _all_to_all(x, scatter_dim, gather_dim, group):
 
 
 class _MetaCache:
-    """Every cp rank's (positions, doc ids) and the ring layout, made once per forward: all
-    layers get the same tensors, so the cache is keyed by their identity."""
+    """Every cp rank's (positions, doc ids) and the ring layout, made once per micro-batch
+    and chunk: all layers get the same tensors, so entries are keyed by their identity. An
+    entry lives as long as its micro-batch's positions tensor: a pipeline runs other
+    micro-batches through the chunk, and recomputation reruns a micro-batch's forward in
+    its backward, before the micro-batch comes back, and neither gathers again."""
 
     def __init__(self, plan: ContextParallelPlan):
         self.plan = plan
-        self.key: tuple | None = None
-        self.value: torch.Tensor | None = None
-        self.layout: RingLayout | None = None
+        self.entries: dict[tuple[int, int], list] = {}  # (id(positions), id(doc ids)) -> [value, layout]
+        self.current: list | None = None
 
     def get(self, positions: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        if self.key is not None and self.key[0] is positions and self.key[1] is doc_ids:
-            return self.value
-        plan = self.plan
-        docs = doc_ids if doc_ids is not None else torch.zeros_like(positions)
-        local = torch.stack([positions, docs]).to(torch.int64).contiguous()  # [2, b, s]
-        parts = local.unsqueeze(0)
-        if plan.cp > 1:
-            parts = torch.empty((plan.cp * 2,) + local.shape[1:], dtype=local.dtype, device=local.device)
-            all_gather_into_tensor(parts, local, plan.cp_group, "cp")  # concatenated along dim 0
-        u = plan.ulysses
-        # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
-        members = parts.view(plan.ring, u, 2, *local.shape[1:]).permute(0, 2, 3, 1, 4).flatten(-2)
-        self.key, self.value, self.layout = (positions, doc_ids), members.contiguous(), None
-        return self.value
+        key = (id(positions), id(doc_ids))
+        entry = self.entries.get(key)
+        if entry is None:
+            plan = self.plan
+            docs = doc_ids if doc_ids is not None else torch.zeros_like(positions)
+            local = torch.stack([positions, docs]).to(torch.int64).contiguous()  # [2, b, s]
+            parts = local.unsqueeze(0)
+            if plan.cp > 1:
+                parts = torch.empty((plan.cp * 2,) + local.shape[1:], dtype=local.dtype, device=local.device)
+                all_gather_into_tensor(parts, local, plan.cp_group, "cp")  # concatenated along dim 0
+            u = plan.ulysses
+            # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
+            members = parts.view(plan.ring, u, 2, *local.shape[1:]).permute(0, 2, 3, 1, 4).flatten(-2)
+            entry = self.entries[key] = [members.contiguous(), None]
+            weakref.finalize(positions, self.entries.pop, key, None)  # (ids are reused once it is gone)
+        self.current = entry
+        return entry[0]
 
     def ring_layout(self, use_doc: bool) -> RingLayout:
-        if self.layout is None:
-            if has_values(self.value):
-                self.layout = RingLayout(self.value, use_doc, self.plan.ring_rank, self.plan.tile)
+        entry = self.current
+        if entry[1] is None:
+            if has_values(entry[0]):
+                entry[1] = RingLayout(entry[0], use_doc, self.plan.ring_rank, self.plan.tile)
             else:  # a dry-run's fake batch: the default positions, no documents (its host read
                 # would have no values to read), laid out on real tensors
                 with unset_fake_temporarily():
-                    meta = default_members(self.plan, *self.value.shape[2:])
-                    self.layout = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile)
-        return self.layout
+                    meta = default_members(self.plan, *entry[0].shape[2:])
+                    entry[1] = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile)
+        return entry[1]
 
 
 def default_members(plan: ContextParallelPlan, bsz: int, member_len: int) -> torch.Tensor:

@@ -38,12 +38,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.device import resolved_dtype_name
 from meshfold.mesh import ParallelDims
+from meshfold.models.moe import GroupedExperts
+from meshfold.parallel.expert_shard import expert_shard_dim
 
 
 # DDP's gradient bucket cap (torch's default, 25 MiB): also the size of GradReducer's buckets.
@@ -78,10 +81,29 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
     for block in shard_blocks(model):
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=_expert_placement(block, dims.fsdp_mesh().size()), **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     _count_fsdp_bytes(model, dims, reshard_after_forward)
     return model
+
+
+def _expert_placement(block: nn.Module, n: int):
+    """FSDP2's ``shard_placement_fn`` for a block: the stacked expert weights [E_l, out, in]
+    of an MoE block that keeps its experts (no expert parallel) sharded on the dimension
+    ``expert_shard_dim`` picks, which pads least (dim 0 pads when E_l < n: every rank would
+    hold a whole expert, n / E_l times its share); everything else FSDP2's default."""
+    experts = {id(p) for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    if not experts:
+        return None
+
+    def placement(p: nn.Parameter) -> Shard | None:
+        if id(p) not in experts:
+            return None
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return Shard(expert_shard_dim(tuple(local.shape), n))
+
+    return placement
 
 
 class _CountedAllGather(DefaultAllGather):

@@ -1165,7 +1165,7 @@ class CostModel:
             # one all-gather of [loss sum, busy, start, end] (float64) per pp rank
             add("pp", 1, RING["all_gather"](pp) * 32 * pp)
         # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
-        # layer; the ranks' positions/doc ids once per micro-batch; the work counter per step
+        # layer; the ranks' positions/doc ids once per micro-batch and chunk; the work counter per step
         if cp > 1:
             # the collectives recompute issues again: the block's forward ones (full, op), or the
             # attention core's (selective)
@@ -1173,8 +1173,8 @@ class CostModel:
             per_layer = T["cp_calls"][0] + (T["cp_calls"][redo] if redo else 0)
             sent = T["cp_sent"] + ((T["cp_sent_rec"], T["cp_sent_sel"])[redo - 1] if redo else 0.0)
             add("cp", n_micro * layers0 * per_layer, n_micro * layers0 * sent)
-            meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp
-            add("cp", n_micro, n_micro * RING["all_gather"](cp) * meta)
+            meta = 2 * L.micro_batch * (w.s // cp) * 8 * cp  # (each chunk of a pp rank gathers its own)
+            add("cp", n_micro * chunks, n_micro * chunks * RING["all_gather"](cp) * meta)
             add("cp", 1, RING["all_gather"](cp) * 8 * cp)
         # MoE: the global balance statistics, per MoE layer and micro-batch forward (E + 2
         # float64 all-reduced over dp x cp, recorded as dp; replayed, not re-sent, under recompute)
