@@ -47,6 +47,10 @@ LAYOUTS = [
     # HSDP for the dense part; the experts' FSDP group (edp) spans the replicas.
     pytest.param(4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, id="ep2-hsdp2x2"),
     pytest.param(2, {"dp_shard": 2}, id="dp2-ep1-global-balance-loss"),
+    # DDP-style data parallel (DeepSeek-V3's ep over ZeRO-1): dense gradients averaged over the 4
+    # data ranks, the experts' over their edp = 2 replicas; ZeRO-1 shards the Adam state over each.
+    pytest.param(4, {"dp_replicate": 4, "ep": 2, "zero": 0}, id="ep2-ddp4-zero0"),
+    pytest.param(4, {"dp_shard": 4, "ep": 2, "zero": 1}, id="ep2-dp4-zero1"),
     # Recomputation re-runs the all-to-all in backward and must not count the tokens twice.
     pytest.param(2, {"dp_shard": 2, "ep": 2}, {"recompute": "full"}, id="ep2-recompute-full"),
 ]
@@ -115,15 +119,16 @@ def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_
 @pytest.mark.parametrize("parallel,key", [
     ({"dp_shard": 4, "ep": 3}, "parallel.ep"),
     ({"dp_shard": 2, "dp_replicate": 2, "ep": 4}, "parallel.ep"),
-    ({"dp_shard": 4, "ep": 2, "zero": 1}, "parallel.zero"),
+    ({"dp_replicate": 4, "ep": 2, "zero": 0, "offload": "optimizer"}, "train.offload"),
     ({"dp_shard": 2, "cp": 2, "ep": 2}, "model.moe_capacity_factor"),
     ({"dp_shard": 2, "tp": 2, "ep": 2, "moe_experts": 6}, "model.moe_experts"),
 ])
 def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
     parallel = dict(parallel)
     experts = {"moe_experts": parallel.pop("moe_experts")} if "moe_experts" in parallel else {}
+    train = {"offload": parallel.pop("offload")} if "offload" in parallel else {}
     cfg = from_dict(tiny_config(str(tmp_path), model={**MOE, "moe_capacity_factor": 1.0 if "cp" in parallel else 0.0,
-                                                      **experts}, parallel=parallel))
+                                                      **experts}, parallel=parallel, train=train))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg, 4)
 
