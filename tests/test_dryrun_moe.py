@@ -95,6 +95,14 @@ AGREEMENT = [
                  {"n_layers": 3, "moe_first_dense": 1, "moe_shared_experts": 1}, id="tp2-experts-dense+moe-shared"),
     pytest.param(8, {"pp": 2, "dp_shard": 4, "ep": 2, "zero": 3, "pp_microbatches": 2},
                  {"n_layers": 4, "moe_capacity_factor": 0.5}, id="pp2xep2-capacity0.5"),
+    # ep over DDP / ZeRO-1 data parallel (DeepSeek-V3's layout): dense gradients all-reduced over
+    # dp x cp, the experts' over edp; ZeRO-1 shards (and gathers in bf16) each part over its own
+    # ranks, the fp32 masters only for the rank's segments
+    pytest.param(8, {"dp_shard": 8, "ep": 4, "zero": 1}, {}, id="ep4-dp8-zero1"),
+    pytest.param(8, {"dp_replicate": 8, "dp_shard": 1, "ep": 2, "zero": 0}, {}, id="ep2-ddp8-zero0"),
+    pytest.param(8, {"pp": 2, "dp_shard": 4, "ep": 2, "zero": 1, "pp_microbatches": 2}, {"n_layers": 4},
+                 id="pp2xep2-dp4-zero1"),
+    pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 2, "zero": 1}, {}, id="ep2xtp2-dp4-zero1"),
     # sequence parallel: each tp rank routes its slice; tokens, experts and gates gathered over
     # tp around the experts, sums reduce-scattered back; stats and router gradient over tp
     pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},

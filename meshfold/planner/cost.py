@@ -693,7 +693,8 @@ class CostModel:
             L, T, n_micro, v, bound)
         Pmax = max(stage_params)
         window = (ENDLESS, ENDLESS) if bound else (t_f, t_b)
-        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v)
+        Emax = stages[stage_params.index(Pmax)].get(True, 0) * T["expert_p"]  # its routed experts (ep > 1)
+        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
 
         # ---- optimizer step: one memory-bound pass over the local states
         n_shard = L.dp_shard * cp
@@ -819,8 +820,10 @@ class CostModel:
         return table_step_time(L.pp, paths, stage_s, links)
 
     def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
-                    t_f: float, t_b: float, v: int) -> float:
-        """Seconds of data-parallel traffic the step waits for (after overlap with compute)."""
+                    t_f: float, t_b: float, v: int, Emax: float = 0.0) -> float:
+        """Seconds of data-parallel traffic the step waits for (after overlap with compute).
+        ``Emax``: the routed-expert parameters among ``Pmax`` (ep > 1), which zero 0/1 reduce
+        (and ZeRO-1 gathers) over the edp ranks instead."""
         w, c, tp, cp, dp = self.w, self.c, L.tp, L.cp, L.dp
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         # strides of each mesh dimension's groups, tp innermost (meshfold/mesh.py)
@@ -866,13 +869,21 @@ class CostModel:
         elif n_all > 1:
             # DDP / manual buckets: all-reduce of the gradients in 25 MB buckets during the
             # last micro-batch's backward; ZeRO-1 then all-gathers the updated shards.
-            t_ar = self.ct("all_reduce", Pmax * gb, n_all, tp)
+            # With ep > 1 the experts go over edp (ep innermost: stride tp * ep), the rest over dp x cp.
+            edp = n_all // max(1, L.ep)
+            t_ar = self.ct("all_reduce", (Pmax - Emax) * gb, n_all, tp)
+            calls = buckets((Pmax - Emax) * gb)
+            if Emax and edp > 1:
+                t_ar += self.ct("all_reduce", Emax * gb, edp, tp * L.ep)
+                calls += buckets(Emax * gb)
             t_z1 = 0.0
-            calls = buckets(Pmax * gb)
             if L.zero == 1 and n_shard > 1:
-                zb, flat = zero1_gather(w.dtype, tp)
-                t_z1 = self.ct("all_gather", Pmax * zb, n_shard, st_dps)
+                zb, flat = zero1_gather(w.dtype, tp, L.ep)
+                t_z1 = self.ct("all_gather", (Pmax - Emax) * zb, n_shard, st_dps)
                 calls += 1 if flat else buckets(Pmax * zb)
+                if Emax and edp > 1:
+                    t_z1 += self.ct("all_gather", Emax * zb, edp, tp * L.ep)
+                    calls += 1
             last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
         return dp_exposed
@@ -1016,7 +1027,9 @@ class CostModel:
             states["params"] /= max(1, n_shard)
         if experts:
             edp = L.dp * L.cp // L.ep
-            sharded = model_state_bytes(experts * self._expert_padding(L), zero, edp, self.w.dtype, accumulate)
+            # (zero 0/1: ShardedAdamW's element segments over edp, no padding; zero 0: replicated)
+            padding = self._expert_padding(L) if zero >= 2 else 1.0
+            sharded = model_state_bytes(experts * padding, zero, edp, self.w.dtype, accumulate)
             whole = model_state_bytes(experts, zero, edp, self.w.dtype, accumulate)
             if zero == 2:
                 sharded["params"] /= max(1, edp)
@@ -1087,10 +1100,13 @@ class CostModel:
             if n_rep > 1:
                 add("dp", modules, RING["all_reduce"](n_rep) * (P0 - E0) * wr / n_shard)
         elif n_all > 1:
-            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
-            calls = chunks * buckets(P0 * gb / chunks)
+            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py);
+            # with ep > 1 the routed experts have reducers of their own over edp (and, ZeRO-1,
+            # their own ShardedAdamW over edp), the rest goes over dp x cp
+            E0, edp = (moe0 * T["expert_p"], n_all // L.ep) if L.ep > 1 else (0.0, 1)
+            calls = chunks * buckets((P0 - E0) * gb / chunks)
             m = w.model
-            if tp == 1 and pp == 1:  # torch DDP's buckets
+            if tp == 1 and pp == 1 and L.ep == 1:  # torch DDP's buckets
                 sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
@@ -1106,12 +1122,16 @@ class CostModel:
                 sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
                 if all(x is not None for x in sizes):
                     calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
-            add("dp", calls, RING["all_reduce"](n_all) * P0 * gb)
+            add("dp", calls, RING["all_reduce"](n_all) * (P0 - E0) * gb)
+            if E0 and edp > 1:
+                add("dp", chunks * buckets(E0 * gb / chunks), RING["all_reduce"](edp) * E0 * gb)
             if L.zero == 1 and n_shard > 1:
                 # ShardedAdamW's flat segments in one call (bf16 under meshfold's bfloat16), or
                 # ZeroRedundancyOptimizer's buckets (counts.zero1_gather)
-                zb, flat = zero1_gather(w.dtype, tp)
-                add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * P0 * zb)
+                zb, flat = zero1_gather(w.dtype, tp, L.ep)
+                add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * (P0 - E0) * zb)
+                if E0 and edp > 1:
+                    add("dp", 1, RING["all_gather"](edp) * E0 * zb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             grad = tp_grad_bytes(w.dtype)

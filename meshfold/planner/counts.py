@@ -36,16 +36,17 @@ def tp_grad_bytes(dtype: str) -> int:
     return FSDP_WIRE[dtype][0]
 
 
-def zero1_gather(dtype: str, tp: int) -> tuple[int, bool]:
+def zero1_gather(dtype: str, tp: int, ep: int = 1) -> tuple[int, bool]:
     """ZeRO-1's all-gather of the updated parameters: (bytes per parameter, whether it is
     one flat call). Under meshfold's bfloat16 ``ShardedAdamW`` gathers the compute dtype
     straight into the step's compute weights, in one call, in every layout; otherwise it
-    gathers the stored dtype, in one call with tp (``ShardedAdamW``), else in
-    ``ZeroRedundancyOptimizer``'s buckets (parallel/optim.py). (Runs with a
-    low-communication method, 1-bit Adam or live recovery keep the fp32 gather.)"""
+    gathers the stored dtype, in one call with tp or ep (``ShardedAdamW``; with ep one for
+    the dense part and one for the experts over edp), else in ``ZeroRedundancyOptimizer``'s
+    buckets (parallel/optim.py). (Runs with a low-communication method, 1-bit Adam or live
+    recovery keep the fp32 gather.)"""
     if dtype == "bf16-amp":
         return DTYPE_BYTES[dtype][3], True
-    return DTYPE_BYTES[dtype][0], tp > 1
+    return DTYPE_BYTES[dtype][0], tp > 1 or ep > 1
 
 
 def buckets(size_bytes: float) -> int:
