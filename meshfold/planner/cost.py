@@ -42,6 +42,7 @@ from meshfold.planner.counts import (
     routed_params,
     tp_grad_bytes,
     zero1_gather,
+    moe_chunk_param_sizes,
 )
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
@@ -973,14 +974,17 @@ class CostModel:
         return states, memory, peak_mem, activation_bytes
 
     def _top_states(self, L: Layout, T: dict, stage_params: list, n_micro: int):
-        """Model states of the pp rank with the most parameters (``_memory``'s), the zero
-        stage in effect, whether gradients accumulate, and MoE layers per pp rank."""
-        Pmax = max(stage_params)
+        """Model states of the pp rank holding the most (``_memory``'s), the zero stage in
+        effect, whether gradients accumulate, and MoE layers per pp rank. The fullest rank is
+        the one with the most parameters, except where experts are sharded over fewer ranks
+        than the rest (ep with zero 0/1: a rank of MoE blocks can hold more than the
+        embedding's with more parameters)."""
         zero = L.zero if L.dp_shard * L.cp > 1 else 0  # nothing to shard over: replicated states
         accumulate = n_micro > 1
         moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
-        top = stage_params.index(Pmax)
-        return self._model_states(L, T, Pmax, moe_layers[top], zero, accumulate), zero, accumulate, moe_layers
+        ranks = [self._model_states(L, T, P, n, zero, accumulate) for P, n in zip(stage_params, moe_layers)]
+        top = max(range(len(ranks)), key=lambda r: (sum(ranks[r].values()), stage_params[r]))
+        return ranks[top], zero, accumulate, moe_layers
 
     def memory_floor(self, L: Layout) -> float:
         """Bytes ``L`` needs with any recompute: the fullest rank's model states and the
@@ -1105,12 +1109,21 @@ class CostModel:
             # their own ShardedAdamW over edp), the rest goes over dp x cp
             E0, edp = (moe0 * T["expert_p"], n_all // L.ep) if L.ep > 1 else (0.0, 1)
             calls = chunks * buckets((P0 - E0) * gb / chunks)
+            expert_calls = chunks * buckets(E0 * gb / chunks)
             m = w.model
+            moe_sizes = None  # GradReducer's buckets of a MoE / latent-attention chunk, exactly
+            if tp == 1 and chunks == 1 and not (tp == 1 and pp == 1 and L.ep == 1):
+                moe_sizes = moe_chunk_param_sizes(m, layers0, True, last_on_rank0, max(1, L.ep))
+            if moe_sizes is not None and (m.moe_experts or m.mla):
+                apart = L.ep > 1
+                calls = reducer_buckets([e * pb for e, x in moe_sizes if not (x and apart)])
+                expert_calls = reducer_buckets([e * pb for e, x in moe_sizes if x and apart])
             if tp == 1 and pp == 1 and L.ep == 1:  # torch DDP's buckets
                 sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
-            elif L.pp_schedule != "zbv":  # GradReducer: greedy per parameter
+            elif L.pp_schedule != "zbv" and not (moe_sizes is not None and (m.moe_experts or m.mla)):
+                # GradReducer: greedy per parameter
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
                 elif L.pp_schedule == "interleaved":
@@ -1124,7 +1137,7 @@ class CostModel:
                     calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
             add("dp", calls, RING["all_reduce"](n_all) * (P0 - E0) * gb)
             if E0 and edp > 1:
-                add("dp", chunks * buckets(E0 * gb / chunks), RING["all_reduce"](edp) * E0 * gb)
+                add("dp", expert_calls, RING["all_reduce"](edp) * E0 * gb)
             if L.zero == 1 and n_shard > 1:
                 # ShardedAdamW's flat segments in one call (bf16 under meshfold's bfloat16), or
                 # ZeroRedundancyOptimizer's buckets (counts.zero1_gather)

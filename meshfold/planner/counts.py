@@ -111,6 +111,39 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
     return sizes
 
 
+def moe_chunk_param_sizes(m: ModelConfig, layers: int, first: bool, last: bool,
+                          ep: int = 1) -> list[tuple[float, bool]] | None:
+    """``chunk_param_sizes`` for a chunk of blocks 0 .. ``layers`` - 1 of a MoE and/or
+    multi-head latent attention model without tp: (local elements, routed expert or not) of
+    every parameter in registration order (``ep``: each rank holds E/ep experts); None for
+    models whose tensors this does not know (biases, layernorm, learned positions)."""
+    if m.bias or m.qkv_bias or m.qk_norm or m.norm != "rmsnorm" or m.pos != "rope":
+        return None
+    h, V = m.dim, m.vocab_size
+    if m.mla:  # models/mla.py
+        qk, heads = m.mla_nope_dim + m.mla_rope_dim, m.n_heads
+        q = [m.mla_q_rank * h, m.mla_q_rank, heads * qk * m.mla_q_rank] if m.mla_q_rank else [heads * qk * h]
+        attention = q + [(m.mla_kv_rank + m.mla_rope_dim) * h, m.mla_kv_rank,
+                         heads * (m.mla_nope_dim + m.mla_v_dim) * m.mla_kv_rank, h * heads * m.mla_v_dim]
+    else:
+        hd = m.head_dim
+        attention = [h * m.n_heads * hd, h * m.kv_heads * hd, h * m.kv_heads * hd, m.n_heads * hd * h]
+    mats = 3 if m.mlp == "swiglu" else 2
+    sizes: list[tuple[float, bool]] = [(V * h, False)] if first else []
+    for layer in range(layers):
+        sizes += [(h, False)] + [(x, False) for x in attention] + [(h, False)]
+        if not m.is_moe_layer(layer):
+            sizes += [(h * m.hidden_dim, False)] * mats
+            continue
+        E_l, e = m.moe_experts // ep, m.expert_dim
+        # models/moe.py: router, stacked experts (SwiGLU: fused w13), shared experts (w1, w2, w3)
+        sizes += [(m.moe_experts * h, False), (E_l * (mats - 1) * e * h, True), (E_l * h * e, True)]
+        sizes += [(h * m.moe_shared_experts * e, False)] * (mats if m.moe_shared_experts else 0)
+    if last:
+        sizes += [(h, False)] + ([] if (m.tie_embeddings and first) else [(V * h, False)])
+    return sizes
+
+
 def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16",
                       accumulate: bool = False) -> dict:
     """Parameters, gradients and optimizer states per device under ZeRO stage ``zero``
