@@ -18,6 +18,11 @@ zero   memory per rank (model states)  communication per step               mech
        accumulating)                   reduce-scatter grads once            sync before the last backward
 =====  ==============================  ===================================  ========================================
 
+Expert parallel with zero 0/1 (``parallel/expert.py``): the routed experts, different on
+each ep rank, are averaged over edp (the ranks holding the same experts) by a
+``GradReducer`` of their own, and ZeRO-1 shards their Adam state there
+(``parallel/optim.py::ExpertSplitAdamW``); the rest is averaged over dp_cp as above.
+
 Every data-parallel reduction happens once per optimizer step, in the last micro-batch's
 backward (see ``LocalEngine.grad_sync`` in train/engine.py and the pipeline's per-chunk
 arming), so dp bytes per step do not depend on the micro-batch count for zero 0-2.
