@@ -225,3 +225,19 @@ def test_expert_shard_dim_picks_the_dimension_that_wastes_least():
     for shape, edp, dim, padding in cases:
         assert expert_shard_dim(shape, edp) == dim, shape
         assert expert_shard_padding(shape, edp) == pytest.approx(padding), shape
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("lowcomm", "method", "diloco"),
+    ("lowcomm", "compression", "onebit"),
+    ("train", "live_recovery", True),
+    ("train", "offload", "optimizer"),
+])
+def test_ep_with_ddp_or_zero1_refuses_what_replaces_its_reduction(section, key, value, tmp_path):
+    # Features that replace the data-parallel reduction or the optimizer, or move the state to the
+    # host, are not built for the dense/expert split: refused before any process group, naming the key.
+    for zero, parallel in ((1, {"dp_shard": 4}), (0, {"dp_replicate": 4, "dp_shard": 1})):
+        d = tiny_config(str(tmp_path), model=MOE, parallel={**parallel, "ep": 2, "zero": zero})
+        d.setdefault(section, {})[key] = value
+        with pytest.raises(ConfigError, match=rf"{section}\.{key}.*parallel\.zero = {zero}"):
+            validate(from_dict(d), 4)
