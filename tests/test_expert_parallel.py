@@ -136,14 +136,16 @@ def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
 BIAS = {**MOE, "moe_bias_balance": True, "moe_bias_update_rate": 1e-2}
 
 
-def test_pipeline_with_expert_parallel(tmp_path):
+@pytest.mark.parametrize("zero", [3, 1], ids=["fsdp", "zero1"])
+def test_pipeline_with_expert_parallel(zero, tmp_path):
+    # zero 1: each stage's dense and expert reducers (dp x cp, edp) and the split ZeRO-1 optimizer
     model = BIAS
     # Each stage's MoE layers: balance terms join that stage's backward; bias updated per stage. One
     # micro-batch per rank, so the balance loss is the exact global-batch one (see docs/moe.md).
     ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model))
     got = run_on(4, train_collect, tiny_config(str(tmp_path / "pp"), model=model,
                                                parallel={"pp": 2, "dp_shard": 2, "ep": 2, "pp_microbatches": 1,
-                                                         "pp_schedule": "gpipe"}))[0]
+                                                         "pp_schedule": "gpipe", "zero": zero}))[0]
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
