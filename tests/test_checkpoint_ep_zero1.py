@@ -1,7 +1,8 @@
 """Checkpoints of expert parallel over DDP (zero 0) and ZeRO-1 data parallel: the experts'
 Adam state sharded over edp, the dense state over the data ranks (``ExpertSplitAdamW``).
-Resume is bit for bit in the same layout, and the checkpoint loads into one process with
-the parameters and moments the one-process run has. float64."""
+Resume is bit for bit in the same layout, the checkpoint loads into one process with the
+parameters and moments the one-process run has, and checkpoints reshard between one process,
+ep over ZeRO-1 and ep over DDP. float64."""
 
 import shutil
 
@@ -44,6 +45,34 @@ def test_ep_resume_is_bitwise(saved, layout, tmp_path):
     assert saved[layout][1]["losses"] + second["losses"] == straight["losses"]
     for name, value in straight["params"].items():
         assert torch.equal(second["params"][name], value), name
+
+
+RESHARD_CHAIN = [  # (world, [parallel], stop step): every segment resumes the previous one's checkpoint
+    (1, None, 1),  # one process
+    (4, LAYOUTS["ep2-dp4-zero1"], 2),  # reads whole tensors into both parts' boxes (dense over 4, experts over 2)
+    (4, LAYOUTS["ep2-ddp4-zero0"], 3),  # reads those boxes into replicated state (experts: DTensors over ep)
+    (1, None, STEPS),  # one process again
+]
+
+
+def test_reshard_through_ep_zero1_and_zero0(tmp_path):
+    # One process -> ep 2 over ZeRO-1 dp 4 -> ep 2 over DDP 4 -> one process: every step's loss and
+    # the final parameters equal the one-process run that never stopped, to float64 rounding of
+    # the reordered data-parallel sums (rtol 1e-9, atol 1e-11). Adam moments loaded wrong into any
+    # part would move the parameters of the steps after far more than that.
+    reference = train_segment(_cfg(tmp_path / "ref"), STEPS, save=False)
+    losses, starts = [], []
+    for world, parallel, stop in RESHARD_CHAIN:
+        cfg = _cfg(tmp_path / "chain", parallel)
+        got = run_on(world, train_segment, cfg, stop, save=stop < STEPS)[0] if world > 1 else train_segment(
+            cfg, stop, save=stop < STEPS)
+        starts.append(got["start"])
+        losses += got["losses"]
+    assert starts == [0, 1, 2, 3]
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_ep_zero1_checkpoint_loads_into_one_process(saved, tmp_path):

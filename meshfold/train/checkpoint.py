@@ -167,6 +167,22 @@ def _whole_model(parts: list[torch.nn.Module]) -> torch.nn.Module:
     return parts[0] if len(parts) == 1 else _MergedChunks(parts)
 
 
+def _per_group(state: dict, groups: int, path: Path) -> dict:
+    """A scheduler's per-group lists (``base_lrs``, ``_last_lr``) cut to this run's number of
+    parameter groups: expert parallel with zero 0/1 keeps the experts in groups of their own,
+    so another layout's checkpoint may list more or fewer. Every group runs the one schedule
+    of ``train.lr``, so any count of equal values fits any other."""
+    out = dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        values = out.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            if len(set(values)) != 1:
+                raise CheckpointError(f"{path}: scheduler.{key} has {len(values)} different values for {groups} "
+                                      f"parameter groups")
+            out[key] = values[:1] * groups
+    return out
+
+
 class Checkpointer:
     """Saves and restores a run's whole state; see the module docstring. Its inputs are
     explicit (it never sees the Trainer): the run's config, the model chunks this rank
@@ -528,7 +544,7 @@ class Checkpointer:
         for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
         self._masters_written()
-        self.scheduler.load_state_dict(sd["scheduler"])
+        self.scheduler.load_state_dict(_per_group(sd["scheduler"], len(self.optimizer.param_groups), path))
         if restore_sampler:
             self.sampler.load_state_dict(sd["sampler"])
         rng = sd.get(f"rng.rank{self.rank}")
