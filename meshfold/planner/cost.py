@@ -1112,9 +1112,9 @@ class CostModel:
             expert_calls = chunks * buckets(E0 * gb / chunks)
             m = w.model
             moe_sizes = None  # GradReducer's buckets of a MoE / latent-attention chunk, exactly
-            if tp == 1 and chunks == 1 and not (tp == 1 and pp == 1 and L.ep == 1):
+            if tp == 1 and chunks == 1 and (pp > 1 or L.ep > 1) and (m.moe_experts or m.mla):
                 moe_sizes = moe_chunk_param_sizes(m, layers0, True, last_on_rank0, max(1, L.ep))
-            if moe_sizes is not None and (m.moe_experts or m.mla):
+            if moe_sizes is not None:
                 apart = L.ep > 1
                 calls = reducer_buckets([e * pb for e, x in moe_sizes if not (x and apart)])
                 expert_calls = reducer_buckets([e * pb for e, x in moe_sizes if x and apart])
@@ -1122,7 +1122,7 @@ class CostModel:
                 sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
-            elif L.pp_schedule != "zbv" and not (moe_sizes is not None and (m.moe_experts or m.mla)):
+            elif L.pp_schedule != "zbv" and moe_sizes is None:
                 # GradReducer: greedy per parameter
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
