@@ -318,6 +318,8 @@ def held_grad_bytes(model: torch.nn.Module) -> int:
 
 
 def _optimizer_bytes(opt) -> int:
+    if hasattr(opt, "parts"):  # ZeRO-1 with expert parallel: the dense and the expert part
+        return sum(_optimizer_bytes(part) for part in opt.parts)
     inner = getattr(opt, "optim", None)  # ZeRO-1: the rank's own optimizer
     states = list(opt.state.values()) + (list(inner.state.values()) if inner is not None else [])
     return sum(_local_bytes(v) for s in states for v in s.values() if isinstance(v, torch.Tensor) and v.dim())

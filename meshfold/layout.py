@@ -108,10 +108,11 @@ def validate_resolved(p: ParallelConfig) -> None:
         raise ConfigError(
             f"parallel.ep = {p.ep} must divide dp_replicate*dp_shard*cp = {p.dp * p.cp} (ep folds onto them)"
         )
-    if p.ep > 1 and (p.dp_shard * p.cp) % p.ep:
+    if p.ep > 1 and p.zero >= 2 and (p.dp_shard * p.cp) % p.ep:
+        # (zero 0/1 reduce the experts over edp with their own reducer: any data x context ranks do)
         raise ConfigError(
-            f"parallel.ep = {p.ep} must divide dp_shard*cp = {p.dp_shard * p.cp} (ep folds onto the sharded "
-            f"data x context ranks); change parallel.ep or parallel.dp_shard"
+            f"parallel.ep = {p.ep} must divide dp_shard*cp = {p.dp_shard * p.cp} with parallel.zero >= 2 (ep folds "
+            f"onto the sharded data x context ranks); change parallel.ep or parallel.dp_shard, or use zero 0/1"
         )
     if p.dp_shard > 1 and p.zero == 0:
         raise ConfigError(

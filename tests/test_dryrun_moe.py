@@ -95,6 +95,14 @@ AGREEMENT = [
                  {"n_layers": 3, "moe_first_dense": 1, "moe_shared_experts": 1}, id="tp2-experts-dense+moe-shared"),
     pytest.param(8, {"pp": 2, "dp_shard": 4, "ep": 2, "zero": 3, "pp_microbatches": 2},
                  {"n_layers": 4, "moe_capacity_factor": 0.5}, id="pp2xep2-capacity0.5"),
+    # ep over DDP / ZeRO-1 data parallel (DeepSeek-V3's layout): dense gradients all-reduced over
+    # dp x cp, the experts' over edp; ZeRO-1 shards (and gathers in bf16) each part over its own
+    # ranks, the fp32 masters only for the rank's segments
+    pytest.param(8, {"dp_shard": 8, "ep": 4, "zero": 1}, {}, id="ep4-dp8-zero1"),
+    pytest.param(8, {"dp_replicate": 8, "dp_shard": 1, "ep": 2, "zero": 0}, {}, id="ep2-ddp8-zero0"),
+    pytest.param(8, {"pp": 2, "dp_shard": 4, "ep": 2, "zero": 1, "pp_microbatches": 2}, {"n_layers": 4},
+                 id="pp2xep2-dp4-zero1"),
+    pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 2, "zero": 1}, {}, id="ep2xtp2-dp4-zero1"),
     # sequence parallel: each tp rank routes its slice; tokens, experts and gates gathered over
     # tp around the experts, sums reduce-scattered back; stats and router gradient over tp
     pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},
@@ -161,3 +169,47 @@ def test_moe_preset_at_1024_ranks(tmp_path):
     assert pl["activation_bytes"] == pytest.approx(rt["activation_bytes"], rel=0.10)
     assert {d: x["count"] for d, x in pl["collectives"].items()} == {d: x["count"] for d, x in rt["collectives"].items()}
     assert pl["collectives"]["ep"]["bytes"] == pytest.approx(rt["collectives"]["ep"]["bytes"], rel=1e-6)
+
+
+def test_deepseek_v3_layout_at_2048_ranks(tmp_path):
+    # DeepSeek-V3 in its own layout: pp 16, ep 64 over ZeRO-1 data parallel (dp 128, edp 2), no tp,
+    # full recompute (docs/moe.md). The 4 distinct pipeline ranks are simulated. The planner models
+    # the rank with the most model-state bytes (here rank 0: embedding and the dense layers' fp32
+    # gradients; a rank of MoE layers holds more expert state, sharded over only 2 ranks): its
+    # states equal that rank's; GradReducer's buckets of the latent-attention / MoE chunk are
+    # counted exactly, so every collective's calls agree and their bytes within rounding.
+    out = subprocess.run([sys.executable, "-m", "meshfold", "dry-run", "configs/llama3-8b.toml", "--world", "2048",
+                          "--json", "--set", "model.preset=deepseek-v3", "--set", "parallel.pp=16",
+                          "--set", "parallel.ep=64", "--set", "parallel.dp_shard=128", "--set", "parallel.zero=1",
+                          "--set", "train.global_batch=15360", "--set", "train.micro_batch=1",
+                          "--set", "train.recompute=full"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    rt, pl = report["runtime"], report["planner"]
+    assert sorted(rt["ranks"], key=int) == ["0", "128", "256", "1920"]
+    fields = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    fullest = max(rt["ranks"].values(), key=lambda r: sum(r[f] for f in fields))
+    for field in fields:
+        assert pl[field] == pytest.approx(fullest[field], rel=0.02), (field, fullest, pl)
+    assert rt["ranks"]["256"]["optimizer_bytes"] > 3 * fullest["optimizer_bytes"]  # experts over edp = 2 only
+    assert pl["activation_bytes"] == pytest.approx(rt["activation_bytes"], rel=0.10)
+    assert {d: x["count"] for d, x in pl["collectives"].items()} == {d: x["count"] for d, x in rt["collectives"].items()}
+    for dim in ("dp", "ep", "pp"):
+        assert pl["collectives"][dim]["bytes"] == pytest.approx(rt["collectives"][dim]["bytes"], rel=1e-6), dim
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v2-lite", "mixtral-8x7b", "moe-debug"])
+def test_moe_chunk_param_sizes_are_the_models_parameters_in_order(preset):
+    # What the planner counts GradReducer's buckets from: every parameter of the (meta) model in
+    # registration order, the routed experts' marked, at ep 1 and (their local share) ep 4.
+    from meshfold.config import from_dict
+    from meshfold.models.llama import Transformer
+    from meshfold.planner.counts import moe_chunk_param_sizes
+
+    m = from_dict({"model": {"preset": preset, "n_layers": 4}}).model
+    with torch.device("meta"):
+        model = Transformer(m)
+    want = [(p.numel(), ".experts." in name) for name, p in model.named_parameters()]
+    assert moe_chunk_param_sizes(m, m.n_layers, True, True) == want
+    assert moe_chunk_param_sizes(m, m.n_layers, True, True, ep=4) == [(n // 4 if x else n, x) for n, x in want]

@@ -47,6 +47,10 @@ LAYOUTS = [
     # HSDP for the dense part; the experts' FSDP group (edp) spans the replicas.
     pytest.param(4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, id="ep2-hsdp2x2"),
     pytest.param(2, {"dp_shard": 2}, id="dp2-ep1-global-balance-loss"),
+    # DDP-style data parallel (DeepSeek-V3's ep over ZeRO-1): dense gradients averaged over the 4
+    # data ranks, the experts' over their edp = 2 replicas; ZeRO-1 shards the Adam state over each.
+    pytest.param(4, {"dp_replicate": 4, "ep": 2, "zero": 0}, id="ep2-ddp4-zero0"),
+    pytest.param(4, {"dp_shard": 4, "ep": 2, "zero": 1}, id="ep2-dp4-zero1"),
     # Recomputation re-runs the all-to-all in backward and must not count the tokens twice.
     pytest.param(2, {"dp_shard": 2, "ep": 2}, {"recompute": "full"}, id="ep2-recompute-full"),
 ]
@@ -115,15 +119,16 @@ def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_
 @pytest.mark.parametrize("parallel,key", [
     ({"dp_shard": 4, "ep": 3}, "parallel.ep"),
     ({"dp_shard": 2, "dp_replicate": 2, "ep": 4}, "parallel.ep"),
-    ({"dp_shard": 4, "ep": 2, "zero": 1}, "parallel.zero"),
+    ({"dp_replicate": 4, "ep": 2, "zero": 0, "offload": "optimizer"}, "train.offload"),
     ({"dp_shard": 2, "cp": 2, "ep": 2}, "model.moe_capacity_factor"),
     ({"dp_shard": 2, "tp": 2, "ep": 2, "moe_experts": 6}, "model.moe_experts"),
 ])
 def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
     parallel = dict(parallel)
     experts = {"moe_experts": parallel.pop("moe_experts")} if "moe_experts" in parallel else {}
+    train = {"offload": parallel.pop("offload")} if "offload" in parallel else {}
     cfg = from_dict(tiny_config(str(tmp_path), model={**MOE, "moe_capacity_factor": 1.0 if "cp" in parallel else 0.0,
-                                                      **experts}, parallel=parallel))
+                                                      **experts}, parallel=parallel, train=train))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(cfg, 4)
 
@@ -131,14 +136,16 @@ def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
 BIAS = {**MOE, "moe_bias_balance": True, "moe_bias_update_rate": 1e-2}
 
 
-def test_pipeline_with_expert_parallel(tmp_path):
+@pytest.mark.parametrize("zero", [3, 1], ids=["fsdp", "zero1"])
+def test_pipeline_with_expert_parallel(zero, tmp_path):
+    # zero 1: each stage's dense and expert reducers (dp x cp, edp) and the split ZeRO-1 optimizer
     model = BIAS
     # Each stage's MoE layers: balance terms join that stage's backward; bias updated per stage. One
     # micro-batch per rank, so the balance loss is the exact global-batch one (see docs/moe.md).
     ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model))
     got = run_on(4, train_collect, tiny_config(str(tmp_path / "pp"), model=model,
                                                parallel={"pp": 2, "dp_shard": 2, "ep": 2, "pp_microbatches": 1,
-                                                         "pp_schedule": "gpipe"}))[0]
+                                                         "pp_schedule": "gpipe", "zero": zero}))[0]
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
@@ -220,3 +227,19 @@ def test_expert_shard_dim_picks_the_dimension_that_wastes_least():
     for shape, edp, dim, padding in cases:
         assert expert_shard_dim(shape, edp) == dim, shape
         assert expert_shard_padding(shape, edp) == pytest.approx(padding), shape
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("lowcomm", "method", "diloco"),
+    ("lowcomm", "compression", "onebit"),
+    ("train", "live_recovery", True),
+    ("train", "offload", "optimizer"),
+])
+def test_ep_with_ddp_or_zero1_refuses_what_replaces_its_reduction(section, key, value, tmp_path):
+    # Features that replace the data-parallel reduction or the optimizer, or move the state to the
+    # host, are not built for the dense/expert split: refused before any process group, naming the key.
+    for zero, parallel in ((1, {"dp_shard": 4}), (0, {"dp_replicate": 4, "dp_shard": 1})):
+        d = tiny_config(str(tmp_path), model=MOE, parallel={**parallel, "ep": 2, "zero": zero})
+        d.setdefault(section, {})[key] = value
+        with pytest.raises(ConfigError, match=rf"{section}\.{key}.*parallel\.zero = {zero}"):
+            validate(from_dict(d), 4)

@@ -76,6 +76,10 @@ CASES = {
     "moe-ep-capacity": case(4, {"dp_shard": 4, "zero": 3, "ep": 2}, model={**MOE, "moe_capacity_factor": 1.0}),
     "moe-ep-tp-capacity": case(8, {"tp": 2, "dp_shard": 4, "zero": 3, "ep": 2},
                                model={**MOE, "moe_capacity_factor": 1.25}),
+    # DeepSeek-V3's layout: ep over ZeRO-1 (bf16 gathered into the compute weights, dense over the
+    # 4 data ranks, experts over edp = 2) and over DDP
+    "moe-ep-zero1": case(4, {"dp_shard": 4, "zero": 1, "ep": 2}, model=MOE),
+    "moe-ep-zero0": case(4, {"dp_replicate": 4, "dp_shard": 1, "zero": 0, "ep": 2}, model=MOE),
     "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}),
     "diloco": case(4, {"dp_shard": 2, "zero": 3}, lowcomm={"method": "diloco", "workers": 2, "inner_steps": 2}),
     "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"}),

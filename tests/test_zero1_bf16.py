@@ -16,27 +16,33 @@ from meshfold.testing import run_on, tiny_config, train_collect, train_segment
 STEPS, SPLIT = 4, 2
 
 
+MOE = {"moe_experts": 4, "moe_topk": 2}
+
+
 def _bf16(run_dir, parallel, **train):
-    cfg = tiny_config(str(run_dir), parallel=parallel)
+    # expert parallel needs MoE blocks
+    cfg = tiny_config(str(run_dir), parallel=parallel, model=MOE if parallel.get("ep", 1) > 1 else {})
     cfg["train"].update({"dtype": "bfloat16", "steps": STEPS, **train})
     return cfg
 
 
 def _zero1_source(cfg_dict: dict) -> dict:
     """The optimizer and compute-weights wiring a bf16 ZeRO-1 run builds (rank 0)."""
-    from meshfold.parallel.optim import ShardedAdamW
+    from meshfold.parallel.optim import ExpertSplitAdamW, ShardedAdamW
     from meshfold.train.trainer import Trainer
 
     tr = Trainer(from_dict(cfg_dict))
     opt = tr.optimizer
-    out = {"sharded": isinstance(opt, ShardedAdamW), "dtype": getattr(opt, "compute_dtype", None),
+    # (ep: the dense and the expert part, each a ShardedAdamW over its own ranks)
+    segment = sum(o.segment for o in getattr(opt, "parts", [opt]))
+    out = {"sharded": isinstance(opt, (ShardedAdamW, ExpertSplitAdamW)), "dtype": getattr(opt, "compute_dtype", None),
            "source": tr.engine.weights is not None and tr.engine.weights.source is opt}
     tr.train_step()
     # after a step the rank holds fp32 values for its own segment only (the module's fp32
     # parameters have no storage), until a checkpoint or full_state gathers them
-    out["held"] = opt.held_param_bytes() / (opt.segment * 4)
+    out["held"] = opt.held_param_bytes() / (segment * 4)
     tr.full_state()
-    out["synced"] = opt.held_param_bytes() / (sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in tr.model.parameters()) * 4 + opt.segment * 4)
+    out["synced"] = opt.held_param_bytes() / (sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in tr.model.parameters()) * 4 + segment * 4)
     tr.checkpointer.close()
     tr.fault.close()
     return out
@@ -47,12 +53,14 @@ def _zero1_source(cfg_dict: dict) -> dict:
     ({"tp": 2, "dp_shard": 2, "zero": 1}, {"tp": 2, "dp_replicate": 2, "dp_shard": 1, "zero": 0}),  # GradReducer
     ({"pp": 2, "dp_shard": 2, "zero": 1, "pp_microbatches": 2},  # pipeline stages: plain parameters, GradReducer
      {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "zero": 0, "pp_microbatches": 2}),
-], ids=["ddp", "tp2", "pp2"])
+    # expert parallel: the experts' gradients over edp = 2, their bf16 gather over edp too
+    ({"dp_shard": 4, "ep": 2, "zero": 1}, {"dp_replicate": 4, "dp_shard": 1, "ep": 2, "zero": 0}),
+], ids=["ddp", "tp2", "pp2", "ep2-dp4"])
 def test_bf16_zero1_equals_zero0_bitwise(tmp_path, zero1, zero0):
     # Same split, same reduction: the only difference is who updates which fp32 values and
     # that the bf16 compute weights arrive by an all-gather instead of a cast on every rank.
     # A rank computing from stale or bf16-rounded masters would differ after step 2.
-    world = 2 * zero1.get("tp", 1) * zero1.get("pp", 1)
+    world = zero1["dp_shard"] * zero1.get("tp", 1) * zero1.get("pp", 1)
     wiring = run_on(world, _zero1_source, _bf16(tmp_path / "w", zero1))[0]
     assert {k: wiring[k] for k in ("sharded", "dtype", "source")} == {
         "sharded": True, "dtype": torch.bfloat16, "source": True}

@@ -99,8 +99,28 @@ def validate(cfg: Config) -> None:
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
     if p.ep > 1 and p.zero < 2:
-        raise ConfigError(f"parallel.ep = {p.ep} shards experts with FSDP over the remaining data-parallel ranks; "
-                          f"set parallel.zero to 2 or 3 (got {p.zero})")
+        check_expert_data_parallel(cfg)
+
+
+def check_expert_data_parallel(cfg: Config) -> None:
+    """Expert parallel over DDP / ZeRO-1 data parallel (``parallel/expert.py``): the experts'
+    gradients go through a reducer over edp of their own and their Adam state through a
+    second ZeRO-1 optimizer; the features that replace the data-parallel reduction or the
+    optimizer, or move the state to the host, are not built for that split."""
+    p, t, lc = cfg.parallel, cfg.train, cfg.lowcomm
+    where = f"parallel.ep = {p.ep} with parallel.zero = {p.zero}"
+    if lc.method != "none":
+        raise ConfigError(f"lowcomm.method = {lc.method} with {where} is not supported; "
+                          "set lowcomm.method = none or parallel.zero = 2")
+    if lc.compression != "none":
+        raise ConfigError(f"lowcomm.compression = {lc.compression} (incl. 1-bit Adam) with {where} is not "
+                          "supported; set lowcomm.compression = none or parallel.zero = 2")
+    if t.live_recovery:
+        raise ConfigError(f"train.live_recovery with {where} is not supported; "
+                          "set train.live_recovery = false or parallel.zero = 2")
+    if t.offload != "none":
+        raise ConfigError(f"train.offload = {t.offload} with {where} is not supported; "
+                          "set train.offload = none or parallel.zero = 2")
 
 
 # --------------------------------------------------------------------------- context parallel

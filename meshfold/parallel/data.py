@@ -18,6 +18,11 @@ zero   memory per rank (model states)  communication per step               mech
        accumulating)                   reduce-scatter grads once            sync before the last backward
 =====  ==============================  ===================================  ========================================
 
+Expert parallel with zero 0/1 (``parallel/expert.py``): the routed experts, different on
+each ep rank, are averaged over edp (the ranks holding the same experts) by a
+``GradReducer`` of their own, and ZeRO-1 shards their Adam state there
+(``parallel/optim.py::ExpertSplitAdamW``); the rest is averaged over dp_cp as above.
+
 Every data-parallel reduction happens once per optimizer step, in the last micro-batch's
 backward (see ``LocalEngine.grad_sync`` in train/engine.py and the pipeline's per-chunk
 arming), so dp bytes per step do not depend on the micro-batch count for zero 0-2.
@@ -63,10 +68,18 @@ def uses_ddp(dims: ParallelDims) -> bool:
 
 
 def uses_grad_reducer(dims: ParallelDims) -> bool:
-    """DDP cannot wrap tensor-parallel DTensor parameters, and cannot follow a pipeline
-    schedule's interleaved forwards and backwards: those layouts reduce gradients with
-    ``GradReducer`` (once per step) instead."""
-    return uses_ddp(dims) and (dims.enabled("tp") or dims.enabled("pp"))
+    """DDP cannot wrap tensor- or expert-parallel DTensor parameters, and cannot follow a
+    pipeline schedule's interleaved forwards and backwards: those layouts reduce gradients
+    with ``GradReducer`` (once per step) instead."""
+    return uses_ddp(dims) and (dims.enabled("tp") or dims.enabled("pp") or dims.parallel.ep > 1)
+
+
+def expert_data_parallel(model: nn.Module) -> tuple[list[nn.Parameter], object | None]:
+    """The parameters reduced over their own data-parallel mesh rather than dp_cp (expert
+    parallel with zero 0/1: the routed experts, over edp; ``parallel/expert.py`` marks their
+    modules with ``reduce_over``), and that mesh (None when there are none)."""
+    owners = [m for m in model.modules() if getattr(m, "reduce_over", None) is not None]
+    return [p for m in owners for p in m.parameters()], (owners[0].reduce_over if owners else None)
 
 
 def shard_blocks(model: nn.Module):
@@ -262,12 +275,21 @@ class GradReducer:
 
 
 def attach_grad_reducer(model: nn.Module, dims: ParallelDims, wire: torch.dtype | None = None) -> nn.Module:
-    model.grad_reducer = GradReducer(list(model.parameters()), dims.group("dp_cp"), dims.size("dp_cp"), wire=wire)
+    """The dense parameters' reducer over dp_cp; with expert parallel under zero 0/1 a
+    second one averages the experts over edp (none when edp = 1: nothing to average)."""
+    experts, edp = expert_data_parallel(model)
+    apart = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in apart]
+    model.grad_reducer = GradReducer(dense, dims.group("dp_cp"), dims.size("dp_cp"), wire=wire)
+    if experts and edp.size() > 1:
+        model.expert_grad_reducer = GradReducer(experts, edp.get_group(), edp.size(), wire=wire)
     return model
 
 
 def grad_reducers(model: nn.Module) -> list[GradReducer]:
-    return [m.grad_reducer for m in model.modules() if isinstance(getattr(m, "grad_reducer", None), GradReducer)]
+    return [r for m in model.modules() for r in (getattr(m, "grad_reducer", None),
+                                                 getattr(m, "expert_grad_reducer", None))
+            if isinstance(r, GradReducer)]
 
 
 def fsdp_policies(train, device_type: str = "cpu") -> tuple[MixedPrecisionPolicy, object | None]:

@@ -7,11 +7,16 @@ neighbouring dp_shard/cp ranks:
 
 * each ep rank holds E/ep experts: the stacked expert weights become DTensors sharded on
   dim 0 over ``ep`` (``Shard(0)``);
-* FSDP2 shards those local experts again over the remaining ``edp = R/ep`` ranks (its own
-  ``fully_shard`` group inside the block, with the blocks' mixed precision and CPU offload),
-  so expert weights are sharded R ways in all. The local stack [E_l, out, in] is sharded on
-  dim 0 when edp divides E_l, else on out or in when edp divides it (no padding), else on
-  dim 0 padded (``expert_shard.py``, which the planner prices too);
+* with zero >= 2 FSDP2 shards those local experts again over the remaining ``edp = R/ep``
+  ranks (its own ``fully_shard`` group inside the block, with the blocks' mixed precision
+  and CPU offload), so expert weights are sharded R ways in all. The local stack [E_l, out,
+  in] is sharded on dim 0 when edp divides E_l, else on out or in when edp divides it (no
+  padding), else on dim 0 padded (``expert_shard.py``, which the planner prices too);
+* with zero 0/1 (DeepSeek-V3's layout: ep over ZeRO-1 data parallel) the local experts stay
+  whole on every edp rank, marked ``reduce_over = edp mesh``: the data layer averages their
+  gradients over edp only (a ``GradReducer`` of their own, ``parallel/data.py``) while the
+  dense parameters are averaged over dp_cp, and ZeRO-1 shards their Adam state over edp
+  (``parallel/optim.py::ExpertSplitAdamW``);
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
   the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped. Under a
   capacity each expert's slots are padded to capacity: equal splits, no host read;
@@ -32,7 +37,8 @@ neighbouring dp_shard/cp ranks:
 
 Gradients: every rank scales its loss by R (see the trainer), and an expert's gradient
 collects, through the backward all-to-all, the contributions of all tokens of its ep group;
-FSDP then averages over the edp replicas: R/edp = ep times too much. The expert weights'
+FSDP (or the edp ``GradReducer``) then averages over the edp replicas: R/edp = ep times too
+much. The expert weights'
 gradients are therefore scaled by 1/ep where they enter the expert computation
 (``GroupedExperts.grad_scale``; exact for power-of-two ep). FSDP2's own
 ``set_gradient_divide_factor`` is not used: with float64 on a one-rank edp group it divides
@@ -334,7 +340,7 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
             split_experts_over_tp(model, dims)
         return model
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # (zero >= 2)
 
     mesh = expert_mesh(dims)
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
@@ -344,8 +350,12 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     for _, moe in layers:
         shard_experts(moe, ep_mesh, tp)
         moe.dispatcher = dispatcher
-        # Validation guarantees zero >= 2: experts get their own FSDP group over edp.
         moe.experts.grad_scale = 1.0 / ep_mesh.size()
+        if dims.parallel.zero < 2:
+            # DDP-style data parallel: the experts' gradients are averaged (and, ZeRO-1, their
+            # Adam state sharded) over edp only, by the data layer (``parallel/data.py``)
+            moe.experts.reduce_over = edp_mesh
+            continue
         # with the blocks' mixed precision (bf16: bf16 gathers, reduce_dtype reductions)
         # on the dimension that wastes least (expert_shard.py): E_l < edp pads dim 0
         fully_shard(moe.experts, mesh=edp_mesh, reshard_after_forward=dims.parallel.zero == 3, mp_policy=mp,

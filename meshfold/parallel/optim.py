@@ -18,6 +18,7 @@ from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.mesh import ParallelDims
 from meshfold.parallel.compute_weights import ComputeWeights
+from meshfold.parallel.data import expert_data_parallel
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig
@@ -323,6 +324,61 @@ class _FromBuffer(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
+class ExpertSplitAdamW(torch.optim.Optimizer):
+    """ZeRO-1 with expert parallel (DeepSeek-V3's layout): the dense parameters' Adam state
+    sharded over the data-parallel ranks (``ShardedAdamW`` over dp_shard_cp) and the routed
+    experts' over edp, the ranks holding the same experts (a second ``ShardedAdamW``), seen
+    by the trainer, the scheduler, the compute weights and checkpoints as one optimizer.
+    ``param_groups`` are the parts' own group dicts (a scheduler's lr reaches both);
+    ``parts`` are what checkpoints save, each as any ``ShardedAdamW``. The gradient norm
+    needs nothing here: the experts' gradients are DTensors sharded over ep, so
+    ``grad_norm`` sums them over ep and counts each once."""
+
+    def __init__(self, parts: list[ShardedAdamW]):
+        self.parts = parts
+        super().__init__([g for o in parts for g in o.param_groups], parts[0].defaults)
+        self.params = [p for o in parts for p in o.params]
+        self.compute_dtype = parts[0].compute_dtype
+
+    @property
+    def current(self) -> bool:
+        return all(o.current for o in self.parts)
+
+    def step(self, closure=None):
+        for o in self.parts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.parts:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"parts": [o.optim.state_dict() if o.optim is not None else {} for o in self.parts]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for o, sd in zip(self.parts, state_dict["parts"], strict=True):
+            if o.optim is not None:
+                o.optim.load_state_dict(sd)
+
+    def compute_copies(self) -> dict[int, torch.Tensor]:
+        return {k: v for o in self.parts for k, v in o.compute_copies().items()}
+
+    def sync_masters(self) -> None:
+        for o in self.parts:
+            o.sync_masters()
+
+    def materialize(self) -> None:
+        for o in self.parts:
+            o.materialize()
+
+    def masters_written(self) -> None:
+        for o in self.parts:
+            o.masters_written()
+
+    def held_param_bytes(self) -> int:
+        return sum(o.held_param_bytes() for o in self.parts)
+
+
 class HostOffloadAdamW(torch.optim.AdamW):
     """Optimizer-state offload (ZeRO-Offload style): fp32 master copies of this rank's
     parameters (or their local shards) and all Adam state live in host memory; each step
@@ -376,6 +432,23 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
     one flat collective) in every ZeRO-1 layout, and becomes their source."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = adamw_kwargs(cfg, device_type)
+    experts, edp = expert_data_parallel(model)
+    if experts:
+        # expert parallel with zero 0/1: the experts (DTensors over ep) in groups of their own,
+        # as foreach/fused AdamW take no mix of DTensors and plain tensors in one group
+        apart = {id(p) for p in experts}
+        split = [[{**g, "params": [p for p in g["params"] if (id(p) in apart) == mine]} for g in groups]
+                 for mine in (False, True)]
+        split = [[g for g in part if g["params"]] for part in split]
+        groups = split[0] + split[1]
+    if zero_one and experts:  # dense state over dp_shard_cp, experts' over edp
+        kwargs.pop("fused", None)
+        dtype = weights.dtype if weights is not None else None
+        opt = ExpertSplitAdamW([ShardedAdamW(part, group, dtype, **kwargs)
+                                for part, group in zip(split, (dims.group("dp_shard_cp"), edp.get_group()))])
+        if weights is not None and opt.compute_dtype is not None:
+            weights.source = opt
+        return opt
     if zero_one and (sharded or weights is not None):
         kwargs.pop("fused", None)
         opt = ShardedAdamW(groups, dims.group("dp_shard_cp"), weights.dtype if weights is not None else None,

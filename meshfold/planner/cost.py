@@ -42,6 +42,7 @@ from meshfold.planner.counts import (
     routed_params,
     tp_grad_bytes,
     zero1_gather,
+    moe_chunk_param_sizes,
 )
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
@@ -679,7 +680,8 @@ class CostModel:
             L, T, n_micro, v, bound)
         Pmax = max(stage_params)
         window = (ENDLESS, ENDLESS) if bound else (t_f, t_b)
-        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v)
+        Emax = stages[stage_params.index(Pmax)].get(True, 0) * T["expert_p"]  # its routed experts (ep > 1)
+        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
 
         # ---- optimizer step: one memory-bound pass over the local states
         n_shard = L.dp_shard * cp
@@ -805,8 +807,10 @@ class CostModel:
         return table_step_time(L.pp, paths, stage_s, links)
 
     def _dp_exposed(self, L: Layout, T: dict, Pmax: float, stage_layers: list, n_micro: int,
-                    t_f: float, t_b: float, v: int) -> float:
-        """Seconds of data-parallel traffic the step waits for (after overlap with compute)."""
+                    t_f: float, t_b: float, v: int, Emax: float = 0.0) -> float:
+        """Seconds of data-parallel traffic the step waits for (after overlap with compute).
+        ``Emax``: the routed-expert parameters among ``Pmax`` (ep > 1), which zero 0/1 reduce
+        (and ZeRO-1 gathers) over the edp ranks instead."""
         w, c, tp, cp, dp = self.w, self.c, L.tp, L.cp, L.dp
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         # strides of each mesh dimension's groups, tp innermost (meshfold/mesh.py)
@@ -852,13 +856,21 @@ class CostModel:
         elif n_all > 1:
             # DDP / manual buckets: all-reduce of the gradients in 25 MB buckets during the
             # last micro-batch's backward; ZeRO-1 then all-gathers the updated shards.
-            t_ar = self.ct("all_reduce", Pmax * gb, n_all, tp)
+            # With ep > 1 the experts go over edp (ep innermost: stride tp * ep), the rest over dp x cp.
+            edp = n_all // max(1, L.ep)
+            t_ar = self.ct("all_reduce", (Pmax - Emax) * gb, n_all, tp)
+            calls = buckets((Pmax - Emax) * gb)
+            if Emax and edp > 1:
+                t_ar += self.ct("all_reduce", Emax * gb, edp, tp * L.ep)
+                calls += buckets(Emax * gb)
             t_z1 = 0.0
-            calls = buckets(Pmax * gb)
             if L.zero == 1 and n_shard > 1:
-                zb, flat = zero1_gather(w.dtype, tp)
-                t_z1 = self.ct("all_gather", Pmax * zb, n_shard, st_dps)
+                zb, flat = zero1_gather(w.dtype, tp, L.ep)
+                t_z1 = self.ct("all_gather", (Pmax - Emax) * zb, n_shard, st_dps)
                 calls += 1 if flat else buckets(Pmax * zb)
+                if Emax and edp > 1:
+                    t_z1 += self.ct("all_gather", Emax * zb, edp, tp * L.ep)
+                    calls += 1
             last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
             dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
         return dp_exposed
@@ -996,14 +1008,17 @@ class CostModel:
         return hit
 
     def _top_states(self, L: Layout, T: dict, stage_params: list, n_micro: int):
-        """Model states of the pp rank with the most parameters (``_memory``'s), the zero
-        stage in effect, whether gradients accumulate, and MoE layers per pp rank."""
-        Pmax = max(stage_params)
+        """Model states of the pp rank holding the most (``_memory``'s), the zero stage in
+        effect, whether gradients accumulate, and MoE layers per pp rank. The fullest rank is
+        the one with the most parameters, except where experts are sharded over fewer ranks
+        than the rest (ep with zero 0/1: a rank of MoE blocks can hold more than the
+        embedding's with more parameters)."""
         zero = L.zero if L.dp_shard * L.cp > 1 else 0  # nothing to shard over: replicated states
         accumulate = n_micro > 1
         moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
-        top = stage_params.index(Pmax)
-        return self._model_states(L, T, Pmax, moe_layers[top], zero, accumulate), zero, accumulate, moe_layers
+        ranks = [self._model_states(L, T, P, n, zero, accumulate) for P, n in zip(stage_params, moe_layers)]
+        top = max(range(len(ranks)), key=lambda r: (sum(ranks[r].values()), stage_params[r]))
+        return ranks[top], zero, accumulate, moe_layers
 
     def memory_floor(self, L: Layout) -> float:
         """Bytes ``L`` needs with any recompute: the fullest rank's model states and the
@@ -1050,7 +1065,9 @@ class CostModel:
             states["params"] /= max(1, n_shard)
         if experts:
             edp = L.dp * L.cp // L.ep
-            sharded = model_state_bytes(experts * self._expert_padding(L), zero, edp, self.w.dtype, accumulate)
+            # (zero 0/1: ShardedAdamW's element segments over edp, no padding; zero 0: replicated)
+            padding = self._expert_padding(L) if zero >= 2 else 1.0
+            sharded = model_state_bytes(experts * padding, zero, edp, self.w.dtype, accumulate)
             whole = model_state_bytes(experts, zero, edp, self.w.dtype, accumulate)
             if zero == 2:
                 sharded["params"] /= max(1, edp)
@@ -1121,14 +1138,26 @@ class CostModel:
             if n_rep > 1:
                 add("dp", modules, RING["all_reduce"](n_rep) * (P0 - E0) * wr / n_shard)
         elif n_all > 1:
-            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py)
-            calls = chunks * buckets(P0 * gb / chunks)
+            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py);
+            # with ep > 1 the routed experts have reducers of their own over edp (and, ZeRO-1,
+            # their own ShardedAdamW over edp), the rest goes over dp x cp
+            E0, edp = (moe0 * T["expert_p"], n_all // L.ep) if L.ep > 1 else (0.0, 1)
+            calls = chunks * buckets((P0 - E0) * gb / chunks)
+            expert_calls = chunks * buckets(E0 * gb / chunks)
             m = w.model
-            if tp == 1 and pp == 1:  # torch DDP's buckets
+            moe_sizes = None  # GradReducer's buckets of a MoE / latent-attention chunk, exactly
+            if tp == 1 and chunks == 1 and (pp > 1 or L.ep > 1) and (m.moe_experts or m.mla):
+                moe_sizes = moe_chunk_param_sizes(m, layers0, True, last_on_rank0, max(1, L.ep))
+            if moe_sizes is not None:
+                apart = L.ep > 1
+                calls = reducer_buckets([e * pb for e, x in moe_sizes if not (x and apart)])
+                expert_calls = reducer_buckets([e * pb for e, x in moe_sizes if x and apart])
+            if tp == 1 and pp == 1 and L.ep == 1:  # torch DDP's buckets
                 sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
-            elif L.pp_schedule != "zbv":  # GradReducer: greedy per parameter
+            elif L.pp_schedule != "zbv" and moe_sizes is None:
+                # GradReducer: greedy per parameter
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
                 elif L.pp_schedule == "interleaved":
@@ -1140,12 +1169,16 @@ class CostModel:
                 sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
                 if all(x is not None for x in sizes):
                     calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
-            add("dp", calls, RING["all_reduce"](n_all) * P0 * gb)
+            add("dp", calls, RING["all_reduce"](n_all) * (P0 - E0) * gb)
+            if E0 and edp > 1:
+                add("dp", expert_calls, RING["all_reduce"](edp) * E0 * gb)
             if L.zero == 1 and n_shard > 1:
                 # ShardedAdamW's flat segments in one call (bf16 under meshfold's bfloat16), or
                 # ZeroRedundancyOptimizer's buckets (counts.zero1_gather)
-                zb, flat = zero1_gather(w.dtype, tp)
-                add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * P0 * zb)
+                zb, flat = zero1_gather(w.dtype, tp, L.ep)
+                add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * (P0 - E0) * zb)
+                if E0 and edp > 1:
+                    add("dp", 1, RING["all_gather"](edp) * E0 * zb)
         # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
         if tp > 1:
             grad = tp_grad_bytes(w.dtype)

@@ -36,16 +36,17 @@ def tp_grad_bytes(dtype: str) -> int:
     return FSDP_WIRE[dtype][0]
 
 
-def zero1_gather(dtype: str, tp: int) -> tuple[int, bool]:
+def zero1_gather(dtype: str, tp: int, ep: int = 1) -> tuple[int, bool]:
     """ZeRO-1's all-gather of the updated parameters: (bytes per parameter, whether it is
     one flat call). Under meshfold's bfloat16 ``ShardedAdamW`` gathers the compute dtype
     straight into the step's compute weights, in one call, in every layout; otherwise it
-    gathers the stored dtype, in one call with tp (``ShardedAdamW``), else in
-    ``ZeroRedundancyOptimizer``'s buckets (parallel/optim.py). (Runs with a
-    low-communication method, 1-bit Adam or live recovery keep the fp32 gather.)"""
+    gathers the stored dtype, in one call with tp or ep (``ShardedAdamW``; with ep one for
+    the dense part and one for the experts over edp), else in ``ZeroRedundancyOptimizer``'s
+    buckets (parallel/optim.py). (Runs with a low-communication method, 1-bit Adam or live
+    recovery keep the fp32 gather.)"""
     if dtype == "bf16-amp":
         return DTYPE_BYTES[dtype][3], True
-    return DTYPE_BYTES[dtype][0], tp > 1
+    return DTYPE_BYTES[dtype][0], tp > 1 or ep > 1
 
 
 def buckets(size_bytes: float) -> int:
@@ -107,6 +108,39 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
     sizes = ([V * h / tp] if first else []) + block * layers
     if last:
         sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
+    return sizes
+
+
+def moe_chunk_param_sizes(m: ModelConfig, layers: int, first: bool, last: bool,
+                          ep: int = 1) -> list[tuple[float, bool]] | None:
+    """``chunk_param_sizes`` for a chunk of blocks 0 .. ``layers`` - 1 of a MoE and/or
+    multi-head latent attention model without tp: (local elements, routed expert or not) of
+    every parameter in registration order (``ep``: each rank holds E/ep experts); None for
+    models whose tensors this does not know (biases, layernorm, learned positions)."""
+    if m.bias or m.qkv_bias or m.qk_norm or m.norm != "rmsnorm" or m.pos != "rope":
+        return None
+    h, V = m.dim, m.vocab_size
+    if m.mla:  # models/mla.py
+        qk, heads = m.mla_nope_dim + m.mla_rope_dim, m.n_heads
+        q = [m.mla_q_rank * h, m.mla_q_rank, heads * qk * m.mla_q_rank] if m.mla_q_rank else [heads * qk * h]
+        attention = q + [(m.mla_kv_rank + m.mla_rope_dim) * h, m.mla_kv_rank,
+                         heads * (m.mla_nope_dim + m.mla_v_dim) * m.mla_kv_rank, h * heads * m.mla_v_dim]
+    else:
+        hd = m.head_dim
+        attention = [h * m.n_heads * hd, h * m.kv_heads * hd, h * m.kv_heads * hd, m.n_heads * hd * h]
+    mats = 3 if m.mlp == "swiglu" else 2
+    sizes: list[tuple[float, bool]] = [(V * h, False)] if first else []
+    for layer in range(layers):
+        sizes += [(h, False)] + [(x, False) for x in attention] + [(h, False)]
+        if not m.is_moe_layer(layer):
+            sizes += [(h * m.hidden_dim, False)] * mats
+            continue
+        E_l, e = m.moe_experts // ep, m.expert_dim
+        # models/moe.py: router, stacked experts (SwiGLU: fused w13), shared experts (w1, w2, w3)
+        sizes += [(m.moe_experts * h, False), (E_l * (mats - 1) * e * h, True), (E_l * h * e, True)]
+        sizes += [(h * m.moe_shared_experts * e, False)] * (mats if m.moe_shared_experts else 0)
+    if last:
+        sizes += [(h, False)] + ([] if (m.tie_embeddings and first) else [(V * h, False)])
     return sizes
 
 

@@ -108,8 +108,8 @@ def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
-    if ep > 1:  # experts are FSDP-sharded over the data-parallel ranks left after ep
-        zeros = [z for z in zeros if z >= 2]
+    # (ep > 1: zero >= 2 shards the experts with FSDP over edp; zero 0/1 reduce them over edp,
+    # ZeRO-1 shards their Adam state there: parallel/expert.py)
     scheds = schedules(w, pp, n_micro, gpipe)
     for zero in zeros:
         for sched, v in scheds:

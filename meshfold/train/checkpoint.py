@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from meshfold import comm
 from meshfold.parallel.data import unwrap
-from meshfold.parallel.optim import ShardedAdamW
+from meshfold.parallel.optim import ExpertSplitAdamW, ShardedAdamW
 from meshfold.train.checkpoint_files import (
     CheckpointError,
     SafeWriter,
@@ -168,6 +168,22 @@ def _whole_model(parts: list[torch.nn.Module]) -> torch.nn.Module:
     return parts[0] if len(parts) == 1 else _MergedChunks(parts)
 
 
+def _per_group(state: dict, groups: int, path: Path) -> dict:
+    """A scheduler's per-group lists (``base_lrs``, ``_last_lr``) cut to this run's number of
+    parameter groups: expert parallel with zero 0/1 keeps the experts in groups of their own,
+    so another layout's checkpoint may list more or fewer. Every group runs the one schedule
+    of ``train.lr``, so any count of equal values fits any other."""
+    out = dict(state)
+    for key in ("base_lrs", "_last_lr"):
+        values = out.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            if len(set(values)) != 1:
+                raise CheckpointError(f"{path}: scheduler.{key} has {len(values)} different values for {groups} "
+                                      f"parameter groups")
+            out[key] = values[:1] * groups
+    return out
+
+
 class Checkpointer:
     """Saves and restores a run's whole state; see the module docstring. Its inputs are
     explicit (it never sees the Trainer): the run's config, the model chunks this rank
@@ -222,9 +238,15 @@ class Checkpointer:
         opt = self.optimizer
         return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
 
-    def _sharded(self) -> ShardedAdamW | None:
+    def _sharded(self) -> ShardedAdamW | ExpertSplitAdamW | None:
         opt = self.optimizer
-        return opt if isinstance(opt, ShardedAdamW) else None
+        return opt if isinstance(opt, (ShardedAdamW, ExpertSplitAdamW)) else None
+
+    def _sharded_parts(self) -> list[ShardedAdamW]:
+        """The ``ShardedAdamW``s whose state is saved: the optimizer, or (expert parallel
+        with ZeRO-1) its dense and expert parts."""
+        opt = self._sharded()
+        return [] if opt is None else getattr(opt, "parts", [opt])
 
     def _sync_masters(self) -> None:
         """ZeRO-1 under bf16 keeps each rank's fp32 values only for its own segment between
@@ -263,12 +285,14 @@ class Checkpointer:
                         out[key] = v
         return out
 
-    def _sharded_layout(self) -> list[Piece]:
+    def _sharded_layout(self) -> list[tuple]:
         """``ShardedAdamW``'s pieces as checkpoint boxes (``zero_state.sharded_layout``),
-        computed once: they are fixed for a run."""
+        each with the part that updates it, computed once: they are fixed for a run."""
         if self._layout is None:
             try:
-                self._layout = sharded_layout(self._sharded(), self._fqn_of_params())
+                names = self._fqn_of_params()
+                self._layout = [(part, *piece) for part in self._sharded_parts()
+                                for piece in sharded_layout(part, names)]
             except ValueError as err:
                 raise CheckpointError(str(err)) from None
         return self._layout
@@ -287,8 +311,8 @@ class Checkpointer:
                 for k, v in s.items():
                     state[f"state.{names[id(p)]}.{k}"] = v
         else:  # flat pieces of parameters: their boxes, views into the state (no copy)
-            for view, fqn, shape, boxes, writes in self._sharded_layout():
-                s = sharded.optim.state.get(view)
+            for part, view, fqn, shape, boxes, writes in self._sharded_layout():
+                s = part.optim.state.get(view)
                 if not s:
                     continue
                 state[f"state.{fqn}.step"] = s["step"]  # the same on every rank (saved once)
@@ -523,7 +547,7 @@ class Checkpointer:
         for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
         self._masters_written()
-        self.scheduler.load_state_dict(sd["scheduler"])
+        self.scheduler.load_state_dict(_per_group(sd["scheduler"], len(self.optimizer.param_groups), path))
         if restore_sampler:
             self.sampler.load_state_dict(sd["sampler"])
         rng = sd.get(f"rng.rank{self.rank}")
@@ -561,10 +585,10 @@ class Checkpointer:
         them), the step, and every param-group entry."""
         opt = self._sharded()
         out: dict[str, Any] = {}
-        for view, fqn, shape, boxes, _ in self._sharded_layout():
+        for part, view, fqn, shape, boxes, _ in self._sharded_layout():
             if not all(f"optim.state.{fqn}.{k}" in meta_keys for k in ("step", "exp_avg", "exp_avg_sq")):
                 continue
-            s = opt.optim.state.get(view, {})
+            s = part.optim.state.get(view, {})
             out[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
             for k in ("exp_avg", "exp_avg_sq"):
                 flat = s.get(k)
@@ -573,13 +597,12 @@ class Checkpointer:
         return out
 
     def _load_sharded(self, flat: dict[str, Any]) -> None:
-        opt = self._sharded()
-        for view, fqn, _, _, _ in self._sharded_layout():
+        for part, view, fqn, _, _, _ in self._sharded_layout():
             if f"state.{fqn}.exp_avg" not in flat:
                 continue
-            old = opt.optim.state.get(view, {}).get("step")
+            old = part.optim.state.get(view, {}).get("step")
             step = flat[f"state.{fqn}.step"].to(torch.float32 if old is None else old.dtype)
-            opt.optim.state[view] = {"step": step.clone(), "exp_avg": flat[f"state.{fqn}.exp_avg"].flat,
+            part.optim.state[view] = {"step": step.clone(), "exp_avg": flat[f"state.{fqn}.exp_avg"].flat,
                                      "exp_avg_sq": flat[f"state.{fqn}.exp_avg_sq"].flat}
 
     def _load_param_groups(self, opt: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
