@@ -518,12 +518,20 @@ def held_counts(order: list[Action]) -> tuple[tuple[int, ...], ...]:
             moments.add(tuple(held))
         elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.mb) not in split):
             held[a.chunk] -= 1
-    return tuple(x for x in moments if not any(y != x and all(q >= p for p, q in zip(x, y)) for y in moments))
+    kept: list[tuple[int, ...]] = []  # (a moment's dominators have larger sums: they come first)
+    for x in sorted(moments, key=sum, reverse=True):
+        if not any(all(q >= p for p, q in zip(x, y)) for y in kept):
+            kept.append(x)
+    return tuple(kept)
 
 
 @lru_cache(maxsize=4096)
 def rank_held_counts(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
     """``held_counts`` of pp rank ``rank``'s order in ``schedule`` (cached: the planner asks often)."""
+    if schedule == "gpipe":  # (the closed forms of the one-chunk orders)
+        return ((m,),)
+    if schedule in ("1f1b", "skippipe"):
+        return ((min(m, pp - rank),),)
     return held_counts(schedule_actions(schedule, pp, virtual, m)[rank])
 
 

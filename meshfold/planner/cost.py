@@ -957,7 +957,7 @@ class CostModel:
         fraction of the largest rank's unsharded gradients."""
         sched = L.pp_schedule
         v = L.pp_virtual_stages if sched == "interleaved" else 1
-        key = ("grads", id(T), L.pp, sched, v, tuple(L.pp_split), n_micro, n_shard)
+        key = ("grads", L.tp, L.ep, L.pp, sched, v, tuple(L.pp_split), n_micro, n_shard)  # (params: tp, ep)
         hit = self._held_cache.get(key)
         if hit is None:
             kinds, split = T["kinds"], self.stage_split(L)
@@ -1016,6 +1016,10 @@ class CostModel:
         zero = L.zero if L.dp_shard * L.cp > 1 else 0  # nothing to shard over: replicated states
         accumulate = n_micro > 1
         moe_layers = [r.get(True, 0) for r in self.stage_kinds(L)[0]]
+        if not T["expert_p"]:  # every parameter sharded alike: the rank with the most holds the most
+            top = stage_params.index(max(stage_params))
+            return self._model_states(L, T, stage_params[top], moe_layers[top], zero, accumulate), zero, \
+                accumulate, moe_layers
         ranks = [self._model_states(L, T, P, n, zero, accumulate) for P, n in zip(stage_params, moe_layers)]
         top = max(range(len(ranks)), key=lambda r: (sum(ranks[r].values()), stage_params[r]))
         return ranks[top], zero, accumulate, moe_layers
