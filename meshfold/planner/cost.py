@@ -440,6 +440,14 @@ class CostModel:
             cp_sent_rec += (R - 1) * kv
             cp_sent_sel += (R - 1) * kv
             cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
+        if cp > 1 and u > 1 and recompute in ("none", "selective"):
+            # Ulysses: the output projection keeps the output's all-to-all result besides the
+            # core's own output (other layouts: one tensor); kv heads repeated up to u are kept
+            # so by the core (unless selective recompute reruns it)
+            extra = act * tokens * h / tp
+            if recompute == "none" and kv_local % u:
+                extra += 2 * act * tokens * m.head_dim * (u - kv_local)
+            act_kinds = {k: x + extra for k, x in act_kinds.items()}
         # the tiled attention's fixed cost per tile (a third forward, two thirds backward)
         tile_t = 0.0
         if cp > 1:
@@ -910,8 +918,8 @@ class CostModel:
         stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
         # what the loss keeps for backward: the logits as they came (parallel/loss.py's
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
-        # labels; with amp also the final norm (8h + 4)
-        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens if amp else 0.0)
+        # labels; with amp also the final norm (8h + 4; sequence-sharded under sp)
+        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens / (tp if L.sp else 1) if amp else 0.0)
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         if pp == 1:
             acts = sum(per_layer[k] * n for k, n in stage_kinds[0].items()) + stage_in
