@@ -35,6 +35,7 @@ class SavedActivationCounter:
             self.fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
                                 for fp in _fsdp_params(m)]
         self.seen: set[int] = set()
+        self.alive: list = []  # the storages counted, kept while counting: their keys stay theirs
         self.bytes = 0
         self.tag = None  # what the bytes are counted under (a pipeline chunk: ``activation_tag``)
         self.by_tag: dict = {}
@@ -51,6 +52,7 @@ class SavedActivationCounter:
         if self.fsdp_params and ptr in self._gathered_storages():
             return
         self.seen.add(ptr)
+        self.alive.append(storage)  # (a freed storage's address can come back as another's)
         self.bytes += storage.nbytes()
         self.by_tag[self.tag] = self.by_tag.get(self.tag, 0) + storage.nbytes()
 
