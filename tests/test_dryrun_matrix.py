@@ -163,6 +163,33 @@ def test_runtime_and_planner_agree():
     assert not gone, f"fixed, remove from KNOWN: {gone}"
 
 
+def worst_per_term() -> dict:
+    """{term: (relative difference (counts: absolute), case, runtime, planner)}, the largest over
+    the matrix outside KNOWN (``python tests/test_dryrun_matrix.py --worst``; docs/planner.md)."""
+    valid, _ = matrix()
+    outs = dry_run_many([(from_dict(cfg), world) for _, world, cfg in valid], cluster="h100")
+    worst: dict = {}
+    for (name, _, _), out in zip(valid, outs):
+        rt, pl = out["runtime"], out["planner"]
+        terms = [(t, rt[t], pl[t], _rel(rt[t], pl[t])) for t in
+                 ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")]
+        for dim in set(rt["collectives"]) | set(pl["collectives"]):
+            r, p = rt["collectives"].get(dim, {}), pl["collectives"].get(dim, {})
+            terms.append((f"{dim}_count", r.get("count", 0), p.get("count", 0),
+                          abs(r.get("count", 0) - p.get("count", 0))))
+            terms.append((f"{dim}_bytes", r.get("bytes", 0), p.get("bytes", 0), _rel(r.get("bytes", 0), p.get("bytes", 0))))
+        for term, r, p, diff in terms:
+            if (name, term) not in KNOWN and diff >= worst.get(term, (-1,))[0]:
+                worst[term] = (diff, name, r, p)
+    return worst
+
+
 if __name__ == "__main__":
-    for (case, term), what in sorted(agreement_report().items()):
-        print(f"{case}  {term}: {what}")
+    import sys
+
+    if "--worst" in sys.argv:
+        for term, (diff, case, r, p) in sorted(worst_per_term().items()):
+            print(f"{term}: {diff:.4g}  {case}  runtime {r}  planner {p}")
+    else:
+        for (case, term), what in sorted(agreement_report().items()):
+            print(f"{case}  {term}: {what}")
