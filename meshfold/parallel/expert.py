@@ -193,6 +193,13 @@ def overlapped_exchange(sends: list[torch.Tensor], splits: list[tuple | None], c
     return [_Finish.apply(y, flight) for y, flight in coming]
 
 
+def _dealt(start: int, stop: int, n: int) -> list[int]:
+    """Assignments [start, stop) of a rank dealt to n experts in turn (assignment i to expert
+    i mod n): a balanced router's counts for one chunk; over all chunks they add up to
+    ``balanced_counts`` of the whole, so the chunked dry-run sends the unchunked bytes."""
+    return [len(range(start + (e - start) % n, stop, n)) for e in range(n)]
+
+
 def _bounds(total: int, n: int) -> list[int]:
     """n contiguous ranges covering [0, total): index t is in range t * n // total."""
     return [-(-c * total // n) for c in range(n + 1)]
@@ -284,7 +291,8 @@ class AllToAllDispatcher(nn.Module):
         counts, recv = counts.transpose(0, 1), recv.transpose(0, 1)  # [chunk, rank, expert]
 
         def balanced():  # a balanced router's rows, chunk by chunk (no values: meshfold dry-run)
-            cols = [self._balanced_column(k * (bounds[c + 1] - bounds[c]), n_experts, local_e) for c in range(n)]
+            cols = [self._balanced_column(0, n_experts, local_e, _dealt(k * bounds[c], k * bounds[c + 1], n_experts))
+                    for c in range(n)]
             return [[[sum(e) for e in col] for col in cols], [[sum(col[self.ep_rank])] * P for col in cols]]
 
         send_splits, recv_splits = read_counts(torch.stack([counts.sum(2), recv.sum(2)]), balanced)  # one read
@@ -354,10 +362,11 @@ class AllToAllDispatcher(nn.Module):
         return combine(x, torch.cat([token[:, :, s].reshape(-1) for s in sl]), y,
                        torch.cat([gates[:, :, s].reshape(-1) for s in sl]))
 
-    def _balanced_column(self, assignments: int, n_experts: int, local_e: int) -> list[list[int]]:
+    def _balanced_column(self, assignments: int, n_experts: int, local_e: int,
+                         every: list[int] | None = None) -> list[list[int]]:
         """A balanced router's rows from this rank to each ep rank's experts of this tp column
-        (``balanced_counts`` over all experts, by global expert id)."""
-        every = balanced_counts(assignments, n_experts)
+        (``balanced_counts`` over all experts, by global expert id; or ``every``'s)."""
+        every = every if every is not None else balanced_counts(assignments, n_experts)
         per_ep, r = n_experts // self.ep, (self.tp.rank if self.tp is not None else 0)
         return [every[j * per_ep + r * local_e: j * per_ep + (r + 1) * local_e] for j in range(self.ep)]
 
