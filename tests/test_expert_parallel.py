@@ -118,6 +118,7 @@ def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_
     ({"dp_shard": 4, "ep": 2, "zero": 1}, "parallel.zero"),
     ({"dp_shard": 2, "cp": 2, "ep": 2}, "model.moe_capacity_factor"),
     ({"dp_shard": 2, "tp": 2, "ep": 2, "moe_experts": 6}, "model.moe_experts"),
+    ({"dp_shard": 4, "ep_overlap_chunks": 2}, "parallel.ep_overlap_chunks"),  # nothing to overlap without ep
 ])
 def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
     parallel = dict(parallel)

@@ -283,8 +283,9 @@ class AllToAllDispatcher(nn.Module):
         bounds = _bounds(T, n)
         # sort by (chunk of the token, expert): chunk c's assignments to this column's experts,
         # expert-major, start at k * bounds[c]; with tp the other columns' follow them
-        order = torch.argsort(token * n // T * width + key, stable=True)
-        counts = count_rows(token * n // T * width + key, n * width).view(n, width)[:, : P * local_e]
+        chunk_key = token * n // T * width + key
+        order = torch.argsort(chunk_key, stable=True)
+        counts = count_rows(chunk_key, n * width).view(n, width)[:, : P * local_e]
         counts = counts.reshape(n, P, local_e).transpose(0, 1).contiguous()  # [destination rank, chunk, expert]
         recv = torch.empty_like(counts)
         all_to_all_single(recv, counts, self.group, "ep")  # recv[source rank, chunk, expert]
