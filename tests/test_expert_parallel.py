@@ -230,6 +230,9 @@ OVERLAP = [
     pytest.param(4, {"dp_shard": 2, "tp": 2, "sp": True, "ep": 2, "ep_overlap_chunks": 3}, MOE,
                  id="dropless-ep2xtp2-sp-chunks3"),
     pytest.param(2, {"dp_shard": 2, "ep": 2, "ep_overlap_chunks": 2}, CAPACITY, id="capacity-ep2-chunks2"),
+    # recomputation re-runs the pipelined forward (its async exchanges) inside backward
+    pytest.param(2, {"dp_shard": 2, "ep": 2, "ep_overlap_chunks": 2}, MOE, {"recompute": "full"},
+                 id="dropless-ep2-chunks2-recompute-full"),
 ]
 
 
@@ -255,12 +258,15 @@ def _train_counting_exchanges(cfg_dict: dict) -> tuple:
         expert._a2a_async, expert.AllToAllDispatcher.forward = start, forward
 
 
-@pytest.mark.parametrize("world,parallel,model", OVERLAP)
-def test_overlapped_exchange_matches_one_process(world, parallel, model, dropless_ref, capacity_ref, tmp_path):
+@pytest.mark.parametrize("world,parallel,model,train", [p if len(p.values) == 4 else pytest.param(*p.values, {}, id=p.id)
+                                                        for p in OVERLAP])
+def test_overlapped_exchange_matches_one_process(world, parallel, model, train, dropless_ref, capacity_ref, tmp_path):
     ref, ref_metrics = dropless_ref if model is MOE else capacity_ref
     got, calls = run_on(world, _train_counting_exchanges, tiny_config(str(tmp_path), model=model,
-                                                                      parallel=parallel))[0]
+                                                                      parallel=parallel, train=train))[0]
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
     assert [m["expert_load"] for m in _metrics(tmp_path)] == [m["expert_load"] for m in ref_metrics]
-    # every chunk's dispatch and combine went out asynchronously, forward and backward
-    assert calls["forward"] > 0 and calls["async"] == 4 * parallel["ep_overlap_chunks"] * calls["forward"]
+    # every chunk's dispatch and combine went out asynchronously, forward and backward: 4n per
+    # forward; recomputed, half the forwards are the backward's re-runs (2n each, no backward)
+    per = 3 if train.get("recompute") == "full" else 4
+    assert calls["forward"] > 0 and calls["async"] == per * parallel["ep_overlap_chunks"] * calls["forward"]

@@ -380,7 +380,8 @@ class CostModel:
         act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp, moe)
-                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks) if moe and recompute != "full" else 0.0)
+                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
+                        if moe and recompute != "full" else 0.0)
                      for moe in set(self.kinds)}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
         # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
