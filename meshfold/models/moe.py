@@ -224,7 +224,7 @@ class GroupedExperts(nn.Module):
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
 
     def forward(self, x, counts: torch.Tensor | None = None, groups: _Groups | None = None,
-                gates: torch.Tensor | None = None):
+                gates: torch.Tensor | None = None, sends: list[torch.Tensor] | None = None):
         """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert,
         a device tensor (``groups``: a precomputed layout, then rows may be in any order).
         ``gates`` [rows]: each row's gate, applied to the hidden activation before the second
@@ -232,18 +232,20 @@ class GroupedExperts(nn.Module):
         to the output. Every expert's
         weights join the graph, so each gets a (possibly zero) gradient on every rank.
 
-        ``x`` may instead be a callable ``feed(run)`` that calls ``run(rows, counts, groups,
-        gates)`` once per chunk of rows, as each becomes available, and returns what it
-        builds from the results (expert parallel's overlapped exchange): one forward call for
-        all chunks, so a wrapper (FSDP) gathers the weights once. The rows are computed in
-        the autocast dtype, else the weights' (a wrapper's compute dtype)."""
+        ``x`` may instead be a callable ``feed(run, sends)`` that calls ``run(rows, counts,
+        groups, gates)`` once per chunk of rows, as each becomes available, and returns what
+        it builds from the results (expert parallel's overlapped exchange): one forward call
+        for all chunks, so a wrapper (FSDP) gathers the weights once. ``sends``, the tensors
+        the feed starts from, pass through the call so a wrapper sees them as its inputs
+        (FSDP hooks its gradient reduce-scatter onto theirs). The rows are computed in the
+        autocast dtype, else the weights' (a wrapper's compute dtype)."""
         w_in = self.w13 if self.kind == "swiglu" else self.w1
         if callable(x):
             device = w_in.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_in.dtype
             w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
             return x(lambda rows, counts, groups=None, gates=None:
-                     self._grouped(rows.to(dtype), w1, w2, counts, groups, gates))
+                     self._grouped(rows.to(dtype), w1, w2, counts, groups, gates), sends)
         dtype = _compute_dtype(x)
         w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
         return self._grouped(x.to(dtype), w1, w2, counts, groups, gates)

@@ -310,7 +310,7 @@ class AllToAllDispatcher(nn.Module):
             back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
             regroup.append((by_expert, back, recv[c].sum(0)))
 
-        def feed(run):
+        def feed(run, sends):
             def compute(c, rows):
                 by_expert, back, per_expert = regroup[c]
                 return run(rows[by_expert], per_expert)[back]
@@ -319,7 +319,7 @@ class AllToAllDispatcher(nn.Module):
             return overlapped_exchange(sends, splits, compute, self.group)
 
         order = torch.cat(orders)
-        return combine(x, token[order], torch.cat(experts(feed)), weight[order])
+        return combine(x, token[order], torch.cat(experts(feed, sends=sends)), weight[order])
 
     def _fixed(self, x, slots: CapacitySlots, weight, experts, local_e: int) -> torch.Tensor:
         """Capacity mode: the slots of this tp column's experts on every ep rank (padded rows,
@@ -350,7 +350,7 @@ class AllToAllDispatcher(nn.Module):
         rows, token, gates = rows.view(P, local_e, per, dim), token.view(P, local_e, per), gates.view(P, local_e, per)
         sends = [rows[:, :, s].reshape(-1, dim) for s in sl]  # [destination rank, local expert, slot, dim]
 
-        def feed(run):
+        def feed(run, sends):
             def compute(c, got):
                 w = bounds[c + 1] - bounds[c]
                 got = got.view(P, local_e, w, dim).transpose(0, 1).reshape(local_e * P * w, dim)
@@ -359,7 +359,7 @@ class AllToAllDispatcher(nn.Module):
 
             return overlapped_exchange(sends, [None] * n, compute, self.group)
 
-        y = torch.cat(experts(feed))
+        y = torch.cat(experts(feed, sends=sends))
         return combine(x, torch.cat([token[:, :, s].reshape(-1) for s in sl]), y,
                        torch.cat([gates[:, :, s].reshape(-1) for s in sl]))
 
