@@ -20,7 +20,22 @@
    top-k (same active FFN parameters per token, plus the router). Steps alternate between
    the two so machine noise hits both; the ratio of median step times is printed.
 
+3. Exposed expert all-to-all, with and without overlap (``parallel.ep_overlap_chunks``):
+   ep 4 on gloo, one process per network namespace of ``meshfold netlab`` (root), every
+   link shaped to --rate-mbit. Each rank runs a stack of MoE blocks (the real ``MoE`` with
+   its experts sliced to the rank and the real ``AllToAllDispatcher``) forward and
+   backward; the chunk counts alternate step by step so machine noise hits each alike.
+   Per chunk count, medians over the steps of rank 0:
+
+       step      wall-clock of one forward + backward of the stack
+       blocked   time the rank spent blocked in the ep all-to-alls: inside a synchronous
+                 all-to-all (chunks 1, and the dropless per-chunk counts) or in ``wait()``
+                 on an asynchronous one (chunks > 1); ``comm.timer().wait_s``. This is the
+                 exposed all-to-all time: what the step waits for the wire
+       ratio     each against chunks 1
+
     .venv/bin/python benchmarks/moe.py [--world 4] [--ep 2 4] [--steps 6]
+    sudo .venv/bin/python benchmarks/moe.py overlap [--rate-mbit 200] [--chunks 1 2 4] [--steps 12]
 """
 
 from __future__ import annotations
@@ -136,7 +151,103 @@ def step_times(steps: int) -> None:
     print(f"  moe/dense step time ratio at equal active parameters: {ratio:.2f}")
 
 
+OVERLAP_MODEL = {"dim": 256, "n_layers": 1, "n_heads": 4, "vocab_size": 512, "seq_len": 256,
+                 "moe_experts": 8, "moe_topk": 2, "moe_ffn_dim": 512}
+
+
+def overlap_worker(args) -> None:
+    """One rank of part 3 (inside its namespace): prints rank 0's medians as JSON."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from meshfold import comm
+    from meshfold.models.config import ModelConfig
+    from meshfold.models.moe import MoE
+    from meshfold.parallel.expert import AllToAllDispatcher
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=600))
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    cfg = ModelConfig(**{**OVERLAP_MODEL, "moe_capacity_factor": args.capacity})
+    torch.manual_seed(0)
+    blocks = [MoE(cfg) for _ in range(args.layers)]
+    dispatcher = AllToAllDispatcher(dist.group.WORLD, rank, ep)
+    for moe in blocks:  # this rank's experts only, as expert parallel shards them
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            setattr(moe.experts, name, torch.nn.Parameter(p.detach().chunk(ep)[rank].clone()))
+        moe.dispatcher = dispatcher
+    torch.manual_seed(1 + rank)
+    x = torch.randn(args.batch, cfg.seq_len, cfg.dim, requires_grad=True)
+    times = {n: {"step": [], "blocked": []} for n in args.chunks}
+    for step in range(args.steps + 1):
+        for n in args.chunks:
+            dispatcher.chunks = n
+            dist.barrier()
+            blocked0, start = comm.timer().wait_s, time.perf_counter()
+            h = x
+            for moe in blocks:
+                h = h + moe(h)
+            h.square().mean().backward()
+            if step:  # the first round warms up
+                times[n]["step"].append(time.perf_counter() - start)
+                times[n]["blocked"].append(comm.timer().wait_s - blocked0)
+    if rank == 0:
+        print(json.dumps({str(n): {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}))
+    dist.destroy_process_group()
+
+
+def overlap(args) -> None:
+    """Part 3: ep = --world ranks in a netlab (every link at --rate-mbit), chunk counts compared."""
+    import subprocess
+
+    from meshfold.lowcomm.netlab import NetLab
+
+    results = {}
+    for mode, capacity in (("dropless", 0.0), ("capacity 1.0", 1.0)):
+        with NetLab(nodes=args.world, rate_mbit=args.rate_mbit) as lab:
+            procs = [lab.popen(i, [sys.executable, __file__, "overlap-worker", "--rank", str(i),
+                                   "--world", str(args.world), "--addr", lab.addr(0), "--port", "29517",
+                                   "--steps", str(args.steps), "--layers", str(args.layers),
+                                   "--batch", str(args.batch), "--capacity", str(capacity),
+                                   "--chunks", *map(str, args.chunks)], stdout=subprocess.PIPE, text=True)
+                     for i in range(args.world)]
+            outs = [p.communicate(timeout=1500)[0] for p in procs]
+            if any(p.returncode for p in procs):
+                raise SystemExit(f"overlap worker failed: {[p.returncode for p in procs]}")
+        results[mode] = json.loads(outs[0].strip().splitlines()[-1])
+    m = OVERLAP_MODEL
+    tokens = args.batch * m["seq_len"]
+    print(f"exposed ep all-to-all, ep {args.world} on gloo over {args.rate_mbit:g} Mbit/s netlab links, "
+          f"{args.layers} MoE blocks (dim {m['dim']}, E {m['moe_experts']}, top-{m['moe_topk']}, expert "
+          f"{m['moe_ffn_dim']}), {tokens} tokens/rank, float32, forward + backward, median of {args.steps} steps")
+    print(f"{'mode':>13} {'chunks':>6} {'step ms':>9} {'blocked ms':>11} {'step ratio':>10} {'blocked ratio':>13}")
+    for mode, r in results.items():
+        base = r[str(args.chunks[0])]
+        for n in args.chunks:
+            t = r[str(n)]
+            print(f"{mode:>13} {n:>6} {t['step'] * 1e3:>9.1f} {t['blocked'] * 1e3:>11.1f} "
+                  f"{t['step'] / base['step']:>10.2f} {t['blocked'] / base['blocked']:>13.2f}")
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("overlap", "overlap-worker"):
+        parser = argparse.ArgumentParser(description="part 3: exposed ep all-to-all with and without overlap")
+        parser.add_argument("part")
+        parser.add_argument("--world", type=int, default=4)
+        parser.add_argument("--rate-mbit", type=float, default=200.0)
+        parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
+        parser.add_argument("--steps", type=int, default=12)
+        parser.add_argument("--layers", type=int, default=2)
+        parser.add_argument("--batch", type=int, default=4)
+        parser.add_argument("--capacity", type=float, default=0.0)
+        parser.add_argument("--rank", type=int, default=0)
+        parser.add_argument("--addr", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=29517)
+        args = parser.parse_args()
+        (overlap if args.part == "overlap" else overlap_worker)(args)
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])

@@ -39,6 +39,10 @@ class ParallelConfig:
     cp_ulysses: int = 0  # hybrid: Ulysses degree inside a ring group (0 = largest that fits)
     cp_balance: bool = True  # causal load-balanced chunking for ring attention
     ep: int = 1
+    # Expert parallel: the tokens of a micro-batch go to their experts in this many chunks,
+    # chunk i+1's all-to-all in flight while the experts compute chunk i (docs/moe.md);
+    # 1 = one exposed dispatch and combine per layer
+    ep_overlap_chunks: int = 1
 
     @property
     def dp(self) -> int:
@@ -68,11 +72,14 @@ CHOICES: dict[str, tuple] = {
 
 def validate(p: ParallelConfig) -> None:
     """``[parallel]`` on its own, before the world size is known: degrees and ZeRO stage."""
-    for key in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
+    for key in ("dp_replicate", "tp", "pp", "cp", "ep", "ep_overlap_chunks", "pp_virtual_stages"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     if p.dp_shard == 0 or p.dp_shard < -1:
         raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill from world size), got {p.dp_shard}")
+    if p.ep_overlap_chunks > 1 and p.ep == 1:
+        raise ConfigError(f"parallel.ep_overlap_chunks = {p.ep_overlap_chunks} pipelines the expert-parallel "
+                          "all-to-all; it needs parallel.ep > 1 (set it to 1 without expert parallel)")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {p.zero}; choose 0, 1, 2 or 3")
     if not 0.0 <= p.pp_skip < 1.0:

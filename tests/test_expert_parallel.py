@@ -122,6 +122,7 @@ def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_
     ({"dp_replicate": 4, "ep": 2, "zero": 0, "offload": "optimizer"}, "train.offload"),
     ({"dp_shard": 2, "cp": 2, "ep": 2}, "model.moe_capacity_factor"),
     ({"dp_shard": 2, "tp": 2, "ep": 2, "moe_experts": 6}, "model.moe_experts"),
+    ({"dp_shard": 4, "ep_overlap_chunks": 2}, "parallel.ep_overlap_chunks"),  # nothing to overlap without ep
 ])
 def test_bad_layouts_fail_before_any_process_group(parallel, key, tmp_path):
     parallel = dict(parallel)
@@ -243,3 +244,52 @@ def test_ep_with_ddp_or_zero1_refuses_what_replaces_its_reduction(section, key, 
         d.setdefault(section, {})[key] = value
         with pytest.raises(ConfigError, match=rf"{section}\.{key}.*parallel\.zero = {zero}"):
             validate(from_dict(d), 4)
+
+
+# parallel.ep_overlap_chunks: the exchange pipelined in chunks (async all-to-alls overlapping
+# the experts, forward and backward) gives the one-process run, dropless (ep x tp with sp:
+# gathered tokens, column dispatch) and under a capacity (slot ranges, equal splits).
+OVERLAP = [
+    pytest.param(4, {"dp_shard": 2, "tp": 2, "sp": True, "ep": 2, "ep_overlap_chunks": 3}, MOE,
+                 id="dropless-ep2xtp2-sp-chunks3"),
+    pytest.param(2, {"dp_shard": 2, "ep": 2, "ep_overlap_chunks": 2}, CAPACITY, id="capacity-ep2-chunks2"),
+    # recomputation re-runs the pipelined forward (its async exchanges) inside backward
+    pytest.param(2, {"dp_shard": 2, "ep": 2, "ep_overlap_chunks": 2}, MOE, {"recompute": "full"},
+                 id="dropless-ep2-chunks2-recompute-full"),
+]
+
+
+def _train_counting_exchanges(cfg_dict: dict) -> tuple:
+    """train_collect, counting the MoE dispatcher's forwards and the asynchronous all-to-alls."""
+    from meshfold.parallel import expert
+
+    calls = {"async": 0, "forward": 0}
+    start, forward = expert._a2a_async, expert.AllToAllDispatcher.forward
+
+    def counted_start(*args):
+        calls["async"] += 1
+        return start(*args)
+
+    def counted_forward(self, *args):
+        calls["forward"] += 1
+        return forward(self, *args)
+
+    expert._a2a_async, expert.AllToAllDispatcher.forward = counted_start, counted_forward
+    try:
+        return train_collect(cfg_dict), calls
+    finally:
+        expert._a2a_async, expert.AllToAllDispatcher.forward = start, forward
+
+
+@pytest.mark.parametrize("world,parallel,model,train", [p if len(p.values) == 4 else pytest.param(*p.values, {}, id=p.id)
+                                                        for p in OVERLAP])
+def test_overlapped_exchange_matches_one_process(world, parallel, model, train, dropless_ref, capacity_ref, tmp_path):
+    ref, ref_metrics = dropless_ref if model is MOE else capacity_ref
+    got, calls = run_on(world, _train_counting_exchanges, tiny_config(str(tmp_path), model=model,
+                                                                      parallel=parallel, train=train))[0]
+    assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+    assert [m["expert_load"] for m in _metrics(tmp_path)] == [m["expert_load"] for m in ref_metrics]
+    # every chunk's dispatch and combine went out asynchronously, forward and backward: 4n per
+    # forward; recomputed, half the forwards are the backward's re-runs (2n each, no backward)
+    per = 3 if train.get("recompute") == "full" else 4
+    assert calls["forward"] > 0 and calls["async"] == per * parallel["ep_overlap_chunks"] * calls["forward"]

@@ -80,6 +80,10 @@ CASES = {
     # 4 data ranks, experts over edp = 2) and over DDP
     "moe-ep-zero1": case(4, {"dp_shard": 4, "zero": 1, "ep": 2}, model=MOE),
     "moe-ep-zero0": case(4, {"dp_replicate": 4, "dp_shard": 1, "zero": 0, "ep": 2}, model=MOE),
+    # the all-to-all pipelined in chunks (async dispatch/combine over the experts' compute)
+    "moe-ep-overlap": case(4, {"dp_shard": 4, "zero": 3, "ep": 2, "ep_overlap_chunks": 3}, model=MOE),
+    "moe-ep-capacity-overlap": case(4, {"dp_shard": 4, "zero": 3, "ep": 2, "ep_overlap_chunks": 2},
+                                    model={**MOE, "moe_capacity_factor": 1.0}),
     "balance": case(2, {"dp_shard": 2, "zero": 3}, data={"doc_mask": True, "balance": "greedy"}),
     "diloco": case(4, {"dp_shard": 2, "zero": 3}, lowcomm={"method": "diloco", "workers": 2, "inner_steps": 2}),
     "powersgd": case(2, {"dp_replicate": 2, "dp_shard": 1, "zero": 0}, lowcomm={"compression": "powersgd"}),
@@ -156,7 +160,7 @@ def test_fake_cuda_case(matrix, name):
         assert not any("attention_ops" in place for place in g["syncs"]), g["syncs"]
 
 
-@pytest.mark.parametrize("name", ["moe-ep-capacity", "moe-ep-tp-capacity"])
+@pytest.mark.parametrize("name", ["moe-ep-capacity", "moe-ep-tp-capacity", "moe-ep-capacity-overlap"])
 def test_capacity_mode_reads_nothing_on_the_host_inside_a_layer(matrix, name):
     """Under a capacity the MoE layers run in fixed slots with equal-split all-to-alls: no
     host read inside any layer (dropless reads the split sizes once per MoE layer and
@@ -165,6 +169,14 @@ def test_capacity_mode_reads_nothing_on_the_host_inside_a_layer(matrix, name):
     assert g["in_layer"] == [], g["in_layer"]
     assert sum(g["syncs"].values()) <= 4, g["syncs"]
     assert "int64" not in g["wire_dtypes"]["ep"]  # no per-expert counts exchanged
+
+
+def test_overlapped_dropless_reads_split_sizes_once_per_layer(matrix):
+    """Pipelined in 3 chunks, dropless still reads its split sizes once per MoE layer and
+    micro-batch (all chunks' in one read): the same host syncs as unchunked."""
+    g, plain = matrix[0]["moe-ep-overlap"]["gpu"], matrix[0]["moe-ep"]["gpu"]
+    assert len(g["in_layer"]) == len(plain["in_layer"]) == 1 and g["in_layer"][0].endswith("(tolist)")
+    assert sum(g["syncs"].values()) == sum(plain["syncs"].values()), (g["syncs"], plain["syncs"])
 
 
 class _Layer(torch.nn.Module):

@@ -223,18 +223,34 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: _Groups | None = None,
-                gates: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x, counts: torch.Tensor | None = None, groups: _Groups | None = None,
+                gates: torch.Tensor | None = None, sends: list[torch.Tensor] | None = None):
         """x: [sum(counts), dim], rows grouped by (local) expert; counts: [E] rows per expert,
         a device tensor (``groups``: a precomputed layout, then rows may be in any order).
         ``gates`` [rows]: each row's gate, applied to the hidden activation before the second
         GEMM when it is the narrower (g * (h W2^T) = (g * h) W2^T; fine-grained experts), else
         to the output. Every expert's
-        weights join the graph, so each gets a (possibly zero) gradient on every rank."""
-        dtype = _compute_dtype(x)
-        x = x.to(dtype)
+        weights join the graph, so each gets a (possibly zero) gradient on every rank.
+
+        ``x`` may instead be a callable ``feed(run, sends)`` that calls ``run(rows, counts,
+        groups, gates)`` once per chunk of rows, as each becomes available, and returns what
+        it builds from the results (expert parallel's overlapped exchange): one forward call
+        for all chunks, so a wrapper (FSDP) gathers the weights once. ``sends``, the tensors
+        the feed starts from, pass through the call so a wrapper sees them as its inputs
+        (FSDP hooks its gradient reduce-scatter onto theirs). The rows are computed in the
+        autocast dtype, else the weights' (a wrapper's compute dtype)."""
         w_in = self.w13 if self.kind == "swiglu" else self.w1
+        if callable(x):
+            device = w_in.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_in.dtype
+            w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
+            return x(lambda rows, counts, groups=None, gates=None:
+                     self._grouped(rows.to(dtype), w1, w2, counts, groups, gates), sends)
+        dtype = _compute_dtype(x)
         w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
+        return self._grouped(x.to(dtype), w1, w2, counts, groups, gates)
+
+    def _grouped(self, x, w1, w2, counts, groups, gates):
         if groups is None:
             kernel = expert_kernel(x, self.kernel)
             groups = _Groups(counts, x.shape[0], kernel, align=max(1, GROUP_ALIGN_BYTES // x.element_size()))

@@ -122,6 +122,95 @@ class AllToAll(torch.autograd.Function):
         return _a2a(grad, in_splits, out_splits, group), None, None, None
 
 
+class _InFlight:
+    """One asynchronous all-to-all, started by one autograd node (``_Start``) and finished
+    by a later one (``_Finish``). In backward the roles swap: ``_Finish``'s backward starts
+    the reverse exchange of the gradient and ``_Start``'s backward waits for it, so whatever
+    autograd runs between the two (the experts' backward) overlaps it as in the forward."""
+
+    def __init__(self, out_splits: list[int] | None, in_splits: list[int] | None, group):
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work = self.grad = None
+
+
+def _a2a_async(x: torch.Tensor, out_splits, in_splits, group):
+    out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits),) + tuple(x.shape[1:]))
+    return out, all_to_all_single(out, x.contiguous(), group, "ep", out_splits=out_splits, in_splits=in_splits,
+                                  async_op=True)
+
+
+class _Start(torch.autograd.Function):
+    """Start the exchange of ``x``; the result is valid once the matching ``_Finish`` ran."""
+
+    @staticmethod
+    def forward(ctx, x, flight: _InFlight):
+        ctx.flight = flight
+        out, flight.work = _a2a_async(x, flight.out_splits, flight.in_splits, flight.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        f = ctx.flight
+        f.work.wait()  # the reverse exchange _Finish's backward started
+        grad, f.work, f.grad = f.grad, None, None
+        return grad, None
+
+
+class _Finish(torch.autograd.Function):
+    """Wait for the exchange ``_Start`` began (NCCL: the compute stream waits, the host does not)."""
+
+    @staticmethod
+    def forward(ctx, out, flight: _InFlight):
+        ctx.flight = flight
+        flight.work.wait()
+        flight.work = None
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        f = ctx.flight
+        f.grad, f.work = _a2a_async(grad, f.in_splits, f.out_splits, f.group)
+        return grad, None  # a placeholder: _Start's backward returns the exchanged gradient
+
+
+def overlapped_exchange(sends: list[torch.Tensor], splits: list[tuple | None], compute, group) -> list[torch.Tensor]:
+    """Chunk i's rows ``sends[i]`` go to their experts (all-to-all with ``splits[i]`` = (out,
+    in) sizes, None: equal) and come back through ``compute(i, rows)``, software-pipelined:
+    chunk i+1's dispatch is in flight while the experts compute chunk i, and chunk i's
+    combine while they compute chunk i+1. Only the first dispatch and the last combine are
+    exposed. Every rank issues the same exchanges in the same order (dispatch 0, dispatch 1,
+    combine 0, dispatch 2, combine 1, ...); backward issues their reverses in autograd's
+    (deterministic, the same on every rank) order, the last chunk's first."""
+    n = len(sends)
+
+    def start(i: int, x: torch.Tensor, back: bool):
+        out_splits, in_splits = splits[i] if splits[i] is not None else (None, None)
+        flight = _InFlight(in_splits, out_splits, group) if back else _InFlight(out_splits, in_splits, group)
+        return _Start.apply(x, flight), flight
+
+    going = [start(0, sends[0], False)] + [None] * (n - 1)
+    coming = []
+    for i in range(n):
+        if i + 1 < n:
+            going[i + 1] = start(i + 1, sends[i + 1], False)
+        rows = _Finish.apply(*going[i])
+        going[i] = None
+        coming.append(start(i, compute(i, rows), True))
+    return [_Finish.apply(y, flight) for y, flight in coming]
+
+
+def _dealt(start: int, stop: int, n: int) -> list[int]:
+    """Assignments [start, stop) of a rank dealt to n experts in turn (assignment i to expert
+    i mod n): a balanced router's counts for one chunk; over all chunks they add up to
+    ``balanced_counts`` of the whole, so the chunked dry-run sends the unchunked bytes."""
+    return [len(range(start + (e - start) % n, stop, n)) for e in range(n)]
+
+
+def _bounds(total: int, n: int) -> list[int]:
+    """n contiguous ranges covering [0, total): index t is in range t * n // total."""
+    return [-(-c * total // n) for c in range(n + 1)]
+
+
 class AllToAllDispatcher(nn.Module):
     """Dispatch (token, expert) assignments to the ranks owning the experts, run the local
     experts grouped, send the results back, weight them and add them per token.
@@ -139,10 +228,12 @@ class AllToAllDispatcher(nn.Module):
     all-to-alls have equal splits and nothing is read on the host (Megatron's
     ``moe_pad_expert_input_to_capacity``)."""
 
-    def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int, tp: TensorParallelGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int, tp: TensorParallelGroup | None = None,
+                 chunks: int = 1):
         super().__init__()
         self.group, self.ep_rank, self.ep = group, ep_rank, ep
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.chunks = chunks  # parallel.ep_overlap_chunks: > 1 pipelines the exchange (overlapped_exchange)
 
     def forward(self, x, token, expert, weight, experts, n_experts: int, capacity: tuple | None = None):
         P, per_ep = self.ep, n_experts // self.ep
@@ -158,6 +249,9 @@ class AllToAllDispatcher(nn.Module):
             within = expert % per_ep - tp.rank * local_e  # index among this tp column's experts
             mine = (within >= 0) & (within < local_e)
             key = torch.where(mine, (expert // per_ep) * local_e + within, P * local_e)  # others sort last
+        if min(self.chunks, x.shape[0]) > 1:
+            out = self._dropless_chunks(x, token, key, weight, experts, n_experts, local_e)
+            return out if self.tp is None else tokens_out(self.tp, out)
         order = torch.argsort(key, stable=True)
         # (without values: a balanced router's counts, the same on every rank)
         column = lambda: self._balanced_column(expert.shape[0], n_experts, local_e)  # noqa: E731
@@ -186,6 +280,53 @@ class AllToAllDispatcher(nn.Module):
         out = combine(x, token, y, weight[order])
         return out if self.tp is None else tokens_out(self.tp, out)
 
+    def _dropless_chunks(self, x, token, key, weight, experts, n_experts: int, local_e: int) -> torch.Tensor:
+        """Dropless, pipelined (``overlapped_exchange``): the tokens are split into n
+        contiguous ranges and each range's assignments go out as one chunk. The per-chunk
+        counts travel in one all-to-all and reach the host in one read for all chunks."""
+        P, T, A = self.ep, x.shape[0], key.shape[0]
+        n, k, width = min(self.chunks, T), A // T, P * local_e + 1  # k assignments per token
+        bounds = _bounds(T, n)
+        # sort by (chunk of the token, expert): chunk c's assignments to this column's experts,
+        # expert-major, start at k * bounds[c]; with tp the other columns' follow them
+        chunk_key = token * n // T * width + key
+        order = torch.argsort(chunk_key, stable=True)
+        counts = count_rows(chunk_key, n * width).view(n, width)[:, : P * local_e]
+        counts = counts.reshape(n, P, local_e).transpose(0, 1).contiguous()  # [destination rank, chunk, expert]
+        recv = torch.empty_like(counts)
+        all_to_all_single(recv, counts, self.group, "ep")  # recv[source rank, chunk, expert]
+        counts, recv = counts.transpose(0, 1), recv.transpose(0, 1)  # [chunk, rank, expert]
+
+        def balanced():  # a balanced router's rows, chunk by chunk (no values: meshfold dry-run)
+            cols = [self._balanced_column(0, n_experts, local_e, _dealt(k * bounds[c], k * bounds[c + 1], n_experts))
+                    for c in range(n)]
+            return [[[sum(e) for e in col] for col in cols], [[sum(col[self.ep_rank])] * P for col in cols]]
+
+        send_splits, recv_splits = read_counts(torch.stack([counts.sum(2), recv.sum(2)]), balanced)  # one read
+        local_expert = torch.arange(P * local_e, device=x.device) % local_e
+        orders, sends, regroup = [], [], []
+        for c in range(n):
+            mine = order[k * bounds[c]: k * bounds[c] + sum(send_splits[c])]
+            orders.append(mine)
+            sends.append(gather_rows(x, token[mine]))
+            # rows arrive grouped by source rank, then expert; the experts want expert, then source
+            row_expert = torch.repeat_interleave(local_expert, recv[c].flatten(), output_size=sum(recv_splits[c]))
+            by_expert = torch.argsort(row_expert, stable=True)
+            back = torch.empty_like(by_expert)
+            back[by_expert] = torch.arange(by_expert.numel(), device=x.device)
+            regroup.append((by_expert, back, recv[c].sum(0)))
+
+        def feed(run, sends):
+            def compute(c, rows):
+                by_expert, back, per_expert = regroup[c]
+                return run(rows[by_expert], per_expert)[back]
+
+            splits = [(recv_splits[c], send_splits[c]) for c in range(n)]
+            return overlapped_exchange(sends, splits, compute, self.group)
+
+        order = torch.cat(orders)
+        return combine(x, token[order], torch.cat(experts(feed, sends=sends)), weight[order])
+
     def _fixed(self, x, slots: CapacitySlots, weight, experts, local_e: int) -> torch.Tensor:
         """Capacity mode: the slots of this tp column's experts on every ep rank (padded rows,
         zeros where empty) go out and come back in equal-split all-to-alls."""
@@ -193,6 +334,9 @@ class AllToAllDispatcher(nn.Module):
         r, t = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
         pick = lambda v: v.view(P, t, -1)[:, r].reshape(-1)  # noqa: E731  ep rank j's column-r experts' slots
         token, rows = slots.rows(x, pick)
+        if min(self.chunks, per) > 1:
+            out = self._fixed_chunks(x, token, rows, pick(slots.gates(weight)), experts, local_e, per)
+            return out if self.tp is None else tokens_out(self.tp, out)
         rows = AllToAll.apply(rows, None, None, self.group)  # [source rank, local expert, slot, dim]
         dim = rows.shape[1]
         rows = rows.view(P, local_e, per, dim).transpose(0, 1).reshape(local_e * P * per, dim)
@@ -202,10 +346,34 @@ class AllToAllDispatcher(nn.Module):
         out = combine(x, token, y, pick(slots.gates(weight)))
         return out if self.tp is None else tokens_out(self.tp, out)
 
-    def _balanced_column(self, assignments: int, n_experts: int, local_e: int) -> list[list[int]]:
+    def _fixed_chunks(self, x, token, rows, gates, experts, local_e: int, per: int) -> torch.Tensor:
+        """Capacity mode, pipelined (``overlapped_exchange``): every expert's ``per`` slots are
+        split into n ranges and range c of every expert goes out as chunk c (equal splits, no
+        host read)."""
+        P, dim, n = self.ep, rows.shape[1], min(self.chunks, per)
+        bounds = _bounds(per, n)
+        sl = [slice(bounds[c], bounds[c + 1]) for c in range(n)]
+        rows, token, gates = rows.view(P, local_e, per, dim), token.view(P, local_e, per), gates.view(P, local_e, per)
+        sends = [rows[:, :, s].reshape(-1, dim) for s in sl]  # [destination rank, local expert, slot, dim]
+
+        def feed(run, sends):
+            def compute(c, got):
+                w = bounds[c + 1] - bounds[c]
+                got = got.view(P, local_e, w, dim).transpose(0, 1).reshape(local_e * P * w, dim)
+                y = run(got, None, fixed_groups(local_e, P * w))
+                return y.view(local_e, P, w, -1).transpose(0, 1).reshape(P * local_e * w, -1)
+
+            return overlapped_exchange(sends, [None] * n, compute, self.group)
+
+        y = torch.cat(experts(feed, sends=sends))
+        return combine(x, torch.cat([token[:, :, s].reshape(-1) for s in sl]), y,
+                       torch.cat([gates[:, :, s].reshape(-1) for s in sl]))
+
+    def _balanced_column(self, assignments: int, n_experts: int, local_e: int,
+                         every: list[int] | None = None) -> list[list[int]]:
         """A balanced router's rows from this rank to each ep rank's experts of this tp column
-        (``balanced_counts`` over all experts, by global expert id)."""
-        every = balanced_counts(assignments, n_experts)
+        (``balanced_counts`` over all experts, by global expert id; or ``every``'s)."""
+        every = every if every is not None else balanced_counts(assignments, n_experts)
         per_ep, r = n_experts // self.ep, (self.tp.rank if self.tp is not None else 0)
         return [every[j * per_ep + r * local_e: j * per_ep + (r + 1) * local_e] for j in range(self.ep)]
 
@@ -346,7 +514,8 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
     mp, offload = fsdp_policies(cfg.train, dims.mesh.device_type)
     kwargs = {"offload_policy": offload} if offload is not None else {}  # train.offload = params
-    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp)
+    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp,
+                                    dims.parallel.ep_overlap_chunks)
     for _, moe in layers:
         shard_experts(moe, ep_mesh, tp)
         moe.dispatcher = dispatcher

@@ -96,6 +96,7 @@ class Layout:
     cp_mode: str = "ring"  # ring | ulysses | hybrid
     cp_ulysses: int = 0  # hybrid: the Ulysses degree (layout_from_config resolves 0 as the runtime)
     ep: int = 1
+    ep_overlap_chunks: int = 1  # ep all-to-all pipelined in this many chunks (``parallel.ep_overlap_chunks``)
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
     pp_split: tuple = ()  # blocks per stage (``parallel.pp_split``); () = balanced by cost, as the runtime
@@ -123,14 +124,16 @@ class Layout:
                               pp_microbatches=self.microbatches(global_batch) if self.pp > 1 else 0,
                               pp_virtual_stages=self.pp_virtual_stages, cp=self.cp, cp_mode=self.cp_mode,
                               cp_ulysses=self.cp_ulysses if self.cp_mode == "hybrid" else 0,
-                              ep=self.ep, pp_split=list(self.pp_split), pp_skip=self.pp_skip,
+                              ep=self.ep, ep_overlap_chunks=self.ep_overlap_chunks if self.ep > 1 else 1,
+                              pp_split=list(self.pp_split), pp_skip=self.pp_skip,
                               pp_reorder=self.pp_reorder, pp_links=[list(x) for x in self.pp_links])
 
     def to_toml(self, global_batch: int) -> str:
         p = self.parallel_config(global_batch)
         lines = ["[parallel]"]
-        for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp", "pp_schedule", "pp_microbatches",
-                    "pp_virtual_stages", "cp", "cp_mode", "ep") + (("pp_split",) if self.pp_split else ()):
+        keys = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp", "pp_schedule", "pp_microbatches",
+                "pp_virtual_stages", "cp", "cp_mode", "ep") + (("pp_split",) if self.pp_split else ())
+        for key in keys + (("ep_overlap_chunks",) if self.ep > 1 and self.ep_overlap_chunks > 1 else ()):
             value = getattr(p, key)
             lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value).replace(chr(39), chr(34))}")
         lines += ["", "[train]", f"global_batch = {global_batch}",
@@ -145,7 +148,7 @@ class Layout:
         if self.cp > 1:
             parts.append(f"cp{self.cp}{self.cp_mode}")
         if self.ep > 1:
-            parts.append(f"ep{self.ep}")
+            parts.append(f"ep{self.ep}" + (f"c{self.ep_overlap_chunks}" if self.ep_overlap_chunks > 1 else ""))
         parts += [f"mb{self.micro_batch}", self.recompute]
         return " ".join(parts)
 
@@ -357,8 +360,8 @@ class CostModel:
 
     # ---- per layer (one micro-batch on one device), by kind (dense / MoE)
     def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str,
-                    ulysses: int = 0) -> dict:
-        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses)
+                    ulysses: int = 0, ep_chunks: int = 1) -> dict:
+        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses, ep_chunks)
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
@@ -379,7 +382,8 @@ class CostModel:
         act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp, moe)
-                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp) if moe and recompute != "full" else 0.0)
+                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
+                        if moe and recompute != "full" else 0.0)
                      for moe in set(self.kinds)}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
         # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
@@ -488,10 +492,18 @@ class CostModel:
                 # rank sends only its expert column's 1/tp) forward, and their transposes
                 # backward, over the ep ranks (innermost of dp x cp: stride tp); before them,
                 # dropless, the per-expert row counts (E/tp int64)
+                # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined)
                 routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
-                counts = 8 * m.moe_experts / tp if m.moe_capacity_factor <= 0 else 0.0
-                a2a = self.ct("all_to_all", routed, ep, tp) + call
-                fwd, bwd = fwd + 2 * a2a, bwd + 2 * a2a
+                counts = 8 * m.moe_experts / tp * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
+                # pipelined in n chunks (parallel/expert.py ``overlapped_exchange``): the first
+                # dispatch and the last combine are exposed; the other 2n - 2 chunk exchanges
+                # run while the experts compute, and show only where they outlast it
+                n = ep_chunks
+                a2a = self.ct("all_to_all", routed / n, ep, tp) + call
+                experts_f = 2 * routed_params(m) / m.moe_experts * m.moe_topk * routed_fraction(m, s) \
+                    * tokens / tp / (peak * eff)
+                fwd = fwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - experts_f)
+                bwd = bwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - 2 * experts_f)
                 ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
                     ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
@@ -683,7 +695,8 @@ class CostModel:
         if w.global_batch % dp or (w.global_batch // dp) % b:
             raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
         n_micro = w.global_batch // dp // b
-        T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute, L.cp_ulysses)
+        T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute, L.cp_ulysses,
+                             L.ep_overlap_chunks)
         p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(
             L, T, n_micro, v, bound)
         Pmax = max(stage_params)
@@ -756,7 +769,8 @@ class CostModel:
         before it prices): the stage split and the memory terms alone, cached alike."""
         v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
         n_micro = self.w.global_batch // L.dp // L.micro_batch
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses)
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
+                             L.ep_overlap_chunks)
         stages, last_rank = self.stage_kinds(L)
         skey = (id(T), id(stages), L.pp, v, None)
         hit = self._stage_sum_cache.get(skey)
@@ -1037,7 +1051,8 @@ class CostModel:
         reserved memory, which the peak holds whatever else it holds (the search skips a
         variant whose floor does not fit without checking each recompute's peak)."""
         n_micro = self.w.global_batch // L.dp // L.micro_batch
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses)
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
+                             L.ep_overlap_chunks)
         stages, last_rank = self.stage_kinds(L)
         v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
         skey = (id(T), id(stages), L.pp, v, None)
@@ -1230,8 +1245,10 @@ class CostModel:
         ep_layers = sum(n for k, n in stages[0].items() if k)
         if L.ep > 1 and ep_layers:
             ep_bytes = sum(T["kinds"][k][4] * n for k, n in stages[0].items())
-            fwd_calls = 3 if w.model.moe_capacity_factor <= 0 else 2
-            calls = fwd_calls + 2 + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
+            # pipelined in n chunks: each chunk's dispatch and combine, both ways; one counts exchange
+            n = L.ep_overlap_chunks
+            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0)
+            calls = fwd_calls + 2 * n + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}
 
@@ -1335,7 +1352,8 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     zero = p.zero if (p.dp_shard * p.cp > 1) else 0
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
-                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, micro_batch=micro, recompute=t.recompute,
+                  cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, ep_overlap_chunks=p.ep_overlap_chunks,
+                  micro_batch=micro, recompute=t.recompute,
                   cp_ulysses=ulysses_degree(p, cfg.model) if p.cp_mode == "hybrid" and p.cp > 1 else 0,
                   pp_split=tuple(p.pp_split) if p.pp > 1 else (), pp_skip=p.pp_skip, pp_reorder=p.pp_reorder,
                   pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else ())
