@@ -252,6 +252,21 @@ def train_segment(cfg_dict: dict, stop: int, save: bool = True) -> dict | None:
     return {"start": start, "losses": losses, "params": params}
 
 
+def train_chain(chain: list, cfg_for: Callable) -> tuple[list[int], list[float], dict]:
+    """Train through ``chain`` = [(world, [parallel], stop step)], each segment resuming the
+    previous one's checkpoint from ``cfg_for(world, parallel)``'s run directory and saving for the
+    next (the last does not). Returns the step each segment resumed at, every step's loss
+    and the last segment's unsharded parameters."""
+    starts, losses, got = [], [], None
+    last = chain[-1][2]
+    for world, parallel, stop in chain:
+        cfg, save = cfg_for(world, parallel), stop < last
+        got = run_on(world, train_segment, cfg, stop, save=save)[0] if world > 1 else train_segment(cfg, stop, save)
+        starts.append(got["start"])
+        losses += got["losses"]
+    return starts, losses, got["params"]
+
+
 def one_step_report(cfg_dict: dict) -> dict:
     """This rank's parameter bytes (float64 local pieces) and the collectives of one real
     training step, as the communication layer recorded them (what ``meshfold dry-run``

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meshfold.config import from_dict
-from meshfold.testing import run_on, tiny_config, train_segment
+from meshfold.testing import run_on, tiny_config, train_chain, train_segment
 from meshfold.train.checkpoint_files import CheckpointError, published, validate_checkpoint
 
 STEPS = 6
@@ -68,17 +68,13 @@ def test_reshard_through_every_layout(reference, tmp_path):
     # -> DDP 2 -> tp 2 x dp_shard 2 -> pp 2 x dp_shard 2. Every step's loss and the final
     # parameters equal the one-process run that never stopped, to float64 rounding (the
     # layouts reduce in different orders): rtol 1e-9, atol 1e-11.
-    losses, starts = [], []
-    for world, parallel, stop in RESHARD_CHAIN:
-        cfg = _cfg(tmp_path, parallel, async_checkpoint=world == 2)
-        got = run_on(world, train_segment, cfg, stop, save=stop < STEPS)[0]
-        starts.append(got["start"])
-        losses += got["losses"]
+    starts, losses, params = train_chain(
+        RESHARD_CHAIN, lambda world, parallel: _cfg(tmp_path, parallel, async_checkpoint=world == 2))
     assert starts == [0, 1, 2, 3, 4]
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
     for name, value in reference["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_reshard_zero1_to_one_process(reference, tmp_path):

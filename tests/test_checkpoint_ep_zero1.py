@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from meshfold.testing import run_on, tiny_config, train_segment
+from meshfold.testing import run_on, tiny_config, train_chain, train_segment
 from tests.test_checkpoint_zero1_tp import state_at
 
 STEPS, SPLIT = 4, 2
@@ -61,18 +61,12 @@ def test_reshard_through_ep_zero1_and_zero0(tmp_path):
     # the reordered data-parallel sums (rtol 1e-9, atol 1e-11). Adam moments loaded wrong into any
     # part would move the parameters of the steps after far more than that.
     reference = train_segment(_cfg(tmp_path / "ref"), STEPS, save=False)
-    losses, starts = [], []
-    for world, parallel, stop in RESHARD_CHAIN:
-        cfg = _cfg(tmp_path / "chain", parallel)
-        got = run_on(world, train_segment, cfg, stop, save=stop < STEPS)[0] if world > 1 else train_segment(
-            cfg, stop, save=stop < STEPS)
-        starts.append(got["start"])
-        losses += got["losses"]
+    starts, losses, params = train_chain(RESHARD_CHAIN, lambda _, parallel: _cfg(tmp_path / "chain", parallel))
     assert starts == [0, 1, 2, 3]
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
     for name, value in reference["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_ep_zero1_checkpoint_loads_into_one_process(saved, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshfold.config import from_dict
-from meshfold.testing import run_on, tiny_config, train_segment
+from meshfold.testing import run_on, tiny_config, train_chain, train_segment
 from meshfold.train.checkpoint_files import read_dcp_metadata
 from meshfold.train.zero_state import flat_boxes
 
@@ -186,14 +186,9 @@ def test_reshard_through_tp_zero1(reference, tmp_path):
     # One process -> tp 2 x dp_shard 2 ZeRO-1 -> tp 2 x dp_shard 4 ZeRO-1 -> FSDP2 ZeRO-3:
     # every step's loss and the final parameters equal the one-process run that never
     # stopped, to float64 rounding: rtol 1e-9, atol 1e-11.
-    losses, starts = [], []
-    for world, parallel, stop in RESHARD_CHAIN:
-        cfg = _cfg(tmp_path, parallel)
-        got = run_on(world, train_segment, cfg, stop, save=stop < STEPS)[0] if world > 1 else train_segment(cfg, stop)
-        starts.append(got["start"])
-        losses += got["losses"]
+    starts, losses, params = train_chain(RESHARD_CHAIN, lambda _, parallel: _cfg(tmp_path, parallel))
     assert starts == [0, 1, 2, 3]
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-9, atol=1e-11)
     for name, value in reference["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
