@@ -126,6 +126,8 @@ _HOST_ONLY = ("from_numpy", "frombuffer")
 
 
 def is_host_marked(t) -> bool:
+    if torch.compiler.is_compiling():  # (a traced tensor has no such attribute; strict mode checks eager runs)
+        return False
     return isinstance(t, torch.Tensor) and t.__dict__.get(_HOST_MARK, False)
 
 

@@ -513,6 +513,7 @@ class _MetaCache:
         self.entries: dict[tuple[int, int], list] = {}  # (id(positions), id(doc ids)) -> [value, layout]
         self.current: list | None = None
 
+    @torch.compiler.disable  # host bookkeeping and a collective, once per micro-batch: eager under compile
     def get(self, positions: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         key = (id(positions), id(doc_ids))
         entry = self.entries.get(key)
