@@ -486,20 +486,10 @@ def _zbv_inflight(pp: int, m: int) -> float:
 
 
 def schedule_inflight(schedule: str, orders: list[list[Action]]) -> float:
-    """Most chunk-micro-batches any rank holds activations for (from its F until its last
-    backward action: W where the backward is split, else B), over the chunks per rank."""
-    peak = 0
+    """Most chunk-micro-batches any rank holds activations for (``held_counts``' moments:
+    from its F until its last backward action), over the chunks per rank."""
     chunks = max(a.chunk for o in orders for a in o) + 1
-    for order in orders:
-        split = {(a.chunk, a.mb) for a in order if a.kind == "W"}
-        held = 0
-        for a in order:
-            if a.kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.mb) not in split):
-                held -= 1
-    return peak / chunks
+    return max(sum(moment) for order in orders for moment in held_counts(order)) / chunks
 
 
 def held_counts(order: list[Action]) -> tuple[tuple[int, ...], ...]:
