@@ -143,8 +143,18 @@ def test_quorum_rounds_start_redo_and_rejoin_wait():
     later = a.quorum(3, {"sampler": "s3"})  # waits for the restarting replica 1
     assert later["members"] == [0, 1] and later["heal"] == [1] and later["source"] == 0
     assert later["meta"] == {"sampler": "s3"} and later["events"][0]["event"] == "rejoin"
+    # Replica 1 restarts again while replica 0 finishes the run. Its request reaches the server
+    # before the bye (the order CI once hit by chance), then one after it: both are told done.
+    t = threading.Thread(target=lambda: got.update(d=QuorumClient(server.address, 1, attempt=2).quorum(0)))
+    t.start()
+    deadline = time.time() + 30
+    while 1 not in server.pending and time.time() < deadline:
+        time.sleep(0.01)
+    assert 1 in server.pending
     a.bye(step=3)  # replica 0 finished the run: a replica restarted after that has nothing to do
-    assert QuorumClient(server.address, 1, attempt=2).quorum(0) == {"done": True, "step": 3}
+    t.join()
+    assert got["d"] == {"done": True, "step": 3}
+    assert QuorumClient(server.address, 1, attempt=3).quorum(0) == {"done": True, "step": 3}
     for c in agents:
         c.close()
     server.close()

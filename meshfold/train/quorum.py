@@ -218,6 +218,9 @@ class QuorumServer:
             while replica not in self.replies:
                 if self.workers.get(replica) is not token:
                     raise ConnectionError("replaced")
+                if self.done_step is not None:  # another replica finished the run while this one waited
+                    self.pending.pop(replica, None)
+                    return {"done": True, "step": self.done_step}
                 if self._complete():
                     self._decide()
                     break
