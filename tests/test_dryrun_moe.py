@@ -136,6 +136,32 @@ def test_moe_dry_run_agrees_with_planner(world, parallel, model, tmp_path):
             assert pl["collectives"][dim]["bytes"] == pytest.approx(rt["collectives"][dim]["bytes"], rel=1e-6), dim
 
 
+def test_latent_attention_under_tp_agrees_with_planner():
+    # DeepSeek's latent attention with its heads split over tp (parallel/tensor.py): the
+    # latent gathered (sp) or entered instead of the block input, the down-projections whole
+    # on every rank; low-rank and full-rank q, each recompute mode, with MoE blocks. Width
+    # 512, head widths 64 + 32 (v 64, zero-padded to 96 for the fused kernel).
+    from meshfold.config import from_dict
+    from meshfold.dryrun import dry_run_many
+    from tests.test_dryrun_matrix import disagreements
+
+    cases = []
+    for q_rank, sp, recompute, moe in [(96, True, "none", False), (0, False, "none", False),
+                                        (0, True, "selective", False), (96, True, "full", True)]:
+        cfg = tiny_config("/nonexistent", parallel={"tp": 2, "sp": sp, "dp_shard": 2, "zero": 3},
+                          train={"steps": 1, "dtype": "bfloat16", "recompute": recompute, "global_batch": 2,
+                                 "micro_batch": 1})
+        cfg["model"].update({"dim": 512, "n_layers": 2, "n_heads": 4, "n_kv_heads": 0, "vocab_size": 4096,
+                             "seq_len": 256, "mla_kv_rank": 128, "mla_q_rank": q_rank, "mla_rope_dim": 32,
+                             "mla_nope_dim": 64, "mla_v_dim": 64, **(MOE if moe else {})})
+        cases.append((f"q{q_rank}-tp2{'sp' if sp else ''}-{recompute}{'-moe' if moe else ''}", cfg))
+    outs = dry_run_many([(from_dict(cfg), 4) for _, cfg in cases], cluster="h100")
+    found = {}
+    for (name, _), out in zip(cases, outs):
+        found.update(disagreements(name, out))
+    assert not found, found
+
+
 def test_moe_sp_with_ep_and_full_recompute_collectives_agree(tmp_path):
     # ep 2 x tp 2 with sp under full recompute, with the sequence-wise balance loss: the
     # recomputed forward re-runs the three tp gathers, the per-sequence counts' tp sum and the

@@ -89,6 +89,23 @@ def test_hf_family_features(world, parallel, hf_reference, tmp_path):
     assert_runs_match(hf_reference, got, rtol=RTOL, atol=ATOL)
 
 
+# DeepSeek's multi-head latent attention (models/mla.py): heads split over tp, the latent
+# (low-rank q's with the kv's, or the kv's alone beside a full-rank q) gathered or entered.
+MLA = {"mla_kv_rank": 16, "mla_rope_dim": 8, "mla_nope_dim": 8, "mla_v_dim": 12, "n_kv_heads": 0}
+
+
+@pytest.mark.parametrize("world,model,parallel", [
+    pytest.param(2, {**MLA, "mla_q_rank": 24}, {"tp": 2, "sp": True, "dp_shard": 1}, id="low-rank-q-tp2-sp"),
+    pytest.param(4, {**MLA, "mla_q_rank": 24}, {"tp": 2, "dp_shard": 2, "zero": 3}, id="low-rank-q-tp2xfsdp2"),
+    pytest.param(4, MLA, {"tp": 4, "sp": True, "dp_shard": 1}, id="full-q-tp4-sp"),
+])
+def test_latent_attention(world, model, parallel, tmp_path):
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=model))
+    assert "layers.0.attention.wkv_b.weight" in ref["grads"]
+    got = run_on(world, train_collect, tiny_config(str(tmp_path / "tp"), model=model, parallel=parallel))[0]
+    assert_runs_match(ref, got, rtol=RTOL, atol=ATOL)
+
+
 # --------------------------------------------------------------------------- sizes
 
 

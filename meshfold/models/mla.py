@@ -27,6 +27,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.config import ModelConfig
@@ -82,5 +83,17 @@ class MLAttention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = torch.cat([k_nope, k_rope], -1)
-        out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
+        out = attend_padded(self.core, q, k, v, positions, doc_ids)
         return self.wo(out.reshape(b, s, -1))
+
+
+def attend_padded(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions, doc_ids):
+    """``core(q, k, v)`` with v zero-padded to the q/k head width and the output cut back:
+    the fused flash kernels take one head width for q, k and v (PyTorch's CPU and CUDA flash
+    both refuse v narrower than q/k, and the fallback materializes the s x s scores in fp32),
+    as Hugging Face pads for FlashAttention-2."""
+    width = v.shape[-1]
+    if width == q.shape[-1]:
+        return core(q, k, v, positions=positions, doc_ids=doc_ids)
+    v = F.pad(v, (0, q.shape[-1] - width))
+    return core(q, k, v, positions=positions, doc_ids=doc_ids)[..., :width]

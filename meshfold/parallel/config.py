@@ -24,9 +24,9 @@ def validate(cfg: Config) -> None:
     if m.moe_experts and m.moe_seq_aux_loss_coef > 0 and p.cp > 1:
         raise ConfigError("model.moe_seq_aux_loss_coef > 0 (sequence-wise balance loss) needs whole sequences on a "
                           "rank; use parallel.cp = 1 or moe_seq_aux_loss_coef = 0")
-    if m.mla and (p.tp > 1 or p.cp > 1):
-        raise ConfigError("model.mla_kv_rank > 0 (multi-head latent attention) is not supported with parallel.tp > 1 "
-                          "or parallel.cp > 1 yet; use data, pipeline and expert parallel")
+    if m.mla and p.cp > 1:
+        raise ConfigError("model.mla_kv_rank > 0 (multi-head latent attention) is not supported with "
+                          "parallel.cp > 1 yet; use data, tensor, pipeline and expert parallel")
     # Tensor parallel: heads split across tp ranks.
     if p.tp > 1:
         if p.tp > m.n_heads:

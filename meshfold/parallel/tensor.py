@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshfold import comm
 from meshfold.mesh import ParallelDims
 from meshfold.models.llama import Attention, FeedForward, RMSNorm, Transformer
+from meshfold.models.mla import MLAttention, attend_padded
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -369,6 +370,51 @@ class TensorParallelAttention(Attention):
         return out
 
 
+class TensorParallelMLAttention(MLAttention):
+    """Multi-head latent attention with its heads split over tp, as Megatron-Core lays it out:
+    the down-projections (wq_a, wkv_a) and their norms are replicated and run on the tokens
+    this rank holds (its sequence slice under sp); the small normed latent
+    ``[c_q ; c_kv ; k_rope]`` then enters the tp region (sp: all-gather of the sequence,
+    reduce-scatter backward; else ``f``), so what crosses the link a token is q_rank +
+    kv_rank + rope_dim values (2,112 for DeepSeek-V3) instead of the model width (7,168);
+    the up-projections (wq_b, or a full-rank wq, and wkv_b) are column-parallel by heads, wo
+    row-parallel. Each rank's latent gradient covers its own heads: the entry's backward
+    sums it over tp, so the down-projections see the whole gradient. Under sp their weights
+    (and the latent norms') see one sequence slice each and are summed over tp per backward
+    (``replicated``), like the block norms."""
+
+    tp: TensorParallelGroup
+
+    def forward(self, x, rope, positions=None, doc_ids=None):
+        tp = self.tp
+        latent = []
+        if self.wq is None:  # low-rank q: its latent travels with the kv latent
+            latent.append(self.q_a_norm(F.linear(x, tp.replicated(self.wq_a.weight))))
+        c, k_rope = F.linear(x, tp.replicated(self.wkv_a.weight)).split([self.kv_rank, self.rope], -1)
+        latent += [self.kv_a_norm(c), k_rope]
+        wire = wire_dtype(x)
+        if wire is not None:  # the up-projections compute in it anyway: gather the latent in it
+            latent = [t.to(wire) for t in latent]
+        parts = tp.enter(torch.cat(latent, -1)).split([t.shape[-1] for t in latent], -1)
+        if self.wq is None:
+            q = F.linear(parts[0], local(self.wq_b.weight))
+        else:  # a full-rank q projection: a column-parallel linear of the block input
+            (q,) = column_linears(tp, x, [local(self.wq.weight)], [None])
+        c, k_rope = parts[-2:]
+        b, s = q.shape[:2]
+        q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], -1)
+        kv = F.linear(c, local(self.wkv_b.weight)).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        cos, sin = rope
+        q_rope = self.rotary(q_rope, cos, sin)
+        k_rope = self.rotary(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        q = torch.cat([q_nope, q_rope], -1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        out = attend_padded(self.core, q, torch.cat([k_nope, k_rope], -1), v, positions, doc_ids)
+        return tp.leave(F.linear(out.reshape(b, s, -1), local(self.wo.weight)))
+
+
 class TensorParallelFeedForward(FeedForward):
     """w1/w3 column-parallel over hidden units, w2 row-parallel."""
 
@@ -542,6 +588,19 @@ def _parallelize_attention(attn: Attention, tp: TensorParallelGroup) -> None:
     _swap_class(attn, TensorParallelAttention, tp=tp, kv_rows=kv_rows)
 
 
+def _parallelize_mla(attn: MLAttention, tp: TensorParallelGroup) -> None:
+    low_rank_q = attn.wq is None
+    # rows grouped by head: a Shard(0) splits the heads
+    for lin in ((attn.wq_b,) if low_rank_q else (attn.wq,)) + (attn.wkv_b,):
+        _distribute(lin, "weight", tp, Shard(0))
+    for lin in ((attn.wq_a,) if low_rank_q else ()) + (attn.wkv_a,):
+        _distribute(lin, "weight", tp, Replicate())
+    for norm in ((attn.q_a_norm,) if low_rank_q else ()) + (attn.kv_a_norm,):
+        _parallelize_norm(norm, tp)
+    _distribute(attn.wo, "weight", tp, Shard(1))
+    _swap_class(attn, TensorParallelMLAttention, tp=tp)
+
+
 def _parallelize_ffn(ffn: FeedForward, tp: TensorParallelGroup) -> None:
     for lin in (ffn.w1, ffn.w3):
         if lin is not None:
@@ -563,7 +622,10 @@ def parallelize_tensor(model: Transformer, dims: ParallelDims, cfg: Config) -> T
     for block in model.layers.values():
         _parallelize_norm(block.attention_norm, tp)
         _parallelize_norm(block.ffn_norm, tp)
-        _parallelize_attention(block.attention, tp)
+        if isinstance(block.attention, MLAttention):
+            _parallelize_mla(block.attention, tp)
+        else:
+            _parallelize_attention(block.attention, tp)
         if type(block.feed_forward) is FeedForward:
             _parallelize_ffn(block.feed_forward, tp)
         # MoE: left to expert parallel (parallel/expert.py splits its experts over tp and, with

@@ -32,6 +32,7 @@ from meshfold.planner.counts import (
     autocast_input_copies,
     buckets,
     chunk_param_sizes,
+    attention_params_local,
     dense_layer_params_local,
     routed_fraction,
     layer_activation_bytes,
@@ -231,6 +232,11 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
     h, hq, hkv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
     kv_local = hkv / min(tp, m.kv_heads) if m.kv_heads % tp else hkv / tp
     out = [(hq / tp, h), (kv_local, h), (kv_local, h), (h, hq / tp)]
+    if m.mla:  # down-projections whole on every tp rank, up-projections and wo split by heads
+        H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
+        q = [(m.mla_q_rank, h), (H * qk / tp, m.mla_q_rank)] if m.mla_q_rank else [(H * qk / tp, h)]
+        out = q + [(m.mla_kv_rank + m.mla_rope_dim, h), (H * (m.mla_nope_dim + m.mla_v_dim) / tp, m.mla_kv_rank),
+                   (h, H * m.mla_v_dim / tp)]
     f = (m.moe_topk * m.expert_dim + m.moe_shared_experts * m.expert_dim) if moe else m.hidden_dim
     if m.mlp == "swiglu":
         out += [(f / tp, h), (f / tp, h), (h, f / tp)]
@@ -376,7 +382,10 @@ class CostModel:
         bw = hbm * d.hbm_eff  # what streaming kernels reach
         attn_p = attention_params(m)
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
-        attn_core = 4 * tokens * s * h / tp * self.causal  # QK^T and AV for this device's queries
+        # QK^T and AV for this device's queries (latent attention: q/k heads nope + rope wide,
+        # v zero-padded to them for the fused kernel, models/mla.py ``attend_padded``)
+        width = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim) if m.mla else h
+        attn_core = 4 * tokens * s * width / tp * self.causal
         amp = w.dtype == "bf16-amp"
         act_full = layer_activation_bytes(m, s_loc, b, tp, sp, "none", act, w.flash, w.dropout, amp)
         act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
@@ -509,8 +518,8 @@ class CostModel:
                     ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
             if moe:  # the router is replicated over tp; the routed experts split over ep too
                 router = m.dim * m.moe_experts
-                params = (attn_p / tp + ffn_total / tp + norm_p
-                          + router - router / tp - routed_params(m) / tp * (1 - 1 / ep))
+                params = (attention_params_local(m, tp) + (ffn_total - router) / tp + router + norm_p
+                          - routed_params(m) / tp * (1 - 1 / ep))
             else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
                 params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
@@ -558,7 +567,23 @@ class CostModel:
                 weights += (2 * norm_calls + (2 if m.bias else 0)) * h
             else:  # f (all-reduce bwd) into, g (all-reduce fwd) out of attention and MLP
                 calls, sent = 4 + recomputed, (4 + recomputed) * r_ar * A
-            if m.kv_heads % tp:  # wk, wv replicated: their gradients are summed over tp
+            if m.mla:  # parallel/tensor.py TensorParallelMLAttention: the latent enters in place of
+                # the block input (a full-rank q still reads the input: a dense entry of its own);
+                # sp: the latent's gather (AG fwd, RS bwd, again when recomputed; the up-projections
+                # keep the gathered latent, no re-gather) and the sequence-split down-projections'
+                # and latent norms' gradients summed over tp; else f (all-reduce bwd)
+                full_q = m.mla_q_rank == 0
+                latent = act * tokens * (m.mla_q_rank + m.mla_kv_rank + m.mla_rope_dim)
+                if sp:
+                    calls += 2 + recomputed - (0 if full_q else 3 + recomputed)
+                    sent += r_ar * ((1 + 0.5 * recomputed) * latent - (0 if full_q else (1.5 + 0.5 * recomputed) * A))
+                    calls += 2 if full_q else 4
+                    weights += (h * (m.mla_kv_rank + m.mla_rope_dim) + m.mla_kv_rank
+                                + (0 if full_q else h * m.mla_q_rank + m.mla_q_rank))
+                else:
+                    calls += 1 if full_q else 0
+                    sent += r_ar * (latent - (0 if full_q else A))
+            elif m.kv_heads % tp:  # wk, wv replicated: their gradients are summed over tp
                 kv_bias = m.bias or m.qkv_bias
                 calls += 2 * (2 if kv_bias else 1)
                 weights += 2 * hkv * (h + (1 if kv_bias else 0))

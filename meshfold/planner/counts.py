@@ -71,15 +71,27 @@ def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
     parallel/tensor.py's layout: wq, wo, w1, w3, w2 (and wk, wv when tp divides the kv
     heads) split over tp; whole on every rank: wk, wv otherwise, the per-head q/k norms and
     the biases of the row-parallel wo and w2. Equals the model's count at tp = 1."""
-    h, hd = m.dim, m.head_dim
+    h = m.dim
+    row_bias = 2 * h if m.bias else 0  # wo's and w2's
+    return attention_params_local(m, tp) + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
+
+
+def attention_params_local(m: ModelConfig, tp: int) -> float:
+    """One tp rank's attention parameters (wo's bias aside) under parallel/tensor.py's layout.
+    Grouped-query: wq, wo (and wk, wv when tp divides the kv heads) split, else whole, with
+    the per-head q/k norms. Latent attention: the up-projections (wq_b or a full-rank wq,
+    wkv_b) and wo split by heads; the down-projections (wq_a, wkv_a) and their norms whole."""
+    h = m.dim
+    if m.mla:
+        H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
+        q = (h * m.mla_q_rank + m.mla_q_rank + H * qk * m.mla_q_rank / tp) if m.mla_q_rank else H * qk * h / tp
+        return (q + h * (m.mla_kv_rank + m.mla_rope_dim) + m.mla_kv_rank
+                + H * (m.mla_nope_dim + m.mla_v_dim) * m.mla_kv_rank / tp + H * m.mla_v_dim * h / tp)
+    hd = m.head_dim
     qkv = 1 if (m.bias or m.qkv_bias) else 0
     kv_tp = tp if m.kv_heads % tp == 0 else 1
-    attention = (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
-                 + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
-    if m.mla:  # latent attention runs without tp (parallel/config.py)
-        attention = attention_params(m)
-    row_bias = 2 * h if m.bias else 0  # wo's and w2's
-    return attention + (mlp_params(m, m.hidden_dim) - h * (1 if m.bias else 0)) / tp + row_bias
+    return (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
+            + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
 
 
 def ddp_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
@@ -204,10 +216,6 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     under a capacity; ``moe_activation_bytes`` adds what routing and dispatch keep)."""
     h, a = m.dim, m.n_heads
     hkv = m.kv_heads * m.head_dim
-    if m.mla:  # kept per token: q, k (nope + rope), v, out per head and the two latents (models/mla.py),
-        # written as the 2h + 2hkv of the split term below
-        latents = m.mla_q_rank + m.mla_kv_rank + m.mla_rope_dim
-        hkv = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim + m.mla_v_dim) + latents / 2 - h
     if recompute == "full":  # only the layer input survives (the residual stream: act-sized, as
         # the blocks compute from bf16 weights in every layout under bf16)
         return act * s * b * h / (tp if sp else 1)
@@ -216,6 +224,9 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
     # the QKV and first MLP projections, and the two dropout masks (1 byte each).
     replicated = s * b * h * (2 * act + act + act) + (2 * s * b * h if dropout else 0)
+    mla_split = mla_replicated = mla_whole = 0.0
+    if m.mla:
+        mla_split, mla_replicated, mla_whole = mla_kept_bytes(m, s, b, tp, recompute, act, amp)
     if amp:
         replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
             + (2 * s * b * h if dropout else 0)
@@ -227,13 +238,42 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     if (m.moe_experts > 0) if moe is None else moe:  # top-k experts each see the token
         mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * routed_fraction(m, s) + m.moe_shared_experts)
     split = act * s * b * (2 * h + 2 * hkv) + mlp
+    if m.mla:  # latent attention in place of the q, k, v, out above (mla_kept_bytes)
+        split += mla_split - act * s * b * (2 * h + 2 * hkv)
+        replicated += mla_replicated - (3 * act * s * b * h if amp else 0.0)
     # Scores: softmax output, dropout mask and dropout output (5 a s^2 b with act=2);
     # fused attention keeps only the log-sum-exp.
     if flash or recompute == "selective":
         scores = 0.0 if not flash else 4 * a * s * b
     else:
         scores = a * s * s * b * (act + (1 + act if dropout else 0))
-    return (replicated / (tp if sp else 1)) + (split + scores) / tp
+    return (replicated / (tp if sp else 1)) + (split + scores) / tp + mla_whole
+
+
+def mla_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, recompute: str, act: int,
+                   amp: bool) -> tuple[float, float, float]:
+    """What latent attention (``models/mla.py``; under tp ``parallel/tensor.py``'s
+    ``TensorParallelMLAttention``) keeps for backward beyond the block's norms, for one
+    micro-batch of one layer: (split over the tp heads, on the rank's tokens (1/tp of them
+    under sp), whole on every tp rank).
+
+    Split: the fused kernel's q, k and v (v zero-padded to the q/k width, ``attend_padded``)
+    and output, all nope + rope wide per head (selective recompute keeps the kernel's three
+    inputs only), and the out-projection's input (v wide). The rank's tokens: the latent
+    norms' fp32 input, bf16 output and 1/rms (amp), and the one bf16 copy autocast makes of
+    the block input for the down-projections (two with a full-rank q, which reads it too).
+    Whole: the up-projections' input latent (with tp the gathered / entered
+    [c_q ; c_kv ; k_rope], without it c_q and c_kv), and RoPE's cos/sin tables cast to fp32
+    for q and k."""
+    H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
+    ranks = m.mla_q_rank + m.mla_kv_rank
+    split = act * s * b * H * ((3 if recompute == "selective" else 4) * qk + m.mla_v_dim)
+    norms = 2 if m.mla_q_rank else 1
+    per_token = ((6 * ranks + 4 * norms) if amp else 2 * act * ranks) \
+        + (act * m.dim * (1 if m.mla_q_rank else 2) if amp else 0.0)
+    latent = ranks + m.mla_rope_dim if tp > 1 else ranks
+    whole = act * latent + 8 * m.mla_rope_dim
+    return split, s * b * per_token, s * b * whole
 
 
 def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, flash: bool,
