@@ -27,8 +27,6 @@ BAD = [
     (["parallel.zero=0", "parallel.dp_shard=2"], 2, ["parallel.zero = 0", "dp_shard"]),
     (["train.steps=\"ten\""], 1, ["train.steps", "wrong type"]),
     (["parallel.ep=2"], 2, ["parallel.ep", "moe_experts"]),
-    (["model.moe_experts=4", "model.moe_capacity_factor=1.0", "parallel.tp=2", "parallel.sp=true"], 2,
-     ["model.moe_capacity_factor", "parallel.sp = false"]),
     # per-sequence context parallel: checked with the layout, before the trainer starts
     (["data.balance=\"greedy\"", "data.seq_cp_max=2", "train.global_batch=8", "train.micro_batch=2"], 2,
      ["data.seq_cp_max = 2", "one micro-batch per rank"]),

@@ -107,6 +107,9 @@ AGREEMENT = [
     # tp around the experts, sums reduce-scattered back; stats and router gradient over tp
     pytest.param(4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3},
                  {"n_layers": 3, "moe_first_dense": 1, "moe_shared_experts": 1}, id="tp2-sp-dense+moe-shared"),
+    # a capacity under sp: the chosen experts gathered for the whole sequences' slots
+    pytest.param(8, {"tp": 2, "sp": True, "dp_shard": 4, "ep": 2, "zero": 3},
+                 {"moe_capacity_factor": 1.0, "recompute": "full"}, id="ep2xtp2-sp-capacity-full"),
     # the all-to-all pipelined in chunks: n times the dispatches and combines, the same bytes
     # (dropless: one counts exchange, n chunks' counts in it)
     pytest.param(8, {"dp_shard": 8, "ep": 4, "zero": 3, "ep_overlap_chunks": 3}, {}, id="ep4-overlap3"),

@@ -101,14 +101,19 @@ def _expert_rows_per_rank(cfg_dict: dict) -> tuple[int, str]:
     (2, {"tp": 2}),
     (4, {"dp_shard": 2, "tp": 2}),
     (4, {"dp_shard": 2, "tp": 2, "ep": 2}),
+    # sequence parallel: each tp rank routes its slice, the capacity slots are the whole sequences'
+    (2, {"tp": 2, "sp": True}),
+    (4, {"dp_shard": 2, "tp": 2, "sp": True, "ep": 2}),
 ])
 def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_ref, tmp_path):
-    # Shared experts, capacity and bias balancing with tp: the same run as one process, the rows
-    # computed by the routed experts over all ranks add up to the one-process count (tp ranks
-    # split the experts, they do not repeat them), and the shared experts are tp-split.
+    # Shared experts, capacity and bias balancing with tp: the same run as one process (the same
+    # tokens dropped), the rows computed by the routed experts over all ranks add up to the
+    # one-process count (tp ranks split the experts, they do not repeat them), and the shared
+    # experts are tp-split.
     cfg = tiny_config(str(tmp_path), model=CAPACITY, parallel=parallel)
     got = run_on(world, train_collect, cfg)[0]
     assert_runs_match(capacity_ref[0], got, rtol=1e-9, atol=1e-11)
+    assert [m["dropped_tokens"] for m in _metrics(tmp_path)] == [m["dropped_tokens"] for m in capacity_ref[1]]
     ref_rows, ref_shared = _expert_rows_per_rank(tiny_config(str(tmp_path / "one"), model=CAPACITY))
     per_rank = run_on(world, _expert_rows_per_rank, tiny_config(str(tmp_path / "count"), model=CAPACITY,
                                                                parallel=parallel))

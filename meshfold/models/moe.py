@@ -398,6 +398,9 @@ class MoE(nn.Module):
         # Ranks splitting each sequence (tp with sp) and the sum of per-sequence expert counts
         # over them, for the sequence-wise balance loss (1 and None in one process).
         self.seq_shards, self.reduce_seq_counts = 1, None
+        # Where ranks split each sequence (tp with sp): the capacity slots of the whole
+        # sequences, (this rank's keep [T, k], the dispatcher's capacity tuple) (None in one process).
+        self.sequence_capacity = None
         self._aux: torch.Tensor | None = None
         self._step_stats: torch.Tensor | None = None  # global [counts(E), tokens, dropped]
         self._replay: list = []  # (f, tokens) of this step's forwards, for recomputation
@@ -471,18 +474,21 @@ class MoE(nn.Module):
             w = self.router_weight_hook(w)
         logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
-        if self.capacity_factor > 0:
+        # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
+        # host read, the same tokens dropped (docs/gpu.md)
+        capacity = None
+        if self.capacity_factor > 0 and self.sequence_capacity is not None:
+            keep, capacity = self.sequence_capacity(self, idx, batch, seq)
+        elif self.capacity_factor > 0:
             keep, slot = self.capacity_slots(idx, batch, seq)
+            capacity = (keep.flatten(), slot.flatten(), batch * self.capacity(seq))
         else:  # dropless keeps every assignment
-            keep, slot = torch.ones_like(idx, dtype=torch.bool), None
+            keep = torch.ones_like(idx, dtype=torch.bool)
         if self.training and torch.is_grad_enabled():
             self._aux_terms(logits, probs, idx, keep, seq)
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         expert, gate = idx.flatten(), gates.flatten()
-        # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
-        # host read, the same tokens dropped (docs/gpu.md)
-        capacity = None if slot is None else (keep.flatten(), slot.flatten(), batch * self.capacity(seq))
         out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts, capacity)
         out = out.view(batch, seq, dim)
         if self.shared_experts is not None:  # on [batch, seq, dim]: sequence parallel splits dim 1

@@ -49,10 +49,6 @@ def validate(cfg: Config) -> None:
                 f"parallel.sp needs model.seq_len = {m.seq_len} divisible by parallel.tp*cp = {p.tp * p.cp} "
                 f"(each rank keeps a 1/tp slice of its sequence); change model.seq_len or set parallel.sp = false"
             )
-        # MoE with sp routes each rank's sequence slice: what needs whole sequences is refused
-        if p.sp and m.moe_experts and m.moe_capacity_factor > 0:
-            raise ConfigError("model.moe_capacity_factor > 0 (per-sequence capacity) with parallel.sp needs whole "
-                              "sequences on a rank; use moe_capacity_factor = 0 (dropless) or parallel.sp = false")
     if p.cp > 1:
         chunks = 2 * p.cp if (p.cp_mode != "ulysses" and p.cp_balance) else p.cp
         if m.seq_len % chunks:

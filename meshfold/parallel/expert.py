@@ -95,11 +95,30 @@ def tokens_in(tp: TensorParallelGroup, x, token, expert, weight) -> tuple:
     if not tp.sp:
         return tp.enter(x), token, expert, tp.grad_sum(weight)
     rows = x.shape[0]
-    # dropless (config refuses a capacity with sp): every rank's assignments are its rows' top-k
-    # in row order, so rank r's token ids are this rank's shifted by r * rows
+    # every rank's assignments are its rows' top-k in row order, so rank r's token ids are
+    # this rank's shifted by r * rows (a capacity's slots come in this order: sequence_capacity)
     shift = rows * torch.arange(tp.size, device=token.device, dtype=token.dtype)
     token = (token[None] + shift[:, None]).flatten()
     return tp.gather_tokens(x), token, tp.all_gather(expert, 0), tp.gather_tokens(weight)
+
+
+def sequence_capacity(tp: TensorParallelGroup):
+    """``MoE.sequence_capacity`` under sp: a capacity is per whole sequence (first choices
+    first, then by position), and each tp rank routed only its 1/tp slice of every sequence.
+    The chosen experts are all-gathered over tp along the sequence (int64), every tp rank
+    computes the whole sequences' slots exactly as one process does, and hands the
+    dispatcher its keep/slot per assignment in ``tokens_in``'s rank-major order; the rank
+    keeps its own assignments' keep for the balance statistics (summed over tp there)."""
+
+    def capacity(moe, idx: torch.Tensor, batch: int, seq: int) -> tuple:
+        k, n = idx.shape[-1], tp.size
+        whole = tp.all_gather(idx.reshape(batch, seq, k), 1)  # [batch, n * seq, k], in sequence order
+        keep, slot = moe.capacity_slots(whole.reshape(-1, k), batch, n * seq)
+        ranked = lambda t: t.view(batch, n, seq, k).transpose(0, 1).reshape(-1)  # noqa: E731
+        mine = keep.view(batch, n, seq, k)[:, tp.rank].reshape(-1, k)
+        return mine, (ranked(keep), ranked(slot), batch * moe.capacity(n * seq))
+
+    return capacity
 
 
 def tokens_out(tp: TensorParallelGroup, out: torch.Tensor) -> torch.Tensor:
@@ -503,6 +522,7 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
             if sp is not None:  # each tp rank routes its own tokens: the router's gradient is partial
                 moe.router_weight_hook = tp.grad_sum
                 moe.seq_shards, moe.reduce_seq_counts = tp.size, _seq_counts_reducer(tp)
+                moe.sequence_capacity = sequence_capacity(tp)
     if dims.parallel.ep == 1:
         if tp is not None:
             split_experts_over_tp(model, dims)

@@ -608,13 +608,16 @@ class CostModel:
                 # scatter and the shared expert's gather (its exit is not repeated).
                 # The sequence-wise balance loss sums its per-sequence counts (b x E, >= fp32) over
                 # tp, again when recomputed.
+                # Under a capacity the chosen experts are gathered once more, before dispatch, for
+                # the whole sequences' slots (``expert.sequence_capacity``), again when recomputed.
                 ids = 8 * tokens * m.moe_topk
                 stats = 8 * (m.moe_experts + 2)
                 seq_aux = (1 + recomputed) if m.moe_seq_aux_loss_coef > 0 else 0
-                tp_moe = (4 + 5 * shared + recomputed * (2 + 2 * shared) + seq_aux,
+                slots = (1 + recomputed) if m.moe_capacity_factor > 0 else 0
+                tp_moe = (4 + 5 * shared + recomputed * (2 + 2 * shared) + seq_aux + slots,
                           r_ar * ((2 - 2.5 + 2.5 * shared) * A + 0.5 * ids + gates + stats
                                   + recomputed * (0.5 * (ids + gates) + shared * A)
-                                  + seq_aux * b * m.moe_experts * max(4, act)),
+                                  + seq_aux * b * m.moe_experts * max(4, act) + slots * 0.5 * ids),
                           r_ar * m.moe_experts * h)
             pos = r_ar * s * h if (sp and m.pos == "learned") else 0.0
             tp_first = (2 + (1 if pos else 0), r_ar * A, pos) if sp else (1, r_ar * A, 0.0)
