@@ -318,6 +318,8 @@ def attention_tiles_per_rank(cp: int, ring: int) -> float:
 
 # --------------------------------------------------------------------------- the model
 
+# The expert all-to-all chunkings the layout search tries with ep > 1 (parallel.ep_overlap_chunks).
+EP_CHUNKS = (1, 2, 4)
 ENDLESS = 1e30  # ``step_bound``'s compute window: long enough to hide any traffic the model can hide
 
 
@@ -1317,12 +1319,15 @@ class CostModel:
         tkey = (tp, sp, cp, cp_mode, ep, b, ulysses)
         sums = self._bound_sums.get(tkey)
         if sums is None:
-            T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses)
-            kinds, counts = T["kinds"], self.kind_counts
-            sums = self._bound_sums[tkey] = (
-                sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"],
-                sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"],
-                sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"])
+            # with ep > 1 the least of every exchange chunking the search tries (EP_CHUNKS)
+            options = []
+            for chunks in (EP_CHUNKS if ep > 1 else (1,)):
+                T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses, chunks)
+                kinds, counts = T["kinds"], self.kind_counts
+                options.append((sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"],
+                                sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"],
+                                sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"]))
+            sums = self._bound_sums[tkey] = tuple(min(o[i] for o in options) for i in range(3))
         n_micro = w.global_batch // dp // b
         # the slowest stage is at least the average one, whatever the split or schedule
         t_f, t_b, P = sums[0] / pp, sums[1] / pp, sums[2] / pp  # P: the average stage's parameters

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
 from meshfold.planner.cluster import GiB, Cluster
-from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+from meshfold.planner.cost import EP_CHUNKS, CostModel, Estimate, Layout, Workload
 from meshfold.schedule import bubble_lower_bound, zbv_priced
 
 RECOMPUTE = ("none", "selective", "full")
@@ -38,8 +38,6 @@ def structures(w: Workload, world: int, max_tp: int = 0):
     valid for the model (config.validate's rules) and tile ``world`` devices and the batch."""
     m, s, G = w.model, w.s, w.global_batch
     kv = m.kv_heads
-    # MoE with sp routes sequence slices: a per-sequence capacity needs them whole
-    moe_needs_whole_sequences = m.moe_experts and m.moe_capacity_factor > 0
     for tp in _divisors(world):
         if m.n_heads % tp or (kv % tp and tp % kv) or (max_tp and tp > max_tp):
             continue
@@ -68,7 +66,7 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 eps = [1]
                 if m.moe_experts:
                     eps = [e for e in _divisors(m.moe_experts) if (dp * cp) % e == 0]
-                sps = [False] + ([True] if tp > 1 and s % tp == 0 and not moe_needs_whole_sequences else [])
+                sps = [False] + ([True] if tp > 1 and s % tp == 0 else [])
                 for dpr in _divisors(dp):
                     dps = dp // dpr
                     # (as parallel/config.py validates: with tp, ep x tp divides the experts)
@@ -97,29 +95,33 @@ def schedules(w: Workload, pp: int, n_micro: int, gpipe: bool = True) -> list[tu
 
 
 def variants(w: Workload, st: tuple, gpipe: bool = True):
-    """Every (zero, schedule, virtual stages) for one structure, as Layouts with
-    recompute left to the caller."""
-    for zero, sched, v in variant_specs(w, st, gpipe):
-        yield _layout(st, zero, sched, v)
+    """Every (zero, schedule, virtual stages, expert exchange chunks) for one structure, as
+    Layouts with recompute left to the caller."""
+    for spec in variant_specs(w, st, gpipe):
+        yield _layout(st, *spec)
 
 
 def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
-    """``variants``' (zero, schedule, virtual stages), in its order, without the Layouts."""
+    """``variants``' (zero, schedule, virtual stages, ep_overlap_chunks), in its order,
+    without the Layouts. With ep > 1 the expert all-to-all whole or pipelined behind the
+    experts in 2 or 4 chunks (``parallel.ep_overlap_chunks``)."""
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
     # (ep > 1: zero >= 2 shards the experts with FSDP over edp; zero 0/1 reduce them over edp,
     # ZeRO-1 shards their Adam state there: parallel/expert.py)
     scheds = schedules(w, pp, n_micro, gpipe)
+    chunks = EP_CHUNKS if ep > 1 else (1,)
     for zero in zeros:
         for sched, v in scheds:
-            yield zero, sched, v
+            for n in chunks:
+                yield zero, sched, v, n
 
 
-def _layout(st: tuple, zero: int, sched: str, v: int) -> Layout:
+def _layout(st: tuple, zero: int, sched: str, v: int, chunks: int = 1) -> Layout:
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     return Layout(dp_replicate=dpr, dp_shard=dps, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
-                  pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b)
+                  pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b, ep_overlap_chunks=chunks)
 
 
 def runtime_config(w: Workload, L: Layout):
@@ -197,10 +199,10 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         pp = st[0]
         n_micro, t_f, t_b, rest, _ = terms(st)
         specs = list(variant_specs(w, st, gpipe=False))
-        if best and cm.states_floor(_layout(st, 0, "1f1b", 1), {z for z, _, _ in specs}) > capacity:
+        if best and cm.states_floor(_layout(st, 0, "1f1b", 1), {spec[0] for spec in specs}) > capacity:
             continue  # no zero stage fits its model states: no variant fits
         sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
-        for j, (zero, sched, v) in enumerate(specs):
+        for j, (zero, sched, v, chunks) in enumerate(specs):
             if len(best) >= top:
                 vb = sched_bound.get((sched, v))
                 if vb is None:
@@ -208,7 +210,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
                                                                bubble(sched, v, pp, n_micro, t_f, t_b), rest)
                 if vb >= -best[0][0]:
                     continue
-            L = _layout(st, zero, sched, v)
+            L = _layout(st, zero, sched, v, chunks)
             if best and cm.memory_floor(L) > capacity:
                 continue  # its model states alone do not fit, whatever the recompute
             # then its exact stages, zero stage and traffic (cheaper than a memory check)
