@@ -255,9 +255,9 @@ class GroupedExperts(nn.Module):
             kernel = expert_kernel(x, self.kernel)
             groups = _Groups(counts, x.shape[0], kernel, align=max(1, GROUP_ALIGN_BYTES // x.element_size()))
         if getattr(groups, "dest", None) is not None:  # aligned groups: in and out of the padded layout once
-            x = x.new_zeros(groups.padded_rows, x.shape[1]).index_copy(0, groups.dest, x)
+            x = _ScatterRows.apply(x, groups.dest, groups.padded_rows)
             if gates is not None:
-                gates = gates.new_zeros(groups.padded_rows).index_copy(0, groups.dest, gates)
+                gates = _ScatterRows.apply(gates, groups.dest, groups.padded_rows)
             return self._run(x, w1, w2, groups, gates).index_select(0, groups.dest)
         return self._run(x, w1, w2, groups, gates)
 
@@ -273,6 +273,22 @@ class GroupedExperts(nn.Module):
         if h.shape[1] <= w2.shape[1]:  # the narrower side takes the [rows, width] product
             return grouped_linear(h * gates[:, None].to(h.dtype), w2, groups)
         return grouped_linear(h, w2, groups) * gates[:, None].to(h.dtype)
+
+
+class _ScatterRows(torch.autograd.Function):
+    """``zeros(rows, ...).index_copy(0, dest, x)`` (into the padded layout) keeping only ``dest``
+    for backward: autograd's own ``index_copy`` keeps the whole source alive until backward,
+    only to read its shape (a T k x dim copy of the expert input per MoE layer and micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x, dest, rows):
+        ctx.save_for_backward(dest)
+        return x.new_zeros((rows,) + tuple(x.shape[1:])).index_copy_(0, dest, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dest,) = ctx.saved_tensors
+        return grad.index_select(0, dest), None, None
 
 
 class _GatherRows(torch.autograd.Function):
