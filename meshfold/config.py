@@ -317,6 +317,15 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 def validate_train_layout(t: TrainConfig, p: ParallelConfig) -> None:
     """Trainer options that only some ZeRO stages and layouts support."""
+    if p.pp > 1 and p.pp_schedule == "zbv" and t.recompute in ("full", "op"):
+        # torch's checkpoint recomputes a block once per autograd pass that reaches it, and zbv
+        # runs the input-gradient pass and the weight-gradient pass(es) apart: every block
+        # would be recomputed (with its collectives) in each
+        raise ConfigError(
+            f"parallel.pp_schedule = zbv with train.recompute = {t.recompute} recomputes every block again "
+            "in the weight-gradient pass (the input- and weight-gradient passes are separate autograd "
+            "passes); use train.recompute = selective or none with zbv, or pp_schedule = interleaved"
+        )
     if t.offload == "params" and (p.zero < 2 or p.dp_shard * p.cp == 1):
         raise ConfigError(
             "train.offload = params uses FSDP2's CPU offload: it needs parallel.zero >= 2 and "

@@ -27,6 +27,8 @@ BAD = [
     (["parallel.zero=0", "parallel.dp_shard=2"], 2, ["parallel.zero = 0", "dp_shard"]),
     (["train.steps=\"ten\""], 1, ["train.steps", "wrong type"]),
     (["parallel.ep=2"], 2, ["parallel.ep", "moe_experts"]),
+    (["parallel.pp=2", "parallel.pp_schedule=\"zbv\"", "train.recompute=\"full\"", "model.n_layers=4"], 2,
+     ["pp_schedule = zbv", "train.recompute = selective"]),
     # per-sequence context parallel: checked with the layout, before the trainer starts
     (["data.balance=\"greedy\"", "data.seq_cp_max=2", "train.global_batch=8", "train.micro_batch=2"], 2,
      ["data.seq_cp_max = 2", "one micro-batch per rank"]),

@@ -26,9 +26,6 @@ SEED, CASES = 27, 56
 STATE_TOL, ACT_TOL, BYTES_TOL = 0.02, 0.10, 0.02
 
 # (case id, term): why the two sides still differ
-_ZBV_FULL = ("zbv with full recompute: B and W are two autograd passes, and torch's checkpoint "
-             "recomputes a block's forward in each, so the runtime issues its collectives twice in "
-             "backward; the planner prices one recomputation")
 _DDP_FULL = ("DDP's steady-state buckets under full recompute and MoE: gradients get ready in another "
              "order, one bucket fewer than the planner's count (bytes equal)")
 _MOE_SP = ("MoE blocks under sequence parallel keep 11-14 % more than the planner's MoE terms "
@@ -37,10 +34,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("moe-w16-tp2sp-pp1-cp2hybrid-ep1-dp1x4-z1-selective-gb16-s256", "activation_bytes"): _MOE_SP,
     ("moe-w4-tp2sp-pp1-cp1-ep2-dp1x2-z1-none-gb8-s512", "activation_bytes"): _MOE_SP,
     ("moe-w8-tp2sp-pp1-cp1-ep2-dp1x4-z3-none-gb8-s256", "activation_bytes"): _MOE_SP,
-    ("dense-w16-tp1-pp2zbv-cp2hybrid-ep1-dp2x2-z1-full-gb8-s256", "cp_count"): _ZBV_FULL,
-    ("dense-w16-tp1-pp2zbv-cp2hybrid-ep1-dp2x2-z1-full-gb8-s256", "cp_bytes"): _ZBV_FULL,
-    **{("moe-w32-tp2-pp2zbv-cp4hybrid-ep2-dp2x1-z0-full-gb8-s512", term): _ZBV_FULL
-       for term in ("cp_count", "cp_bytes", "dp_count", "ep_count", "ep_bytes", "tp_count", "tp_bytes")},
     ("moe-w2-tp1-pp1-cp1-ep1-dp1x2-z1-full-gb8-s256", "dp_count"): _DDP_FULL,
     ("moe-w4-tp1-pp1-cp2hybrid-ep1-dp1x2-z1-full-gb2-s256", "dp_count"): _DDP_FULL,
 }

@@ -132,6 +132,12 @@ def runtime_config(w: Workload, L: Layout):
     return Config(model=w.model, parallel=L.parallel_config(w.global_batch), train=t)
 
 
+def recomputes(schedule: str) -> tuple[str, ...]:
+    """The recompute choices a schedule runs with (``config.validate_train_layout``: zbv's
+    separate weight-gradient pass would recompute every block again under full)."""
+    return RECOMPUTE[:2] if schedule == "zbv" else RECOMPUTE
+
+
 def _with_recompute(L: Layout, r: str) -> Layout:
     return Layout(**{**L.__dict__, "recompute": r})
 
@@ -216,7 +222,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
             # then its exact stages, zero stage and traffic (cheaper than a memory check)
             if len(best) >= top and cm.step_bound(L) >= -best[0][0]:  # (no recompute: a bound
                 continue  # for every recompute)
-            for k, r in enumerate(RECOMPUTE):
+            for k, r in enumerate(recomputes(sched)):
                 Lr = L if k == 0 else _with_recompute(L, r)
                 if best:
                     if cm.peak_memory(Lr) > capacity:
@@ -247,7 +253,7 @@ def brute_force(w: Workload, cluster: Cluster) -> list[Estimate]:
     out = []
     for st in structures(w, cluster.world_size):
         for L in variants(w, st):
-            for r in RECOMPUTE:
+            for r in recomputes(L.pp_schedule if L.pp > 1 else "1f1b"):
                 out.append(cm.estimate(_with_recompute(L, r)))
     return out
 
