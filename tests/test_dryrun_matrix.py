@@ -28,12 +28,7 @@ STATE_TOL, ACT_TOL, BYTES_TOL = 0.02, 0.10, 0.02
 # (case id, term): why the two sides still differ
 _DDP_FULL = ("DDP's steady-state buckets under full recompute and MoE: gradients get ready in another "
              "order, one bucket fewer than the planner's count (bytes equal)")
-_MOE_SP = ("MoE blocks under sequence parallel keep 11-14 % more than the planner's MoE terms "
-           "(moe_activation_bytes) price; the terms are not itemized yet")
 KNOWN: dict[tuple[str, str], str] = {
-    ("moe-w16-tp2sp-pp1-cp2hybrid-ep1-dp1x4-z1-selective-gb16-s256", "activation_bytes"): _MOE_SP,
-    ("moe-w4-tp2sp-pp1-cp1-ep2-dp1x2-z1-none-gb8-s512", "activation_bytes"): _MOE_SP,
-    ("moe-w8-tp2sp-pp1-cp1-ep2-dp1x4-z3-none-gb8-s256", "activation_bytes"): _MOE_SP,
     ("moe-w2-tp1-pp1-cp1-ep1-dp1x2-z1-full-gb8-s256", "dp_count"): _DDP_FULL,
     ("moe-w4-tp1-pp1-cp2hybrid-ep1-dp1x2-z1-full-gb2-s256", "dp_count"): _DDP_FULL,
 }
