@@ -1211,6 +1211,9 @@ class CostModel:
                 expert_calls = reducer_buckets([e * pb for e, x in moe_sizes if x and apart])
             if tp == 1 and pp == 1 and L.ep == 1:  # torch DDP's buckets
                 sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
+                if sizes is None and (m.moe_experts or m.mla):
+                    every = moe_chunk_param_sizes(m, m.n_layers, True, True)
+                    sizes = None if every is None else [e for e, _ in every]
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
             elif L.pp_schedule != "zbv" and moe_sizes is None:
