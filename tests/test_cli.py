@@ -68,6 +68,19 @@ def test_calibrate_cost_fits_the_measured_times(capsys):
     assert sorted(set(fit["lengths"])) == [16, 32, 64]
 
 
+def test_cpu_peak_is_measured_once_per_process(monkeypatch):
+    # (the suite sets MESHFOLD_PEAK_TFLOPS to skip this probe in its many processes)
+    import torch
+
+    from meshfold.train import metrics
+
+    monkeypatch.delenv("MESHFOLD_PEAK_TFLOPS", raising=False)
+    monkeypatch.setattr(metrics, "_CPU_PEAK", None)
+    peak = metrics._cpu_peak_flops(rounds=2, round_s=0.02)
+    assert 1e8 < peak < 1e14  # a float32 matmul rate of this machine
+    assert metrics.device_peak_flops(torch.device("cpu")) == peak  # cached: not probed again
+
+
 def test_mfu_peak_by_exact_device_name_and_never_above_one(monkeypatch):
     """H100 PCIe is not an SXM (substring matching gave it 989 TF); an unknown GPU gives no
     MFU (one warning) unless train.peak_tflops names its peak; MFU is clamped to 1."""

@@ -246,8 +246,8 @@ class Trainer:
         if self.live is not None:  # over the replica groups that took part (raises to redo the step)
             loss_sum, global_tokens = self.live.reduce(loss_sum, global_tokens)
         self.last_grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
-        if self.capture_grads:
-            self.last_grads = self.full_state(grads=True)
+        if self.capture_grads and self.step + 1 >= self.cfg.train.steps:  # (the last step's only: a
+            self.last_grads = self.full_state(grads=True)  # gather of every gradient)
         if self.fault.update_allowed(self.last_grad_norm):  # non-finite grad norm: skip the update
             self.optimizer.step()
         self.step_metrics.update(moe_end_step(self.model))  # expert load, imbalance, dropped; bias update
