@@ -227,10 +227,10 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
             for k, r in enumerate(recomputes(sched)):
                 Lr = L if k == 0 else _with_recompute(L, r)
                 if best:
+                    if k > 0 and len(best) >= top and cm.step_bound(Lr) >= -best[0][0]:
+                        break  # neither this recompute nor a larger one can rank (k = 0: bounded above)
                     if cm.peak_memory(Lr) > capacity:
                         continue  # does not fit: priced only if nothing fits (the fallback's)
-                    if sched == "zbv" and len(best) >= top and cm.step_bound(Lr) >= -best[0][0]:
-                        break  # (before replaying zbv's order) the least recompute that fits cannot rank
                     t, fits = cm.step_time(Lr), True
                 else:
                     e = cm.estimate(Lr, detail=False)
