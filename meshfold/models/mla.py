@@ -10,8 +10,10 @@ and a decoupled RoPE part (``mla_rope_dim``):
     q        = [q_n ; RoPE(q_r)]
     out      = W_o softmax(q k^T * scale) v     scale = (nope + rope)^-1/2 * mscale^2 (yarn)
 
-What a kv cache or context parallel would move per token is ``c`` and ``k_r``
-(kv_rank + rope_dim values), not the expanded keys and values.
+What a kv cache or context parallel moves per token is ``latent`` = [RMSNorm(c) ; RoPE(k_r)]
+(kv_rank + rope_dim values), not the expanded keys and values: ``forward`` is split into
+``query``, ``latent``, ``expand`` (the latent -> per-head k, v) and ``attend``, so context
+parallel can override ``attend`` from outside (parallel/context.py).
 
 RoPE rotates adjacent feature pairs (as meshfold's ``apply_rotary`` does and as DeepSeek's
 own complex-number RoPE does), so DeepSeek weights import without a permutation. The norm
@@ -70,17 +72,37 @@ class MLAttention(nn.Module):
 
     def forward(self, x, rope, positions=None, doc_ids=None):
         b, s, _ = x.shape
+        out = self.attend(self.query(x, rope), self.latent(x, rope), positions, doc_ids)
+        return self.wo(out.reshape(b, s, -1))
+
+    def query(self, x, rope):
+        """[b, s, heads, nope + rope]: RoPE'd, carrying the model's share of the softmax scale."""
+        b, s, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], -1)
-        c, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], -1)
-        kv = self.wkv_b(self.kv_a_norm(c)).view(b, s, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
         cos, sin = rope
-        q_rope = self.rotary(q_rope, cos, sin)
-        k_rope = self.rotary(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
-        q = torch.cat([q_nope, q_rope], -1)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        k = torch.cat([k_nope, k_rope], -1)
-        out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
-        return self.wo(out.reshape(b, s, -1))
+        q = torch.cat([q_nope, self.rotary(q_rope, cos, sin)], -1)
+        return q * self.q_scale if self.q_scale != 1.0 else q
+
+    def latent(self, x, rope):
+        """The per-token kv, [b, s, kv_rank + rope]: [RMSNorm(c) ; RoPE(k_r)]."""
+        c, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], -1)
+        cos, sin = rope
+        c = self.kv_a_norm(c)
+        k_rope = self.rotary(k_rope.unsqueeze(2), cos, sin).squeeze(2)
+        return torch.cat([c, k_rope.to(c.dtype)], -1)
+
+    def expand(self, latent):
+        """latent -> per-head k [b, s, heads, nope + rope] and v [b, s, heads, v_dim]; the
+        only weight it uses is ``wkv_b``."""
+        b, s, _ = latent.shape
+        c, k_rope = latent.split([self.kv_rank, self.rope], -1)
+        kv = self.wkv_b(c).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k_rope = k_rope.to(k_nope.dtype).unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
+        return torch.cat([k_nope, k_rope], -1), v
+
+    def attend(self, q, latent, positions=None, doc_ids=None):
+        """Attention output [b, s, heads, v_dim] of q against the expanded latent."""
+        k, v = self.expand(latent)
+        return self.core(q, k, v, positions=positions, doc_ids=doc_ids)
