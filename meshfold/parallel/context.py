@@ -708,9 +708,13 @@ def _whole_sequence_attention(q, k, v, meta: torch.Tensor, use_doc: bool) -> tor
     cached [1, 2, b, S] positions and doc ids, is the same tensor in every layer)."""
     if use_doc:
         return document_attention(q, k, v, meta[0, 0], meta[0, 1], key=meta)
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # latent attention: v zero-padded to the q/k width so the fused (flash)
+        # kernels run (they want one width; exact: the output's extra columns are zeros)
+        v = F.pad(v, (0, q.shape[-1] - dv))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[..., :dv]
 
 
 def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParallelPlan:

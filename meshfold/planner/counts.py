@@ -219,6 +219,10 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     if amp:
         replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
             + (2 * s * b * h if dropout else 0)
+        if m.mla:  # the latent norms' fp32 input, 1/rms and norm-dtype output beside the bf16 copy
+            # counted above, and RoPE's fp32 cos/sin for q and for k_r (models/mla.py)
+            latents = m.mla_kv_rank + m.mla_q_rank
+            replicated += s * b * (6 * latents + 4 * (1 + (m.mla_q_rank > 0)) + 8 * m.mla_rope_dim)
     # Split over tp ranks: Q, K, V, attention output (input of the out-projection), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate, silu(gate), up,
     # product), and the attention output dropout mask.
