@@ -280,8 +280,8 @@ def test_training_without_document_masks(short_docs, tmp_path):
 
 
 def mla_cases(cases):
-    """A tiny float64 MLA model (q/k heads 8 + 4 wide, v heads 16: unequal) under cp on the
-    whole world, per (cp_mode, balance, doc_mask, cp_ulysses): loss and every gradient
+    """A tiny float64 MLA model (q/k heads 8 + 4 wide, v heads 8: narrower, as in DeepSeek)
+    under cp on the whole world, per (cp_mode, balance, doc_mask, cp_ulysses): loss and every gradient
     (summed over the cp ranks) against one process on the whole batch, as max abs errors;
     plus whether ring steps carried the latent (the ``attend`` override)."""
     import torch.distributed as dist
@@ -295,7 +295,7 @@ def mla_cases(cases):
     cp = dist.get_world_size()
     b, S = 2, 32
     mcfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=64, seq_len=S, mla_kv_rank=16,
-                       mla_q_rank=24, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=16)
+                       mla_q_rank=24, mla_rope_dim=4, mla_nope_dim=8, mla_v_dim=8)
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 64, (b, S), generator=gen)
     labels = torch.randint(0, 64, (b, S), generator=gen)
