@@ -429,7 +429,8 @@ class CostModel:
         cp_fwd = cp_sel = cp_sent = cp_sent_rec = cp_sent_sel = 0.0
         cp_calls = cp_calls_rec = cp_calls_sel = 0
         if cp > 1 and u > 1:
-            q_size, o_size = (act * tokens * m.n_heads / tp * w for w in (qk_w, v_w))  # q, the attention output
+            q_size, o_size = ((act * tokens * m.n_heads / tp * w for w in (qk_w, v_w)) if m.mla
+                              else (act * tokens * h / tp,) * 2)  # q and the attention output
             k_size, v_size = (act * tokens * kv_heads * w for w in (qk_w, v_w))  # k, v (GQA: fewer heads)
             cp_fwd = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, o_size, k_size, v_size)) + 4 * call
             cp_sent = 2 * RING["all_to_all"](u) * (q_size + o_size + k_size + v_size)  # forward and backward
@@ -462,7 +463,7 @@ class CostModel:
             # Ulysses: the output projection keeps the output's all-to-all result besides the
             # core's own output (other layouts: one tensor); kv heads repeated up to u are kept
             # so by the core (unless selective recompute reruns it)
-            extra = act * tokens * m.n_heads / tp * v_w
+            extra = act * tokens * (m.n_heads * v_w if m.mla else h) / tp
             if m.mla and recompute == "none":  # v and the output padded to the q/k width (context.py)
                 extra += 2 * act * tokens * m.n_heads / tp * (qk_w - v_w)
             if recompute == "none" and kv_local % u:
