@@ -15,6 +15,9 @@ is replaced by ``ContextParallelAttention``:
   heads are split when the degree divides them and repeated when they divide it.
 * hybrid (LightSeq / USP style): cp = ulysses x ring. Ulysses inside groups of adjacent
   ranks (the cheap links), ring across the groups.
+* latent attention (``models/mla.py``): on a pure ring the per-token latent (kv_rank + rope
+  values) travels instead of the expanded keys and values, each step expanding it locally
+  (``_latent_ring_attend``); Ulysses and hybrid move the expanded heads.
 
 Causal load balance: with a contiguous split ring member i's queries see i+1 of the R
 blocks, so the last rank does ~2x the mean work. With ``cp_balance`` the sequence is cut
@@ -446,11 +449,12 @@ class _LatentPayload:
         return dcur.to(k.dtype), None
 
 
-
 class _RingAttention(torch.autograd.Function):
     """Exact attention of this rank's queries over every ring member's keys/values.
 
-    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens). Each (query tile, key tile)
+    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens), or, for latent attention, k
+    the latent [b, s, r] and v None; ``payload`` says what travels and how it becomes the
+    step's keys and values (``_HeadsPayload``, ``_LatentPayload``). Each (query tile, key tile)
     pair runs a fused kernel that returns its log-sum-exp (``models/attention_ops``); the
     blocks are merged by log-sum-exp in float32 (float64 for float64 inputs). Keys/values
     travel in their own (compute) dtype; the next block's exchange is posted before the
@@ -684,7 +688,8 @@ class ContextParallelAttention(nn.Module):
         if expand is not None:
             if u > 1:
                 raise ValueError("a latent (expand) travels on the ring only; expand it before a Ulysses all-to-all")
-            return ring_attention(q, k, None, meta, doc_ids is not None, plan, self.cache.ring_layout(doc_ids is not None),
+            use_doc = doc_ids is not None
+            return ring_attention(q, k, None, meta, use_doc, plan, self.cache.ring_layout(use_doc),
                                   expand=expand, params=params)
         if u > 1:
             heads, kv = q.shape[2], k.shape[2]
