@@ -128,7 +128,7 @@ def test_mla_layouts_not_yet_supported_are_refused():
     m = dict(dataclasses.asdict(preset("deepseek-v2-lite", n_layers=2, dim=64, n_heads=4, n_kv_heads=4, vocab_size=320,
                                        moe_experts=4, moe_topk=2, moe_ffn_dim=16, seq_len=16)))
     with pytest.raises(ConfigError, match="multi-head latent attention"):
-        validate(from_dict(tiny_config("/tmp/x", model=m, parallel={"cp": 2})), 2)
+        validate(from_dict(tiny_config("/tmp/x", model=m, parallel={"tp": 2, "cp": 2, "dp_shard": 1})), 4)
     with pytest.raises(ConfigError, match="moe_seq_aux_loss_coef"):
         validate(from_dict(tiny_config("/tmp/x", model={**m, "mla_kv_rank": 0, "moe_seq_aux_loss_coef": 1e-3},
                                        parallel={"cp": 2})), 2)

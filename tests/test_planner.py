@@ -430,7 +430,7 @@ def test_every_searched_layout_is_runnable(case):
     """The search space is inside what ``meshfold train`` accepts: every layout passes
     ``config.validate`` for its device count."""
     from meshfold.config import validate
-    from meshfold.planner.search import runtime_config, structures, variants
+    from meshfold.planner.search import recomputes, runtime_config, structures, variants
 
     if case == "dense":
         m = ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=1024, seq_len=256)
@@ -440,7 +440,7 @@ def test_every_searched_layout_is_runnable(case):
     n = megatron = 0
     for st in structures(w, 8):
         for lay in variants(w, st):
-            for r in RECOMPUTE:
+            for r in recomputes(lay.pp_schedule if lay.pp > 1 else "1f1b"):
                 try:
                     validate(runtime_config(w, Layout(**{**lay.__dict__, "recompute": r})), 8)
                 except ConfigError as err:

@@ -61,8 +61,19 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
 def attention_forward(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float, kernel: str = "auto"):
-    """(out in q.dtype, lse, aux for the backward) of one block."""
+    """(out in q.dtype, lse, aux for the backward) of one block. The fused kernels want one
+    head width for q, k and v: a narrower v (latent attention's) is zero-padded to it and
+    the output's extra columns (zeros) dropped, which is exact."""
+    if v.shape[-1] != q.shape[-1]:
+        width = max(q.shape[-1], v.shape[-1])
+        out, lse, aux = attention_forward(_pad_last(q, width), _pad_last(k, width), _pad_last(v, width),
+                                          causal=causal, mask=mask, scale=scale, kernel=kernel)
+        return out[..., :v.shape[-1]], lse, aux
     kind = pick_kernel(q, mask is not None, kernel)
     aux = (kind,)
     if kind == "cpu_flash":
@@ -87,7 +98,15 @@ def attention_forward(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale
 
 
 def attention_backward(dout, q, k, v, out, lse, aux, *, causal: bool, mask: torch.Tensor | None, scale: float):
-    """(dq, dk, dv) of one block, given the *final* out (q.dtype) and lse (finite) of its rows."""
+    """(dq, dk, dv) of one block, given the *final* out (q.dtype) and lse (finite) of its rows.
+    Unequal head widths padded as in ``attention_forward`` (zero columns of out and dout add
+    nothing to rowsum(dout * out))."""
+    if v.shape[-1] != q.shape[-1]:
+        width, dq_w, dv_w = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        dq, dk, dv = attention_backward(_pad_last(dout, width), _pad_last(q, width), _pad_last(k, width),
+                                        _pad_last(v, width), _pad_last(out, width), lse, aux, causal=causal,
+                                        mask=mask, scale=scale)
+        return dq[..., :dq_w], dk[..., :dq_w], dv[..., :dv_w]
     kind = aux[0]
     if kind == "cpu_flash":
         bias = None if mask is None else _additive(mask, q.dtype)

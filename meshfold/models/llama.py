@@ -127,6 +127,13 @@ class CoreAttention(nn.Module):
         self.document_tile = None if dense else DOCUMENT_TILE
 
     def forward(self, q, k, v, positions=None, doc_ids=None):
+        width = v.shape[-1]
+        if width != q.shape[-1]:  # (latent attention: v narrower than q/k)
+            # zero-padded to the q/k width and the output cut back: PyTorch's fused flash
+            # kernels (CPU and CUDA) take one head width, and the fallback keeps the s x s
+            # scores in fp32; as Hugging Face pads v for FlashAttention-2
+            v = F.pad(v, (0, q.shape[-1] - width))
+            return self.forward(q, k, v, positions, doc_ids)[..., :width]
         if doc_ids is not None and not self.dense:
             return document_attention(q, k, v, positions, doc_ids, self.document_tile)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

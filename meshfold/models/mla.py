@@ -10,8 +10,10 @@ and a decoupled RoPE part (``mla_rope_dim``):
     q        = [q_n ; RoPE(q_r)]
     out      = W_o softmax(q k^T * scale) v     scale = (nope + rope)^-1/2 * mscale^2 (yarn)
 
-What a kv cache or context parallel would move per token is ``c`` and ``k_r``
-(kv_rank + rope_dim values), not the expanded keys and values.
+What a kv cache or context parallel moves per token is ``latent`` = [RMSNorm(c) ; RoPE(k_r)]
+(kv_rank + rope_dim values), not the expanded keys and values: ``forward`` is split into
+``query``, ``latent``, ``expand`` (the latent -> per-head k, v) and ``attend``, so context
+parallel can override ``attend`` from outside (parallel/context.py).
 
 RoPE rotates adjacent feature pairs (as meshfold's ``apply_rotary`` does and as DeepSeek's
 own complex-number RoPE does), so DeepSeek weights import without a permutation. The norm
@@ -27,7 +29,6 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.config import ModelConfig
@@ -71,29 +72,49 @@ class MLAttention(nn.Module):
 
     def forward(self, x, rope, positions=None, doc_ids=None):
         b, s, _ = x.shape
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
-        q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], -1)
-        c, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], -1)
-        kv = self.wkv_b(self.kv_a_norm(c)).view(b, s, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
-        cos, sin = rope
-        q_rope = self.rotary(q_rope, cos, sin)
-        k_rope = self.rotary(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
-        q = torch.cat([q_nope, q_rope], -1)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        k = torch.cat([k_nope, k_rope], -1)
-        out = attend_padded(self.core, q, k, v, positions, doc_ids)
+        out = self.attend(self.query(x, rope), self.latent(x, rope), positions, doc_ids)
         return self.wo(out.reshape(b, s, -1))
 
+    def query(self, x, rope):
+        """[b, s, heads, nope + rope]: RoPE'd, carrying the model's share of the softmax scale."""
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        return self.rope_query(q, rope)
 
-def attend_padded(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions, doc_ids):
-    """``core(q, k, v)`` with v zero-padded to the q/k head width and the output cut back:
-    the fused flash kernels take one head width for q, k and v (PyTorch's CPU and CUDA flash
-    both refuse v narrower than q/k, and the fallback materializes the s x s scores in fp32),
-    as Hugging Face pads for FlashAttention-2."""
-    width = v.shape[-1]
-    if width == q.shape[-1]:
-        return core(q, k, v, positions=positions, doc_ids=doc_ids)
-    v = F.pad(v, (0, q.shape[-1] - width))
-    return core(q, k, v, positions=positions, doc_ids=doc_ids)[..., :width]
+    def rope_query(self, q, rope):
+        """The projected q [b, s, heads x (nope + rope)] as [b, s, heads, nope + rope]: its RoPE
+        part rotated, times the model's share of the softmax scale."""
+        b, s, _ = q.shape
+        q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], -1)
+        cos, sin = rope
+        q = torch.cat([q_nope, self.rotary(q_rope, cos, sin)], -1)
+        return q * self.q_scale if self.q_scale != 1.0 else q
+
+    def latent(self, x, rope):
+        """The per-token kv, [b, s, kv_rank + rope]: [RMSNorm(c) ; RoPE(k_r)]."""
+        c, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], -1)
+        return self.rope_latent(self.kv_a_norm(c), k_rope, rope)
+
+    def rope_latent(self, c, k_rope, rope):
+        """[c ; RoPE(k_r)] from the normed compressed kv and the unrotated RoPE key."""
+        cos, sin = rope
+        k_rope = self.rotary(k_rope.unsqueeze(2), cos, sin).squeeze(2)
+        return torch.cat([c, k_rope.to(c.dtype)], -1)
+
+    def expand(self, latent):
+        """latent -> per-head k [b, s, heads, nope + rope] and v [b, s, heads, v_dim]; the
+        only weight it uses is ``wkv_b``."""
+        b, s, _ = latent.shape
+        c, k_rope = latent.split([self.kv_rank, self.rope], -1)
+        kv = self.up_kv(c).view(b, s, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k_rope = k_rope.to(k_nope.dtype).unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
+        return torch.cat([k_nope, k_rope], -1), v
+
+    def up_kv(self, c):
+        """wkv_b: the normed compressed kv -> every head's [k_nope ; v]."""
+        return self.wkv_b(c)
+
+    def attend(self, q, latent, positions=None, doc_ids=None):
+        """Attention output [b, s, heads, v_dim] of q against the expanded latent."""
+        k, v = self.expand(latent)
+        return self.core(q, k, v, positions=positions, doc_ids=doc_ids)  # (v narrower: the core pads it)

@@ -24,9 +24,9 @@ def validate(cfg: Config) -> None:
     if m.moe_experts and m.moe_seq_aux_loss_coef > 0 and p.cp > 1:
         raise ConfigError("model.moe_seq_aux_loss_coef > 0 (sequence-wise balance loss) needs whole sequences on a "
                           "rank; use parallel.cp = 1 or moe_seq_aux_loss_coef = 0")
-    if m.mla and p.cp > 1:
-        raise ConfigError("model.mla_kv_rank > 0 (multi-head latent attention) is not supported with "
-                          "parallel.cp > 1 yet; use data, tensor, pipeline and expert parallel")
+    if m.mla and p.tp > 1 and p.cp > 1:
+        raise ConfigError("model.mla_kv_rank > 0 (multi-head latent attention) runs under parallel.tp > 1 or "
+                          "parallel.cp > 1, not both yet; use one of them (with data, pipeline and expert parallel)")
     # Tensor parallel: heads split across tp ranks.
     if p.tp > 1:
         if p.tp > m.n_heads:
@@ -124,8 +124,10 @@ def check_expert_data_parallel(cfg: Config) -> None:
 
 def local_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
     """(query heads, key/value heads) one tensor-parallel rank holds: kv heads are split
-    when tp divides them and replicated (one per rank) when they divide tp."""
-    kv = model.kv_heads // tp if model.kv_heads % tp == 0 else 1
+    when tp divides them and replicated (one per rank) when they divide tp. Latent attention
+    expands its latent into a key and a value per query head."""
+    kv_heads = model.n_heads if model.mla else model.kv_heads
+    kv = kv_heads // tp if kv_heads % tp == 0 else 1
     return model.n_heads // tp, kv
 
 

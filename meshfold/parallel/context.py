@@ -15,6 +15,9 @@ is replaced by ``ContextParallelAttention``:
   heads are split when the degree divides them and repeated when they divide it.
 * hybrid (LightSeq / USP style): cp = ulysses x ring. Ulysses inside groups of adjacent
   ranks (the cheap links), ring across the groups.
+* latent attention (``models/mla.py``): on a pure ring the per-token latent (kv_rank + rope
+  values) travels instead of the expanded keys and values, each step expanding it locally
+  (``_latent_ring_attend``); Ulysses and hybrid move the expanded heads.
 
 Causal load balance: with a contiguous split ring member i's queries see i+1 of the R
 blocks, so the last rank does ~2x the mean work. With ``cp_balance`` the sequence is cut
@@ -33,6 +36,7 @@ carry a (tile x tile) mask. The kernels are the fused ones that return the log-s
 from __future__ import annotations
 
 import math
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -46,6 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from meshfold.comm import all_gather_into_tensor, all_to_all_single, exchange, wait_all
 from meshfold.errors import ConfigError
 from meshfold.models.attention_ops import attention_backward, attention_forward, document_attention, pick_kernel
+from meshfold.models.mla import MLAttention
 from meshfold.models.moe import has_values
 from meshfold.parallel.config import ulysses_degree
 
@@ -355,10 +360,101 @@ def _reduce_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- ring attention
 
 
+class _HeadsPayload:
+    """What travels on the ring for ordinary attention: the k and v heads, [2, b, hkv, s, d]
+    stacked (one message) when their widths match, else [b, hkv, s, dk + dv] side by side
+    (latent attention expanded before a Ulysses all-to-all: k is nope + rope wide, v not)."""
+
+    params: tuple = ()
+
+    def __init__(self, k, v, heads: int):
+        self.dk, self.dv = k.shape[-1], v.shape[-1]
+        self.groups = heads // k.shape[2]
+        self.stacked = self.dk == self.dv
+
+    def pack(self, k, v):
+        if self.stacked:
+            return torch.stack([k, v]).transpose(2, 3).contiguous()
+        return torch.cat([k, v], -1).transpose(1, 2).contiguous()
+
+    def unpack(self, cur):
+        k, v = (cur[0], cur[1]) if self.stacked else (x.contiguous() for x in cur.split([self.dk, self.dv], -1))
+        return _expand(k, self.groups), _expand(v, self.groups)
+
+    def open(self, cur):
+        """Backward: (k, v) for the block kernels and the step's gradient accumulator."""
+        kx, vx = self.unpack(cur)
+        acc = torch.promote_types(cur.dtype, torch.float32)
+        return kx, vx, torch.zeros(cur.shape, dtype=acc, device=cur.device)
+
+    def add(self, state, ks, dk, dv):
+        if self.stacked:
+            state[0][:, :, ks] += _reduce_groups(dk, self.groups)
+            state[1][:, :, ks] += _reduce_groups(dv, self.groups)
+        else:
+            state[:, :, ks, :self.dk] += _reduce_groups(dk, self.groups)
+            state[:, :, ks, self.dk:] += _reduce_groups(dv, self.groups)
+
+    def close(self, state, param_grads):
+        return state  # already the payload's gradient
+
+    def grads(self, dcur, k, v):
+        dk, dv = (dcur[0], dcur[1]) if self.stacked else dcur.split([self.dk, self.dv], -1)
+        return dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+class _LatentPayload:
+    """What travels on the ring for latent attention (``models/mla.py``): the per-token
+    latent [b, s, kv_rank + rope] (the normed compressed kv and the RoPE'd shared key),
+    expanded into per-head k and v by ``expand`` at every ring step, forward and backward.
+    Its gradient travels back the same way; ``expand``'s parameters (``wkv_b``) get theirs
+    locally, through autograd of the re-run expansion, under the forward's autocast."""
+
+    def __init__(self, expand, params: tuple, device_type: str):
+        self.expand, self.params = expand, params
+        self.device_type = device_type
+        self.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        self.leaf = self.kx = self.vx = None
+
+    def pack(self, latent, _):
+        return latent.contiguous()
+
+    def unpack(self, cur):
+        k, v = self.expand(cur)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def open(self, cur):
+        enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled):
+            self.leaf = cur.detach().requires_grad_()
+            self.kx, self.vx = self.unpack(self.leaf)
+        acc = torch.promote_types(self.kx.dtype, torch.float32)
+        state = [torch.zeros(x.shape, dtype=acc, device=cur.device) for x in (self.kx, self.vx)]
+        return self.kx.detach(), self.vx.detach(), state
+
+    def add(self, state, ks, dk, dv):
+        state[0][:, :, ks] += dk
+        state[1][:, :, ks] += dv
+
+    def close(self, state, param_grads):
+        got = torch.autograd.grad((self.kx, self.vx), (self.leaf, *self.params),
+                                  (state[0].to(self.kx.dtype), state[1].to(self.vx.dtype)), allow_unused=True)
+        for i, g in enumerate(got[1:]):
+            if g is not None:
+                param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+        self.leaf = self.kx = self.vx = None
+        return got[0].to(torch.promote_types(got[0].dtype, torch.float32))
+
+    def grads(self, dcur, k, v):
+        return dcur.to(k.dtype), None
+
+
 class _RingAttention(torch.autograd.Function):
     """Exact attention of this rank's queries over every ring member's keys/values.
 
-    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens). Each (query tile, key tile)
+    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens), or, for latent attention, k
+    the latent [b, s, r] and v None; ``payload`` says what travels and how it becomes the
+    step's keys and values (``_HeadsPayload``, ``_LatentPayload``). Each (query tile, key tile)
     pair runs a fused kernel that returns its log-sum-exp (``models/attention_ops``); the
     blocks are merged by log-sum-exp in float32 (float64 for float64 inputs). Keys/values
     travel in their own (compute) dtype; the next block's exchange is posted before the
@@ -370,14 +466,13 @@ class _RingAttention(torch.autograd.Function):
     posts the matching receives from its previous neighbour in the same order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan):
+    def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan, payload, *params):
         b, s, heads, d = q.shape
-        groups = heads // k.shape[2]
         acc = torch.promote_types(q.dtype, torch.float32)
         scale = 1.0 / math.sqrt(d)
         qt = q.transpose(1, 2)
-        cur = torch.stack([k, v]).transpose(2, 3).contiguous()  # [2, b, hkv, s, d], compute dtype
-        out = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
+        cur = payload.pack(k, v)  # what travels, in the compute dtype
+        out = None  # [b, heads, s, dv] once v's width is known
         lse = torch.full((b, heads, s), float("-inf"), dtype=acc, device=q.device)
         R = layout.R
         nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
@@ -387,7 +482,9 @@ class _RingAttention(torch.autograd.Function):
             if t < R - 1:  # the next block travels while this one is computed
                 nxt = torch.empty_like(cur)
                 works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
-            kx, vx = _expand(cur[0], groups), _expand(cur[1], groups)
+            kx, vx = payload.unpack(cur)
+            if out is None:
+                out = torch.zeros(b, heads, s, vx.shape[-1], dtype=acc, device=q.device)
             for i, j, code, first in layout.steps[t]:
                 qs, ks = layout.rows(i), layout.rows(j)
                 mask = layout.mask(t, i, j) if code == _PARTIAL else None
@@ -403,7 +500,7 @@ class _RingAttention(torch.autograd.Function):
         # saves too (a view), so the block keeps one copy of it, not an fp32 one besides.
         result = out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.layout, ctx.plan, ctx.auxes = layout, plan, auxes
+        ctx.layout, ctx.plan, ctx.auxes, ctx.payload = layout, plan, auxes, payload
         return result
 
     @staticmethod
@@ -412,13 +509,14 @@ class _RingAttention(torch.autograd.Function):
         layout: RingLayout = ctx.layout
         plan: ContextParallelPlan = ctx.plan
         b, s, heads, d = q.shape
-        groups = heads // k.shape[2]
+        payload = ctx.payload
+        param_grads = [None] * len(payload.params)
         acc = lse.dtype
         scale = 1.0 / math.sqrt(d)
         qt, dout = q.transpose(1, 2), grad_out.to(q.dtype).transpose(1, 2)
         out_k, lse_k = out.transpose(1, 2), _finite(lse)  # the final rows: P = exp(S - lse_final)
         dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
-        cur = torch.stack([k, v]).transpose(2, 3).contiguous()
+        cur = payload.pack(k, v)
         R = layout.R
         nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
         incoming, acc_works, dkv = None, [], None
@@ -430,8 +528,7 @@ class _RingAttention(torch.autograd.Function):
             if t < R - 1:
                 nxt = torch.empty_like(cur)
                 works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
-            kx, vx = _expand(cur[0], groups), _expand(cur[1], groups)
-            dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)
+            kx, vx, state = payload.open(cur)
             for i, j, code, _ in layout.steps[t]:
                 qs, ks = layout.rows(i), layout.rows(j)
                 mask = layout.mask(t, i, j) if code == _PARTIAL else None
@@ -442,8 +539,8 @@ class _RingAttention(torch.autograd.Function):
                                                       out_k[:, :, qs], lse_k[:, :, qs], aux, causal=code == _CAUSAL,
                                                       mask=mask, scale=scale)
                 dq[:, :, qs] += dq_t
-                dkv[0][:, :, ks] += _reduce_groups(dk_t, groups)
-                dkv[1][:, :, ks] += _reduce_groups(dv_t, groups)
+                payload.add(state, ks, dk_t, dv_t)
+            dkv = payload.close(state, param_grads)  # this step's gradient of what travels
             if R > 1:
                 wait_all(acc_works)
                 if incoming is not None:
@@ -456,20 +553,24 @@ class _RingAttention(torch.autograd.Function):
         if R > 1:
             wait_all(acc_works)
             dkv = incoming
-        dk, dv = (x.transpose(1, 2).to(k.dtype) for x in dkv)
-        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None
+        dk, dv = payload.grads(dkv, k, v)
+        return (dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, *param_grads)
 
 
 def ring_attention(q, k, v, meta: torch.Tensor, use_doc: bool, plan: ContextParallelPlan,
-                   layout: RingLayout | None = None) -> torch.Tensor:
+                   layout: RingLayout | None = None, expand=None, params: tuple = ()) -> torch.Tensor:
     """Ring attention of the local q/k/v [b, s, heads, d] over the ring of ``plan``; ``meta``
-    [R, 2, b, s] holds every member's (positions, doc ids)."""
+    [R, 2, b, s] holds every member's (positions, doc ids). With ``expand``, ``k`` is a
+    latent [b, s, r] (``v`` None) that travels instead and ``expand(latent) -> (k, v)``
+    (using ``params``) makes each step's keys and values."""
     if layout is None:
         layout = RingLayout(meta, use_doc, plan.ring_rank, plan.tile or meta.shape[-1])
     if plan.count_work:
         plan.work.add(layout)
     plan.device = q.device
-    return _RingAttention.apply(q, k, v, layout, plan)
+    if expand is None:
+        return _RingAttention.apply(q, k, v, layout, plan, _HeadsPayload(k, v, q.shape[2]))
+    return _RingAttention.apply(q, k, None, layout, plan, _LatentPayload(expand, params, q.device.type), *params)
 
 
 # --------------------------------------------------------------------------- Ulysses all-to-all
@@ -571,7 +672,8 @@ class ContextParallelAttention(nn.Module):
             self._positions = torch.arange(seq, device=device).expand(bsz, -1)
         return self._positions
 
-    def forward(self, q, k, v, positions=None, doc_ids=None):
+    def forward(self, q, k, v, positions=None, doc_ids=None, expand=None, params: tuple = ()):
+        """``expand`` (ring only): ``k`` is latent attention's latent, ``v`` None (``ring_attention``)."""
         if positions is None and self.plan.cp == 1:  # one rank holds the whole sequence
             positions = self._arange(q.shape[0], q.shape[1], q.device)
         if positions is None:
@@ -583,6 +685,12 @@ class ContextParallelAttention(nn.Module):
         if plan.tile == 0:  # the balanced chunk S/(2cp); at least 4 tiles per sequence side
             plan.tile = max(1, meta.shape[-1] * plan.ring // (2 * max(plan.cp, 4)))
         u = plan.ulysses
+        if expand is not None:
+            if u > 1:
+                raise ValueError("a latent (expand) travels on the ring only; expand it before a Ulysses all-to-all")
+            use_doc = doc_ids is not None
+            return ring_attention(q, k, None, meta, use_doc, plan, self.cache.ring_layout(use_doc),
+                                  expand=expand, params=params)
         if u > 1:
             heads, kv = q.shape[2], k.shape[2]
             if heads % u or (kv % u and u % kv):
@@ -605,9 +713,13 @@ def _whole_sequence_attention(q, k, v, meta: torch.Tensor, use_doc: bool) -> tor
     cached [1, 2, b, S] positions and doc ids, is the same tensor in every layer)."""
     if use_doc:
         return document_attention(q, k, v, meta[0, 0], meta[0, 1], key=meta)
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # latent attention: v zero-padded to the q/k width so the fused (flash)
+        # kernels run (they want one width; exact: the output's extra columns are zeros)
+        v = F.pad(v, (0, q.shape[-1] - dv))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[..., :dv]
 
 
 def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParallelPlan:
@@ -616,7 +728,20 @@ def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParall
     cache = _MetaCache(plan)
     for block in model.layers.values():
         block.attention.core = ContextParallelAttention(plan, cache)
+        if isinstance(block.attention, MLAttention) and plan.ulysses == 1:
+            block.attention.attend = types.MethodType(_latent_ring_attend, block.attention)
     return plan
+
+
+def _latent_ring_attend(self: MLAttention, q, latent, positions=None, doc_ids=None):
+    """``MLAttention.attend`` under ring cp: the latent (kv_rank + rope values per token, in
+    the compute dtype, which is all ``wkv_b`` reads of it) travels on the ring instead of
+    the expanded keys and values; each step expands it (``expand``, ``wkv_b``) locally.
+    Through the core module, so selective recompute still wraps it."""
+    if torch.is_autocast_enabled(latent.device.type):
+        latent = latent.to(torch.get_autocast_dtype(latent.device.type))
+    return self.core(q, latent, None, positions=positions, doc_ids=doc_ids, expand=self.expand,
+                     params=tuple(self.wkv_b.parameters()))
 
 
 def context_step_metrics(model: nn.Module) -> dict:

@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshfold import comm
 from meshfold.mesh import ParallelDims
 from meshfold.models.llama import Attention, FeedForward, RMSNorm, Transformer
-from meshfold.models.mla import MLAttention, attend_padded
+from meshfold.models.mla import MLAttention
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -400,19 +400,12 @@ class TensorParallelMLAttention(MLAttention):
             q = F.linear(parts[0], local(self.wq_b.weight))
         else:  # a full-rank q projection: a column-parallel linear of the block input
             (q,) = column_linears(tp, x, [local(self.wq.weight)], [None])
-        c, k_rope = parts[-2:]
-        b, s = q.shape[:2]
-        q_nope, q_rope = q.view(b, s, -1, self.nope + self.rope).split([self.nope, self.rope], -1)
-        kv = F.linear(c, local(self.wkv_b.weight)).view(b, s, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
-        cos, sin = rope
-        q_rope = self.rotary(q_rope, cos, sin)
-        k_rope = self.rotary(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
-        q = torch.cat([q_nope, q_rope], -1)
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        out = attend_padded(self.core, q, torch.cat([k_nope, k_rope], -1), v, positions, doc_ids)
-        return tp.leave(F.linear(out.reshape(b, s, -1), local(self.wo.weight)))
+        # RoPE on the whole sequence, after the gather (rope covers it)
+        out = self.attend(self.rope_query(q, rope), self.rope_latent(*parts[-2:], rope), positions, doc_ids)
+        return tp.leave(F.linear(out.flatten(2), local(self.wo.weight)))
+
+    def up_kv(self, c):  # this rank's rows of wkv_b: its heads
+        return F.linear(c, local(self.wkv_b.weight))
 
 
 class TensorParallelFeedForward(FeedForward):

@@ -385,7 +385,7 @@ class CostModel:
         attn_p = attention_params(m)
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         # QK^T and AV for this device's queries (latent attention: q/k heads nope + rope wide,
-        # v zero-padded to them for the fused kernel, models/mla.py ``attend_padded``)
+        # v zero-padded to them for the fused kernel, models/llama.py ``CoreAttention``)
         width = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim) if m.mla else h
         attn_core = 4 * tokens * s * width / tp * self.causal
         amp = w.dtype == "bf16-amp"
@@ -432,21 +432,33 @@ class CostModel:
         R = cp // u
         kv_local = m.kv_heads // min(tp, m.kv_heads)  # kv heads per tp rank
         kv_heads = u if (u > 1 and kv_local % u) else kv_local
+        # head widths of q/k and of v/out (latent attention: nope + rope and v_dim; its latent
+        # expands into a k and a v per query head)
+        qk_w, v_w = (m.mla_nope_dim + m.mla_rope_dim, m.mla_v_dim) if m.mla else (m.head_dim, m.head_dim)
+        if m.mla:
+            kv_local = kv_heads = m.n_heads // tp
         cp_fwd = cp_sel = cp_sent = cp_sent_rec = cp_sent_sel = 0.0
         cp_calls = cp_calls_rec = cp_calls_sel = 0
         if cp > 1 and u > 1:
-            size = act * tokens * h / tp  # q and the attention output
-            kv_size = act * tokens * kv_heads * m.head_dim  # k and v (GQA: fewer heads)
-            cp_fwd = (2 * self.ct("all_to_all", size, u, tp) + 2 * self.ct("all_to_all", kv_size, u, tp)
-                      + 4 * call)
-            cp_sent = 4 * RING["all_to_all"](u) * (size + kv_size)  # q, k, v, out: forward and backward
+            q_size, o_size = ((act * tokens * m.n_heads / tp * w for w in (qk_w, v_w)) if m.mla
+                              else (act * tokens * h / tp,) * 2)  # q and the attention output
+            k_size, v_size = (act * tokens * kv_heads * w for w in (qk_w, v_w))  # k, v (GQA: fewer heads)
+            cp_fwd = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, o_size, k_size, v_size)) + 4 * call
+            cp_sent = 2 * RING["all_to_all"](u) * (q_size + o_size + k_size + v_size)  # forward and backward
             cp_sent_rec, cp_calls, cp_calls_rec = cp_sent / 2, 8, 4
             # selective recompute re-runs the attention core from its q, k, v: their three
             # all-to-alls again, not the output's (checkpoint stops once backward has what it needs)
-            cp_sent_sel, cp_calls_sel = RING["all_to_all"](u) * (size + 2 * kv_size), 3
-            cp_sel = self.ct("all_to_all", size, u, tp) + 2 * self.ct("all_to_all", kv_size, u, tp) + 3 * call
+            cp_sent_sel, cp_calls_sel = RING["all_to_all"](u) * (q_size + k_size + v_size), 3
+            cp_sel = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, k_size, v_size)) + 3 * call
         if cp > 1 and R > 1:
-            kv = 2 * act * tokens * kv_heads * m.head_dim
+            kv = act * tokens * kv_heads * (qk_w + v_w)
+            if m.mla and u == 1:  # pure ring: the latent travels, kv_rank + rope values a token
+                # (parallel/context.py), each step expanding it with wkv_b: R - 1 more expansions
+                # forward, R re-run plus their two gradient GEMMs backward
+                kv = act * tokens * (m.mla_kv_rank + m.mla_rope_dim)
+                expand = 2 * tokens * m.mla_kv_rank * m.n_heads * (m.mla_nope_dim + m.mla_v_dim) / (peak * eff)
+                attn_f += (R - 1) * expand
+                attn_b += (3 * R - 2) * expand
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
             cp_fwd += max((R - 1) * hop - attn_f, hop)
@@ -455,11 +467,16 @@ class CostModel:
             cp_sent_rec += (R - 1) * kv
             cp_sent_sel += (R - 1) * kv
             cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
+        if cp > 1 and m.mla and u == 1 and recompute in ("none", "selective"):
+            # the latent ring keeps q, the latent and the output: no expanded k and (padded) v
+            # (counts.mla_kept_bytes counts the one-process kernel's)
+            act_kinds = {k: x - act * tokens * m.n_heads * 2 * qk_w + act * tokens * (m.mla_kv_rank + m.mla_rope_dim)
+                         for k, x in act_kinds.items()}
         if cp > 1 and u > 1 and recompute in ("none", "selective"):
             # Ulysses: the output projection keeps the output's all-to-all result besides the
             # core's own output (other layouts: one tensor); kv heads repeated up to u are kept
             # so by the core (unless selective recompute reruns it)
-            extra = act * tokens * h / tp
+            extra = act * tokens * (m.n_heads * v_w if m.mla else h) / tp
             if recompute == "none" and kv_local % u:
                 extra += 2 * act * tokens * m.head_dim * (u - kv_local)
             act_kinds = {k: x + extra for k, x in act_kinds.items()}

@@ -257,9 +257,9 @@ def mla_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, recompute: str, act:
     micro-batch of one layer: (split over the tp heads, on the rank's tokens (1/tp of them
     under sp), whole on every tp rank).
 
-    Split: the fused kernel's q, k and v (v zero-padded to the q/k width, ``attend_padded``)
-    and output, all nope + rope wide per head (selective recompute keeps the kernel's three
-    inputs only), and the out-projection's input (v wide). The rank's tokens: the latent
+    Split: the fused kernel's q, k and v (v zero-padded to the q/k width by ``CoreAttention``)
+    and output, all nope + rope wide per head (selective recompute keeps the core's inputs
+    only: q, k and the unpadded v), and the out-projection's input (v wide). The rank's tokens: the latent
     norms' fp32 input, bf16 output and 1/rms (amp), and the one bf16 copy autocast makes of
     the block input for the down-projections (two with a full-rank q, which reads it too).
     Whole: the up-projections' input latent (with tp the gathered / entered
@@ -267,7 +267,9 @@ def mla_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, recompute: str, act:
     for q and k."""
     H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
     ranks = m.mla_q_rank + m.mla_kv_rank
-    split = act * s * b * H * ((3 if recompute == "selective" else 4) * qk + m.mla_v_dim)
+    # selective: the checkpointed core's inputs q, k and the unpadded v (the core pads it)
+    kernel = (2 * qk + m.mla_v_dim) if recompute == "selective" else 4 * qk
+    split = act * s * b * H * (kernel + m.mla_v_dim)
     norms = 2 if m.mla_q_rank else 1
     per_token = ((6 * ranks + 4 * norms) if amp else 2 * act * ranks) \
         + (act * m.dim * (1 if m.mla_q_rank else 2) if amp else 0.0)

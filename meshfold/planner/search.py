@@ -53,7 +53,7 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                     modes.append("ulysses")
             if cp > 1 and m.moe_capacity_factor > 0:  # capacity is per whole sequence
                 modes = []
-            if cp > 1 and m.mla:  # latent attention does not run under cp (parallel/config.py)
+            if cp > 1 and tp > 1 and m.mla:  # latent attention: tp or cp, not both (parallel/config.py)
                 modes = []
             if not modes:
                 continue
