@@ -86,8 +86,9 @@ class StepEngine:
         """``module`` (the model or one pipeline chunk) on ``x`` under autocast, with the
         micro-batch's positions and, with ``data.doc_mask``, its document ids."""
         doc_ids = mb["doc_ids"] if self.use_doc_mask else None
+        extra = {"ids": mb["inputs"]} if self.cfg.model.mtp_depth else {}  # MTP embeds shifted tokens
         with self.autocast():
-            return module(x, positions=mb.get("positions"), doc_ids=doc_ids)
+            return module(x, positions=mb.get("positions"), doc_ids=doc_ids, **extra)
 
     def loss_scale(self, global_tokens: torch.Tensor) -> torch.Tensor:
         return self.grad_reducers / global_tokens.clamp(min=1)

@@ -1,0 +1,96 @@
+"""Multi-token prediction (models/mtp.py): the loss against a hand-written reference of
+DeepSeek-V3's formula (each depth run on the sequence truncated by k, as the paper writes
+it), float64; pipeline parallel against one process (losses, parameters, gradients:
+rtol 1e-9, atol 1e-11); the metric; config errors."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshfold.config import ConfigError, from_dict, validate
+from meshfold.models.config import ModelConfig
+from meshfold.models.llama import Transformer, init_weights
+from meshfold.parallel.loss import MTPLoss, cross_entropy_sum
+from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+
+MTP = {"n_layers": 4, "mtp_depth": 2, "mtp_loss_weight": 0.5}
+
+
+def _reference_loss(model: Transformer, tokens, labels, depth: int, weight: float):
+    """main + weight / D * sum_k CE_k with depth k on positions 0..S-k-1 only (no padding):
+    h'_k = eh_proj([enorm(Emb(t_{i+k})); hnorm(h_{k-1})]), h_k = norm_k(Block_k(h'_k))."""
+    S = tokens.shape[1]
+    cos, sin = model.rope_cos[:S].unsqueeze(0), model.rope_sin[:S].unsqueeze(0)
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers.values():
+        h = layer(h, (cos, sin))
+    h = model.norm(h)
+    main = F.cross_entropy(model.output(h).flatten(0, 1), labels.flatten(), reduction="sum")
+    emb, extra = model.tok_embeddings(tokens), 0.0
+    for k in range(1, depth + 1):
+        mod, n = model.mtp[str(k - 1)], S - k
+        x = mod.eh_proj(torch.cat([mod.enorm(emb[:, k:]), mod.hnorm(h[:, :n])], dim=-1))
+        h = mod.norm(mod.block(x, (cos[:, :n], sin[:, :n])))
+        extra = extra + F.cross_entropy(model.output(h).flatten(0, 1), labels[:, k:].flatten(), reduction="sum")
+    return main, main + weight / depth * extra
+
+
+def test_mtp_loss_equals_the_papers_formula():
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=12, mtp_depth=2, mtp_loss_weight=0.3)
+    torch.manual_seed(0)
+    model = Transformer(cfg).double()
+    init_weights(model, cfg, seed=3)
+    tokens = torch.randint(0, 64, (2, 12))
+    labels = torch.randint(0, 64, (2, 12))
+    loss_fn = MTPLoss(cross_entropy_sum, 2, 0.3)
+    got = loss_fn(model(tokens), labels)
+    grads = torch.autograd.grad(got, list(model.parameters()))
+    main, total = _reference_loss(model, tokens, labels, 2, 0.3)
+    ref = torch.autograd.grad(total, list(model.parameters()))
+    torch.testing.assert_close(got, main, rtol=0, atol=0)  # the reported value is the main loss
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    assert any(n.startswith("mtp.1.eh_proj") for n, _ in model.named_parameters())
+    # the metric: the depths' unweighted sum, detached
+    _, extra = _reference_loss(model, tokens, labels, 2, 1.0)
+    torch.testing.assert_close(loss_fn.pop(), (extra - main) * 2, rtol=1e-12, atol=1e-12)
+    model.eval()  # evaluation runs the main model only
+    assert isinstance(model(tokens), torch.Tensor)
+
+
+def test_mtp_targets_stay_in_their_document():
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, vocab_size=32, seq_len=8, mtp_depth=1)
+    model = Transformer(cfg).double()
+    init_weights(model, cfg, seed=1)
+    tokens = torch.randint(0, 32, (1, 8))
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
+    out = model(tokens, doc_ids=doc_ids)
+    # position i has a depth-1 target only if token i+1 is in its document
+    assert out.valid[0].tolist() == [[True, True, False, True, True, True, False, False]]
+
+
+def test_pp2_1f1b_with_mtp_matches_one_process(tmp_path):
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=MTP, train={"steps": 3}))
+    assert any(n.startswith("mtp.") for n in ref["grads"])
+    cfg = tiny_config(str(tmp_path / "pp"), model=MTP, train={"steps": 3},
+                      parallel={"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4})
+    got = run_on(2, train_collect, cfg)[0]
+    assert_runs_match(ref, got)
+    lines = [json.loads(x) for x in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
+    ref_lines = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mtp_loss"] for r in lines] == pytest.approx([r["mtp_loss"] for r in ref_lines], rel=1e-9)
+    assert 2.0 < lines[0]["mtp_loss"] < 10.0
+
+
+def test_mtp_config_errors(tmp_path):
+    for model, parallel, needle in [
+        ({"mtp_depth": -1}, {}, "model.mtp_depth must be >= 0"),
+        ({"mtp_depth": 15}, {}, "below seq_len - 1"),
+        ({"mtp_depth": 1, "mtp_loss_weight": -1.0}, {}, "mtp_loss_weight"),
+        ({"mtp_depth": 1}, {"cp": 2}, "parallel.cp"),
+    ]:
+        cfg = from_dict(tiny_config(str(tmp_path), model=model, parallel=parallel))
+        with pytest.raises(ConfigError, match=needle):
+            validate(cfg, 2 if parallel else 1)
