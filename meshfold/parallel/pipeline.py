@@ -237,8 +237,48 @@ class Pipeline:
             for reducer in reducers:
                 reducer.finish()
         self._set_grad_sync("all")
+        self._sum_embedding_grads()
         self.metrics = {}
         return self._reduce_step(loss_sum, events, wall0, span, m)
+
+    # ---------------------------------------------------------------- multi-token prediction
+
+    def _embeddings(self) -> dict[int, nn.Parameter]:
+        """{stage: embedding weight} of this rank's first and last stages when both hold one
+        (multi-token prediction embeds the shifted tokens on the last stage, models/mtp.py)."""
+        if not self.cfg.model.mtp_depth:
+            return {}
+        out = {}
+        for c, s in enumerate(self.stages):
+            emb = self.model.chunks[c].tok_embeddings
+            if emb is not None and s in (0, self.n_stages - 1):
+                out[s] = emb.weight
+        return out
+
+    def embedding_copies(self) -> list[nn.Parameter]:
+        """The last stage's copy of the embedding (clipped, not counted in the norm)."""
+        copy = self._embeddings().get(self.n_stages - 1)
+        return [copy] if copy is not None else []
+
+    def _sum_embedding_grads(self) -> None:
+        """The embedding's gradient is the sum of the first stage's (main model) and the last
+        stage's (MTP depths): both copies get it, so their updates stay equal. One exchange
+        between the two owners (already reduced over dp), or a local sum on one rank (zbv)."""
+        mine = self._embeddings()
+        if not mine:
+            return
+        grads = {s: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for s, p in mine.items()}
+        if len(grads) == 2:
+            grads[0].add_(grads[self.n_stages - 1])
+            grads[self.n_stages - 1].copy_(grads[0])
+            return
+        (s, g), = grads.items()
+        peer = self._owner(self.n_stages - 1 if s == 0 else 0)
+        other = torch.empty_like(g)
+        comm.wait_all(comm.exchange([(g.contiguous(), peer)], [(other, peer)], self.group, "pp"))
+        # the same order of addition on both ranks: first stage's + last stage's
+        total = g + other if s == 0 else other + g
+        g.copy_(total)
 
     def _hand_over(self, outbox: dict, msg: Message, tensor: torch.Tensor) -> None:
         """A stage output (or input gradient) for ``msg``: kept for a stage on this rank,

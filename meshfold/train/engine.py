@@ -256,6 +256,13 @@ class PipelineEngine(StepEngine):
     def norm_group(self):
         return self.dims.group("pp")  # stages hold disjoint parameters
 
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """As one process's: the last stage's copy of the embedding (multi-token prediction)
+        is clipped but counted once, on the first stage."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_grad_norm_(params, max_norm, extra_group=self.norm_group(), device=self.device,
+                               uncounted=self.pipe.embedding_copies())
+
     def evaluate(self, batch: dict) -> torch.Tensor:
         with self.compute_weights():
             return self.pipe.forward_loss_sum(batch, self.forward, self.loss_fn)
