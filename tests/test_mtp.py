@@ -71,17 +71,26 @@ def test_mtp_targets_stay_in_their_document():
     assert out.valid[0].tolist() == [[True, True, False, True, True, True, False, False]]
 
 
-def test_pp2_1f1b_with_mtp_matches_one_process(tmp_path):
-    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=MTP, train={"steps": 3}))
-    assert any(n.startswith("mtp.") for n in ref["grads"])
-    cfg = tiny_config(str(tmp_path / "pp"), model=MTP, train={"steps": 3},
-                      parallel={"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4})
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ref")
+    ref = train_collect(tiny_config(str(path), model=MTP, train={"steps": 3}))
+    ref["mtp_loss"] = [json.loads(x)["mtp_loss"] for x in (path / "metrics.jsonl").read_text().splitlines()]
+    assert any(n.startswith("mtp.") for n in ref["grads"]) and 2.0 < ref["mtp_loss"][0] < 10.0
+    return ref
+
+
+@pytest.mark.parametrize("parallel", [
+    pytest.param({"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4}, id="pp2-1f1b"),  # embedding on two ranks
+    pytest.param({"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2}, id="pp2-zbv"),  # both on rank 0
+    pytest.param({"tp": 2}, id="tp2"),  # depths' logits vocabulary-parallel
+])
+def test_mtp_layouts_match_one_process(parallel, reference, tmp_path):
+    cfg = tiny_config(str(tmp_path), model=MTP, train={"steps": 3}, parallel=parallel)
     got = run_on(2, train_collect, cfg)[0]
-    assert_runs_match(ref, got)
-    lines = [json.loads(x) for x in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
-    ref_lines = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["mtp_loss"] for r in lines] == pytest.approx([r["mtp_loss"] for r in ref_lines], rel=1e-9)
-    assert 2.0 < lines[0]["mtp_loss"] < 10.0
+    assert_runs_match(reference, got)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["mtp_loss"] for r in lines] == pytest.approx(reference["mtp_loss"], rel=1e-9)
 
 
 def test_mtp_config_errors(tmp_path):
@@ -90,6 +99,7 @@ def test_mtp_config_errors(tmp_path):
         ({"mtp_depth": 15}, {}, "below seq_len - 1"),
         ({"mtp_depth": 1, "mtp_loss_weight": -1.0}, {}, "mtp_loss_weight"),
         ({"mtp_depth": 1}, {"cp": 2}, "parallel.cp"),
+        ({"mtp_depth": 1}, {"tp": 2, "sp": True}, "parallel.sp"),
     ]:
         cfg = from_dict(tiny_config(str(tmp_path), model=model, parallel=parallel))
         with pytest.raises(ConfigError, match=needle):

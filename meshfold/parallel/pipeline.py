@@ -95,7 +95,9 @@ class Pipeline:
         # FSDP2 reduces (and, ZeRO-2, reshards) each chunk only in its last backward of the step.
         self.defer_fsdp_sync = self.fsdp
         self.zero = p.zero
-        # Split backward (B then W) only where torch's split works: not through FSDP's hooks.
+        # Split backward (B then W) only where torch's split works: not through FSDP's hooks,
+        # nor on a last stage with MTP, whose embedding copy takes no gradient through its input
+        # (its whole backward runs in B, its W is empty).
         self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
         self.orders = {}
         self.events: list[dict] = []
@@ -209,7 +211,7 @@ class Pipeline:
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
-                if self.split_backward and s > 0:
+                if self.split_backward and s > 0 and not (s == self.n_stages - 1 and self.cfg.model.mtp_depth):
                     _, groups = stage_backward_input(outs, grads, [x],
                                                        master_parameters(self.model.chunks[a.chunk]))
                     wgrad[(a.chunk, a.mb)] = groups
