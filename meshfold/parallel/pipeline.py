@@ -239,7 +239,6 @@ class Pipeline:
             for reducer in reducers:
                 reducer.finish()
         self._set_grad_sync("all")
-        self._sum_embedding_grads()
         self.metrics = {}
         return self._reduce_step(loss_sum, events, wall0, span, m)
 
@@ -262,10 +261,12 @@ class Pipeline:
         copy = self._embeddings().get(self.n_stages - 1)
         return [copy] if copy is not None else []
 
-    def _sum_embedding_grads(self) -> None:
+    def sum_embedding_grads(self) -> None:
         """The embedding's gradient is the sum of the first stage's (main model) and the last
         stage's (MTP depths): both copies get it, so their updates stay equal. One exchange
-        between the two owners (already reduced over dp), or a local sum on one rank (zbv)."""
+        between the two owners (already reduced over dp), or a local sum on one rank (zbv).
+        Called by the step engine once the gradients are on the parameters (after the step's
+        compute weights handed theirs back)."""
         mine = self._embeddings()
         if not mine:
             return

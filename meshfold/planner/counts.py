@@ -108,6 +108,9 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
     sizes = ([V * h / tp] if first else []) + block * layers
     if last:
         sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
+        # multi-token prediction depths (models/mtp.py): enorm, hnorm, eh_proj (whole on every
+        # tp rank), a block, the depth's norm
+        sizes += ([h, h, 2 * h * h] + block + [h]) * m.mtp_depth
     return sizes
 
 

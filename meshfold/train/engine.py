@@ -247,6 +247,7 @@ class PipelineEngine(StepEngine):
         with self.compute_weights():
             loss_sum = self.pipe.forward_backward(micro, self.loss_scale(global_tokens), self.forward, self.loss_fn,
                                                   self.moe_aux)
+        self.pipe.sum_embedding_grads()  # multi-token prediction: the last stage's embedding copy
         self.metrics.update(self.pipe.metrics)
         t = self.cfg.train
         if step is not None and (step % max(1, t.log_every) == 0 or step == t.steps):
