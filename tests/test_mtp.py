@@ -104,3 +104,61 @@ def test_mtp_config_errors(tmp_path):
         cfg = from_dict(tiny_config(str(tmp_path), model=model, parallel=parallel))
         with pytest.raises(ConfigError, match=needle):
             validate(cfg, 2 if parallel else 1)
+
+
+def test_counts_include_the_depths():
+    import dataclasses
+
+    from meshfold.models.presets import flops_per_token, param_count, preset
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=12, mtp_depth=2, moe_experts=4,
+                      moe_first_dense=1)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
+    plain = dataclasses.replace(cfg, mtp_depth=0)
+    assert flops_per_token(cfg, training=False) == flops_per_token(plain, training=False)  # inference: main only
+    assert flops_per_token(cfg) > flops_per_token(plain)
+    # DeepSeek-V3's published 671B excludes its MTP module; with it (embedding and head shared,
+    # not copied as in the Hugging Face files' 685B) the model holds 682.6B
+    v3 = preset("deepseek-v3")
+    assert v3.mtp_depth == 0 and round(param_count(v3) / 1e9) == 671
+    assert round(param_count(dataclasses.replace(v3, mtp_depth=1)) / 1e9, 1) == 682.6
+
+
+def test_deepseek_v3_mtp_layers_import_and_export(tmp_path):
+    from meshfold.convert import read_hf
+    from meshfold.models.hf import hf_config_from_model, to_hf, write_safetensors
+
+    m = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=16, moe_experts=4, moe_topk=2,
+                    moe_ffn_dim=16, moe_shared_experts=1, moe_first_dense=1, moe_router="sigmoid",
+                    moe_bias_balance=True, mla_kv_rank=16, mla_q_rank=24, mla_rope_dim=8, mla_nope_dim=8,
+                    mla_v_dim=12, mtp_depth=1)
+    model = Transformer(m)
+    init_weights(model, m, seed=0)
+    state = model.state_dict()
+    hf = to_hf(state, m)
+    # DeepSeek-V3's layout: module 1 is decoder layer n_layers, with its own embedding/head copies
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.3.down_proj.weight", "mlp.gate.weight"):
+        assert f"model.layers.2.{name}" in hf, name
+    assert torch.equal(hf["model.layers.2.shared_head.head.weight"], state["output.weight"])
+    assert torch.equal(hf["model.layers.2.embed_tokens.weight"], state["tok_embeddings.weight"])
+    for keep_mtp in (True, False):
+        folder = tmp_path / str(keep_mtp)
+        files = hf if keep_mtp else {k: v for k, v in hf.items() if not k.startswith("model.layers.2.")}
+        folder.mkdir()
+        write_safetensors(files, folder, 1 << 30)
+        (folder / "config.json").write_text(json.dumps(hf_config_from_model(m, torch.float32)))
+        got, gm = read_hf(folder)
+        assert gm.mtp_depth == (1 if keep_mtp else 0)
+        want = {k: v for k, v in state.items() if keep_mtp or not k.startswith("mtp.")}
+        assert set(got) == set(want)
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=lambda msg, k=k: f"{k}: {msg}")
+    # a module head that is not the main one cannot be shared
+    bad = dict(hf, **{"model.layers.2.shared_head.head.weight": hf["lm_head.weight"] + 1})
+    (tmp_path / "bad").mkdir()
+    write_safetensors(bad, tmp_path / "bad", 1 << 30)
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(hf_config_from_model(m, torch.float32)))
+    with pytest.raises(ConfigError, match="differs from the main model's output head"):
+        read_hf(tmp_path / "bad")
