@@ -13,7 +13,7 @@ from meshfold.config import ConfigError, from_dict, validate
 from meshfold.models.config import ModelConfig
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.parallel.loss import MTPLoss, cross_entropy_sum
-from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+from meshfold.testing import assert_runs_match, run_on, tiny_config, train_chain, train_collect
 
 MTP = {"n_layers": 4, "mtp_depth": 2, "mtp_loss_weight": 0.5}
 
@@ -91,6 +91,17 @@ def test_mtp_layouts_match_one_process(parallel, reference, tmp_path):
     assert_runs_match(reference, got)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["mtp_loss"] for r in lines] == pytest.approx(reference["mtp_loss"], rel=1e-9)
+
+
+def test_pp2_checkpoint_resumes_in_one_process(reference, tmp_path):
+    # the embedding saved from both pp stages (equal copies) loads into one process's one weight
+    starts, losses, params = train_chain(
+        [(2, {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 2}, 2), (1, {}, 3)],
+        lambda _, parallel: tiny_config(str(tmp_path), model=MTP, train={"steps": 3}, parallel=parallel))
+    assert starts == [0, 2]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-9, atol=1e-11)
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=1e-9, atol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_mtp_config_errors(tmp_path):
