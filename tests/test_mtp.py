@@ -93,6 +93,11 @@ def test_mtp_layouts_match_one_process(parallel, reference, tmp_path):
     assert [r["mtp_loss"] for r in lines] == pytest.approx(reference["mtp_loss"], rel=1e-9)
 
 
+def test_recompute_covers_the_depths(reference, tmp_path):
+    got = train_collect(tiny_config(str(tmp_path), model=MTP, train={"steps": 3, "recompute": "full"}))
+    assert_runs_match(reference, got)
+
+
 def test_pp2_checkpoint_resumes_in_one_process(reference, tmp_path):
     # the embedding saved from both pp stages (equal copies) loads into one process's one weight
     starts, losses, params = train_chain(

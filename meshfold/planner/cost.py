@@ -956,9 +956,10 @@ class CostModel:
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
         # labels; with amp also the final norm (8h + 4; sequence-sharded under sp)
         saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens / (tp if L.sp else 1) if amp else 0.0)
-        if m.mtp_depth:  # each multi-token prediction depth's logits and targets, and what its enorm,
-            # hnorm and output norm keep (amp: 8h + 4 each) and eh_proj's [2h] input (whole under tp)
-            per_token = 3 * (8 * h + 4) + 2 * act * h if amp else 5 * act * h
+        if m.mtp_depth:  # each multi-token prediction depth's logits, targets and output norm (as the
+            # main model's: the term above once per depth), what its enorm and hnorm keep (amp: 8h + 4
+            # each) and eh_proj's [2h] input (whole under tp)
+            per_token = 2 * (8 * h + 4) + 2 * act * h if amp else 5 * act * h
             saved_logits *= 1 + m.mtp_depth
             saved_logits += m.mtp_depth * per_token * tokens
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
