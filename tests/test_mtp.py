@@ -80,14 +80,15 @@ def reference(tmp_path_factory):
     return ref
 
 
-@pytest.mark.parametrize("parallel", [
-    pytest.param({"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4}, id="pp2-1f1b"),  # embedding on two ranks
-    pytest.param({"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2}, id="pp2-zbv"),  # both on rank 0
-    pytest.param({"tp": 2}, id="tp2"),  # depths' logits vocabulary-parallel
+@pytest.mark.parametrize("world,parallel", [
+    pytest.param(2, {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4}, id="pp2-1f1b"),  # embedding on two ranks
+    pytest.param(2, {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2}, id="pp2-zbv"),  # both on rank 0
+    pytest.param(2, {"tp": 2}, id="tp2"),  # depths' logits vocabulary-parallel
+    pytest.param(4, {"pp": 2, "dp_shard": 2, "zero": 3, "pp_microbatches": 2}, id="pp2-fsdp2"),  # sharded copies
 ])
-def test_mtp_layouts_match_one_process(parallel, reference, tmp_path):
+def test_mtp_layouts_match_one_process(world, parallel, reference, tmp_path):
     cfg = tiny_config(str(tmp_path), model=MTP, train={"steps": 3}, parallel=parallel)
-    got = run_on(2, train_collect, cfg)[0]
+    got = run_on(world, train_collect, cfg)[0]
     assert_runs_match(reference, got)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["mtp_loss"] for r in lines] == pytest.approx(reference["mtp_loss"], rel=1e-9)
