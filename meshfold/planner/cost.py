@@ -343,7 +343,7 @@ class CostModel:
         self.causal = 0.5 if w.flash else 1.0
         self.kind_counts = {k: (self.kinds + self.mtp_kinds).count(k) for k in set(self.kinds)}
         self._links: dict = {}
-        self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * m.n_layers * self.causal)
+        self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * (m.n_layers + m.mtp_depth) * self.causal)
 
     def link(self, stride: int, n: int) -> tuple[float, float]:
         """``Cluster.link``, memoised for this model (the search asks millions of times)."""
@@ -1416,9 +1416,13 @@ def footprint(cfg: Config, world: int, device: str | None = None) -> dict:
 
 
 def _matmul_active(m: ModelConfig) -> float:
+    """Parameters in a matmul per token in training: the layers, the output head, and each
+    multi-token prediction depth's block, eh_proj and head (``presets.flops_per_token``)."""
     total = m.vocab_size * m.dim
     for i in range(m.n_layers):
         total += attention_params(m) + ffn_params(m, i, active=True)
+    for i in range(m.n_layers, m.n_layers + m.mtp_depth):
+        total += attention_params(m) + ffn_params(m, i, active=True) + 2 * m.dim * m.dim + m.vocab_size * m.dim
     return total
 
 
