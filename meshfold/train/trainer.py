@@ -242,6 +242,8 @@ class Trainer:
 
     def _train_step(self) -> float:
         batch = self.local_batch()
+        if isinstance(self.loss_fn, MTPLoss):
+            self.loss_fn.pop()  # a step redone (live recovery) counts its own depths' losses only
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
         loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
         self.step_metrics.update(self.engine.pop_metrics())
