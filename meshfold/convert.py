@@ -19,6 +19,7 @@ from meshfold.config import Config, dump_toml, load_config
 from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
 from meshfold.models.hf import (ARCHITECTURES, FAMILIES, from_hf, hf_config_from_model, hf_family, model_config_from_hf,
+                               mtp_layers_in,
                                read_safetensors, to_hf, write_safetensors)
 from meshfold.models.llama import Transformer, rope_tables
 from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
@@ -146,7 +147,11 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     m = model_config_from_hf(hf_config)
     _check_readable(hf_dir)
     try:
-        state = from_hf(read_safetensors(hf_dir), m)
+        raw = read_safetensors(hf_dir)
+        if m.mla:  # DeepSeek-V3's multi-token prediction modules, where the files hold them
+            # (transformers neither runs nor saves them: num_nextn_predict_layers alone imports none)
+            m = dataclasses.replace(m, mtp_depth=mtp_layers_in(raw, m))
+        state = from_hf(raw, m)
     except (RuntimeError, ValueError, KeyError) as err:
         if isinstance(err, ConfigError):
             raise

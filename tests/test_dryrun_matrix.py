@@ -81,7 +81,26 @@ def matrix() -> tuple[list, list]:
                 refused.append((name, world, cfg))
             continue
         valid.append((name, world, cfg))
-    return valid, refused
+    return valid + mtp_cases(), refused
+
+
+def mtp_cases() -> list:
+    """Fixed layouts beyond the draw: multi-token prediction (DeepSeek-V3, one depth) on the
+    last stage of tp x pp, and as its own FSDP unit of a MoE model."""
+    cases = []
+    for name, world, moe, parallel in [
+        ("mtp-dense-w4-tp2-pp21f1b-z1", 4, False, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 2,
+                                                  "zero": 1, "dp_shard": 1}),
+        ("mtp-moe-w4-tp1-pp1-ep2-dp1x4-z3", 4, True, {"ep": 2, "zero": 3, "dp_shard": 4}),
+    ]:
+        cfg = tiny_config("/nonexistent", parallel=parallel,
+                          train={"steps": 1, "dtype": "bfloat16", "global_batch": 4, "micro_batch": 1 if "pp" not in parallel else 0})
+        cfg["model"].update({"dim": 512, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 4096,
+                             "seq_len": 256, "mtp_depth": 1})
+        if moe:
+            cfg["model"].update({"moe_experts": 4, "moe_topk": 2, "moe_ffn_dim": 512})
+        cases.append((name, world, cfg))
+    return cases
 
 
 def _rel(a: float, b: float) -> float:

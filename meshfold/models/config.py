@@ -71,6 +71,11 @@ class ModelConfig:
     mla_nope_dim: int = 128  # the position-free part of each q/k head (qk_nope_head_dim)
     mla_v_dim: int = 128  # each head's value width (v_head_dim)
     rope_mscale_all_dim: float = 0.0  # yarn + MLA: softmax scale times mscale(factor, this)^2 (DeepSeek)
+    # Multi-token prediction (DeepSeek-V3, models/mtp.py): mtp_depth sequential modules after the
+    # last layer, module k predicting token i+k+1; trained with mtp_loss_weight / mtp_depth times
+    # the sum of their losses. 0 = off.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     @property
     def kv_heads(self) -> int:
@@ -162,6 +167,13 @@ def validate(m: ModelConfig) -> None:
         if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
             raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
                               f"model.rope_low_freq_factor = {m.rope_low_freq_factor}")
+    if m.mtp_depth < 0:
+        raise ConfigError(f"model.mtp_depth must be >= 0 (0 = no multi-token prediction), got {m.mtp_depth}")
+    if m.mtp_depth and not m.mtp_depth < m.seq_len - 1:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} leaves no target in a sequence of model.seq_len = "
+                          f"{m.seq_len}; it must be below seq_len - 1")
+    if m.mtp_loss_weight < 0:
+        raise ConfigError(f"model.mtp_loss_weight must be >= 0, got {m.mtp_loss_weight}")
     if m.moe_experts:
         if not 1 <= m.moe_topk <= m.moe_experts:
             raise ConfigError(

@@ -77,6 +77,12 @@ EXPERT_NAMES = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3
 MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+# DeepSeek-V3's multi-token prediction module k (models/mtp.py) is stored as decoder layer
+# n_layers + k with these tensors beside the block's (meshfold: "mtp.{k}." + name; the block under
+# "mtp.{k}.block."), and its own copies of the embedding and output head, which meshfold shares.
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "norm.weight": "shared_head.norm.weight"}
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 
 
 # --------------------------------------------------------------------------- config
@@ -341,7 +347,7 @@ def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = 
                    routed_scaling_factor=m.moe_routed_scale, norm_topk_prob=family == "deepseek_v3",
                    q_lora_rank=m.mla_q_rank or None, kv_lora_rank=m.mla_kv_rank, qk_rope_head_dim=m.mla_rope_dim,
                    qk_nope_head_dim=m.mla_nope_dim, v_head_dim=m.mla_v_dim, head_dim=m.mla_rope_dim,
-                   attention_bias=False, mlp_bias=False)
+                   attention_bias=False, mlp_bias=False, num_nextn_predict_layers=m.mtp_depth)
         if family == "deepseek_v2":
             out.update(topk_method="group_limited_greedy" if m.moe_groups else "greedy", scoring_func="softmax")
         else:
@@ -419,6 +425,12 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Ten
             out[TOP_NAMES[name]] = value
             continue
         _, layer, rest = name.split(".", 2)
+        if name.startswith("mtp."):  # depth k: HF decoder layer n_layers + k
+            layer = str(m.n_layers + int(layer))
+            if rest in MTP_NAMES:
+                out[f"model.layers.{layer}.{MTP_NAMES[rest]}"] = value
+                continue
+            rest = rest.removeprefix("block.")
         prefix = f"model.layers.{layer}."
         if rest in EXPERT_NAMES:
             kind = EXPERT_NAMES[rest]
@@ -437,6 +449,10 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Ten
         if mixtral and rest.startswith("feed_forward.router."):
             hf_name = hf_name.replace("mlp.", "block_sparse_moe.", 1)
         out[prefix + hf_name] = value
+    for k in range(m.mtp_depth):  # the module's own copies of the shared embedding and head
+        for hf_name, mine in MTP_COPIES.items():
+            mine = "tok_embeddings.weight" if (m.tie_embeddings and mine == "output.weight") else mine
+            out[f"model.layers.{m.n_layers + k}.{hf_name}"] = state[mine].clone()  # (safetensors: no shared storage)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -467,6 +483,24 @@ def _hub_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _block_prefix(layer: str, m: ModelConfig) -> str:
+    """meshfold's prefix of HF decoder layer ``layer``: a main block, or a multi-token
+    prediction depth's block past the main layers."""
+    i = int(layer)
+    return f"layers.{i}." if i < m.n_layers else f"mtp.{i - m.n_layers}.block."
+
+
+def mtp_layers_in(names, m: ModelConfig) -> int:
+    """How many multi-token prediction modules (decoder layers past ``m.n_layers``, DeepSeek-V3)
+    tensors ``names`` hold: 0 unless they are the consecutive layers n_layers, n_layers + 1, ..."""
+    extra = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+             and int(n.split(".")[2]) >= m.n_layers}
+    depth = 0
+    while m.n_layers + depth in extra:
+        depth += 1
+    return depth
+
+
 def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     top = {v: k for k, v in TOP_NAMES.items()}
     per_layer = {v: k for k, v in LAYER_NAMES.items()}
@@ -483,8 +517,21 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         if not name.startswith("model.layers."):
             raise ConfigError(f"convert import: unexpected tensor {name}")
         _, _, layer, rest = name.split(".", 3)
-        if m.mla and int(layer) >= m.n_layers:
-            continue  # DeepSeek-V3's multi-token-prediction module (layer 61): not imported
+        if m.mla and int(layer) >= m.n_layers:  # DeepSeek-V3's multi-token prediction modules
+            depth = int(layer) - m.n_layers
+            if depth >= m.mtp_depth:
+                continue  # not imported (read_hf sets mtp_depth from the layers the files hold)
+            if rest in MTP_COPIES:  # meshfold shares the main model's: they must be equal
+                main = state.get("model.embed_tokens.weight" if rest == "embed_tokens.weight" else "lm_head.weight")
+                if main is not None and not torch.equal(main, value):
+                    raise ConfigError(f"convert import: {name} differs from the main model's "
+                                      f"{'embedding' if rest == 'embed_tokens.weight' else 'output head'}; "
+                                      f"meshfold's multi-token prediction shares them")
+                continue
+            mtp_names = {v: k for k, v in MTP_NAMES.items()}
+            if rest in mtp_names:
+                out[f"mtp.{depth}.{mtp_names[rest]}"] = value
+                continue
         expert = _EXPERT.fullmatch(name)
         if expert:
             experts.setdefault((layer, experts_of[expert.group(3)]), {})[int(expert.group(2))] = value
@@ -495,12 +542,12 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         heads = _rotated_heads(mine, m)
         if heads is not None:
             value = _from_hf_rope(value, heads)
-        out[f"layers.{layer}.{mine}"] = value
+        out[_block_prefix(layer, m) + mine] = value
     for (layer, mine), per_expert in experts.items():
         if sorted(per_expert) != list(range(m.moe_experts)):
             raise ConfigError(f"convert import: layer {layer} has experts {sorted(per_expert)[:5]}..., the config "
                               f"says {m.moe_experts}")
-        out[f"layers.{layer}.{mine}"] = torch.stack([per_expert[j] for j in range(m.moe_experts)])
+        out[_block_prefix(layer, m) + mine] = torch.stack([per_expert[j] for j in range(m.moe_experts)])
     return {k: v.contiguous() for k, v in _fuse_experts(out).items()}
 
 

@@ -22,6 +22,7 @@ from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.mla import MLAttention
 from meshfold.models.moe import MoE
+from meshfold.models.mtp import MTPModule, MTPOutput, mtp_valid, shift_left
 
 
 class RMSNorm(nn.Module):
@@ -210,9 +211,10 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. ``tok_embeddings``/``norm``/``output`` may be ``None`` on pipeline
-    stages that do not own them; ``layers`` is a ModuleDict keyed by the global layer index
-    so parameter names (and hence initial values) are the same under any split."""
+    """Decoder-only LM. ``tok_embeddings``/``norm``/``output``/``mtp`` may be ``None`` on
+    pipeline stages that do not own them; ``layers`` is a ModuleDict keyed by the global layer
+    index so parameter names (and hence initial values) are the same under any split.
+    ``mtp``: the multi-token prediction depths (models/mtp.py), run in training only."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -222,6 +224,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, make_norm, TransformerBlock(cfg, cfg.n_layers + k))
+                                  for k in range(cfg.mtp_depth)}) if cfg.mtp_depth else None
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -232,10 +236,13 @@ class Transformer(nn.Module):
         return self.rope_cos[positions], self.rope_sin[positions]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, ids: torch.Tensor | None = None):
         """tokens: [batch, seq] ids (or [batch, seq, dim] hidden states on a later pipeline
-        stage). Returns logits [batch, seq, vocab] (or hidden states if there is no output)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        stage). Returns logits [batch, seq, vocab] (or hidden states if there is no output);
+        in training with ``mtp``, an ``MTPOutput`` (``ids``: the token ids, needed when
+        ``tokens`` are hidden states, on the last pipeline stage)."""
+        is_ids = not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if (self.tok_embeddings is not None and is_ids) else tokens
         seq = h.shape[1]
         if self.pos_embeddings is not None:
             pos = positions if positions is not None else torch.arange(seq, device=h.device)
@@ -251,7 +258,17 @@ class Transformer(nn.Module):
             h = layer(h, rope, positions, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
-        return self.project(h)
+        logits = self.project(h)
+        if self.mtp is None or self.norm is None or not self.training:
+            return logits
+        ids = tokens if is_ids else ids
+        emb = self.tok_embeddings(ids)  # shared with the main model (a copy on the last pipeline stage)
+        depth_logits, valid = [], []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            h = module(h, shift_left(emb, k, 0.0), rope, positions, doc_ids)
+            depth_logits.append(self.project(h))
+            valid.append(mtp_valid(doc_ids, ids, k))
+        return MTPOutput(logits, depth_logits, valid)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:

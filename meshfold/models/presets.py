@@ -168,6 +168,18 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     total += _norm_params(cfg)
     if not cfg.tie_embeddings:
         total += cfg.vocab_size * cfg.dim
+    return total + mtp_params(cfg, active)
+
+
+def mtp_params(cfg: ModelConfig, active: bool = False) -> int:
+    """The multi-token prediction depths (models/mtp.py): each a block (layer index
+    n_layers + k), enorm, hnorm, its output norm and eh_proj [2 dim -> dim]; the embedding
+    and output head are the model's. 0 without MTP."""
+    total = 0
+    for k in range(cfg.mtp_depth):
+        layer = cfg.n_layers + k
+        total += (attention_params(cfg) + ffn_params(cfg, layer, active) + 5 * _norm_params(cfg)
+                  + 2 * cfg.dim * cfg.dim)
     return total
 
 
@@ -193,4 +205,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool
     if causal:
         attn /= 2
     forward = 2 * matmul_params(cfg, active=True) + attn
+    if training and cfg.mtp_depth:  # the depths run in training only: block, eh_proj, output head each
+        depths = sum(attention_params(cfg) + ffn_params(cfg, cfg.n_layers + k, True) + 2 * cfg.dim * cfg.dim
+                     + cfg.vocab_size * cfg.dim for k in range(cfg.mtp_depth))
+        forward += 2 * depths + attn / cfg.n_layers * cfg.mtp_depth
     return float(3 * forward if training else forward)

@@ -70,6 +70,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
                           "set it to false (meshfold convert import --untie for a Hugging Face model) "
                           "or parallel.pp = 1")
+    if m.mtp_depth:  # multi-token prediction shifts whole sequences by k tokens (models/mtp.py)
+        if p.cp > 1:
+            raise ConfigError("model.mtp_depth > 0 (multi-token prediction) shifts each sequence by k tokens, "
+                              "which context parallel splits over ranks; set parallel.cp = 1 or model.mtp_depth = 0")
+        if p.tp > 1 and p.sp:
+            raise ConfigError("model.mtp_depth > 0 (multi-token prediction) shifts each sequence by k tokens, "
+                              "which sequence parallel splits over tp ranks; set parallel.sp = false")
+        if p.pp > 1 and p.pp_schedule == "skippipe":
+            raise ConfigError("model.mtp_depth > 0 is not supported with parallel.pp_schedule = skippipe; "
+                              "use 1f1b, gpipe, interleaved or zbv")
     if p.pp > 1 and pp_stages > m.n_layers:
         raise ConfigError(
             f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "

@@ -83,9 +83,11 @@ def expert_data_parallel(model: nn.Module) -> tuple[list[nn.Parameter], object |
 
 
 def shard_blocks(model: nn.Module):
-    """The submodules FSDP wraps one by one: every transformer block (or expert group)."""
+    """The submodules FSDP wraps one by one: every transformer block (or expert group) and
+    every multi-token prediction depth."""
     layers = getattr(model, "layers", None)
-    return list(layers.values()) if layers is not None else []
+    mtp = getattr(model, "mtp", None)
+    return (list(layers.values()) if layers is not None else []) + (list(mtp.values()) if mtp is not None else [])
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool,

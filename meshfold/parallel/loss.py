@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from meshfold.data.dataset import IGNORE_INDEX
+from meshfold.models.mtp import MTPOutput, shift_left
 from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
 from meshfold.parallel.tensor import TensorParallelGroup
 
@@ -134,3 +135,42 @@ class VocabParallelCrossEntropy:
 
 def vocab_parallel_loss(dims, cfg) -> VocabParallelCrossEntropy:
     return VocabParallelCrossEntropy(TensorParallelGroup.from_dims(dims), cfg.model.vocab_size)
+
+
+# --------------------------------------------------------------------------- multi-token prediction
+
+
+def mtp_labels(labels: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
+    """Depth k's targets from the main labels: ``labels[i + k]`` where ``valid``."""
+    return shift_left(labels, k, IGNORE_INDEX).masked_fill(~valid, IGNORE_INDEX)
+
+
+class MTPLoss:
+    """``loss_fn(out, labels)`` around the main token-loss sum ``base`` (one process or
+    vocabulary-parallel: the depths' logits are computed, and split, like the main ones).
+
+    On an ``MTPOutput`` it returns a tensor whose *value* is the main loss sum and whose
+    *gradient* is that of main + weight / D * sum_k depth_k: the step engines report and
+    scale it as they do any loss, and the depths' unweighted sum is kept (detached) in
+    ``self.depth_sum`` for the ``mtp_loss`` metric (``pop``)."""
+
+    def __init__(self, base, depth: int, weight: float):
+        self.base, self.depth, self.weight = base, depth, weight
+        self.depth_sum: torch.Tensor | None = None
+
+    def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
+        if not isinstance(out, MTPOutput):
+            return self.base(out, labels)
+        main = self.base(out.logits, labels)
+        depths = sum(self.base(lg, mtp_labels(labels, k, v))
+                     for k, (lg, v) in enumerate(zip(out.depth_logits, out.valid), start=1))
+        total = depths.detach() if self.depth_sum is None else self.depth_sum + depths.detach()
+        self.depth_sum = total
+        extra = depths * (self.weight / self.depth)
+        return main + (extra - extra.detach())  # value: exactly the main loss; gradient: both
+
+    def pop(self) -> torch.Tensor | None:
+        """This rank's sum over the step's micro-batches of the depths' token-loss sums
+        (None if no depth ran here)."""
+        out, self.depth_sum = self.depth_sum, None
+        return out

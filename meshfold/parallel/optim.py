@@ -526,11 +526,14 @@ def _local_grads_by_place(params) -> dict[tuple, list[torch.Tensor]]:
 
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, extra_group: dist.ProcessGroup | None = None,
-                    device: torch.device | None = None) -> torch.Tensor:
+                    device: torch.device | None = None, uncounted=()) -> torch.Tensor:
     """Scale the gradients so their global norm is at most ``max_norm``: one foreach
-    multiply per (device, dtype) by a device scalar (never a host read)."""
+    multiply per (device, dtype) by a device scalar (never a host read). ``uncounted``:
+    parameters scaled but left out of the norm (a copy of a weight counted elsewhere: the
+    embedding on the last pipeline stage under multi-token prediction)."""
     params = [p for p in params if p.grad is not None]
-    norm = grad_norm(params, extra_group, device)
+    skip = {id(p) for p in uncounted}
+    norm = grad_norm([p for p in params if id(p) not in skip], extra_group, device)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for (dev, dtype), grads in _local_grads_by_place(params).items():

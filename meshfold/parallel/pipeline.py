@@ -95,7 +95,9 @@ class Pipeline:
         # FSDP2 reduces (and, ZeRO-2, reshards) each chunk only in its last backward of the step.
         self.defer_fsdp_sync = self.fsdp
         self.zero = p.zero
-        # Split backward (B then W) only where torch's split works: not through FSDP's hooks.
+        # Split backward (B then W) only where torch's split works: not through FSDP's hooks,
+        # nor on a last stage with MTP, whose embedding copy takes no gradient through its input
+        # (its whole backward runs in B, its W is empty).
         self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
         self.orders = {}
         self.events: list[dict] = []
@@ -209,7 +211,7 @@ class Pipeline:
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
-                if self.split_backward and s > 0:
+                if self.split_backward and s > 0 and not (s == self.n_stages - 1 and self.cfg.model.mtp_depth):
                     _, groups = stage_backward_input(outs, grads, [x],
                                                        master_parameters(self.model.chunks[a.chunk]))
                     wgrad[(a.chunk, a.mb)] = groups
@@ -239,6 +241,47 @@ class Pipeline:
         self._set_grad_sync("all")
         self.metrics = {}
         return self._reduce_step(loss_sum, events, wall0, span, m)
+
+    # ---------------------------------------------------------------- multi-token prediction
+
+    def _embeddings(self) -> dict[int, nn.Parameter]:
+        """{stage: embedding weight} of this rank's first and last stages when both hold one
+        (multi-token prediction embeds the shifted tokens on the last stage, models/mtp.py)."""
+        if not self.cfg.model.mtp_depth:
+            return {}
+        out = {}
+        for c, s in enumerate(self.stages):
+            emb = self.model.chunks[c].tok_embeddings
+            if emb is not None and s in (0, self.n_stages - 1):
+                out[s] = emb.weight
+        return out
+
+    def embedding_copies(self) -> list[nn.Parameter]:
+        """The last stage's copy of the embedding (clipped, not counted in the norm)."""
+        copy = self._embeddings().get(self.n_stages - 1)
+        return [copy] if copy is not None else []
+
+    def sum_embedding_grads(self) -> None:
+        """The embedding's gradient is the sum of the first stage's (main model) and the last
+        stage's (MTP depths): both copies get it, so their updates stay equal. One exchange
+        between the two owners (already reduced over dp), or a local sum on one rank (zbv).
+        Called by the step engine once the gradients are on the parameters (after the step's
+        compute weights handed theirs back)."""
+        mine = self._embeddings()
+        if not mine:
+            return
+        grads = {s: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for s, p in mine.items()}
+        if len(grads) == 2:
+            grads[0].add_(grads[self.n_stages - 1])
+            grads[self.n_stages - 1].copy_(grads[0])
+            return
+        (s, g), = grads.items()
+        peer = self._owner(self.n_stages - 1 if s == 0 else 0)
+        other = torch.empty_like(g)
+        comm.wait_all(comm.exchange([(g.contiguous(), peer)], [(other, peer)], self.group, "pp"))
+        # the same order of addition on both ranks: first stage's + last stage's
+        total = g + other if s == 0 else other + g
+        g.copy_(total)
 
     def _hand_over(self, outbox: dict, msg: Message, tensor: torch.Tensor) -> None:
         """A stage output (or input gradient) for ``msg``: kept for a stage on this rank,

@@ -139,7 +139,9 @@ def apply_recompute(model: nn.Module, cfg: TrainConfig) -> None:
     layers = getattr(model, "layers", None)
     if cfg.recompute == "none" or layers is None:
         return
-    for i, block in enumerate(layers.values()):
+    mtp = getattr(model, "mtp", None)  # multi-token prediction depths' blocks: after the layers
+    blocks = list(layers.values()) + ([depth.block for depth in mtp.values()] if mtp is not None else [])
+    for i, block in enumerate(blocks):
         if cfg.recompute == "selective":
             _checkpoint_forward(block.attention.core)
         elif cfg.recompute == "op":

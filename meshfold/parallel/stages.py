@@ -35,12 +35,17 @@ def build_stage(cfg: Config, split: list[int], stage: int, meta: bool = False,
     model = build_on_meta(lambda: Transformer(cfg.model), dtype)
     for key in [k for k in model.layers.keys() if k not in keep]:
         del model.layers[key]
+    last = stage == len(split) - 1
     if stage > 0:
-        model.tok_embeddings = None
+        # multi-token prediction embeds the shifted tokens on the last stage: it keeps a copy of
+        # the embedding, whose gradient the executor adds to the first stage's (pipeline.py)
+        if not (last and model.mtp is not None):
+            model.tok_embeddings = None
         model.pos_embeddings = None
-    if stage < len(split) - 1:
+    if not last:
         model.norm = None
         model.output = None
+        model.mtp = None
     if not meta:
         model.to_empty(device="cpu")
         init_weights(model, cfg.model, cfg.train.seed)

@@ -604,6 +604,39 @@ def _parallelize_ffn(ffn: FeedForward, tp: TensorParallelGroup) -> None:
     _swap_class(ffn, TensorParallelFeedForward, tp=tp)
 
 
+class ReplicatedLinear(nn.Linear):
+    """A linear layer every tp rank computes whole on the same (replicated) activations."""
+
+    tp: TensorParallelGroup
+
+    def forward(self, x):
+        return F.linear(x, self.tp.replicated(self.weight), self.tp.replicated(self.bias))
+
+
+def _parallelize_block(block: nn.Module, tp: TensorParallelGroup) -> None:
+    _parallelize_norm(block.attention_norm, tp)
+    _parallelize_norm(block.ffn_norm, tp)
+    if isinstance(block.attention, MLAttention):
+        _parallelize_mla(block.attention, tp)
+    else:
+        _parallelize_attention(block.attention, tp)
+    if type(block.feed_forward) is FeedForward:
+        _parallelize_ffn(block.feed_forward, tp)
+    # MoE: left to expert parallel (parallel/expert.py splits its experts over tp and, with
+    # sp, gathers each rank's routed tokens around them)
+
+
+def _parallelize_mtp(model: Transformer, tp: TensorParallelGroup) -> None:
+    """Multi-token prediction depths (models/mtp.py; without sp, so their inputs are whole
+    on every rank): the block like the model's, the norms and ``eh_proj`` replicated."""
+    for module in (model.mtp.values() if getattr(model, "mtp", None) is not None else ()):
+        _parallelize_block(module.block, tp)
+        for norm in (module.enorm, module.hnorm, module.norm):
+            _parallelize_norm(norm, tp)
+        _distribute(module.eh_proj, "weight", tp, Replicate())
+        _swap_class(module.eh_proj, ReplicatedLinear, tp=tp)
+
+
 def parallelize_tensor(model: Transformer, dims: ParallelDims, cfg: Config) -> Transformer:
     """Apply tensor (and, with ``parallel.sp``, sequence) parallel to ``model`` in place.
     Works on a pipeline stage too (``tok_embeddings``/``norm``/``output`` may be None; under
@@ -613,17 +646,9 @@ def parallelize_tensor(model: Transformer, dims: ParallelDims, cfg: Config) -> T
     chunk = math.ceil(vocab / tp.size)
 
     for block in model.layers.values():
-        _parallelize_norm(block.attention_norm, tp)
-        _parallelize_norm(block.ffn_norm, tp)
-        if isinstance(block.attention, MLAttention):
-            _parallelize_mla(block.attention, tp)
-        else:
-            _parallelize_attention(block.attention, tp)
-        if type(block.feed_forward) is FeedForward:
-            _parallelize_ffn(block.feed_forward, tp)
-        # MoE: left to expert parallel (parallel/expert.py splits its experts over tp and, with
-        # sp, gathers each rank's routed tokens around them)
+        _parallelize_block(block, tp)
     _parallelize_norm(model.norm, tp)
+    _parallelize_mtp(model, tp)
 
     if model.tok_embeddings is not None:
         _distribute(model.tok_embeddings, "weight", tp, Shard(0))

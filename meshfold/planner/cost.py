@@ -334,6 +334,10 @@ class CostModel:
         self.w, self.c = w, cluster
         m = w.model
         self.kinds = [m.is_moe_layer(i) for i in range(m.n_layers)]
+        # multi-token prediction: one block per depth on the last stage (models/mtp.py), priced as
+        # a block of its kind (a kind the main layers lack is priced as the last layer's)
+        self.mtp_kinds = [k if k in self.kinds else self.kinds[-1]
+                          for k in (m.is_moe_layer(m.n_layers + d) for d in range(m.mtp_depth))]
         self._layer_cache: dict = {}
         self._stage_cache: dict = {}
         self._split_cache: dict = {}
@@ -345,9 +349,9 @@ class CostModel:
         self.hbm = cluster.device.hbm_GBps * 1e9
         self.bw = self.hbm * cluster.device.hbm_eff  # what streaming kernels (the optimizer) reach
         self.causal = 0.5 if w.flash else 1.0
-        self.kind_counts = {k: self.kinds.count(k) for k in set(self.kinds)}
+        self.kind_counts = {k: (self.kinds + self.mtp_kinds).count(k) for k in set(self.kinds)}
         self._links: dict = {}
-        self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * m.n_layers * self.causal)
+        self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * (m.n_layers + m.mtp_depth) * self.causal)
 
     def link(self, stride: int, n: int) -> tuple[float, float]:
         """``Cluster.link``, memoised for this model (the search asks millions of times)."""
@@ -674,6 +678,17 @@ class CostModel:
             hit = self._split_cache[key] = stage_split_of(self.w.model, n, L.pp_split)[0]
         return hit
 
+    def mtp_extra_params(self, pp: int, emb: float) -> float:
+        """A rank's parameters of the multi-token prediction depths beyond their blocks:
+        eh_proj [2h -> h] and three norms per depth (whole on every tp rank), and under pp
+        the last stage's copy of the embedding (models/mtp.py, parallel/pipeline.py)."""
+        m = self.w.model
+        if not m.mtp_depth:
+            return 0.0
+        h = m.dim
+        copy = emb if pp > 1 else 0.0  # (emb: this tp rank's rows)
+        return m.mtp_depth * (2 * h * h + 3 * h) + copy
+
     def stage_kinds(self, L: Layout) -> tuple[list[dict], int]:
         """Per pipeline rank, its blocks by kind ({is_moe: count}) over all its chunks, and
         the rank holding the last stage (the output layer): pp - 1, or 0 under zbv's V."""
@@ -690,6 +705,8 @@ class CostModel:
                     ranks[rank][self.kinds[i]] = ranks[rank].get(self.kinds[i], 0) + 1
                 start += n
             last = rank_chunk_of_stage(sched, L.pp, len(split) - 1)[0] if L.pp > 1 else 0
+            for kind in self.mtp_kinds:
+                ranks[last][kind] = ranks[last].get(kind, 0) + 1
             hit = self._stage_cache[key] = (ranks, last)
         return hit
 
@@ -712,6 +729,11 @@ class CostModel:
                 f += T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"]
                 bw += T["out_ops"][1] * T["tp_ar"] + T["norm_t"]
                 params += (0 if (m.tie_embeddings and pp == 1) else T["emb"]) + T["final_norm"]
+                if m.mtp_depth:  # each depth's head and loss, eh_proj and norms; the embedding's copy
+                    D = m.mtp_depth
+                    f += D * (T["out_fwd"] + T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"])
+                    bw += D * (T["out_bwd"] + T["out_ops"][1] * T["tp_ar"])
+                    params += self.mtp_extra_params(pp, T["emb"])
             if pp > 1:
                 f, bw = f + v * p2p, bw + v * p2p
             t_f, t_b = max(t_f, f), max(t_b, bw)
@@ -981,6 +1003,12 @@ class CostModel:
         # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
         # labels; with amp also the final norm (8h + 4; sequence-sharded under sp)
         saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens / (tp if L.sp else 1) if amp else 0.0)
+        if m.mtp_depth:  # each multi-token prediction depth's logits, targets and output norm (as the
+            # main model's: the term above once per depth), what its enorm and hnorm keep (amp: 8h + 4
+            # each) and eh_proj's [2h] input (whole under tp)
+            per_token = 2 * (8 * h + 4) + 2 * act * h if amp else 5 * act * h
+            saved_logits *= 1 + m.mtp_depth
+            saved_logits += m.mtp_depth * per_token * tokens
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
         if pp == 1:
             acts = sum(per_layer[k] * n for k, n in stage_kinds[0].items()) + stage_in
@@ -1036,7 +1064,8 @@ class CostModel:
                 if st == 0:
                     p += T["emb"] + T["pos_emb"]
                 if st == len(split) - 1:
-                    p += T["emb"] + T["final_norm"]
+                    p += T["emb"] + T["final_norm"] + self.mtp_extra_params(L.pp, T["emb"])
+                    p += sum(kinds[k][2] for k in self.mtp_kinds)
                 params.append(p)
                 start += n
             weight = (0.0, 1.0, 1.0 / max(1, n_shard))
@@ -1065,6 +1094,7 @@ class CostModel:
                 stage_bytes.append(sum(per_layer[self.kinds[i]] for i in range(start, start + n)) + stage_in)
                 start += n
             last = len(stage_bytes) - 1
+            stage_bytes[last] += sum(per_layer[k] for k in self.mtp_kinds)
             chunks = chunks_per_rank(sched, v)
             without, with_logits = [], []
             for r in range(L.pp):
@@ -1260,8 +1290,10 @@ class CostModel:
         if tp > 1:
             grad = tp_grad_bytes(w.dtype)
             moe_layers0 = stages[0].get(True, 0)
-            for part, times in (("tp_layer", layers0), ("tp_moe", moe_layers0), ("tp_first", 1),
-                                ("tp_last", 1 if last_on_rank0 else 0)):
+            # (each multi-token prediction depth embeds the shifted tokens and has its own head and loss)
+            depths = w.model.mtp_depth if last_on_rank0 else 0
+            for part, times in (("tp_layer", layers0), ("tp_moe", moe_layers0), ("tp_first", 1 + depths),
+                                ("tp_last", (1 + depths) if last_on_rank0 else 0)):
                 calls, sent, weights = T[part]
                 add("tp", n_micro * times * calls, n_micro * times * (sent + weights * grad))
         # pipeline: activations to the next stage, gradients to the previous one, per
@@ -1274,6 +1306,9 @@ class CostModel:
             add("pp", n_micro * sends, n_micro * sends * T["p2p_bytes"])
             # one all-gather of [loss sum, busy, start, end] (float64) per pp rank
             add("pp", 1, RING["all_gather"](pp) * 32 * pp)
+            if w.model.mtp_depth and not last_on_rank0:  # the embedding's gradient, exchanged with
+                # the last stage's copy (multi-token prediction; parallel/pipeline.py)
+                add("pp", 1, T["emb"] * gb)
         # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch and chunk; the work counter per step
         if cp > 1:
@@ -1434,9 +1469,13 @@ def footprint(cfg: Config, world: int, device: str | None = None) -> dict:
 
 
 def _matmul_active(m: ModelConfig) -> float:
+    """Parameters in a matmul per token in training: the layers, the output head, and each
+    multi-token prediction depth's block, eh_proj and head (``presets.flops_per_token``)."""
     total = m.vocab_size * m.dim
     for i in range(m.n_layers):
         total += attention_params(m) + ffn_params(m, i, active=True)
+    for i in range(m.n_layers, m.n_layers + m.mtp_depth):
+        total += attention_params(m) + ffn_params(m, i, active=True) + 2 * m.dim * m.dim + m.vocab_size * m.dim
     return total
 
 

@@ -120,6 +120,9 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
     sizes = ([V * h / tp] if first else []) + block * layers
     if last:
         sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
+        # multi-token prediction depths (models/mtp.py): enorm, hnorm, eh_proj (whole on every
+        # tp rank), a block, the depth's norm
+        sizes += ([h, h, 2 * h * h] + block + [h]) * m.mtp_depth
     return sizes
 
 
@@ -141,18 +144,23 @@ def moe_chunk_param_sizes(m: ModelConfig, layers: int, first: bool, last: bool,
         hd = m.head_dim
         attention = [h * m.n_heads * hd, h * m.kv_heads * hd, h * m.kv_heads * hd, m.n_heads * hd * h]
     mats = 3 if m.mlp == "swiglu" else 2
-    sizes: list[tuple[float, bool]] = [(V * h, False)] if first else []
-    for layer in range(layers):
-        sizes += [(h, False)] + [(x, False) for x in attention] + [(h, False)]
+
+    def block(layer: int) -> list[tuple[float, bool]]:
+        out = [(h, False)] + [(x, False) for x in attention] + [(h, False)]
         if not m.is_moe_layer(layer):
-            sizes += [(h * m.hidden_dim, False)] * mats
-            continue
+            return out + [(h * m.hidden_dim, False)] * mats
         E_l, e = m.moe_experts // ep, m.expert_dim
         # models/moe.py: router, stacked experts (SwiGLU: fused w13), shared experts (w1, w2, w3)
-        sizes += [(m.moe_experts * h, False), (E_l * (mats - 1) * e * h, True), (E_l * h * e, True)]
-        sizes += [(h * m.moe_shared_experts * e, False)] * (mats if m.moe_shared_experts else 0)
+        out += [(m.moe_experts * h, False), (E_l * (mats - 1) * e * h, True), (E_l * h * e, True)]
+        return out + [(h * m.moe_shared_experts * e, False)] * (mats if m.moe_shared_experts else 0)
+
+    sizes: list[tuple[float, bool]] = [(V * h, False)] if first else []
+    for layer in range(layers):
+        sizes += block(layer)
     if last:
         sizes += [(h, False)] + ([] if (m.tie_embeddings and first) else [(V * h, False)])
+        for k in range(m.mtp_depth):  # multi-token prediction depth: enorm, hnorm, eh_proj, block, norm
+            sizes += [(h, False), (h, False), (2 * h * h, False)] + block(m.n_layers + k) + [(h, False)]
     return sizes
 
 

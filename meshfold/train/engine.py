@@ -86,8 +86,9 @@ class StepEngine:
         """``module`` (the model or one pipeline chunk) on ``x`` under autocast, with the
         micro-batch's positions and, with ``data.doc_mask``, its document ids."""
         doc_ids = mb["doc_ids"] if self.use_doc_mask else None
+        extra = {"ids": mb["inputs"]} if self.cfg.model.mtp_depth else {}  # MTP embeds shifted tokens
         with self.autocast():
-            return module(x, positions=mb.get("positions"), doc_ids=doc_ids)
+            return module(x, positions=mb.get("positions"), doc_ids=doc_ids, **extra)
 
     def loss_scale(self, global_tokens: torch.Tensor) -> torch.Tensor:
         return self.grad_reducers / global_tokens.clamp(min=1)
@@ -246,6 +247,7 @@ class PipelineEngine(StepEngine):
         with self.compute_weights():
             loss_sum = self.pipe.forward_backward(micro, self.loss_scale(global_tokens), self.forward, self.loss_fn,
                                                   self.moe_aux)
+        self.pipe.sum_embedding_grads()  # multi-token prediction: the last stage's embedding copy
         self.metrics.update(self.pipe.metrics)
         t = self.cfg.train
         if step is not None and (step % max(1, t.log_every) == 0 or step == t.steps):
@@ -254,6 +256,13 @@ class PipelineEngine(StepEngine):
 
     def norm_group(self):
         return self.dims.group("pp")  # stages hold disjoint parameters
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """As one process's: the last stage's copy of the embedding (multi-token prediction)
+        is clipped but counted once, on the first stage."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_grad_norm_(params, max_norm, extra_group=self.norm_group(), device=self.device,
+                               uncounted=self.pipe.embedding_copies())
 
     def evaluate(self, batch: dict) -> torch.Tensor:
         with self.compute_weights():

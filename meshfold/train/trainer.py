@@ -40,7 +40,7 @@ from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.balanced_loader import from_config
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.loss import cross_entropy_sum, vocab_parallel_loss
+from meshfold.parallel.loss import MTPLoss, cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
 from meshfold.parallel.pipeline import Pipeline
@@ -147,10 +147,12 @@ class Trainer:
 
     def build_loss(self):
         """The token-loss sum of a batch's logits: ``cross_entropy_sum``, or its
-        vocabulary-parallel form when the logits arrive split over tp."""
-        if self.dims.distributed and self.dims.enabled("tp"):
-            return vocab_parallel_loss(self.dims, self.cfg)
-        return cross_entropy_sum
+        vocabulary-parallel form when the logits arrive split over tp; with multi-token
+        prediction, ``MTPLoss`` around it (the depths' losses computed the same way)."""
+        base = (vocab_parallel_loss(self.dims, self.cfg) if self.dims.distributed and self.dims.enabled("tp")
+                else cross_entropy_sum)
+        m = self.cfg.model
+        return MTPLoss(base, m.mtp_depth, m.mtp_loss_weight) if m.mtp_depth else base
 
     def build_engine(self) -> StepEngine:
         """This rank's model (or pipeline stages) and the step engine that runs it."""
@@ -240,6 +242,8 @@ class Trainer:
 
     def _train_step(self) -> float:
         batch = self.local_batch()
+        if isinstance(self.loss_fn, MTPLoss):
+            self.loss_fn.pop()  # a step redone (live recovery) counts its own depths' losses only
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
         loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
         self.step_metrics.update(self.engine.pop_metrics())
@@ -254,9 +258,25 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.all_reduce_sum(loss_sum) / global_tokens.double()
+        mtp = self.mtp_loss(global_tokens)
         self.step += 1
         self.step_metrics.update(self.features.after_step(self.step))  # e.g. the outer step when due
-        return float(loss)
+        loss = float(loss)
+        if mtp is not None:  # read after the loss: no second wait on the device
+            self.step_metrics["mtp_loss"] = float(mtp)
+        return loss
+
+    def mtp_loss(self, global_tokens: torch.Tensor) -> torch.Tensor | None:
+        """The step's multi-token prediction loss (mean over depths of their token losses,
+        normalised like the main loss, unweighted), on the device; None without MTP. Its sum
+        lives where the last stage ran: summed over dp/cp and pp."""
+        if not isinstance(self.loss_fn, MTPLoss):
+            return None
+        mine = self.loss_fn.pop()
+        mine = (torch.zeros((), dtype=torch.float64, device=self.device) if mine is None
+                else mine.detach().double().clone())
+        total = self.all_reduce_sum(self.all_reduce_sum(mine), "pp")
+        return total / global_tokens.double().clamp(min=1) / self.loss_fn.depth
 
     # ------------------------------------------------------------------ loop
 
