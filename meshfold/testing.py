@@ -19,7 +19,6 @@ import os
 import queue
 import socket
 import sys
-import time
 import traceback
 from typing import Any, Callable
 
@@ -132,7 +131,6 @@ class WorldPool:
             p.start()
         self.broken = False
         self.transport_threads = 0  # the most any worker holds after its last task
-        self.last_used = time.monotonic()
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
         for q in self.tasks:
@@ -157,7 +155,6 @@ class WorldPool:
             self.close(force=True)
             rank, tb = errors[0]
             raise WorkerError(f"rank {rank} of {self.world} failed in {fn.__name__}:\n{tb}")
-        self.last_used = time.monotonic()
         return out
 
     def close(self, force: bool = False) -> None:
@@ -175,21 +172,12 @@ class WorldPool:
 
 _POOLS: dict[int, WorldPool] = {}
 # Workers are replaced once they hold this many gloo transport threads: each wakes every
-# 10 ms (about 0.15 % of a core, idle), and some outlive their destroyed groups (about 3 per
+# 10 ms (about 0.1 % of a core, idle), and some outlive their destroyed groups (about 4 per
 # trainer built), so a pool kept for the whole suite would slow every later test.
-RECYCLE_AT_TRANSPORT_THREADS = 16
-# A pool of another size idle this long is closed when a pool is asked for: the suite's
-# 2-, 4- and 8-rank pools idling side by side took a third of a core (measured with ps:
-# 8 idle workers at 5 % each) from the tests that ran.
-CLOSE_IDLE_S = 20.0
+RECYCLE_AT_TRANSPORT_THREADS = 32
 
 
 def world(n: int) -> WorldPool:
-    now = time.monotonic()
-    for size, other in list(_POOLS.items()):
-        if size != n and not other.broken and now - other.last_used > CLOSE_IDLE_S:
-            other.close()
-            del _POOLS[size]
     pool = _POOLS.get(n)
     alive = pool is not None and not pool.broken and all(p.is_alive() for p in pool.procs)
     if pool is None or not alive or pool.transport_threads >= RECYCLE_AT_TRANSPORT_THREADS:
