@@ -211,7 +211,7 @@ class Pipeline:
                 if aux is not None and aux.requires_grad:  # MoE balance terms of this chunk join its backward
                     outs.append(aux)
                     grads.append(torch.ones_like(aux))
-                if self.split_backward and s > 0 and not (s == self.n_stages - 1 and self.cfg.model.mtp_depth):
+                if self._splits(s):
                     _, groups = stage_backward_input(outs, grads, [x],
                                                        master_parameters(self.model.chunks[a.chunk]))
                     wgrad[(a.chunk, a.mb)] = groups
@@ -241,6 +241,12 @@ class Pipeline:
         self._set_grad_sync("all")
         self.metrics = {}
         return self._reduce_step(loss_sum, events, wall0, span, m)
+
+    def _splits(self, stage: int) -> bool:
+        """Whether ``stage``'s backward runs as B then W (``split_backward``): never on the
+        first stage (no input to differentiate), nor on a last stage with MTP."""
+        last_with_mtp = stage == self.n_stages - 1 and self.cfg.model.mtp_depth > 0
+        return self.split_backward and stage > 0 and not last_with_mtp
 
     # ---------------------------------------------------------------- multi-token prediction
 
