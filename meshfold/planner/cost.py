@@ -1025,11 +1025,12 @@ class CostModel:
         else:
             recompute = 0.0
         # the loss's moment (parallel/loss.py's chunked cross-entropy, in backward): the logits
-        # as they came, their gradient in the same dtype, and a chunk's fp32 working copies
-        # (the upcast logits, their log-softmax or exp, its gradient, the cast back); per token
-        # the labels and the log-sum-exp. Measured on an H200 (llama3.2-1b, 8,192 tokens x
-        # 128,256, bf16; docs/gpu.md): 4.8 B per logit at the peak; this gives 4.5.
-        logits = 2 * act * tokens * V / tp + 4 * 4 * min(CHUNK_ELEMENTS, tokens * V / tp) + 8 * tokens
+        # as they came, their gradient in the same dtype, one chunk's fp32 scratch when that
+        # dtype is narrower; per token the saved label index, two masks and the log-sum-exp.
+        # An H200 measured 4.8 B per logit at the peak (llama3.2-1b, 8,192 tokens x 128,256,
+        # bf16; docs/gpu.md) when the loss kept four fp32 chunk copies, which this gave as 4.5.
+        scratch = 4 * min(CHUNK_ELEMENTS, tokens * V / tp) if act < 4 else 0.0
+        logits = 2 * act * tokens * V / tp + scratch + 14 * tokens
         buffers = 2 * min(BUCKET_BYTES, Pmax * gb) if (n_all > 1 and not fsdp) else 0.0
         reserved = c.device.reserved_gib * GiB
         memory = {**states, "gathered_params": gathered, "activations": acts,
