@@ -3,7 +3,8 @@ LlamaForCausalLM training loop of the same shape, batch, dtype and data, in one 
 
     .venv/bin/python benchmarks/throughput_vs_hf.py [--shapes debug llama-20m] [--compile|--no-compile]
 
-Both sides: AdamW (foreach), gradient clipping at 1.0, the same token batches from
+Both sides: fused AdamW (transformers' Trainer default with torch >= 2.8; meshfold's
+`train.fused_optimizer = auto`), gradient clipping at 1.0, the same token batches from
 meshfold's data pipeline, the same thread count. meshfold runs its real `Trainer.train_step`
 (data loading included); the baseline runs `model(input_ids).logits` + cross-entropy +
 backward + clip + step. Rounds alternate between the two so machine noise hits both;
@@ -59,7 +60,8 @@ def bench(shape: str, batch: int, compile_blocks: bool, rounds: int, steps: int)
 
     torch.manual_seed(0)
     model = hf_model(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    # fused: what transformers' Trainer picks by default with torch >= 2.8 ("adamw_torch_fused")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batches = [trainer.local_batch() for _ in range(4)]
 
     def hf_step(i=[0]):

@@ -26,7 +26,7 @@ import torch
 
 from meshfold.data.dataset import IGNORE_INDEX
 from meshfold.models.mtp import MTPOutput, shift_left
-from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
+from meshfold.parallel.loss_chunk import chunk_elements as device_chunk
 from meshfold.parallel.tensor import TensorParallelGroup
 
 
@@ -94,10 +94,10 @@ class _ChunkedCE(torch.autograd.Function):
         return out.view(logits.shape), None, None, None, None
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int | None = None) -> torch.Tensor:
     """Sum of token losses (labels equal to IGNORE_INDEX excluded), computed in at least fp32,
     chunked over tokens: ``_ChunkedCE`` with the whole vocabulary on this rank."""
-    return _ChunkedCE.apply(logits, labels, 0, None, chunk_elements)
+    return _ChunkedCE.apply(logits, labels, 0, None, chunk_elements or device_chunk(logits.device.type))
 
 
 class VocabParallelCrossEntropy:
@@ -110,7 +110,7 @@ class VocabParallelCrossEntropy:
         self.vocab_start = tp.rank * self.chunk
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _ChunkedCE.apply(logits, labels, self.vocab_start, self.tp, CHUNK_ELEMENTS)
+        return _ChunkedCE.apply(logits, labels, self.vocab_start, self.tp, device_chunk(logits.device.type))
 
 
 def vocab_parallel_loss(dims, cfg) -> VocabParallelCrossEntropy:
