@@ -48,6 +48,19 @@ if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
 # --------------------------------------------------------------------------- execution
 
 
+def _weight_pass(params: list, groups) -> None:
+    """torch's ``stage_backward_weight``, then each gradient it set laid out like its
+    parameter. It assigns autograd's result as it comes (a grouped GEMM's weight gradient
+    arrives transposed), where AccumulateGrad would have matched the parameter's strides;
+    fused AdamW reads them as if they did (a zbv MoE run trained on scrambled expert
+    gradients), and so do flat gradient buffers."""
+    stage_backward_weight(params, groups)
+    for p in params:
+        g = p.grad
+        if g is not None and g.stride() != p.stride():
+            p.grad = torch.empty_like(p).copy_(g)
+
+
 class PipelineModel(nn.Module):
     """This rank's stage modules (chunks), in chunk order."""
 
@@ -224,7 +237,7 @@ class Pipeline:
                 start = clock.mark()
                 groups = wgrad.pop((a.chunk, a.mb), None)
                 if groups is not None:
-                    stage_backward_weight(master_parameters(self.model.chunks[a.chunk]), groups)
+                    _weight_pass(list(master_parameters(self.model.chunks[a.chunk])), groups)
             events.append({"stage": self.rank, "chunk": a.chunk, "mb": a.mb, "kind": a.kind,
                            "start": start, "end": clock.mark()})
             self._post(*plan.batches[i + 1], outbox, micro)
