@@ -207,19 +207,17 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
                 if before is None:
                     heapq.heappush(future[r], (0.0, seq, (r, "F", c, i)))
                     seq += 1
-    todo = [4 * m] * pp
+    left_actions = 4 * m * pp + sum(1 for r in range(pp) for c in (0, 1) if links[(r, c)][0] > 0) * m  # + W
     ends: list[float] = []  # every scheduled end time, sorted
-    blocked: set[int] = set()  # ranks waiting for an action nobody has scheduled yet
-    while any(todo) or any(pending_w):
-        # Event order: the rank that is free earliest decides next (ties: lowest rank); all
-        # completions up to its clock are known, so its choice sees the true ready set.
-        if blocked:
-            waiting = [(free_at[q], q) for q in range(pp) if q not in blocked]
-            if not waiting:
-                raise RuntimeError("zbv scheduler made no progress")
-            now, r = min(waiting)
-        else:  # (the common case, without a Python key function: the planner builds many)
-            now, r = min(zip(free_at, range(pp)))
+    blocked: list[int] = []  # ranks waiting for an action nobody has scheduled yet
+    # Event order: the rank that is free earliest decides next (ties: lowest rank); all
+    # completions up to its clock are known, so its choice sees the true ready set. A
+    # heap of (free time, rank) over the ranks not blocked: one entry each.
+    clocks = [(0.0, r) for r in range(pp)]
+    while left_actions:
+        if not clocks:
+            raise RuntimeError("zbv scheduler made no progress")
+        now, r = heapq.heappop(clocks)
         while future[r] and future[r][0][0] <= now:
             _, _, a = heapq.heappop(future[r])
             if a[1] == "B":
@@ -241,21 +239,25 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
             k = bisect.bisect_right(ends, now)
             if k < len(ends):
                 free_at[r] = ends[k]
+                heapq.heappush(clocks, (ends[k], r))
             else:
-                blocked.add(r)
+                blocked.append(r)
             continue
+        for q in blocked:
+            heapq.heappush(clocks, (free_at[q], q))
         blocked.clear()
         _, kind, c, i = pick
         s, before, after = links[(r, c)]
         whole = kind == "B" and s == 0
         end = now + cost[kind] * (2 if whole else 1)
         free_at[r] = end
+        heapq.heappush(clocks, (end, r))
         bisect.insort(ends, end)
         orders[r].append(pick)
+        left_actions -= 1
         if kind == "W":
             inflight[r] -= 1  # its activations are freed only now
             continue
-        todo[r] -= 1
         if kind == "F":
             inflight[r] += 1
             unlocked = [(r, "B", c, i)] + ([(after[0], "F", after[1], i)] if after else [])
@@ -440,7 +442,7 @@ def _zbv_graph(pp: int, m: int) -> tuple[tuple[str, int, int], ...]:
     of the rank's previous action, index of the other dependency); -1 for none. Cost
     kind "b" is a whole backward (stage 0: B + W)."""
     orders = schedule_actions("zbv", pp, 1, m)
-    n_stages = 2 * pp
+    links = {(r, c): _zbv_links(pp, r, "F", c) for r in range(pp) for c in (0, 1)}
     index: dict[tuple, int] = {}
     graph: list[tuple[str, int, int]] = []
     pos, prev, left = [0] * pp, [-1] * pp, sum(len(o) for o in orders)
@@ -449,13 +451,19 @@ def _zbv_graph(pp: int, m: int) -> tuple[tuple[str, int, int], ...]:
         for r in range(pp):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                ds = [(q, d.kind, d.chunk, d.mb) for q, d in deps("zbv", pp, n_stages, a, r)]
+                s, before, after = links[(r, a.chunk)]
+                if a.kind == "F":  # (``deps``' rules, on the V's precomputed neighbours)
+                    ds = [(before[0], "F", before[1], a.mb)] if before else []
+                elif a.kind == "B":
+                    ds = [(r, "F", a.chunk, a.mb)] + ([(after[0], "B", after[1], a.mb)] if after else [])
+                else:
+                    ds = [(r, "B", a.chunk, a.mb)]
                 if not all(d in index for d in ds):
                     break
                 # A dependency on this rank ran earlier in its order, so the previous
                 # action's end covers it; zbv has at most one on another rank.
                 cross = [index[d] for d in ds if d[0] != r]
-                kind = "b" if a.kind == "B" and stage_of("zbv", pp, r, a.chunk) == 0 else a.kind
+                kind = "b" if a.kind == "B" and s == 0 else a.kind
                 graph.append((kind, prev[r], cross[0] if cross else -1))
                 index[(r, a.kind, a.chunk, a.mb)] = prev[r] = len(graph) - 1
                 pos[r] += 1
@@ -510,20 +518,46 @@ def held_counts(order: list[Action]) -> tuple[tuple[int, ...], ...]:
             moments.add(tuple(held))
         elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.mb) not in split):
             held[a.chunk] -= 1
+    return _undominated(moments)
+
+
+def _undominated(moments) -> tuple[tuple[int, ...], ...]:
+    """The moments no other matches or exceeds in every chunk, fullest first."""
     kept: list[tuple[int, ...]] = []  # (a moment's dominators have larger sums: they come first)
-    for x in sorted(moments, key=sum, reverse=True):
+    for x in sorted(moments, key=lambda x: (sum(x), x), reverse=True):
         if not any(all(q >= p for p, q in zip(x, y)) for y in kept):
             kept.append(x)
     return tuple(kept)
 
 
+def _interleaved_held(pp: int, rank: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """``held_counts`` of ``_interleaved``'s order for ``rank``, without building it (the
+    planner asks for every rank of every (pp, v, m) it prices). Counts rise only at
+    forwards: through the warm-up, then in the steady state, where forward k and backward
+    k - warmup visit chunks in patterns that repeat every pp * v: one period of moments is
+    all there are. tests/test_schedule.py checks it against ``held_counts`` of the order."""
+    total = m * v
+    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    held, moments = [0] * v, set()
+    for k in range(warmup):
+        held[(k // pp) % v] += 1
+    moments.add(tuple(held))
+    for i in range(min(total - warmup, pp * v)):
+        held[((warmup + i) // pp) % v] += 1
+        moments.add(tuple(held))
+        held[v - 1 - (i // pp) % v] -= 1
+    return _undominated(moments)
+
+
 @lru_cache(maxsize=4096)
 def rank_held_counts(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
     """``held_counts`` of pp rank ``rank``'s order in ``schedule`` (cached: the planner asks often)."""
-    if schedule == "gpipe":  # (the closed forms of the one-chunk orders)
+    if schedule == "gpipe":  # (the closed forms of the one-chunk and interleaved orders)
         return ((m,),)
     if schedule in ("1f1b", "skippipe"):
         return ((min(m, pp - rank),),)
+    if schedule == "interleaved" and virtual > 1:
+        return _interleaved_held(pp, rank, virtual, m)
     return held_counts(schedule_actions(schedule, pp, virtual, m)[rank])
 
 
@@ -531,6 +565,19 @@ def held_peak(counts: tuple[tuple[int, ...], ...], chunk_bytes) -> float:
     """The most bytes held at once: ``counts`` from ``held_counts``, ``chunk_bytes`` each
     chunk's bytes per micro-batch."""
     return max((sum(n * b for n, b in zip(c, chunk_bytes)) for c in counts), default=0.0)
+
+
+def _interleaved_grad_moments(pp: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """``rank_grad_moments`` of an interleaved order, without building it: every rank runs
+    backward k on chunk v - 1 - (k // pp) % v in the order of k (no W actions), so each
+    chunk's first and last backward follow from k alone, the same on every rank."""
+    first, last = {}, {}
+    for k in range(m * v):
+        x = v - 1 - (k // pp) % v
+        first.setdefault(x, k)
+        last[x] = k
+    return tuple(tuple(2 if x in last and last[x] < i else 1 if first.get(x, i) < i else 0 for x in range(v))
+                 for i in sorted(last.values()))
 
 
 @lru_cache(maxsize=4096)
@@ -542,7 +589,13 @@ def rank_grad_moments(schedule: str, pp: int, virtual: int, m: int, rank: int) -
     start at a chunk's first W where its backward is split (every stage but the first),
     else at its first B. The dry-run measures held gradients at these moments; the
     planner prices the fullest of them."""
-    order = schedule_actions(schedule, pp, virtual, m)[rank]
+    if schedule == "interleaved" and virtual > 1:
+        return _interleaved_grad_moments(pp, virtual, m)
+    return grad_moments(schedule, pp, rank, schedule_actions(schedule, pp, virtual, m)[rank])
+
+
+def grad_moments(schedule: str, pp: int, rank: int, order: list[Action]) -> tuple[tuple[int, ...], ...]:
+    """``rank_grad_moments`` of a given order of pp rank ``rank``."""
     has_w = {a.chunk for a in order if a.kind == "W"}
     first: dict[int, int] = {}
     last: dict[int, int] = {}

@@ -151,3 +151,31 @@ def test_p2p_delay_lands_on_cross_rank_dependencies():
     f = {(e["stage"], e["chunk"]): e for e in events if e["kind"] == "F"}
     assert f[(1, 1)]["start"] == pytest.approx(f[(1, 0)]["end"])
     assert f[(1, 0)]["start"] == pytest.approx(f[(0, 0)]["end"] + d)
+
+
+def test_interleaved_closed_forms_equal_the_order():
+    """The planner's held activations and gradient moments of interleaved orders come from
+    arithmetic (``_interleaved_held``, ``_interleaved_grad_moments``); the dry-run
+    measures the built order (``held_counts``). Both must be the same definition."""
+    from meshfold.schedule import _actions, grad_moments, held_counts, rank_grad_moments, rank_held_counts
+
+    for pp in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for m in sorted({pp, 2 * pp, 3 * pp, 5 * pp}):
+                orders = _actions("interleaved", pp, v, m)
+                for rank, order in enumerate(orders):
+                    assert rank_held_counts("interleaved", pp, v, m, rank) == held_counts(order), (pp, v, m, rank)
+                    assert rank_grad_moments("interleaved", pp, v, m, rank) == \
+                        grad_moments("interleaved", pp, rank, order), (pp, v, m, rank)
+
+
+def test_zbv_activations_do_not_grow_with_microbatches():
+    """A chunk-micro-batch holds its activations until its W; the zbv order runs deferred W
+    passes before a new micro-batch enters once 2·pp are held, so no rank ever holds more
+    than 3·pp - 1 chunk-micro-batches, whatever m (before: p = 8, m = 64 held 77)."""
+    from meshfold.schedule import held_counts
+
+    for pp in (2, 4, 8):
+        for m in (pp, 2 * pp, 4 * pp, 8 * pp):
+            held = max(sum(moment) for order in schedule_actions("zbv", pp, 1, m) for moment in held_counts(order))
+            assert held <= 3 * pp - 1, (pp, m, held)

@@ -175,10 +175,12 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
     def bubble(sched: str, v: int, pp: int, n_micro: int, t_f: float, t_b: float) -> float:
         return 0.0 if pp == 1 or free else bubble_lower_bound(sched, pp, n_micro, v, t_f, t_b)
 
-    bounds = []
+    bounds, st_terms = [], []
     smallest: dict = {}  # (pp, n_micro, t_f, t_b) -> smallest bubble: dp splits share it
     for st in sts:  # lower_bound of each structure, without building Layouts
-        n_micro, t_f, t_b, rest, sc = terms(st)
+        tt = terms(st)
+        st_terms.append(tt)
+        n_micro, t_f, t_b, rest, sc = tt
         pp = st[0]
         bub = smallest.get((pp, n_micro, t_f, t_b))
         if bub is None:
@@ -205,7 +207,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         visited += 1
         st = sts[i]
         pp = st[0]
-        n_micro, t_f, t_b, rest, _ = terms(st)
+        n_micro, t_f, t_b, rest, _ = st_terms[i]
         specs = list(variant_specs(w, st, gpipe=False))
         if best and cm.states_floor(_layout(st, 0, "1f1b", 1), {spec[0] for spec in specs}) > capacity:
             continue  # no zero stage fits its model states: no variant fits
