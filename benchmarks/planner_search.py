@@ -12,15 +12,20 @@ the median of ``--repeat`` runs, and, as a same-run baseline, exhaustive enumera
 without the search's pruning: every variant and recompute of ``--sample`` structures
 (evenly spaced over all of them) timed and scaled to all structures; the ratio is search
 CPU / exhaustive CPU. "Priced" counts the layouts whose exact step time the search computed.
+The goal is checked on the median of first runs in ``--processes`` fresh interpreters (this
+machine's CPU time varies by about 10 % between runs).
 
-    python benchmarks/planner_search.py [--repeat 3]
+    python benchmarks/planner_search.py [--repeat 3] [--processes 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from meshfold.models.presets import preset
 from meshfold.planner.cluster import load_cluster
@@ -45,10 +50,32 @@ def exhaustive_cpu(w: Workload, cluster, sample: int) -> tuple[float, int]:
     return (time.process_time() - c0) * scale, int(n * scale)
 
 
+def first_run_cpu() -> float:
+    """CPU seconds of a search in a fresh process (every cache cold), printed for the parent."""
+    w = Workload(preset("llama3-405b"), global_batch=2048)
+    cluster = load_cluster("h100", devices=16384)
+    c0 = time.process_time()
+    search(w, cluster, top=10)
+    return time.process_time() - c0
+
+
+def fresh_processes(n: int) -> list[float]:
+    """``first_run_cpu`` in ``n`` fresh interpreters, one after another: a shared machine's
+    CPU time varies by 10 % from run to run, so the goal is checked on their median."""
+    out = []
+    for _ in range(n):
+        code = "import planner_search as p; print(p.first_run_cpu())"
+        res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, check=True)
+        out.append(float(res.stdout.split()[-1]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--sample", type=int, default=400)
+    ap.add_argument("--processes", type=int, default=5, help="fresh processes timing a first run")
     args = ap.parse_args()
     w = Workload(preset("llama3-405b"), global_batch=2048)
     cluster = load_cluster("h100", devices=16384)
@@ -70,8 +97,12 @@ def main() -> None:
     base, layouts = exhaustive_cpu(w, cluster, args.sample)
     print(f"  baseline, exhaustive evaluation (extrapolated from {args.sample} structures): ~{layouts:,} layouts, "
           f"~{base:.1f} s CPU; search / exhaustive = {cpu / base:.3f}")
-    print(f"  goal <= 1 s CPU (first run): {'met' if cpus[0] <= 1.0 else 'NOT met'} "
-          f"(ratio to goal {cpus[0] / 1.0:.2f})")
+    firsts = fresh_processes(args.processes) if args.processes else [cpus[0]]
+    first = statistics.median(firsts)
+    print(f"  first runs in {len(firsts)} fresh processes: {', '.join(f'{c:.2f}' for c in firsts)} s CPU, "
+          f"median {first:.2f}")
+    print(f"  goal <= 1 s CPU (first run, median): {'met' if first <= 1.0 else 'NOT met'} "
+          f"(ratio to goal {first / 1.0:.2f})")
 
 
 if __name__ == "__main__":

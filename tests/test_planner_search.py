@@ -1,7 +1,7 @@
 """The planner search's shortcuts against the straightforward pricing: the fast paths it
 prices with (``step_time``, ``peak_memory``) give exactly ``estimate``'s numbers, and what
-it prunes with (``lower_bound``, ``step_bound``, ``memory_floor``, ``bubble_lower_bound``)
-never exceeds them (``states_floor`` under ``memory_floor`` too), on seeded samples of layouts; and the ranked list, ties included, is
+it prunes with (``lower_bound``, ``step_bound``, ``memory_floor``, ``bubble_lower_bound``,
+``activations_if_known`` with the floor's states but gradients) never exceeds them (``states_floor`` under ``memory_floor`` too), on seeded samples of layouts; and the ranked list, ties included, is
 brute force's. Its speed is tracked by benchmarks/planner_search.py, not here."""
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ def test_fast_pricing_and_bounds_against_estimate(case):
                 Lr = _with_recompute(L, r)
                 ref = (shared or CostModel(w, cluster)).estimate(Lr, detail=False)
                 assert fast.step_time(Lr) == ref.step_time_s, Lr.short()
+                known = fast.activations_if_known(Lr)  # (from a variant with another zero stage)
                 assert fast.peak_memory(Lr) == ref.peak_mem_bytes, Lr.short()
+                acts = fast.activations_if_known(Lr)
+                assert known is None or known == acts, Lr.short()
+                with_grads, grads = fast.memory_floor(Lr, with_grads=True)
+                assert with_grads - grads + acts <= ref.peak_mem_bytes, Lr.short()
                 assert fast.estimate(Lr).step_time_s == ref.step_time_s
                 assert bound <= ref.step_time_s and step_bound <= ref.step_time_s, Lr.short()
                 assert floor <= ref.peak_mem_bytes, Lr.short()

@@ -339,9 +339,11 @@ class CostModel:
         self.mtp_kinds = [k if k in self.kinds else self.kinds[-1]
                           for k in (m.is_moe_layer(m.n_layers + d) for d in range(m.mtp_depth))]
         self._layer_cache: dict = {}
+        self._gemm_cache: dict = {}  # a block's GEMM times per (tokens, tp, MoE)
         self._stage_cache: dict = {}
         self._split_cache: dict = {}
         self._held_cache: dict = {}  # _held's per-rank activations
+        self._acts_cache: dict = {}  # _memory's activations, for ``activations_if_known``
         self._stage_sum_cache: dict = {}
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
@@ -492,10 +494,13 @@ class CostModel:
         for moe in set(self.kinds):
             ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
             ffn_total = ffn_params(m, 0 if not moe else self.kinds.index(True))
-            if d.gemm_tile:  # each linear layer's GEMM by its shape
+            gkey = (tokens, tp, moe)  # (sp, cp's mode and the recompute change no GEMM)
+            gemms = self._gemm_cache.get(gkey)
+            if gemms is None and d.gemm_tile:  # each linear layer's GEMM by its shape
                 gemms = [gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in layer_gemms(m, tp, moe)]
-            else:  # a calibrated rate: FLOPs over it (the form calibrate solves)
+            elif gemms is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
                 gemms = [2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)]
+            self._gemm_cache[gkey] = gemms
             ew_all, ew_attn, ew_sums = elementwise_bytes(m, tokens, s, tp, sp, act, amp, w.flash, w.dropout,
                                                          w.kernels, moe)
             if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
@@ -1016,6 +1021,7 @@ class CostModel:
         else:  # every rank's chunks, each held from its forward to its backward in the rank's order
             held, held_logits = self._held(L, per_layer, stage_in, saved_logits, n_micro)
             acts = max(held)
+        self._acts_cache[self._acts_key(L, T, n_micro)] = acts
         # the recompute working set while one block is recomputed and run backward: under full,
         # all of its activations; under op, what the policy did not keep
         if full:
@@ -1124,10 +1130,27 @@ class CostModel:
         top = max(range(len(ranks)), key=lambda r: (sum(ranks[r].values()), stage_params[r]))
         return ranks[top], zero, accumulate, moe_layers
 
-    def memory_floor(self, L: Layout) -> float:
+    def _acts_key(self, L: Layout, T: dict, n_micro: int) -> tuple:
+        # what _memory's activations depend on: the layer terms (tp, sp, cp, ep, micro-batch,
+        # recompute), the schedule and its split, the micro-batches; not the zero stage or
+        # how dp splits into shards and replicas
+        sched = L.pp_schedule if L.pp > 1 else ""
+        return id(T), L.pp, sched, L.pp_virtual_stages if sched == "interleaved" else 1, tuple(L.pp_split), n_micro
+
+    def activations_if_known(self, L: Layout) -> float | None:
+        """``peak_memory``'s activation term for ``L`` if a layout differing only in its zero
+        stage or dp split was already priced, else None. With the model states other than
+        gradients (``memory_floor``'s, which a sharded gradient share can undercut) it floors
+        the peak, so the search skips most layouts that do not fit without pricing them."""
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
+                             L.ep_overlap_chunks)
+        return self._acts_cache.get(self._acts_key(L, T, self.w.global_batch // L.dp // L.micro_batch))
+
+    def memory_floor(self, L: Layout, with_grads: bool = False):
         """Bytes ``L`` needs with any recompute: the fullest rank's model states and the
         reserved memory, which the peak holds whatever else it holds (the search skips a
-        variant whose floor does not fit without checking each recompute's peak)."""
+        variant whose floor does not fit without checking each recompute's peak).
+        ``with_grads``: (that, the gradients in it)."""
         n_micro = self.w.global_batch // L.dp // L.micro_batch
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
                              L.ep_overlap_chunks)
@@ -1138,7 +1161,8 @@ class CostModel:
         if hit is None:
             hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
         states = self._top_states(L, T, hit[3], n_micro)[0]
-        return sum(states.values()) + self.c.device.reserved_gib * GiB
+        floor = sum(states.values()) + self.c.device.reserved_gib * GiB
+        return (floor, states["grads"]) if with_grads else floor
 
     def states_floor(self, L: Layout, zeros) -> float:
         """A floor under ``memory_floor`` of every variant of ``L``'s structure (pp, dp,

@@ -221,14 +221,19 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
                 if vb >= -best[0][0]:
                     continue
             L = _layout(st, zero, sched, v, chunks)
-            if best and cm.memory_floor(L) > capacity:
-                continue  # its model states alone do not fit, whatever the recompute
+            if best:
+                floor, grads = cm.memory_floor(L, with_grads=True)
+                if floor > capacity:
+                    continue  # its model states alone do not fit, whatever the recompute
             # then its exact stages, zero stage and traffic (cheaper than a memory check)
             if len(best) >= top and cm.step_bound(L) >= -best[0][0]:  # (no recompute: a bound
                 continue  # for every recompute)
             for k, r in enumerate(recomputes(sched)):
                 Lr = L if k == 0 else _with_recompute(L, r)
                 if best:
+                    acts = cm.activations_if_known(Lr)  # (a floor, without gradients)
+                    if acts is not None and floor - grads + acts > capacity:
+                        continue  # does not fit (known without pricing it)
                     if k > 0 and len(best) >= top and cm.step_bound(Lr) >= -best[0][0]:
                         break  # neither this recompute nor a larger one can rank (k = 0: bounded above)
                     if cm.peak_memory(Lr) > capacity:
