@@ -552,16 +552,16 @@ class CostModel:
                 params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
-        # cross-entropy's memory-bound passes per logit (forward: fp32 upcast a + 4,
-        # log-softmax's three reads and one write 16; backward: the gradient's fill 4,
-        # log-softmax backward 16, the downcast 4 + a)
+        # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
+        # a, the shifted fp32 copy a + 4, exp 8, the sum 4; backward: the shifted copy a + 4,
+        # exp 8, the scale 8, the cast into the gradient 4 + a)
         if d.gemm_tile:
             logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8)
         else:
             logits_gemm = 2 * h * V / tp * tokens / (peak * eff)
         ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
-        out_fwd = logits_gemm + (act + 20) * ce if d.gemm_tile else logits_gemm + ce
-        out_bwd = 2 * logits_gemm + (act + 24) * ce if d.gemm_tile else 2 * out_fwd
+        out_fwd = logits_gemm + (2 * act + 16) * ce if d.gemm_tile else logits_gemm + ce
+        out_bwd = 2 * logits_gemm + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
         # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
         # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:
