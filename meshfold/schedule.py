@@ -256,15 +256,13 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
         orders[r].append(pick)
         left_actions -= 1
         if kind == "W":
-            inflight[r] -= 1  # its activations are freed only now
             continue
         if kind == "F":
             inflight[r] += 1
             unlocked = [(r, "B", c, i)] + ([(after[0], "F", after[1], i)] if after else [])
         else:
-            if whole:
-                inflight[r] -= 1
-            else:
+            inflight[r] -= 1
+            if not whole:
                 pending_w[r].append((r, "W", c, i))
             unlocked = [(before[0], "B", before[1], i)] if before else []
         for d in unlocked:
