@@ -225,9 +225,13 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
                 floor, grads = cm.memory_floor(L, with_grads=True)
                 if floor > capacity:
                     continue  # its model states alone do not fit, whatever the recompute
-            # then its exact stages, zero stage and traffic (cheaper than a memory check)
-            if len(best) >= top and cm.step_bound(L) >= -best[0][0]:  # (no recompute: a bound
-                continue  # for every recompute)
+            # without recompute it may be known not to fit (a sibling's activations); else its
+            # exact stages, zero stage and traffic bound every recompute (cheaper than a memory
+            # check); a recompute that may fit is bounded on its own below
+            acts = cm.activations_if_known(L) if best else None
+            none_fails = acts is not None and floor - grads + acts > capacity
+            if not none_fails and len(best) >= top and cm.step_bound(L) >= -best[0][0]:
+                continue
             for k, r in enumerate(recomputes(sched)):
                 Lr = L if k == 0 else _with_recompute(L, r)
                 if best:
