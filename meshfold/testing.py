@@ -201,6 +201,28 @@ def _shutdown() -> None:
 # --------------------------------------------------------------------------- equivalence
 
 
+def save_random_hf_model(folder, config, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """A ``transformers`` causal LM built from ``config`` (a transformers config), in
+    ``dtype``, saved to ``folder`` and returned. transformers starts norms at 1 and biases
+    at 0, where a swapped or dropped weight would not show: norms are drawn from
+    U(0.5, 1.5), biases (and buffers such as DeepSeek's routing-correction bias) from
+    N(0, 0.25)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not t.is_floating_point():
+                continue
+            if "norm" in name:
+                t.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                t.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
 def tiny_config(run_dir: str, **sections) -> dict:
     """A float64 config small enough for many multi-process tests on 2 CPU cores.
     ``sections`` update the defaults, e.g. ``parallel={"tp": 2}``."""

@@ -15,7 +15,7 @@ from meshfold.cli import main
 from meshfold.config import ModelConfig
 from meshfold.convert import check_hf, load_model, read_checkpoint_model
 from meshfold.models.llama import Transformer, rope_frequencies
-from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+from meshfold.testing import assert_runs_match, run_on, save_random_hf_model, tiny_config, train_collect
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,17 +49,7 @@ FAMILIES = {
 
 def hf_model(folder, family: str, dtype=torch.float64, seed: int = 0):
     cls, extra = FAMILIES[family]
-    cfg = getattr(transformers, cls)(**{**BASE, **extra})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-    with torch.no_grad():  # transformers starts norms at 1 and biases at 0: randomise so swaps show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf_model(folder, getattr(transformers, cls)(**{**BASE, **extra}), dtype, seed)
 
 
 def tokens(seed: int, batch: int = 3) -> torch.Tensor:

@@ -19,7 +19,7 @@ from meshfold.models.hf import model_config_from_hf
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import MoE
 from meshfold.models.presets import param_count, preset
-from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+from meshfold.testing import assert_runs_match, run_on, save_random_hf_model, tiny_config, train_collect
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,19 +47,9 @@ FAMILIES = {
 }
 
 
-def hf_model(folder, family: str, dtype=torch.float64):
+def hf_model(folder, family: str, dtype=torch.float64, seed: int = 0):
     cls, extra = FAMILIES[family]
-    cfg = getattr(transformers, cls)(**{**BASE, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-    with torch.no_grad():  # norms start at 1 and the correction bias at 0: randomise so swaps show
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name:
-                t.uniform_(0.5, 1.5)
-            elif name.endswith("e_score_correction_bias"):
-                t.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf_model(folder, getattr(transformers, cls)(**{**BASE, **extra}), dtype, seed)
 
 
 def tokens(seed: int, batch: int = 3) -> torch.Tensor:
