@@ -123,18 +123,29 @@ def _one_f_one_b(pp: int, rank: int, m: int) -> list[Action]:
     return out + [Action("B", 0, i) for i in range(m - warmup, m)]
 
 
+def _interleaved_warmup(pp: int, rank: int, v: int, m: int) -> int:
+    """Forwards ``rank`` runs before its first backward in ``_interleaved``."""
+    return m * v if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+
+
+def _interleaved_chunk(kind: str, k: int, pp: int, v: int) -> int:
+    """The chunk of the k-th forward (or backward) of an interleaved order: groups of pp
+    micro-batches per chunk, backward through the chunks in reverse."""
+    return (k // pp) % v if kind == "F" else v - 1 - (k // pp) % v
+
+
 def _interleaved(pp: int, rank: int, v: int, m: int) -> list[Action]:
     """Megatron's interleaved 1F1B: micro-batches go in groups of pp through chunk 0, then
     the same group through chunk 1, ...; backward visits chunks in reverse."""
     total = m * v
 
     def fwd(k: int) -> Action:
-        return Action("F", (k // pp) % v, (k // (pp * v)) * pp + k % pp)
+        return Action("F", _interleaved_chunk("F", k, pp, v), (k // (pp * v)) * pp + k % pp)
 
     def bwd(k: int) -> Action:
-        return Action("B", v - 1 - (k // pp) % v, (k // (pp * v)) * pp + k % pp)
+        return Action("B", _interleaved_chunk("B", k, pp, v), (k // (pp * v)) * pp + k % pp)
 
-    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    warmup = _interleaved_warmup(pp, rank, v, m)
     out = [fwd(k) for k in range(warmup)]
     for i in range(total - warmup):
         out += [fwd(warmup + i), bwd(i)]
@@ -207,7 +218,7 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
                 if before is None:
                     heapq.heappush(future[r], (0.0, seq, (r, "F", c, i)))
                     seq += 1
-    left_actions = 4 * m * pp + sum(1 for r in range(pp) for c in (0, 1) if links[(r, c)][0] > 0) * m  # + W
+    left_actions = 4 * m * pp + (2 * pp - 1) * m  # F and B on both chunks; a W for every stage but 0
     ends: list[float] = []  # every scheduled end time, sorted
     blocked: list[int] = []  # ranks waiting for an action nobody has scheduled yet
     # Event order: the rank that is free earliest decides next (ties: lowest rank); all
@@ -534,16 +545,15 @@ def _interleaved_held(pp: int, rank: int, v: int, m: int) -> tuple[tuple[int, ..
     forwards: through the warm-up, then in the steady state, where forward k and backward
     k - warmup visit chunks in patterns that repeat every pp * v: one period of moments is
     all there are. tests/test_schedule.py checks it against ``held_counts`` of the order."""
-    total = m * v
-    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    total, warmup = m * v, _interleaved_warmup(pp, rank, v, m)
     held, moments = [0] * v, set()
     for k in range(warmup):
-        held[(k // pp) % v] += 1
+        held[_interleaved_chunk("F", k, pp, v)] += 1
     moments.add(tuple(held))
     for i in range(min(total - warmup, pp * v)):
-        held[((warmup + i) // pp) % v] += 1
+        held[_interleaved_chunk("F", warmup + i, pp, v)] += 1
         moments.add(tuple(held))
-        held[v - 1 - (i // pp) % v] -= 1
+        held[_interleaved_chunk("B", i, pp, v)] -= 1
     return _undominated(moments)
 
 
@@ -571,7 +581,7 @@ def _interleaved_grad_moments(pp: int, v: int, m: int) -> tuple[tuple[int, ...],
     chunk's first and last backward follow from k alone, the same on every rank."""
     first, last = {}, {}
     for k in range(m * v):
-        x = v - 1 - (k // pp) % v
+        x = _interleaved_chunk("B", k, pp, v)
         first.setdefault(x, k)
         last[x] = k
     return tuple(tuple(2 if x in last and last[x] < i else 1 if first.get(x, i) < i else 0 for x in range(v))

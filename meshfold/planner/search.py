@@ -221,10 +221,9 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
                 if vb >= -best[0][0]:
                     continue
             L = _layout(st, zero, sched, v, chunks)
-            if best:
-                floor, grads = cm.memory_floor(L, with_grads=True)
-                if floor > capacity:
-                    continue  # its model states alone do not fit, whatever the recompute
+            floor, grads = cm.memory_floor(L, with_grads=True) if best else (0.0, 0.0)
+            if floor > capacity:
+                continue  # its model states alone do not fit, whatever the recompute
             # without recompute it may be known not to fit (a sibling's activations); else its
             # exact stages, zero stage and traffic bound every recompute (cheaper than a memory
             # check); a recompute that may fit is bounded on its own below
