@@ -93,15 +93,35 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos() * scale, angles.sin() * scale
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos/sin: [batch or 1, seq, head_dim/2]. Each
-    interleaved pair (x[2i], x[2i+1]) turns by one complex multiply, as Meta's reference and
-    torchtitan do it: forward and backward in two kernels, where the pairwise real form took
-    ten strided ones (10x the time on this CPU, [8, 256, 6, 64])."""
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x's interleaved pairs (x[2i], x[2i+1]) turned by (cos, sin), as one complex multiply."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     pairs = torch.view_as_complex(x.to(dtype).contiguous().unflatten(-1, (-1, 2)))
     turn = torch.complex(cos.to(dtype), sin.to(dtype)).unsqueeze(2)
     return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
+
+
+class _Rotary(torch.autograd.Function):
+    """RoPE as one complex multiply each way (Meta's reference and torchtitan multiply by a
+    complex table too): forward and backward in two kernels, where the pairwise real form
+    took ten strided ones (10x the time on this CPU, [8, 256, 6, 64]). It keeps the shared
+    cos/sin tables for backward, not the complex table each call builds, which autograd
+    would keep per call (q and k of every layer)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _turn(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _turn(grad, cos, -sin), None, None  # the inverse turn (cos and sin of -angle)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; cos/sin: [batch or 1, seq, head_dim/2]."""
+    return _Rotary.apply(x, cos, sin)
 
 
 def document_causal_mask(doc_ids_q: torch.Tensor, doc_ids_k: torch.Tensor, pos_q: torch.Tensor,

@@ -388,7 +388,6 @@ class HostOffloadAdamW(torch.optim.AdamW):
     memory then holds only the (possibly low-precision) parameters and gradients."""
 
     def __init__(self, groups: list[dict], **adam_kwargs):
-        adam_kwargs.pop("fused", None)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         host_groups = []
         for group in groups:
@@ -444,7 +443,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
         split = [[g for g in part if g["params"]] for part in split]
         groups = split[0] + split[1]
     if zero_one and experts:  # dense state over dp_shard_cp, experts' over edp
-        kwargs.pop("fused", None)
         dtype = weights.dtype if weights is not None else None
         opt = ExpertSplitAdamW([ShardedAdamW(part, group, dtype, **kwargs)
                                 for part, group in zip(split, (dims.group("dp_shard_cp"), edp.get_group()))])
@@ -452,14 +450,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
             weights.source = opt
         return opt
     if zero_one and (sharded or weights is not None):
-        kwargs.pop("fused", None)
         opt = ShardedAdamW(groups, dims.group("dp_shard_cp"), weights.dtype if weights is not None else None,
                            **kwargs)
         if weights is not None and opt.compute_dtype is not None:
             weights.source = opt
         return opt
     if zero_one:
-        kwargs.pop("fused", None)
         return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)
     if cfg.offload == "optimizer":
         return HostOffloadAdamW(groups, **kwargs)
