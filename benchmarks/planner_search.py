@@ -50,10 +50,14 @@ def exhaustive_cpu(w: Workload, cluster, sample: int) -> tuple[float, int]:
     return (time.process_time() - c0) * scale, int(n * scale)
 
 
+def case():
+    """The benchmark's workload and cluster: Llama 3 405B, 2048 sequences, 16,384 H100s."""
+    return Workload(preset("llama3-405b"), global_batch=2048), load_cluster("h100", devices=16384)
+
+
 def first_run_cpu() -> float:
     """CPU seconds of a search in a fresh process (every cache cold), printed for the parent."""
-    w = Workload(preset("llama3-405b"), global_batch=2048)
-    cluster = load_cluster("h100", devices=16384)
+    w, cluster = case()
     c0 = time.process_time()
     search(w, cluster, top=10)
     return time.process_time() - c0
@@ -77,8 +81,7 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=400)
     ap.add_argument("--processes", type=int, default=5, help="fresh processes timing a first run")
     args = ap.parse_args()
-    w = Workload(preset("llama3-405b"), global_batch=2048)
-    cluster = load_cluster("h100", devices=16384)
+    w, cluster = case()
     cpus, walls = [], []
     res = None
     for _ in range(args.repeat):
