@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -190,63 +191,72 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
     runs a ready B (input grad, on the critical path), else a ready F (the deeper chunk
     first; a new micro-batch enters chunk 0 only while fewer than 2·pp chunk-micro-batches
     hold activations), else a pending W (weight grads fill the bubbles).
-    Stage 0's backward is whole (no input to differentiate), so it has no W.
+    Stage 0's backward is whole (no input to differentiate), so it has no W and takes two
+    units.
 
     Event driven: an action's ready time is known once all its dependencies (``deps``)
     are scheduled; each rank keeps the actions that are ready (heaps in pick order) and
-    those that will be (a heap by ready time), so a decision costs O(log n). Actions are
-    (rank, kind, chunk, mb) tuples here (cheap to hash)."""
-    links = {(r, c): _zbv_links(pp, r, "F", c) for r in range(pp) for c in (0, 1)}
-    cost = {"F": 1.0, "B": 1.0, "W": 1.0}
-    orders: list[list[tuple]] = [[] for _ in range(pp)]
-    free_at = [0.0] * pp
-    pending_w: list[list[tuple]] = [[] for _ in range(pp)]
-    inflight = [0] * pp
-    left: dict[tuple, int] = {}  # action -> dependencies not yet scheduled
-    ready_at: dict[tuple, float] = {}
+    those that will be (a heap by ready time), so a decision costs O(log n). Inside, an
+    action is the integer ((rank * 2 + chunk) * 3 + kind) * m + mb, kind 0 F, 1 B, 2 W: the
+    planner builds these orders for every (pp, m) it prices, so the loop stays on ints and
+    lists; the returned Actions are shared between ranks (they are immutable)."""
+    links = [[_zbv_links(pp, r, "F", c) for c in (0, 1)] for r in range(pp)]
+    per_chunk = 3 * m  # ids of one (rank, chunk): its F, B and W of every micro-batch
+
+    def split(a: int) -> tuple[int, int, int, int]:  # (rank, kind, chunk, mb)
+        rc, rest = divmod(a, per_chunk)
+        return rc >> 1, rest // m, rc & 1, rest % m
+
+    n = pp * 2 * per_chunk
+    left = [0] * n  # dependencies not yet scheduled
+    ready_at = [0] * n
     future: list[list[tuple]] = [[] for _ in range(pp)]  # (ready time, seq, action)
-    ready_b: list[list] = [[] for _ in range(pp)]  # (mb, -stage, action)
-    ready_f: list[list] = [[] for _ in range(pp)]  # (-chunk, mb, action)
-    seq = 0
     for r in range(pp):
         for c in (0, 1):
-            s, before, after = links[(r, c)]
-            for i in range(m):
-                left[(r, "F", c, i)] = 0 if before is None else 1
-                left[(r, "B", c, i)] = 1 if after is None else 2
-                ready_at[(r, "F", c, i)] = ready_at[(r, "B", c, i)] = 0.0
-                if before is None:
-                    heapq.heappush(future[r], (0.0, seq, (r, "F", c, i)))
-                    seq += 1
+            _, before, after = links[r][c]
+            base = (r * 2 + c) * per_chunk
+            left[base:base + m] = [0 if before is None else 1] * m
+            left[base + m:base + 2 * m] = [1 if after is None else 2] * m
+            if before is None:  # (in order: already a heap)
+                future[r].extend((0, i, base + i) for i in range(m))
+    seq = n  # ties in ready time: first unlocked first
+    orders: list[list[int]] = [[] for _ in range(pp)]
+    free_at = [0] * pp
+    pending_w: list[deque] = [deque() for _ in range(pp)]
+    inflight = [0] * pp
+    ready_b: list[list] = [[] for _ in range(pp)]  # (mb, -stage, action)
+    ready_f: list[list] = [[] for _ in range(pp)]  # (-chunk, mb, action)
+    budget = 2 * pp
     left_actions = 4 * m * pp + (2 * pp - 1) * m  # F and B on both chunks; a W for every stage but 0
-    ends: list[float] = []  # every scheduled end time, sorted
+    ends: list[int] = []  # every scheduled end time, sorted
     blocked: list[int] = []  # ranks waiting for an action nobody has scheduled yet
     # Event order: the rank that is free earliest decides next (ties: lowest rank); all
     # completions up to its clock are known, so its choice sees the true ready set. A
     # heap of (free time, rank) over the ranks not blocked: one entry each.
-    clocks = [(0.0, r) for r in range(pp)]
+    clocks = [(0, r) for r in range(pp)]
     while left_actions:
         if not clocks:
             raise RuntimeError("zbv scheduler made no progress")
         now, r = heapq.heappop(clocks)
-        while future[r] and future[r][0][0] <= now:
-            _, _, a = heapq.heappop(future[r])
-            if a[1] == "B":
-                heapq.heappush(ready_b[r], (a[3], -links[(r, a[2])][0], a))
+        fut = future[r]
+        while fut and fut[0][0] <= now:
+            a = heapq.heappop(fut)[2]
+            _, kind, c, i = split(a)
+            if kind == 1:
+                heapq.heappush(ready_b[r], (i, -links[r][c][0], a))
             else:
-                heapq.heappush(ready_f[r], (-a[2], a[3], a))
-        pick = None
+                heapq.heappush(ready_f[r], (-c, i, a))
+        pick = -1
         if ready_b[r]:
             pick = heapq.heappop(ready_b[r])[2]
         elif ready_f[r]:
             # Deeper chunk first (it drains toward the loss); a new micro-batch enters
             # chunk 0 only within the activation budget.
-            f = ready_f[r][0][2]
-            if f[2] == 1 or inflight[r] < 2 * pp:
+            if ready_f[r][0][0] == -1 or inflight[r] < budget:
                 pick = heapq.heappop(ready_f[r])[2]
-        if pick is None and pending_w[r]:
-            pick = pending_w[r].pop(0)
-        if pick is None:  # idle until the next completion, or until another rank schedules one
+        if pick < 0 and pending_w[r]:
+            pick = pending_w[r].popleft()
+        if pick < 0:  # idle until the next completion, or until another rank schedules one
             k = bisect.bisect_right(ends, now)
             if k < len(ends):
                 free_at[r] = ends[k]
@@ -257,32 +267,35 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
         for q in blocked:
             heapq.heappush(clocks, (free_at[q], q))
         blocked.clear()
-        _, kind, c, i = pick
-        s, before, after = links[(r, c)]
-        whole = kind == "B" and s == 0
-        end = now + cost[kind] * (2 if whole else 1)
+        _, kind, c, i = split(pick)
+        s, before, after = links[r][c]
+        whole = kind == 1 and s == 0
+        end = now + (2 if whole else 1)
         free_at[r] = end
         heapq.heappush(clocks, (end, r))
         bisect.insort(ends, end)
         orders[r].append(pick)
         left_actions -= 1
-        if kind == "W":
+        if kind == 2:
             continue
-        if kind == "F":
+        if kind == 0:
             inflight[r] += 1
-            unlocked = [(r, "B", c, i)] + ([(after[0], "F", after[1], i)] if after else [])
+            unlocked = [pick + m] + ([((after[0] * 2 + after[1]) * 3) * m + i] if after else [])
         else:
             inflight[r] -= 1
             if not whole:
-                pending_w[r].append((r, "W", c, i))
-            unlocked = [(before[0], "B", before[1], i)] if before else []
+                pending_w[r].append(pick + m)
+            unlocked = [((before[0] * 2 + before[1]) * 3 + 1) * m + i] if before else []
         for d in unlocked:
-            ready_at[d] = max(ready_at[d], end)
+            if ready_at[d] < end:
+                ready_at[d] = end
             left[d] -= 1
             if left[d] == 0:
-                heapq.heappush(future[d[0]], (ready_at[d], seq, d))
+                heapq.heappush(future[d // (2 * per_chunk)], (ready_at[d], seq, d))
                 seq += 1
-    return [[Action(k, c, i) for _, k, c, i in order] for order in orders]
+    table = [Action(kind, c, i) for kind in "FBW" for c in (0, 1) for i in range(m)]
+    return [[table[((a % per_chunk) // m * 2 + (a // per_chunk & 1)) * m + a % m] for a in order]
+            for order in orders]
 
 
 # --------------------------------------------------------------------------- simulation
@@ -402,12 +415,20 @@ def pipeline_time(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float
 
 def bubble_lower_bound(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> float:
     """A bubble ``pipeline_time`` never goes below, without replaying any order (the
-    planner's search bounds layouts with it). The closed forms are exact; zbv: rank
-    pp - 1 starts once micro-batch 0 went forward through the pp - 1 stages before it,
-    and then runs all its 2m F, B and W (m (t_f + t_b), none of them stage 0's) one
-    after another, so the step takes at least (pp - 1) forward chunks more than that."""
+    planner's search bounds layouts with it). The closed forms are exact; zbv's is the
+    larger of two paths every V order has, with chunk costs F, B, W and the busy time of
+    a rank m (t_f + t_b) = 2m (F + B + W):
+    - rank pp - 1 starts once micro-batch 0 went forward through the pp - 1 stages
+      before it, then runs all its work one action after another: (pp - 1) F;
+    - the micro-batch that enters stage 0 last does so after the other m - 1 (rank 0
+      runs them one by one), then goes forward through all 2 pp stages, backward through
+      the 2 pp - 1 above stage 0 and through stage 0 whole (B + W):
+      (m - 1 + 2 pp) F + 2 pp B + W, which bounds few micro-batches (m < pp) better."""
     if schedule == "zbv" and pp > 1:
-        return (pp - 1) * chunk_costs("zbv", 1, t_f, t_b)["F"]
+        c = chunk_costs("zbv", 1, t_f, t_b)
+        f, b, w = c["F"], c["B"], c["W"]
+        one_microbatch = (m - 1 + 2 * pp) * f + 2 * pp * b + w - 2 * m * (f + b + w)
+        return max((pp - 1) * f, one_microbatch)
     return pipeline_time(schedule, pp, m, v, t_f, t_b)[1]
 
 

@@ -1173,8 +1173,8 @@ class CostModel:
         if True in self.kind_counts:
             return 0.0
         ep, u = max(1, L.ep), L.cp_ulysses
-        n_micro = self.bound_terms(L.pp, L.dp_shard, L.dp, L.cp, L.tp, L.sp, L.cp_mode, ep, L.micro_batch, u)[0]
-        P = self._bound_sums[(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, u)][2] / L.pp
+        n_micro = self.w.global_batch // L.dp // L.micro_batch
+        P = self.bound_sums(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, u)[2] / L.pp
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, "none", u)
         shard = L.dp_shard * L.cp > 1
         return min(sum(self._model_states(L, T, P, 0, z if shard else 0, n_micro > 1).values())
@@ -1396,18 +1396,7 @@ class CostModel:
         and the data-parallel terms per (stage parameters, tp, shards, replicas): the
         search asks for every structure."""
         w = self.w
-        tkey = (tp, sp, cp, cp_mode, ep, b, ulysses)
-        sums = self._bound_sums.get(tkey)
-        if sums is None:
-            # with ep > 1 the least of every exchange chunking the search tries (EP_CHUNKS)
-            options = []
-            for chunks in (EP_CHUNKS if ep > 1 else (1,)):
-                T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses, chunks)
-                kinds, counts = T["kinds"], self.kind_counts
-                options.append((sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"],
-                                sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"],
-                                sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"]))
-            sums = self._bound_sums[tkey] = tuple(min(o[i] for o in options) for i in range(3))
+        sums = self.bound_sums(tp, sp, cp, cp_mode, ep, b, ulysses)
         n_micro = w.global_batch // dp // b
         # the slowest stage is at least the average one, whatever the split or schedule
         t_f, t_b, P = sums[0] / pp, sums[1] / pp, sums[2] / pp  # P: the average stage's parameters
@@ -1417,6 +1406,33 @@ class CostModel:
         if rest is None:
             rest = self._bound_rest[key] = self._bound_rest_of(*key)
         return n_micro, t_f, t_b, rest
+
+    def bound_sums(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int,
+                   ulysses: int = 0) -> tuple[float, float, float]:
+        """The whole model's forward and backward per micro-batch and its parameters, per
+        device of a tp x cp group with micro-batch ``b`` (``bound_terms``' sums over the
+        layer kinds; with ep > 1 the least of every exchange chunking the search tries,
+        ``EP_CHUNKS``). Cached per layer terms."""
+        tkey = (tp, sp, cp, cp_mode, ep, b, ulysses)
+        sums = self._bound_sums.get(tkey)
+        if sums is None:
+            options = []
+            for chunks in (EP_CHUNKS if ep > 1 else (1,)):
+                T = self.layer_terms(tp, sp, cp, cp_mode, ep, b, "none", ulysses, chunks)
+                kinds, counts = T["kinds"], self.kind_counts
+                options.append((sum(kinds[k][0] * n for k, n in counts.items()) + T["out_fwd"],
+                                sum(kinds[k][1] * n for k, n in counts.items()) + T["out_bwd"],
+                                sum(kinds[k][2] * n for k, n in counts.items()) + T["emb"] + T["pos_emb"]))
+            sums = self._bound_sums[tkey] = tuple(min(o[i] for o in options) for i in range(3))
+        return sums
+
+    def compute_floor(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, world: int) -> float:
+        """A floor under ``bound_terms``' compute, n_micro (t_f + t_b), of every structure
+        with these layer terms on ``world`` devices, whatever its pp and dp: n_micro =
+        global batch / (dp b) and t = sums / pp, where dp pp = world / (tp cp), so the
+        product is the same for all of them (a hair below it: they round differently)."""
+        f, bwd, _ = self.bound_sums(tp, sp, cp, cp_mode, ep, b)
+        return self.w.global_batch * tp * cp / (world * b) * (f + bwd) * (1 - 1e-9)
 
     def _bound_rest_of(self, P: float, tp: int, n_shard: int, n_all: int, world: int) -> float:
         w, c, m = self.w, self.c, self.w.model

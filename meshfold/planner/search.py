@@ -175,18 +175,30 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
     def bubble(sched: str, v: int, pp: int, n_micro: int, t_f: float, t_b: float) -> float:
         return 0.0 if pp == 1 or free else bubble_lower_bound(sched, pp, n_micro, v, t_f, t_b)
 
-    bounds, st_terms = [], []
+    # Structures sharing layer terms (tp, sp, cp, cp_mode, ep, micro-batch) share their
+    # compute whatever their pp and dp split (``CostModel.compute_floor``): a group's floor
+    # enters the queue first and its structures' own bounds are computed only once it is
+    # reached (most groups never are). Queue entries (bound, 0, group) and (bound, 1,
+    # structure): structures leave in (bound, enumeration) order, as a sort of all of them.
+    groups: dict[tuple, list[int]] = {}
+    for i, st in enumerate(sts):
+        groups.setdefault(st[4:6] + (st[3], st[6], st[7], st[8]), []).append(i)
+    members = list(groups.values())
+    queue = [(cm.compute_floor(*key, world), 0, g) for g, key in enumerate(groups)]
+    heapq.heapify(queue)
+    st_terms: dict[int, tuple] = {}
     smallest: dict = {}  # (pp, n_micro, t_f, t_b) -> smallest bubble: dp splits share it
-    for st in sts:  # lower_bound of each structure, without building Layouts
-        tt = terms(st)
-        st_terms.append(tt)
+
+    def bound(i: int) -> float:
+        """``lower_bound`` of structure ``i``, without building its Layouts."""
+        tt = st_terms[i] = terms(sts[i])
         n_micro, t_f, t_b, rest, sc = tt
-        pp = st[0]
+        pp = sts[i][0]
         bub = smallest.get((pp, n_micro, t_f, t_b))
         if bub is None:
             bub = smallest[(pp, n_micro, t_f, t_b)] = min(bubble(s, v, pp, n_micro, t_f, t_b) for s, v in sc)
-        bounds.append(cm.bound_of(n_micro, t_f, t_b, bub, rest))
-    order = sorted(range(len(sts)), key=bounds.__getitem__)  # stable: ties in enumeration order
+        return cm.bound_of(n_micro, t_f, t_b, bub, rest)
+
     capacity = cluster.device.memory_gib * GiB
     # Heaps of the K best as (-time, -structure, -variant, -recompute, layout): the root is
     # the worst kept. Ties in time go to the layout enumerated first, so the result does
@@ -201,14 +213,19 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         elif item > heap[0]:
             heapq.heapreplace(heap, item)
 
-    for i in order:
-        if len(best) >= top and bounds[i] >= -best[0][0]:
+    while queue:
+        lowest, is_structure, i = heapq.heappop(queue)
+        if len(best) >= top and lowest >= -best[0][0]:
             break
-        visited += 1
+        if not is_structure:
+            for j in members[i]:
+                heapq.heappush(queue, (bound(j), 1, j))
+            continue
         st = sts[i]
         pp = st[0]
         n_micro, t_f, t_b, rest, _ = st_terms[i]
         specs = list(variant_specs(w, st, gpipe=False))
+        visited += 1
         if best and cm.states_floor(_layout(st, 0, "1f1b", 1), {spec[0] for spec in specs}) > capacity:
             continue  # no zero stage fits its model states: no variant fits
         sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
