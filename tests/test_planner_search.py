@@ -51,9 +51,13 @@ def test_fast_pricing_and_bounds_against_estimate(case):
         bound = fast.lower_bound(probe, tuple(schedules(w, pp, n_micro, False)))
         zeros = {L.zero for L in variants(w, st, gpipe=False)}
         states_floor = fast.states_floor(probe, zeros)
+        if not shared:
+            assert states_floor == CostModel(w, cluster).states_floor(probe, zeros)
         for L in variants(w, st, gpipe=False):
             step_bound, floor = fast.step_bound(L), fast.memory_floor(L)
             assert states_floor <= floor, L.short()
+            if not shared:  # (the floor is cached across layouts that share their model states)
+                assert floor == CostModel(w, cluster).memory_floor(L), L.short()
             for r in RECOMPUTE:
                 Lr = _with_recompute(L, r)
                 ref = (shared or CostModel(w, cluster)).estimate(Lr, detail=False)

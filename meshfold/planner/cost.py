@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from meshfold.config import Config, validate
 from meshfold.layout import ParallelConfig
@@ -343,6 +344,7 @@ class CostModel:
         self._stage_cache: dict = {}
         self._split_cache: dict = {}
         self._held_cache: dict = {}  # _held's per-rank activations
+        self._floor_cache: dict = {}  # memory_floor's
         self._acts_cache: dict = {}  # _memory's activations, for ``activations_if_known``
         self._stage_sum_cache: dict = {}
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
@@ -1064,17 +1066,16 @@ class CostModel:
         key = ("grads", L.tp, L.ep, L.pp, sched, v, tuple(L.pp_split), n_micro, n_shard)  # (params: tp, ep)
         hit = self._held_cache.get(key)
         if hit is None:
-            kinds, split = T["kinds"], self.stage_split(L)
-            params, start = [], 0
-            for st, n in enumerate(split):
-                p = sum(kinds[self.kinds[i]][2] for i in range(start, start + n))
+            kinds, stage_kinds = T["kinds"], self.stage_block_kinds(L)
+            params = []
+            for st, counts in enumerate(stage_kinds):
+                p = sum(kinds[k][2] * n for k, n in counts.items())
                 if st == 0:
                     p += T["emb"] + T["pos_emb"]
-                if st == len(split) - 1:
+                if st == len(stage_kinds) - 1:
                     p += T["emb"] + T["final_norm"] + self.mtp_extra_params(L.pp, T["emb"])
                     p += sum(kinds[k][2] for k in self.mtp_kinds)
                 params.append(p)
-                start += n
             weight = (0.0, 1.0, 1.0 / max(1, n_shard))
             held = whole = 0.0
             for rank in range(L.pp):
@@ -1096,21 +1097,33 @@ class CostModel:
         key = (L.pp, sched, v, tuple(L.pp_split), n_micro, tuple(sorted(per_layer.items())), stage_in, saved_logits)
         hit = self._held_cache.get(key)
         if hit is None:
-            stage_bytes, start = [], 0
-            for n in self.stage_split(L):
-                stage_bytes.append(sum(per_layer[self.kinds[i]] for i in range(start, start + n)) + stage_in)
-                start += n
+            stage_bytes = [sum(per_layer[k] * n for k, n in kinds.items()) + stage_in
+                           for kinds in self.stage_block_kinds(L)]
             last = len(stage_bytes) - 1
             stage_bytes[last] += sum(per_layer[k] for k in self.mtp_kinds)
-            chunks = chunks_per_rank(sched, v)
             without, with_logits = [], []
-            for r in range(L.pp):
-                stages = [stage_of(sched, L.pp, r, c) for c in range(chunks)]
-                counts = rank_held_counts(sched, L.pp, v, n_micro, r)
+            for stages, counts in _rank_held(sched, L.pp, v, n_micro):
                 without.append(held_peak(counts, [stage_bytes[st] for st in stages]))
                 with_logits.append(held_peak(counts, [stage_bytes[st] + (saved_logits if st == last else 0.0)
                                                       for st in stages]))
             hit = self._held_cache[key] = (without, with_logits)
+        return hit
+
+    def stage_block_kinds(self, L: Layout) -> list[dict]:
+        """Per pipeline stage (stage order), its blocks by kind ({is_moe: count}); cached
+        per stage split."""
+        split = self.stage_split(L)
+        key = ("kinds", tuple(split))
+        hit = self._split_cache.get(key)
+        if hit is None:
+            hit, start = [], 0
+            for n in split:
+                counts: dict = {}
+                for i in range(start, start + n):
+                    counts[self.kinds[i]] = counts.get(self.kinds[i], 0) + 1
+                hit.append(counts)
+                start += n
+            self._split_cache[key] = hit
         return hit
 
     def _top_states(self, L: Layout, T: dict, stage_params: list, n_micro: int):
@@ -1152,17 +1165,22 @@ class CostModel:
         variant whose floor does not fit without checking each recompute's peak).
         ``with_grads``: (that, the gradients in it)."""
         n_micro = self.w.global_batch // L.dp // L.micro_batch
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
-                             L.ep_overlap_chunks)
-        stages, last_rank = self.stage_kinds(L)
         v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
-        skey = (id(T), id(stages), L.pp, v, None)
-        hit = self._stage_sum_cache.get(skey)
+        # model states depend on the parameters (tp, ep), the stages and how they shard, not
+        # on the micro-batch, sp or cp's mode: structures differing only there share it
+        key = (L.tp, L.ep, L.pp, L.pp_schedule, v, L.pp_split, L.zero, L.dp_shard, L.cp, L.dp, n_micro > 1)
+        hit = self._floor_cache.get(key)
         if hit is None:
-            hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
-        states = self._top_states(L, T, hit[3], n_micro)[0]
-        floor = sum(states.values()) + self.c.device.reserved_gib * GiB
-        return (floor, states["grads"]) if with_grads else floor
+            T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute,
+                                 L.cp_ulysses, L.ep_overlap_chunks)
+            stages, last_rank = self.stage_kinds(L)
+            skey = (id(T), id(stages), L.pp, v, None)
+            sums = self._stage_sum_cache.get(skey)
+            if sums is None:
+                sums = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
+            states = self._top_states(L, T, sums[3], n_micro)[0]
+            hit = self._floor_cache[key] = (sum(states.values()) + self.c.device.reserved_gib * GiB, states["grads"])
+        return hit if with_grads else hit[0]
 
     def states_floor(self, L: Layout, zeros) -> float:
         """A floor under ``memory_floor`` of every variant of ``L``'s structure (pp, dp,
@@ -1174,11 +1192,16 @@ class CostModel:
             return 0.0
         ep, u = max(1, L.ep), L.cp_ulysses
         n_micro = self.w.global_batch // L.dp // L.micro_batch
-        P = self.bound_sums(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, u)[2] / L.pp
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, "none", u)
-        shard = L.dp_shard * L.cp > 1
-        return min(sum(self._model_states(L, T, P, 0, z if shard else 0, n_micro > 1).values())
-                   for z in zeros) + self.c.device.reserved_gib * GiB
+        key = ("states", L.tp, ep, L.pp, L.dp_shard, L.cp, L.dp, n_micro > 1, tuple(sorted(zeros)))  # (as memory_floor's)
+        hit = self._floor_cache.get(key)
+        if hit is None:
+            P = self.bound_sums(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, u)[2] / L.pp
+            T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, ep, L.micro_batch, "none", u)
+            shard = L.dp_shard * L.cp > 1
+            hit = self._floor_cache[key] = min(
+                sum(self._model_states(L, T, P, 0, z if shard else 0, n_micro > 1).values())
+                for z in zeros) + self.c.device.reserved_gib * GiB
+        return hit
 
     def _model_states(self, L: Layout, T: dict, params: float, moe_layers: int, zero: int,
                       accumulate: bool) -> dict:
@@ -1449,6 +1472,14 @@ class CostModel:
                           + self.ct("reduce_scatter", P * wr, n_shard, tp))
                 dp = min(dp, t_once / (m.n_layers + 4))
         return opt + small + dp + c.step_overhead_s
+
+
+@lru_cache(maxsize=1024)
+def _rank_held(sched: str, pp: int, v: int, n_micro: int) -> tuple:
+    """Per pp rank, (its chunks' stages, ``rank_held_counts``): ``_held``'s per-rank terms."""
+    chunks = chunks_per_rank(sched, v)
+    return tuple((tuple(stage_of(sched, pp, r, c) for c in range(chunks)),
+                  rank_held_counts(sched, pp, v, n_micro, r)) for r in range(pp))
 
 
 def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:

@@ -244,14 +244,14 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
             # without recompute it may be known not to fit (a sibling's activations); else its
             # exact stages, zero stage and traffic bound every recompute (cheaper than a memory
             # check); a recompute that may fit is bounded on its own below
-            acts = cm.activations_if_known(L) if best else None
-            none_fails = acts is not None and floor - grads + acts > capacity
+            acts_none = cm.activations_if_known(L) if best else None
+            none_fails = acts_none is not None and floor - grads + acts_none > capacity
             if not none_fails and len(best) >= top and cm.step_bound(L) >= -best[0][0]:
                 continue
             for k, r in enumerate(recomputes(sched)):
                 Lr = L if k == 0 else _with_recompute(L, r)
                 if best:
-                    acts = cm.activations_if_known(Lr)  # (a floor, without gradients)
+                    acts = acts_none if k == 0 else cm.activations_if_known(Lr)  # (a floor, without gradients)
                     if acts is not None and floor - grads + acts > capacity:
                         continue  # does not fit (known without pricing it)
                     if k > 0 and len(best) >= top and cm.step_bound(Lr) >= -best[0][0]:
