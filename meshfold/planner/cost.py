@@ -354,6 +354,10 @@ class CostModel:
         self.bw = self.hbm * cluster.device.hbm_eff  # what streaming kernels (the optimizer) reach
         self.causal = 0.5 if w.flash else 1.0
         self.kind_counts = {k: (self.kinds + self.mtp_kinds).count(k) for k in set(self.kinds)}
+        self._has_moe = True in self.kind_counts
+        self._first_moe = self.kinds.index(True) if self._has_moe else 0
+        self._attn_p = attention_params(m)
+        self._model_cache: dict = {}  # per-layer pieces that depend on tp (and ep) alone
         self._links: dict = {}
         self.flops_model = 3 * w.global_batch * w.s * (2 * _matmul_active(m) + 4 * w.s * m.dim * (m.n_layers + m.mtp_depth) * self.causal)
 
@@ -390,20 +394,26 @@ class CostModel:
         eff = matmul_efficiency(c, h / tp)
         d = c.device
         bw = hbm * d.hbm_eff  # what streaming kernels reach
-        attn_p = attention_params(m)
+        attn_p = self._attn_p
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         # QK^T and AV for this device's queries (latent attention: q/k heads nope + rope wide,
         # v zero-padded to them for the fused kernel, models/llama.py ``CoreAttention``)
         width = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim) if m.mla else h
         attn_core = 4 * tokens * s * width / tp * self.causal
         amp = w.dtype == "bf16-amp"
-        act_full = layer_activation_bytes(m, s_loc, b, tp, sp, "none", act, w.flash, w.dropout, amp)
-        act_kept = layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp)
+        kept: dict = {}  # layer_activation_bytes per (recompute, MoE block): the same ones recur
+
+        def layer_kept(r: str, moe: bool) -> float:
+            if (r, moe) not in kept:
+                kept[(r, moe)] = layer_activation_bytes(m, s_loc, b, tp, sp, r, act, w.flash, w.dropout, amp, moe)
+            return kept[(r, moe)]
+
+        any_moe = m.moe_experts > 0
+        act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
-        act_kinds = {moe: layer_activation_bytes(m, s_loc, b, tp, sp, recompute, act, w.flash, w.dropout, amp, moe)
-                     + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
-                        if moe and recompute != "full" else 0.0)
-                     for moe in set(self.kinds)}
+        act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
+                                                         if moe and recompute != "full" else 0.0)
+                     for moe in self.kind_counts}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
         # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
         # two batched GEMMs per head (QK^T, AV) priced as GEMMs, whose s x s output makes
@@ -493,9 +503,8 @@ class CostModel:
         if cp > 1:
             tile_t = attention_tiles_per_rank(cp, R) * c.device.attention_tile_us * 1e-6
         out = {}
-        for moe in set(self.kinds):
-            ffn_active = ffn_params(m, 0 if not moe else self.kinds.index(True), active=True)
-            ffn_total = ffn_params(m, 0 if not moe else self.kinds.index(True))
+        for moe in self.kind_counts:
+            ffn_active, ffn_total, params = self._layer_params(tp, ep, moe, norm_p)
             gkey = (tokens, tp, moe)  # (sp, cp's mode and the recompute change no GEMM)
             gemms = self._gemm_cache.get(gkey)
             if gemms is None and d.gemm_tile:  # each linear layer's GEMM by its shape
@@ -503,8 +512,12 @@ class CostModel:
             elif gemms is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
                 gemms = [2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)]
             self._gemm_cache[gkey] = gemms
-            ew_all, ew_attn, ew_sums = elementwise_bytes(m, tokens, s, tp, sp, act, amp, w.flash, w.dropout,
-                                                         w.kernels, moe)
+            ekey = ("ew", tp, sp, moe)  # (bytes per token: the count is linear in the tokens)
+            per_token = self._model_cache.get(ekey)
+            if per_token is None:
+                per_token = self._model_cache[ekey] = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash,
+                                                                        w.dropout, w.kernels, moe)
+            ew_all, ew_attn, ew_sums = (tokens * x for x in per_token)
             if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
                 # its output gradient backward, and its weight each micro-batch (both ways)
                 ew_all += 5 * tokens * sum(k for _, k in layer_gemms(m, tp, moe)) + 10 * (attn_p + ffn_total) / tp
@@ -546,12 +559,6 @@ class CostModel:
                 ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
                     ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
-            if moe:  # the router is replicated over tp; the routed experts split over ep too
-                router = m.dim * m.moe_experts
-                params = (attention_params_local(m, tp) + (ffn_total - router) / tp + router + norm_p
-                          - routed_params(m) / tp * (1 - 1 / ep))
-            else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
-                params = dense_layer_params_local(m, tp) + norm_p
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
         # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
@@ -623,11 +630,11 @@ class CostModel:
             tp_layer = (calls, sent, r_ar * weights)
             shared = 1 if m.moe_shared_experts else 0
             gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/expert.py)
-            if True in self.kinds and not sp:  # a MoE block: its gates' gradient summed over tp in
+            if self._has_moe and not sp:  # a MoE block: its gates' gradient summed over tp in
                 # backward (the expert output leaves, its input enters like a dense MLP's), and the
                 # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
                 tp_moe = (1 + 2 * shared, r_ar * (gates + 2 * shared * A), 0.0)
-            elif True in self.kinds:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
+            elif self._has_moe:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
                 # in place of the dense MLP's 5 calls (2.5 all-reduces of A) counted in tp_layer: the
                 # tokens gathered (AG fwd, RS bwd; not re-gathered), the chosen experts (int64, AG)
                 # and the gates (AG fwd, RS bwd, compute dtype), the per-token sums scattered back (RS
@@ -671,6 +678,24 @@ class CostModel:
                    norm_t=self.ct("all_reduce", norm_bytes, tp, 1) if sp else 0.0,
                    tp_edge_bytes=(loss_bytes + norm_bytes) * RING["all_reduce"](tp) if tp > 1 else 0.0)
         self._layer_cache[key] = hit
+        return hit
+
+    def _layer_params(self, tp: int, ep: int, moe: bool, norm_p: float) -> tuple[float, float, float]:
+        """A block's active and total feed-forward parameters and its parameters per device
+        (``layer_terms``'), per (tp, ep, kind)."""
+        key = ("params", tp, ep, moe)
+        hit = self._model_cache.get(key)
+        if hit is None:
+            m = self.w.model
+            ffn_active = ffn_params(m, self._first_moe if moe else 0, active=True)
+            ffn_total = ffn_params(m, self._first_moe if moe else 0)
+            if moe:  # the router is replicated over tp; the routed experts split over ep too
+                router = m.dim * m.moe_experts
+                params = (attention_params_local(m, tp) + (ffn_total - router) / tp + router + norm_p
+                          - routed_params(m) / tp * (1 - 1 / ep))
+            else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
+                params = dense_layer_params_local(m, tp) + norm_p
+            hit = self._model_cache[key] = (ffn_active, ffn_total, params)
         return hit
 
     # ---- pipeline stages: the runtime's split (``stage_split_of``: parallel.pp_split, else
@@ -1188,7 +1213,7 @@ class CostModel:
         holding the average stage's blocks and embeddings (the fullest holds at least that)
         and the reserved memory. Dense models only (0.0 with MoE layers: their experts
         shard their own way)."""
-        if True in self.kind_counts:
+        if self._has_moe:
             return 0.0
         ep, u = max(1, L.ep), L.cp_ulysses
         n_micro = self.w.global_batch // L.dp // L.micro_batch
