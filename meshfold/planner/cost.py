@@ -347,6 +347,7 @@ class CostModel:
         self._floor_cache: dict = {}  # memory_floor's
         self._acts_cache: dict = {}  # _memory's activations, for ``activations_if_known``
         self._stage_sum_cache: dict = {}
+        self._stage_base_cache: dict = {}
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
@@ -745,10 +746,27 @@ class CostModel:
     def _stage_sums(self, T: dict, stages: list, last_rank: int, pp: int, v: int, p2p: float):
         """Per-micro-batch forward/backward of the slowest stage, total busy time over
         stages, and each stage's parameters and layer count (cached per layer terms)."""
+        fs, bws, stage_params, stage_layers = self._stage_base(T, stages, last_rank, pp)
+        hop = v * p2p if pp > 1 else 0.0  # each of the rank's v chunks sends forward and backward
+        t_f = t_b = busy_sum = 0.0
+        for f, bw in zip(fs, bws):
+            if pp > 1:
+                f, bw = f + hop, bw + hop
+            t_f, t_b = max(t_f, f), max(t_b, bw)
+            busy_sum += f + bw
+        return t_f, t_b, busy_sum, stage_params, stage_layers
+
+    def _stage_base(self, T: dict, stages: list, last_rank: int, pp: int):
+        """``_stage_sums``' per-rank forward and backward before the point-to-point hops, and
+        its parameters and layers per rank (cached per layer terms and stage kinds: the hops
+        differ with the data-parallel split)."""
+        key = (id(T), id(stages), pp)
+        hit = self._stage_base_cache.get(key)
+        if hit is not None:
+            return hit
         m = self.w.model
         kinds = T["kinds"]
-        t_f = t_b = busy_sum = 0.0
-        stage_params, stage_layers = [], []
+        fs, bws, stage_params, stage_layers = [], [], [], []
         for st, counts in enumerate(stages):
             f = sum(kinds[k][0] * n for k, n in counts.items())
             bw = sum(kinds[k][1] * n for k, n in counts.items())
@@ -766,13 +784,12 @@ class CostModel:
                     f += D * (T["out_fwd"] + T["out_ops"][0] * T["tp_ar"] + 3 * T["loss_t"])
                     bw += D * (T["out_bwd"] + T["out_ops"][1] * T["tp_ar"])
                     params += self.mtp_extra_params(pp, T["emb"])
-            if pp > 1:
-                f, bw = f + v * p2p, bw + v * p2p
-            t_f, t_b = max(t_f, f), max(t_b, bw)
-            busy_sum += f + bw
+            fs.append(f)
+            bws.append(bw)
             stage_params.append(params)
             stage_layers.append(sum(counts.values()))
-        return t_f, t_b, busy_sum, stage_params, stage_layers
+        hit = self._stage_base_cache[key] = (fs, bws, stage_params, stage_layers)
+        return hit
 
     def step_time(self, L: Layout) -> float:
         """``estimate(L).step_time_s`` alone (the search's inner loop: no memory, no breakdown)."""
@@ -873,11 +890,8 @@ class CostModel:
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
                              L.ep_overlap_chunks)
         stages, last_rank = self.stage_kinds(L)
-        skey = (id(T), id(stages), L.pp, v, None)
-        hit = self._stage_sum_cache.get(skey)
-        if hit is None:
-            hit = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
-        return self._memory(L, T, hit[3], hit[4], last_rank, n_micro, v)[2]
+        _, _, stage_params, stage_layers = self._stage_base(T, stages, last_rank, L.pp)
+        return self._memory(L, T, stage_params, stage_layers, last_rank, n_micro, v)[2]
 
     def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int, bound: bool = False):
         """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
@@ -1199,11 +1213,7 @@ class CostModel:
             T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute,
                                  L.cp_ulysses, L.ep_overlap_chunks)
             stages, last_rank = self.stage_kinds(L)
-            skey = (id(T), id(stages), L.pp, v, None)
-            sums = self._stage_sum_cache.get(skey)
-            if sums is None:
-                sums = self._stage_sum_cache[skey] = self._stage_sums(T, stages, last_rank, L.pp, v, 0.0)
-            states = self._top_states(L, T, sums[3], n_micro)[0]
+            states = self._top_states(L, T, self._stage_base(T, stages, last_rank, L.pp)[2], n_micro)[0]
             hit = self._floor_cache[key] = (sum(states.values()) + self.c.device.reserved_gib * GiB, states["grads"])
         return hit if with_grads else hit[0]
 
