@@ -21,8 +21,6 @@ planner prices is the stage the runtime builds.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, ffn_params
 
@@ -65,37 +63,43 @@ def balanced_split(cfg: ModelConfig, n_stages: int, seq_len: int | None = None) 
     for b in blocks:
         prefix.append(prefix[-1] + b)
 
-    def cost(k: int, lo: int, hi: int) -> float:  # stage k holds blocks [lo, hi)
-        c = prefix[hi] - prefix[lo]
-        if k == 0:
-            c += embedding_cost(cfg)
-        if k == n_stages - 1:
-            c += output_cost(cfg)
-        return c
+    first_extra, last_extra = embedding_cost(cfg), output_cost(cfg)
+    last = n_stages - 1
+    # best[(k, lo)]: stages k.. over blocks lo..L as (max cost, sum of squares) of the best
+    # split and its first stage's end. Among options tied on both, the smallest end (the
+    # lexicographically smallest split: options differ in their first stage).
+    best: dict[tuple[int, int], tuple[float, float, int]] = {}
 
-    @lru_cache(maxsize=None)
-    def best(k: int, lo: int) -> tuple[float, float, tuple[int, ...]]:
-        """Stages k.. over blocks lo..L: (max cost, sum of squares, split)."""
-        if k == n_stages - 1:
-            c = cost(k, lo, L)
-            return c, c * c, (L - lo,)
-        # min over (max, sum of squares, split) tuples; the split tuples are built only for
-        # the options tied on the first two, and once this stage alone costs more than the
-        # best option's max, every longer stage does too (the planner asks for every count)
-        key, tied = None, []
-        for hi in range(lo + 1, L - (n_stages - k - 1) + 1):
-            c = cost(k, lo, hi)
-            if key is not None and c > key[0]:
+    def solve(k: int, lo: int) -> tuple[float, float, int]:
+        hit = best.get((k, lo))
+        if hit is not None:
+            return hit
+        extra = first_extra if k == 0 else 0.0
+        if k == last:
+            c = prefix[L] - prefix[lo] + extra + last_extra
+            hit = best[(k, lo)] = (c, c * c, L)
+            return hit
+        top, sq, end = float("inf"), 0.0, lo + 1
+        start = prefix[lo]
+        # once this stage alone costs more than the best option's max, every longer stage
+        # does too (the planner asks for every count)
+        for hi in range(lo + 1, L - (last - k) + 1):
+            c = prefix[hi] - start + extra
+            if c > top:
                 break
-            rest_max, rest_sq, rest = best(k + 1, hi)
-            option = (max(c, rest_max), c * c + rest_sq)
-            if key is None or option < key:
-                key, tied = option, [(hi, rest)]
-            elif option == key:
-                tied.append((hi, rest))
-        return key + (min((hi - lo,) + rest for hi, rest in tied),)
+            rest_max, rest_sq, _ = solve(k + 1, hi)
+            m, q = (c if c > rest_max else rest_max), c * c + rest_sq
+            if m < top or (m == top and q < sq):  # (ties keep the earlier, smaller end)
+                top, sq, end = m, q, hi
+        hit = best[(k, lo)] = (top, sq, end)
+        return hit
 
-    return list(best(0, 0)[2])
+    split, lo = [], 0
+    for k in range(n_stages):
+        hi = solve(k, lo)[2]
+        split.append(hi - lo)
+        lo = hi
+    return split
 
 
 def stage_split_of(cfg: ModelConfig, n_stages: int, pp_split=()) -> tuple[list[int], str]:
