@@ -113,7 +113,7 @@ def _actions(schedule: str, pp: int, virtual: int, m: int) -> list[list[Action]]
         return [_one_f_one_b(pp, r, m) for r in range(pp)]
     if schedule == "interleaved":
         return [_interleaved(pp, r, virtual, m) for r in range(pp)]
-    return _greedy_zero_bubble(pp, m)
+    return _greedy_zero_bubble(pp, m)[0]
 
 
 def _one_f_one_b(pp: int, rank: int, m: int) -> list[Action]:
@@ -186,7 +186,8 @@ def _zbv_links(pp: int, rank: int, kind: str, chunk: int) -> tuple[int, tuple | 
     return s, before, after
 
 
-def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
+@lru_cache(maxsize=64)
+def _greedy_zero_bubble(pp: int, m: int) -> tuple[list[list[Action]], tuple[tuple[str, int, int], ...]]:
     """Zero-bubble V order by list scheduling with unit costs: whenever a rank is free it
     runs a ready B (input grad, on the critical path), else a ready F (the deeper chunk
     first; a new micro-batch enters chunk 0 only while fewer than 2·pp chunk-micro-batches
@@ -199,7 +200,10 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
     those that will be (a heap by ready time), so a decision costs O(log n). Inside, an
     action is the integer ((rank * 2 + chunk) * 3 + kind) * m + mb, kind 0 F, 1 B, 2 W: the
     planner builds these orders for every (pp, m) it prices, so the loop stays on ints and
-    lists; the returned Actions are shared between ranks (they are immutable)."""
+    lists; the returned Actions are shared between ranks (they are immutable).
+
+    Returns the per-rank orders and their dependency graph (``_zbv_graph``'s form), in the
+    order the actions were scheduled: each one's dependencies were scheduled before it."""
     links = [[_zbv_links(pp, r, "F", c) for c in (0, 1)] for r in range(pp)]
     per_chunk = 3 * m  # ids of one (rank, chunk): its F, B and W of every micro-batch
 
@@ -234,6 +238,9 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
     # completions up to its clock are known, so its choice sees the true ready set. A
     # heap of (free time, rank) over the ranks not blocked: one entry each.
     clocks = [(0, r) for r in range(pp)]
+    graph: list[tuple[str, int, int]] = []
+    index = [0] * n  # action -> its position in graph
+    last_on = [-1] * pp  # each rank's latest action in graph
     while left_actions:
         if not clocks:
             raise RuntimeError("zbv scheduler made no progress")
@@ -276,6 +283,16 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
         bisect.insort(ends, end)
         orders[r].append(pick)
         left_actions -= 1
+        # its dependency on another rank (``deps``; one at most): F on the stage before, B on
+        # the stage after; its own rank's are covered by that rank's previous action
+        cross = -1
+        if kind == 0 and before and before[0] != r:
+            cross = index[(before[0] * 2 + before[1]) * per_chunk + i]
+        elif kind == 1 and after and after[0] != r:
+            cross = index[((after[0] * 2 + after[1]) * 3 + 1) * m + i]
+        index[pick] = len(graph)
+        graph.append(("b" if whole else "FBW"[kind], last_on[r], cross))
+        last_on[r] = index[pick]
         if kind == 2:
             continue
         if kind == 0:
@@ -295,7 +312,7 @@ def _greedy_zero_bubble(pp: int, m: int) -> list[list[Action]]:
                 seq += 1
     table = [Action(kind, c, i) for kind in "FBW" for c in (0, 1) for i in range(m)]
     return [[table[((a % per_chunk) // m * 2 + (a // per_chunk & 1)) * m + a % m] for a in order]
-            for order in orders]
+            for order in orders], tuple(graph)
 
 
 # --------------------------------------------------------------------------- simulation
@@ -466,42 +483,12 @@ def _zbv_lists(pp: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple
             tuple(b if b >= 0 else n for _, _, b in graph))
 
 
-@lru_cache(maxsize=64)
 def _zbv_graph(pp: int, m: int) -> tuple[tuple[str, int, int], ...]:
     """zbv's actions in an order ``simulate`` could run them, each as (cost kind, index
     of the rank's previous action, index of the other dependency); -1 for none. Cost
-    kind "b" is a whole backward (stage 0: B + W)."""
-    orders = schedule_actions("zbv", pp, 1, m)
-    links = {(r, c): _zbv_links(pp, r, "F", c) for r in range(pp) for c in (0, 1)}
-    index: dict[tuple, int] = {}
-    graph: list[tuple[str, int, int]] = []
-    pos, prev, left = [0] * pp, [-1] * pp, sum(len(o) for o in orders)
-    while left:
-        moved = False
-        for r in range(pp):
-            while pos[r] < len(orders[r]):
-                a = orders[r][pos[r]]
-                s, before, after = links[(r, a.chunk)]
-                if a.kind == "F":  # (``deps``' rules, on the V's precomputed neighbours)
-                    ds = [(before[0], "F", before[1], a.mb)] if before else []
-                elif a.kind == "B":
-                    ds = [(r, "F", a.chunk, a.mb)] + ([(after[0], "B", after[1], a.mb)] if after else [])
-                else:
-                    ds = [(r, "B", a.chunk, a.mb)]
-                if not all(d in index for d in ds):
-                    break
-                # A dependency on this rank ran earlier in its order, so the previous
-                # action's end covers it; zbv has at most one on another rank.
-                cross = [index[d] for d in ds if d[0] != r]
-                kind = "b" if a.kind == "B" and s == 0 else a.kind
-                graph.append((kind, prev[r], cross[0] if cross else -1))
-                index[(r, a.kind, a.chunk, a.mb)] = prev[r] = len(graph) - 1
-                pos[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            raise RuntimeError("zbv schedule deadlocks")
-    return tuple(graph)
+    kind "b" is a whole backward (stage 0: B + W). Built with the order
+    (``_greedy_zero_bubble``)."""
+    return _greedy_zero_bubble(pp, m)[1]
 
 
 def inflight_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
