@@ -348,6 +348,7 @@ class CostModel:
         self._acts_cache: dict = {}  # _memory's activations, for ``activations_if_known``
         self._stage_sum_cache: dict = {}
         self._stage_base_cache: dict = {}
+        self._pipeline_cache: dict = {}
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
@@ -895,7 +896,16 @@ class CostModel:
 
     def _pipeline(self, L: Layout, T: dict, n_micro: int, v: int, bound: bool = False):
         """Per-stage compute, the schedule's makespan and bubble: (p2p per hop, stage kinds,
-        the rank holding the last stage, t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble)."""
+        the rank holding the last stage, t_f, t_b of the slowest stage, parameters and blocks per pp rank, makespan, bubble).
+        Cached: a structure's zero stages share it."""
+        key = (id(T), L.pp, L.pp_schedule, v, L.pp_split, L.pp_links, L.pp_skip, L.pp_reorder, L.tp, L.cp, L.dp,
+               n_micro, bound)
+        hit = self._pipeline_cache.get(key)
+        if hit is None:
+            hit = self._pipeline_cache[key] = self._pipeline_of(L, T, n_micro, v, bound)
+        return hit
+
+    def _pipeline_of(self, L: Layout, T: dict, n_micro: int, v: int, bound: bool):
         c, tp, pp, cp, dp = self.c, L.tp, L.pp, L.cp, L.dp
         st_pp = tp * cp * dp  # pp groups' stride, tp innermost (meshfold/mesh.py)
         if pp > 1:  # point-to-point to the next stage, over the link the pp dimension spans,
