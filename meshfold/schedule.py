@@ -31,6 +31,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import ge
 
 # skippipe: 1F1B's layout with per-micro-batch paths (``meshfold/skippipe.py`` plans them)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "skippipe")
@@ -542,7 +543,7 @@ def _undominated(moments) -> tuple[tuple[int, ...], ...]:
     """The moments no other matches or exceeds in every chunk, fullest first."""
     kept: list[tuple[int, ...]] = []  # (a moment's dominators have larger sums: they come first)
     for x in sorted(moments, key=lambda x: (sum(x), x), reverse=True):
-        if not any(all(q >= p for p, q in zip(x, y)) for y in kept):
+        if not any(all(map(ge, y, x)) for y in kept):
             kept.append(x)
     return tuple(kept)
 
