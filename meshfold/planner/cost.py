@@ -349,6 +349,7 @@ class CostModel:
         self._stage_sum_cache: dict = {}
         self._stage_base_cache: dict = {}
         self._pipeline_cache: dict = {}
+        self._dp_cache: dict = {}  # _dp_exposed's
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
@@ -369,6 +370,13 @@ class CostModel:
         hit = self._links.get(key)
         if hit is None:
             hit = self._links[key] = self.c.link(stride, n)
+        return hit
+
+    def small_collectives(self, world: int) -> float:
+        """The loss, token count and grad-norm all-reduces over everyone: latency-bound."""
+        hit = self._links.get(("small", world))
+        if hit is None:
+            hit = self._links[("small", world)] = 3 * self.ct("all_reduce", 8, world, 1, in_step=True)
         return hit
 
     def ct(self, op: str, size_bytes: float, n: int, stride: int, in_step: bool = False) -> float:
@@ -821,7 +829,13 @@ class CostModel:
         Pmax = max(stage_params)
         window = (ENDLESS, ENDLESS) if bound else (t_f, t_b)
         Emax = stages[stage_params.index(Pmax)].get(True, 0) * T["expert_p"]  # its routed experts (ep > 1)
-        dp_exposed = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
+        # (memoised on what it reads: layouts differing in sp, cp's mode or, with bounded
+        # windows, the micro-batch size share it)
+        dkey = (L.zero, L.dp_shard, L.dp_replicate, tp, cp, L.ep, L.pp, L.pp_schedule, v, T["emb"],
+                T["final_norm"], Pmax, stage_layers[0], n_micro, *window, Emax)
+        dp_exposed = self._dp_cache.get(dkey)
+        if dp_exposed is None:
+            dp_exposed = self._dp_cache[dkey] = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
 
         # ---- optimizer step: one memory-bound pass over the local states
         n_shard = L.dp_shard * cp
@@ -842,7 +856,7 @@ class CostModel:
             gathers = 2 * n_micro if L.zero == 3 else 1
             casts += Pmax * (gathers * 2 * wg + act + wr) / self.bw
         # loss, token count and grad-norm all-reduces over everyone: latency-bound
-        small = 3 * self.ct("all_reduce", 8, L.world, 1, in_step=True)
+        small = self.small_collectives(L.world)
         step = makespan + dp_exposed + opt_time + casts + small + c.step_overhead_s
         return step, (T, n_micro, v, p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, bubble,
                       dp_exposed, opt_time, casts, small)
@@ -1506,7 +1520,7 @@ class CostModel:
         w, c, m = self.w, self.c, self.w.model
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.bw
-        small = 3 * self.ct("all_reduce", 8, world, 1, in_step=True)
+        small = self.small_collectives(world)
         dp = 0.0
         if n_all > 1:
             t_ar = self.ct("all_reduce", P * gb, n_all, tp)
