@@ -109,15 +109,21 @@ def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
     experts in 2 or 4 chunks (``parallel.ep_overlap_chunks``)."""
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
-    zeros = [1, 2, 3] if dps > 1 else ([0, 1, 2, 3] if cp > 1 else [0])
     # (ep > 1: zero >= 2 shards the experts with FSDP over edp; zero 0/1 reduce them over edp,
     # ZeRO-1 shards their Adam state there: parallel/expert.py)
     scheds = schedules(w, pp, n_micro, gpipe)
     chunks = EP_CHUNKS if ep > 1 else (1,)
-    for zero in zeros:
+    for zero in zero_stages(st):
         for sched, v in scheds:
             for n in chunks:
                 yield zero, sched, v, n
+
+
+def zero_stages(st: tuple) -> tuple[int, ...]:
+    """The zero stages a structure's variants take: with nothing to shard over (dp_shard x
+    cp = 1) only 0; with cp alone 0-3; with dp_shard 1-3 (ZeRO-0 is DDP with dp_replicate)."""
+    dps, cp = st[2], st[3]
+    return (1, 2, 3) if dps > 1 else ((0, 1, 2, 3) if cp > 1 else (0,))
 
 
 def _layout(st: tuple, zero: int, sched: str, v: int, chunks: int = 1) -> Layout:
@@ -226,7 +232,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         n_micro, t_f, t_b, rest, _ = st_terms[i]
         specs = list(variant_specs(w, st, gpipe=False))
         visited += 1
-        if best and cm.states_floor(_layout(st, 0, "1f1b", 1), {spec[0] for spec in specs}) > capacity:
+        if best and cm.states_floor(_layout(st, 0, "1f1b", 1), zero_stages(st)) > capacity:
             continue  # no zero stage fits its model states: no variant fits
         sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
         for j, (zero, sched, v, chunks) in enumerate(specs):
