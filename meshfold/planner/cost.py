@@ -340,7 +340,7 @@ class CostModel:
         self.mtp_kinds = [k if k in self.kinds else self.kinds[-1]
                           for k in (m.is_moe_layer(m.n_layers + d) for d in range(m.mtp_depth))]
         self._layer_cache: dict = {}
-        self._gemm_cache: dict = {}  # a block's GEMM times per (tokens, tp, MoE)
+        self._gemm_cache: dict = {}  # a block's GEMM times per (tokens, tp, MoE), the logits' per (tokens, tp)
         self._stage_cache: dict = {}
         self._split_cache: dict = {}
         self._held_cache: dict = {}  # _held's per-rank activations
@@ -574,10 +574,12 @@ class CostModel:
         # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
         # a, the shifted fp32 copy a + 4, exp 8, the sum 4; backward: the shifted copy a + 4,
         # exp 8, the scale 8, the cast into the gradient 4 + a)
-        if d.gemm_tile:
+        logits_gemm = self._gemm_cache.get((tokens, tp, "logits"))
+        if logits_gemm is None and d.gemm_tile:
             logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8)
-        else:
+        elif logits_gemm is None:
             logits_gemm = 2 * h * V / tp * tokens / (peak * eff)
+        self._gemm_cache[(tokens, tp, "logits")] = logits_gemm
         ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
         out_fwd = logits_gemm + (2 * act + 16) * ce if d.gemm_tile else logits_gemm + ce
         out_bwd = 2 * logits_gemm + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
