@@ -208,11 +208,11 @@ def _greedy_zero_bubble(pp: int, m: int) -> tuple[list[list[Action]], tuple[tupl
     links = [[_zbv_links(pp, r, "F", c) for c in (0, 1)] for r in range(pp)]
     per_chunk = 3 * m  # ids of one (rank, chunk): its F, B and W of every micro-batch
 
-    def split(a: int) -> tuple[int, int, int, int]:  # (rank, kind, chunk, mb)
-        rc, rest = divmod(a, per_chunk)
-        return rc >> 1, rest // m, rc & 1, rest % m
-
     n = pp * 2 * per_chunk
+    # each action's kind, chunk and micro-batch, looked up rather than divided out
+    kind_of = ([0] * m + [1] * m + [2] * m) * (2 * pp)
+    chunk_of = ([0] * per_chunk + [1] * per_chunk) * pp
+    mb_of = list(range(m)) * (6 * pp)
     left = [0] * n  # dependencies not yet scheduled
     ready_at = [0] * n
     future: list[list[tuple]] = [[] for _ in range(pp)]  # (ready time, seq, action)
@@ -249,11 +249,10 @@ def _greedy_zero_bubble(pp: int, m: int) -> tuple[list[list[Action]], tuple[tupl
         fut = future[r]
         while fut and fut[0][0] <= now:
             a = heapq.heappop(fut)[2]
-            _, kind, c, i = split(a)
-            if kind == 1:
-                heapq.heappush(ready_b[r], (i, -links[r][c][0], a))
+            if kind_of[a] == 1:
+                heapq.heappush(ready_b[r], (mb_of[a], -links[r][chunk_of[a]][0], a))
             else:
-                heapq.heappush(ready_f[r], (-c, i, a))
+                heapq.heappush(ready_f[r], (-chunk_of[a], mb_of[a], a))
         pick = -1
         if ready_b[r]:
             pick = heapq.heappop(ready_b[r])[2]
@@ -275,8 +274,8 @@ def _greedy_zero_bubble(pp: int, m: int) -> tuple[list[list[Action]], tuple[tupl
         for q in blocked:
             heapq.heappush(clocks, (free_at[q], q))
         blocked.clear()
-        _, kind, c, i = split(pick)
-        s, before, after = links[r][c]
+        kind, i = kind_of[pick], mb_of[pick]
+        s, before, after = links[r][chunk_of[pick]]
         whole = kind == 1 and s == 0
         end = now + (2 if whole else 1)
         free_at[r] = end
