@@ -6,8 +6,10 @@ Exactness with speed comes from branch and bound, not from heuristics:
 1. enumerate the *structures* (pp, dp_replicate, dp_shard, cp, tp, sp, cp_mode, ep,
    micro-batch) that tile the devices and the batch;
 2. give each a lower bound (``CostModel.lower_bound``: its compute and tensor/context
-   communication, no bubble, no data-parallel or optimizer time) and visit them in
-   increasing bound order;
+   communication, the least bubble of its schedules, the least optimizer and data-parallel
+   time) and visit them in increasing bound order; structures sharing their layer terms
+   wait in the queue under their shared compute (``CostModel.compute_floor``) until it comes
+   up, so most never get a bound of their own;
 3. expand a structure into its variants (zero stage, pipeline schedule and virtual
    stages, recompute) only while its bound is below the K-th best fitting step time
    found so far; once a bound reaches it, every later structure is worse and the search stops.
