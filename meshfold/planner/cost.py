@@ -1088,7 +1088,7 @@ class CostModel:
         else:  # every rank's chunks, each held from its forward to its backward in the rank's order
             held, held_logits = self._held(L, per_layer, stage_in, saved_logits, n_micro)
             acts = max(held)
-        self._acts_cache[self._acts_key(L, T, n_micro)] = acts
+        self._acts_cache[self._acts_key(L, n_micro)] = acts
         # the recompute working set while one block is recomputed and run backward: under full,
         # all of its activations; under op, what the policy did not keep
         if full:
@@ -1208,21 +1208,21 @@ class CostModel:
         top = max(range(len(ranks)), key=lambda r: (sum(ranks[r].values()), stage_params[r]))
         return ranks[top], zero, accumulate, moe_layers
 
-    def _acts_key(self, L: Layout, T: dict, n_micro: int) -> tuple:
-        # what _memory's activations depend on: the layer terms (tp, sp, cp, ep, micro-batch,
-        # recompute), the schedule and its split, the micro-batches; not the zero stage or
-        # how dp splits into shards and replicas
+    @staticmethod
+    def _acts_key(L: Layout, n_micro: int) -> tuple:
+        # what _memory's activations depend on: the layer terms' key (tp, sp, cp, ep,
+        # micro-batch, recompute, ...), the schedule and its split, the micro-batches; not the
+        # zero stage or how dp splits into shards and replicas
         sched = L.pp_schedule if L.pp > 1 else ""
-        return id(T), L.pp, sched, L.pp_virtual_stages if sched == "interleaved" else 1, tuple(L.pp_split), n_micro
+        return (L.tp, L.sp, L.cp, L.cp_mode, L.ep, L.micro_batch, L.recompute, L.cp_ulysses, L.ep_overlap_chunks,
+                L.pp, sched, L.pp_virtual_stages if sched == "interleaved" else 1, tuple(L.pp_split), n_micro)
 
     def activations_if_known(self, L: Layout) -> float | None:
         """``peak_memory``'s activation term for ``L`` if a layout differing only in its zero
         stage or dp split was already priced, else None. With the model states other than
         gradients (``memory_floor``'s, which a sharded gradient share can undercut) it floors
         the peak, so the search skips most layouts that do not fit without pricing them."""
-        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
-                             L.ep_overlap_chunks)
-        return self._acts_cache.get(self._acts_key(L, T, self.w.global_batch // L.dp // L.micro_batch))
+        return self._acts_cache.get(self._acts_key(L, self.w.global_batch // L.dp // L.micro_batch))
 
     def memory_floor(self, L: Layout, with_grads: bool = False):
         """Bytes ``L`` needs with any recompute: the fullest rank's model states and the
