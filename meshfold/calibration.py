@@ -255,7 +255,11 @@ def measure(nproc: int) -> dict:
     """Run the measurements on ``nproc`` gloo processes; per-quantity medians over ranks."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # Forked from a forkserver that imported this module (torch, the trainer) once: nproc
+    # spawned processes would each import them again (about 4 CPU-seconds each), and a test
+    # session's server (meshfold/testing.py's) is already running.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_measure, args=(r, nproc, port, out)) for r in range(nproc)]

@@ -495,16 +495,32 @@ def _child(out, i: int, fn, args) -> None:
     out.put(answer)
 
 
-def _in_fresh_processes(fn, calls: list[tuple], parallel: int, raise_first: bool = True) -> list:
+def _fork_is_clean() -> bool:
+    """No process group and no other thread (a fork copies only the calling thread: a lock
+    another thread held, e.g. an OpenMP or BLAS pool's or a queue feeder's, would stay held)."""
+    if dist.is_initialized() or not os.path.isdir("/proc/self/task"):
+        return False
+    return len(os.listdir("/proc/self/task")) == 1
+
+
+def _in_fresh_processes(fn, calls: list[tuple], parallel: int, raise_first: bool = True,
+                        clean_parent: bool = False) -> list:
     """``fn(*args)`` for each of ``calls``, each in a fresh process (torch caches meshes and
     groups per process), ``parallel`` at a time; results in order. A child's exception is
     raised here; a child that dies without an answer (killed, out of memory) is an error
     naming it, never a wait without end (as a ``multiprocessing.Pool`` whose worker died
     would). The children are forked from a forkserver that has imported this module once
     (and nothing else has run there), so each starts without any process group or mesh and
-    without paying torch's import again."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    without paying torch's import again. ``clean_parent``: this process has itself run nothing
+    but imports and reading the config (``meshfold dry-run``); where it also has one thread
+    and no process group, the children are forked from it, which saves starting the
+    forkserver (a second import of torch and meshfold, about 4 CPU-seconds)."""
+    ctx = multiprocessing.get_context("fork" if clean_parent and _fork_is_clean() else "forkserver")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload([__name__])
+    else:  # a forked child flushes the stdio buffers it copied: empty them once, here
+        sys.stdout.flush()
+        sys.stderr.flush()
     out = ctx.Queue()
     results: list = [None] * len(calls)
     pending, running, silent = list(enumerate(calls)), {}, {}
@@ -535,16 +551,18 @@ def _in_fresh_processes(fn, calls: list[tuple], parallel: int, raise_first: bool
     return results
 
 
-def dry_run(cfg: Config, world: int, cluster: str = "h100", device: str = "cpu") -> dict:
+def dry_run(cfg: Config, world: int, cluster: str = "h100", device: str = "cpu", clean_parent: bool = False) -> dict:
     """``device = "cuda"``: the ranks run on fake CUDA tensors and the report adds ``gpu``
     (host syncs, attention kernels, wire dtypes, errors: meshfold/gpucheck.py)."""
-    return dry_run_many([(cfg, world)], cluster, device)[0]
+    return dry_run_many([(cfg, world)], cluster, device, clean_parent)[0]
 
 
-def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device: str = "cpu") -> list:
+def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device: str = "cpu",
+                 clean_parent: bool = False) -> list:
     """``dry_run`` of each (config, world), their simulated ranks sharing one pool of fresh
     processes (as many at a time as this machine has cores). A case that validation
-    refuses, or whose simulation fails, is its exception in the list (``dry_run``: raised)."""
+    refuses, or whose simulation fails, is its exception in the list (``dry_run``: raised).
+    ``clean_parent``: see ``_in_fresh_processes``."""
     start = time.perf_counter()
     ready, calls = [], []
     for cfg, world in cases:
@@ -557,7 +575,7 @@ def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device:
         ready.append((cfg, world, ranks, len(calls)))
         calls += [(cfg, world, r, device) for r in ranks]
     results = _in_fresh_processes(simulate_rank, calls, max(1, min(len(calls), os.cpu_count() or 1)),
-                                  raise_first=len(cases) == 1)
+                                  raise_first=len(cases) == 1, clean_parent=clean_parent)
     out = []
     for case in ready:
         if isinstance(case, Exception):
@@ -611,7 +629,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         cfg.data.balance = "none"  # data placement does not change memory or collectives
     try:
-        out = dry_run(cfg, args.world, args.cluster, args.device)
+        out = dry_run(cfg, args.world, args.cluster, args.device, clean_parent=True)  # a fresh process
     except DryRunError as e:
         print(f"meshfold: error: {e}", file=sys.stderr)
         return 1

@@ -28,8 +28,10 @@ def dropless_ref(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def capacity_ref(tmp_path_factory):
+    # train_collect's result, plus the rows the experts computed and the shared experts' class
+    # (forward hooks that only count)
     run_dir = tmp_path_factory.mktemp("refcap")
-    out = train_collect(tiny_config(str(run_dir), model=CAPACITY))
+    out = _collect_counting_expert_rows(tiny_config(str(run_dir), model=CAPACITY))
     return out, _metrics(run_dir)
 
 
@@ -81,20 +83,28 @@ def test_capacity_drops_the_same_tokens(capacity_ref, tmp_path):
     assert [m["expert_load"] for m in metrics] == [m["expert_load"] for m in ref_metrics]
 
 
-def _expert_rows_per_rank(cfg_dict: dict) -> tuple[int, str]:
-    """Train, counting the rows every MoE layer's experts compute on this rank; also the
-    class of the shared experts (tensor-parallel split or not)."""
+def _collect_counting_expert_rows(cfg_dict: dict) -> dict:
+    """train_collect's run (losses, unsharded parameters and last gradients, on global rank 0),
+    counting the rows every MoE layer's experts compute on this rank ("rows", every rank); also
+    the class of the shared experts ("shared": tensor-parallel split or not)."""
+    import torch.distributed as dist
+
     from meshfold.config import from_dict
     from meshfold.models.moe import moe_layers
     from meshfold.train.trainer import Trainer
 
     trainer = Trainer(from_dict(cfg_dict))
+    trainer.capture_grads = True
     rows = [0]
     layers = moe_layers(trainer.model)
     for _, moe in layers:
         moe.experts.register_forward_hook(lambda mod, args, out: rows.__setitem__(0, rows[0] + args[0].shape[0]))
-    trainer.fit()
-    return rows[0], type(layers[0][1].shared_experts).__name__
+    losses = trainer.fit()
+    params, grads = trainer.full_state(), trainer.last_grads
+    out = {"rows": rows[0], "shared": type(layers[0][1].shared_experts).__name__}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.update(losses=losses, params=params, grads=grads)
+    return out
 
 
 @pytest.mark.parametrize("world,parallel", [
@@ -110,15 +120,14 @@ def test_tensor_parallel_computes_no_expert_row_twice(world, parallel, capacity_
     # tokens dropped), the rows computed by the routed experts over all ranks add up to the
     # one-process count (tp ranks split the experts, they do not repeat them), and the shared
     # experts are tp-split.
+    # One run per side checks both (the counting hooks change nothing the comparison sees).
     cfg = tiny_config(str(tmp_path), model=CAPACITY, parallel=parallel)
-    got = run_on(world, train_collect, cfg)[0]
-    assert_runs_match(capacity_ref[0], got, rtol=1e-9, atol=1e-11)
+    per_rank = run_on(world, _collect_counting_expert_rows, cfg)
+    ref = capacity_ref[0]
+    assert_runs_match(ref, per_rank[0], rtol=1e-9, atol=1e-11)
     assert [m["dropped_tokens"] for m in _metrics(tmp_path)] == [m["dropped_tokens"] for m in capacity_ref[1]]
-    ref_rows, ref_shared = _expert_rows_per_rank(tiny_config(str(tmp_path / "one"), model=CAPACITY))
-    per_rank = run_on(world, _expert_rows_per_rank, tiny_config(str(tmp_path / "count"), model=CAPACITY,
-                                                               parallel=parallel))
-    assert sum(rows for rows, _ in per_rank) == ref_rows
-    assert ref_shared == "FeedForward" and {kind for _, kind in per_rank} == {"TensorParallelFeedForward"}
+    assert sum(r["rows"] for r in per_rank) == ref["rows"]
+    assert ref["shared"] == "FeedForward" and {r["shared"] for r in per_rank} == {"TensorParallelFeedForward"}
 
 
 @pytest.mark.parametrize("parallel,key", [
