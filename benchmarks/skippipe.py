@@ -39,7 +39,8 @@ def common(args, run_dir: Path) -> dict:
 def planner_prediction(sets: dict) -> float:
     from meshfold.config import load_config
     from meshfold.planner.cluster import load_cluster
-    from meshfold.planner.cost import CostModel, layout_from_config, workload_from_config
+    from meshfold.planner.cost import CostModel
+    from meshfold.planner.from_config import layout_from_config, workload_from_config
 
     cfg = load_config(ROOT / "configs" / "debug.toml", [f"{k}={v}" for k, v in sets.items()])
     cluster = load_cluster("cpu", nodes=1, devices=4)  # calibrated CPU; the slow links come from pp_links

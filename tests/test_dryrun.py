@@ -110,7 +110,8 @@ def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
     from meshfold.dryrun import dry_run
     from meshfold.parallel.stages import stage_split
     from meshfold.planner.cluster import load_cluster
-    from meshfold.planner.cost import CostModel, layout_from_config, workload_from_config
+    from meshfold.planner.cost import CostModel
+    from meshfold.planner.from_config import layout_from_config, workload_from_config
     from meshfold.schedule import chunks_per_rank, stage_of
 
     cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})

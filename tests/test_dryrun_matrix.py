@@ -19,7 +19,7 @@ import pytest
 from meshfold.config import from_dict, validate
 from meshfold.dryrun import dry_run, dry_run_many
 from meshfold.errors import ConfigError
-from meshfold.planner.cost import footprint
+from meshfold.planner.from_config import footprint
 from meshfold.testing import tiny_config
 
 SEED, CASES = 27, 56

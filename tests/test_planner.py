@@ -200,7 +200,7 @@ def test_data_parallel_traffic_is_once_per_step():
 def test_footprint_from_config():
     """``footprint`` is what ``meshfold dry-run`` prints next to the runtime."""
     from meshfold.config import from_dict
-    from meshfold.planner.cost import footprint
+    from meshfold.planner.from_config import footprint
 
     cfg = from_dict({"model": {"preset": "llama3-8b"}, "parallel": {"tp": 8, "dp_shard": 16, "zero": 3},
                      "train": {"global_batch": 256, "micro_batch": 1, "dtype": "bfloat16"}})

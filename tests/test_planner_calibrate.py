@@ -21,7 +21,8 @@ from meshfold.planner.calibrate import (BLOCK_SEQ, busy_alpha_and_call, cluster_
                                         tiny_step_config)
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import cluster_from_dict, cluster_to_toml, load_cluster
-from meshfold.planner.cost import STEPS, CostModel, Layout, Workload, attention_tiles_per_rank, collective_time
+from meshfold.planner.cost import STEPS, CostModel, Layout, Workload
+from meshfold.planner.kernels import attention_tiles_per_rank, collective_time
 from meshfold.models.presets import preset
 
 

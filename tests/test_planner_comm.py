@@ -45,7 +45,7 @@ def _one_step_ledger(cfg_dict: dict) -> dict | None:
 
 def _predicted(cfg_dict: dict, world: int) -> dict:
     from meshfold.config import from_dict
-    from meshfold.planner.cost import footprint
+    from meshfold.planner.from_config import footprint
 
     return footprint(from_dict(cfg_dict), world, device="cpu")["collectives"]
 

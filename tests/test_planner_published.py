@@ -8,7 +8,8 @@ import pytest
 
 from meshfold.models.presets import preset
 from meshfold.planner.cluster import DEVICES, load_cluster
-from meshfold.planner.cost import Layout, Workload, estimate, gemm_time
+from meshfold.planner.cost import Layout, Workload, estimate
+from meshfold.planner.kernels import gemm_time
 from meshfold.planner.published import predict, rows
 
 ROWS = rows()

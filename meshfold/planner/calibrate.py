@@ -19,7 +19,8 @@ import numpy as np
 from meshfold.config import ModelConfig, from_dict
 from meshfold.models.presets import attention_params, mlp_params
 from meshfold.planner.cluster import Cluster, Device, cluster_to_toml
-from meshfold.planner.cost import CostModel, layout_from_config, workload_from_config
+from meshfold.planner.cost import CostModel
+from meshfold.planner.from_config import layout_from_config, workload_from_config
 
 BLOCK_DIMS = (16, 64, 256)  # widths of the timed transformer blocks
 BLOCK_SEQ, BLOCK_BATCH = 64, 4

@@ -9,9 +9,10 @@ from pathlib import Path
 from meshfold.config import Config, load_config, validate
 from meshfold.errors import ConfigError
 from meshfold.parallel.timeline import draw_timeline
-from meshfold.planner import cost
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
-from meshfold.planner.cost import CostModel, Estimate, Layout, Workload, layout_from_config
+from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+from meshfold.planner import from_config
+from meshfold.planner.from_config import layout_from_config
 from meshfold.planner.search import explain, search
 from meshfold.planner.goodput import FailureModel, goodput
 from meshfold.planner.simulate import result_json, simulate
@@ -20,7 +21,7 @@ from meshfold.schedule import makespan
 
 def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
     """The model and batch of a config, with the numerics the run would use there."""
-    return cost.workload_from_config(cfg, on_gpu=not cluster.device.name.startswith("cpu"))
+    return from_config.workload_from_config(cfg, on_gpu=not cluster.device.name.startswith("cpu"))
 
 
 def _gib(x: float) -> str:

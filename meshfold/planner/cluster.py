@@ -44,7 +44,7 @@ class Device:
     memory_gib: float
     hbm_GBps: float
     # Fraction of peak that large bf16 GEMMs reach (the maximum achievable matmul FLOPS,
-    # MAMF, measured per device generation); cost.gemm_time prices each GEMM's shape on top.
+    # MAMF, measured per device generation); kernels.gemm_time prices each GEMM's shape on top.
     matmul_eff: float = 0.80
     # GEMM width (columns per device) at which efficiency drops to half of matmul_eff: the
     # CPU calibration's fall-off (0 on GPUs, whose small GEMMs are priced by gemm_tile and
@@ -68,7 +68,7 @@ class Device:
     attention_eff: float = 0.0
     attention_bwd_eff: float = 0.0
     # GEMM output tile (rows = columns) for tile quantization and the HBM roofline of each
-    # GEMM (cost.gemm_time); 0 = neither (a calibrated CPU rate already includes them).
+    # GEMM (kernels.gemm_time); 0 = neither (a calibrated CPU rate already includes them).
     gemm_tile: int = 128
     # Streaming multiprocessors (AMD: compute units): a GEMM's tiles run in waves of this
     # many, and a partial last wave leaves the rest idle (wave quantization). 0 = ignore.

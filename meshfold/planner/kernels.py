@@ -1,0 +1,135 @@
+"""Per-kernel pieces of the cost model (``cost.py``): a GEMM's time by its shape, a
+block's GEMM shapes and memory-bound bytes, one collective's alpha-beta time, the tiles a
+ring's attention runs. Pure functions of the model, the device and the shapes."""
+
+from __future__ import annotations
+
+import math
+
+from meshfold.models.config import ModelConfig
+from meshfold.planner.cluster import Cluster
+from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
+from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
+
+
+def matmul_efficiency(cluster: Cluster, width: float) -> float:
+    """Achievable fraction of peak for GEMMs whose per-device width is ``width``."""
+    d = cluster.device
+    return d.matmul_eff * width / (width + d.matmul_half_width)
+
+
+def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
+              fp8: bool = False) -> float:
+    """Seconds for one GEMM (m x k) @ (k x n) on device ``d``: its FLOPs at the device's
+    achievable rate (``matmul_eff`` of the bf16 or fp8 peak), lowered by tile
+    quantization (an output dimension below a multiple of ``gemm_tile`` wastes the rest of
+    its last tile) and wave quantization (the tiles run in waves of one per SM; a partial
+    last wave idles the other SMs), both from NVIDIA's "Matrix Multiplication Background"
+    guide (MAMF is measured at shapes with neither), or its HBM traffic
+    (operands once, output once) when that takes longer (the roofline: skinny GEMMs are
+    memory bound). ``width``: the CPU calibration's fall-off (``matmul_efficiency``)."""
+    flops = 2.0 * m * n * k
+    peak = (d.fp8_tflops if fp8 and d.fp8_tflops else d.peak_tflops) * 1e12
+    eff = d.matmul_eff * (width / (width + d.matmul_half_width) if d.matmul_half_width else 1.0)
+    tile = d.gemm_tile
+    if not tile:
+        return flops / (peak * eff)
+    tiles_m, tiles_n = math.ceil(m / tile), math.ceil(n / tile)
+    q = (m / (tiles_m * tile)) * (n / (tiles_n * tile))
+    if d.sms:  # wave quantization: the tiles run in waves of one per SM
+        tiles = tiles_m * tiles_n
+        q *= tiles / (math.ceil(tiles / d.sms) * d.sms)
+    ab = 1 if fp8 and d.fp8_tflops else operand_bytes
+    traffic = ab * (m * k + k * n) + operand_bytes * m * n
+    return max(flops / (peak * eff * q), traffic / (d.hbm_GBps * 1e9 * d.hbm_eff))
+
+
+def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]:
+    """(output columns, inner dimension) per device of a block's linear layers, in the
+    order the forward runs them (q, k, v, o; w1, w3, w2 or w1, w2); a MoE block's
+    experts as one dense MLP of the active width (top-k experts' hidden per token)."""
+    h, hq, hkv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    kv_local = hkv / min(tp, m.kv_heads) if m.kv_heads % tp else hkv / tp
+    out = [(hq / tp, h), (kv_local, h), (kv_local, h), (h, hq / tp)]
+    if m.mla:  # down-projections whole on every tp rank, up-projections and wo split by heads
+        H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
+        q = [(m.mla_q_rank, h), (H * qk / tp, m.mla_q_rank)] if m.mla_q_rank else [(H * qk / tp, h)]
+        out = q + [(m.mla_kv_rank + m.mla_rope_dim, h), (H * (m.mla_nope_dim + m.mla_v_dim) / tp, m.mla_kv_rank),
+                   (h, H * m.mla_v_dim / tp)]
+    f = (m.moe_topk * m.expert_dim + m.moe_shared_experts * m.expert_dim) if moe else m.hidden_dim
+    if m.mlp == "swiglu":
+        out += [(f / tp, h), (f / tp, h), (h, f / tp)]
+    else:
+        out += [(f / tp, h), (h, f / tp)]
+    return out
+
+
+def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, act: int, amp: bool,
+                      flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float]:
+    """HBM bytes of one block's memory-bound ops for ``tokens`` tokens on one device:
+    (forward, the attention core's share of it, what backward adds beyond twice the
+    forward: autograd's sums of the gradients of tensors several ops read — the norm
+    outputs read by q, k, v (and w1, w3), the residual stream read by a norm and an add —
+    one read-read-write each). Counted op by op from the model
+    code (``models/llama.py``, ``feedforward.py``): each kernel reads its inputs and
+    writes its output once. ``eager``: RMSNorm as written (upcast, square, mean, scale,
+    downcast, weight: 28 + 4a bytes an element; under autocast the input is already fp32,
+    28), RoPE on q and k (upcast, four products, two sums, stack, downcast: 40 + 2a),
+    SwiGLU's silu and product (5a per hidden element; tanh-GELU 2a), two residual adds
+    (2r + a each, r = the residual stream's bytes: fp32 under autocast), the attention
+    output's transpose copy (2a), autocast's bf16 copy of the norm output per projection
+    (6 bytes an element each), and without fused attention the scores' scale, mask and
+    softmax (3 passes of 2a) and dropout (2a + 1) per score. ``fused``: one read and one
+    write per fusion group (LayerNorm/RMSNorm 2a, RoPE 2a, bias-GELU 2a or SwiGLU 3a per
+    hidden element, bias-dropout-add 3a + 1, softmax 2a). Sequence parallel splits the
+    norms and residual adds over tp; without it every tp rank runs them whole."""
+    a = act
+    r = 4 if amp else a
+    h = m.dim
+    hn = h / tp if sp else h  # norms and residual adds: sequence-split with sp, else replicated
+    hq = m.n_heads * m.head_dim / tp
+    hk = m.kv_heads * m.head_dim / min(tp, m.kv_heads) if m.kv_heads % tp else m.kv_heads * m.head_dim / tp
+    f = ((m.moe_topk + m.moe_shared_experts) * m.expert_dim if moe else m.hidden_dim) / tp
+    swiglu = m.mlp == "swiglu"
+    rope = m.pos == "rope"
+    scores = 0.0 if flash else (m.n_heads / tp) * s  # score elements per token
+    drop = 1.0 if dropout else 0.0
+    if kernels == "fused":
+        norm = 2 * a
+        per_token = (2 * norm * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+                     + (3 * a if swiglu else 2 * a) * f + 2 * (3 * a + drop) * hn)
+        attn = scores * (2 * a + drop * (2 * a + 1))
+    else:
+        if m.norm == "layernorm":
+            norm = 2 * r  # nn.LayerNorm: one kernel
+        else:
+            norm = 28 + (0 if amp else 4 * a)
+        casts = (3 + (2 if swiglu else 1)) * 6 if amp else 0.0
+        per_token = (2 * norm * hn + casts * h + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
+                     + (5 * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
+        attn = scores * (3 * 2 * a + drop * (2 * a + 1))
+    g = 4 if amp else a  # the norm outputs' gradients: fp32 behind autocast's casts
+    sums = 3 * g * (2 + (1 if swiglu else 0)) * h + 2 * 3 * r * hn
+    return tokens * (per_token + attn), tokens * attn, tokens * sums
+
+
+def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int,
+                    in_step: bool = False) -> float:
+    """alpha-beta time of one collective over a group of n ranks ``stride`` apart.
+    ``in_step``: the ranks arrive in step (right after another collective), so its hops
+    cost the cluster's ``in_step_alpha_us`` where set."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    alpha, beta = cluster.link(stride, n)
+    if in_step and cluster.in_step_alpha_us > 0:
+        alpha = cluster.in_step_alpha_us * 1e-6
+    return STEPS[op](n) * alpha + RING[op](n) * size_bytes / beta
+
+
+def attention_tiles_per_rank(cp: int, ring: int) -> float:
+    """Visible (query, key) tiles one rank computes per layer in the tiled attention that
+    context parallelism runs: tiles of seq / (2 max(cp, 4)) tokens (the rule in
+    ``parallel/context.py``), so T = 2 max(cp, 4) per side, T (T + 1) / 2 under the causal
+    mask, split over the ``ring`` members (Ulysses ranks each see every tile)."""
+    t = 2 * max(cp, 4)
+    return t * (t + 1) / 2 / ring
