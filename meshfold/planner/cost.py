@@ -221,6 +221,7 @@ class CostModel:
         self._stage_base_cache: dict = {}
         self._pipeline_cache: dict = {}
         self._dp_cache: dict = {}  # _dp_exposed's
+        self._small: dict = {}  # small_collectives' per world size
         self._bound_sums: dict = {}  # lower_bound's sums over layer kinds, per layer terms
         self._bound_rest: dict = {}
         self.peak = cluster.device.peak_tflops * 1e12
@@ -245,9 +246,9 @@ class CostModel:
 
     def small_collectives(self, world: int) -> float:
         """The loss, token count and grad-norm all-reduces over everyone: latency-bound."""
-        hit = self._links.get(("small", world))
+        hit = self._small.get(world)
         if hit is None:
-            hit = self._links[("small", world)] = 3 * self.ct("all_reduce", 8, world, 1, in_step=True)
+            hit = self._small[world] = 3 * self.ct("all_reduce", 8, world, 1, in_step=True)
         return hit
 
     def ct(self, op: str, size_bytes: float, n: int, stride: int, in_step: bool = False) -> float:
@@ -629,7 +630,7 @@ class CostModel:
         """Per-micro-batch forward/backward of the slowest stage, total busy time over
         stages, and each stage's parameters and layer count (cached per layer terms)."""
         fs, bws, stage_params, stage_layers = self._stage_base(T, stages, last_rank, pp)
-        hop = v * p2p if pp > 1 else 0.0  # each of the rank's v chunks sends forward and backward
+        hop = v * p2p  # each of the rank's v chunks sends forward and backward (pp > 1)
         t_f = t_b = busy_sum = 0.0
         for f, bw in zip(fs, bws):
             if pp > 1:
