@@ -311,8 +311,7 @@ def _greedy_zero_bubble(pp: int, m: int) -> tuple[list[list[Action]], tuple[tupl
                 heapq.heappush(future[d // (2 * per_chunk)], (ready_at[d], seq, d))
                 seq += 1
     table = [Action(kind, c, i) for kind in "FBW" for c in (0, 1) for i in range(m)]
-    return [[table[((a % per_chunk) // m * 2 + (a // per_chunk & 1)) * m + a % m] for a in order]
-            for order in orders], tuple(graph)
+    return [[table[(kind_of[a] * 2 + chunk_of[a]) * m + mb_of[a]] for a in order] for order in orders], tuple(graph)
 
 
 # --------------------------------------------------------------------------- simulation
