@@ -90,6 +90,12 @@ class ModelConfig:
         return self.mla_kv_rank > 0
 
     @property
+    def attention(self) -> str:
+        """The attention block's kind, the key shared code looks its parts up by (model
+        blocks, tp/cp plans, planner terms): ``gqa`` (multi-head and grouped-query) or ``mla``."""
+        return "mla" if self.mla_kv_rank > 0 else "gqa"
+
+    @property
     def rope_dim(self) -> int:
         """Features of a head that RoPE rotates (MLA: only the decoupled part)."""
         return self.mla_rope_dim if self.mla else self.head_dim
