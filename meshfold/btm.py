@@ -89,6 +89,12 @@ def _default_part(spec: str, cfg: Config, dst: Path) -> str:
     return str(dst.resolve())
 
 
+def _absolute_source(source: str) -> str:
+    """A path source as an absolute path: the branch's config is trained from any folder."""
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source
+
+
 def _shared_tokenizer(cfg: Config, seed: Path, out: Path) -> Path:
     """The seed's tokenizer as DIR/tokenizer.json: the seed checkpoint's own file, else the
     base config's ``data.tokenizer``, else the BPE its data source trains (and caches)."""
@@ -133,8 +139,10 @@ def branch(seed: Path, domains: dict[str, str], out: Path, base: str | None = No
     written = []
     for name, source in domains.items():
         run = out / name
+        run.mkdir(parents=True, exist_ok=True)
         c = copy.deepcopy(cfg)
-        c.data.source = _default_part(source, cfg, run / "domain.jsonl") if source.startswith("default:") else source
+        c.data.source = (_default_part(source, cfg, run / "domain.jsonl") if source.startswith("default:")
+                         else _absolute_source(source))
         c.data.mix_sources, c.data.mix_weights = [], []
         c.data.tokenizer = str(tok)
         c.train.init_from, c.train.run_dir = str(seed), str((run / "run").resolve())

@@ -82,3 +82,23 @@ def test_branch_train_merge_round_trips(tmp_path):
     one = btm.ensemble_loss(members, prior, batches[:1], doc_mask, 1)[0]
     assert abs(one - mix / mask.sum().item()) < 1e-9
     assert json.loads((out / "btm_eval.json").read_text())["domains"] == ["a", "b"]
+
+
+def test_branch_from_files_writes_every_domain(tmp_path, monkeypatch):
+    """A ``--domain NAME=FILE`` branch gets its folder too (only ``default:K/N`` created one)
+    and its source as an absolute path, so the branch trains from any working directory."""
+    cfg = tiny_config(str(tmp_path / "seed"), train={"steps": 1, "checkpoint_every": 1},
+                      data={"max_docs": 20, "val_docs": 2})
+    (tmp_path / "seed.toml").write_text(_toml(cfg))
+    train_collect(cfg)
+    monkeypatch.chdir(tmp_path)
+    for name in ("law", "code"):
+        with open(f"{name}.jsonl", "w") as f:
+            for i in range(8):
+                f.write(json.dumps({"text": f"{name} document {i} " * 20}) + "\n")
+    out = tmp_path / "btm"
+    assert main(["btm", "branch", str(tmp_path / "seed" / "checkpoints" / "step-1"), "--domain", "law=law.jsonl",
+                 "--domain", "code=code.jsonl", "--out", str(out), "--config", "seed.toml"]) == 0
+    for name in ("law", "code"):
+        c = btm.load_config(out / name / "config.toml")
+        assert c.data.source == str((tmp_path / f"{name}.jsonl").resolve())
