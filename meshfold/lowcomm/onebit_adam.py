@@ -7,7 +7,7 @@ is frozen and only the 1-bit compressed momentum crosses the data-parallel group
                          m = mean_ranks(C(m_i + e_i)),  e_i <- m_i + e_i - C(m_i + e_i)
                          p <- p - lr (m_hat / (sqrt(v_hat_frozen) + eps) + wd p)
 
-C is the sign compressor with one fp32 scale per tensor (``codecs.sign_all_reduce_mean``).
+C is the sign compressor with one fp32 scale per tensor (``codecs/sign.py``).
 Every rank ends each step with the same m, v and p, so parameters stay identical.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from meshfold.lowcomm.codecs import sign_all_reduce_mean
+from meshfold.lowcomm.codecs.sign import sign_all_reduce_mean
 
 
 class OneBitAdam(torch.optim.Optimizer):
