@@ -40,14 +40,15 @@ class LegacyPowerSGD:
     """The per-matrix PowerSGD of meshfold before issue 16 (same maths, same state)."""
 
     def __init__(self, group, rank: int, seed: int = 0):
-        from meshfold.lowcomm.codecs import PowerSGD
+        from meshfold.lowcomm.codecs.powersgd import PowerSGD
 
         self.inner = PowerSGD(group, rank, seed)  # reused for state, Q init and helpers
 
     def reduce(self, named) -> None:
         import torch
 
-        from meshfold.lowcomm.codecs import _all_reduce_mean, _orthogonalize
+        from meshfold.lowcomm.codecs.base import all_reduce_mean as _all_reduce_mean
+        from meshfold.lowcomm.codecs.powersgd import orthogonalize as _orthogonalize
 
         c = self.inner
         dense = []

@@ -58,7 +58,7 @@ from meshfold import comm
 from meshfold.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from meshfold.models.llama import Transformer
 from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
-from meshfold.parallel.optim import adamw_kwargs
+from meshfold.optim.adamw import adamw_kwargs
 from meshfold.planner.calibrate import (
     BLOCK_BATCH,
     BLOCK_DIMS,

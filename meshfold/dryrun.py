@@ -77,7 +77,7 @@ from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
 from meshfold.parallel.data import BUCKET_MB
 from meshfold.memory import count_saved_activations
-from meshfold.parallel.optim import grad_norm
+from meshfold.optim.clip import grad_norm
 from meshfold.parallel.stages import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster

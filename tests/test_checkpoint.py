@@ -378,3 +378,35 @@ def test_each_rank_hashes_the_files_it_wrote(tmp_path):
     # At resume the ranks split the files: disjoint shares covering everything.
     shares = [set(by_rank[r]["resume"]) for r in (0, 1)]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == files
+
+
+def test_onebit_adam_owns_its_step_count():
+    """1-bit Adam's checkpoint state (optim/state.py's protocol) carries its step count, which
+    decides warm-up or compressed: a resume does not start the warm-up over. A checkpoint
+    written before it kept the count reads as before (count 0)."""
+    from meshfold.lowcomm.onebit_adam import OneBitAdam
+    from meshfold.optim.state import ParamNames, state_of
+
+    def built():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        return model, OneBitAdam(model.parameters(), None, 1, warmup_steps=2, lr=0.1)
+
+    model, opt = built()
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = state_of(opt).checkpoint_state(ParamNames(model))
+    assert saved["onebit_t"] == 3
+    again, restored = built()
+    assert "onebit_t" in restored.checkpoint_template(ParamNames(again), set(saved))
+    restored.load_checkpoint_state(ParamNames(again), saved)
+    assert restored.t == 3 and restored.frozen
+    first, second = next(iter(model.parameters())), next(iter(again.parameters()))
+    assert torch.equal(restored.state[second]["m"], opt.state[first]["m"])
+    older, before = built()
+    old = {k: v for k, v in saved.items() if k != "onebit_t"}
+    assert "onebit_t" not in before.checkpoint_template(ParamNames(older), set(old))
+    before.load_checkpoint_state(ParamNames(older), old)
+    assert before.t == 0

@@ -11,7 +11,7 @@ import torch
 from meshfold.config import from_dict
 from meshfold.testing import run_on, tiny_config, train_chain, train_segment
 from meshfold.train.checkpoint_files import read_dcp_metadata
-from meshfold.train.zero_state import flat_boxes
+from meshfold.optim.zero_state import flat_boxes
 
 STEPS, SPLIT = 4, 2
 TP_ZERO1 = {"tp": 2, "dp_shard": 2, "zero": 1}

@@ -60,7 +60,7 @@ def test_clip_is_a_device_scalar_foreach_multiply():
 
     import torch
 
-    from meshfold.parallel.optim import clip_grad_norm_, grad_norm
+    from meshfold.optim.clip import clip_grad_norm_, grad_norm
 
     gen = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=dt)) for dt in (torch.float64, torch.float32)]

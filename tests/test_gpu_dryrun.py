@@ -115,7 +115,7 @@ def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
             return dim == "tp"
         if where.startswith("meshfold/parallel/context.py"):  # ring backward's dK/dV accumulators
             return dim == "cp"
-        if where.startswith("meshfold/lowcomm/codecs.py"):  # a codec's encoding of the (fp32) gradients
+        if where.startswith("meshfold/lowcomm/codecs/"):  # a codec's encoding of the (fp32) gradients
             return cfg.train.reduce_dtype == "float32" and dim.startswith("dp")
         reduce = cfg.train.reduce_dtype == "float32"  # gradients reduced in the configured dtype:
         all_reduce = op in ("allreduce", "all_reduce")  # (torch's op name, comm.py's)

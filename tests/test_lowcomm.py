@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshfold.config import LowCommConfig, ParallelConfig
-from meshfold.lowcomm.codecs import FP4_BLOCK, fp4_dequantize, fp4_quantize
+from meshfold.lowcomm.codecs.fp4 import FP4_BLOCK, fp4_dequantize, fp4_quantize
 from meshfold.testing import run_on, tiny_config
 
 W = 4
@@ -466,7 +466,7 @@ def _stub(rank: int, codec=None, workers: int = 1):
 
 
 def _powersgd_with_state(error: torch.Tensor, q: torch.Tensor):
-    from meshfold.lowcomm.codecs import PowerSGD
+    from meshfold.lowcomm.codecs.powersgd import PowerSGD
 
     codec = PowerSGD(None, rank=2, seed=0)
     codec.step = 5
@@ -505,7 +505,7 @@ def test_codec_state_reshards_to_another_data_parallel_size(tmp_path):
     errors = [torch.randn(8, 6, generator=g, dtype=torch.float64) for _ in range(2)]
     q = torch.randn(6, 2, generator=g, dtype=torch.float64)
     _save_stubs([_stub(r, _powersgd_with_state(errors[r], q)) for r in range(2)], tmp_path / "ck")
-    from meshfold.lowcomm.codecs import PowerSGD
+    from meshfold.lowcomm.codecs.powersgd import PowerSGD
 
     fresh = _stub(0, PowerSGD(None, rank=2, seed=0))
     _load_stub(fresh, tmp_path / "ck")

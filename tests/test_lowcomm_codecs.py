@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshfold.config import LowCommConfig
-from meshfold.lowcomm.codecs import LGreCo, PowerSGD, Sign, TopK, build_codec, knapsack_min_size
+from meshfold.lowcomm.codecs import LGreCo, PowerSGD, Sign, TopK, build_codec
+from meshfold.lowcomm.codecs.lgreco import knapsack_min_size
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 
 SHAPES = {"a.weight": (8, 6), "b.weight": (5, 7), "b.bias": (5,)}
@@ -223,7 +224,7 @@ def _deflate_exchange(numel: int):
     collective during the deflated exchange (measured by wrapping torch.distributed)."""
     import torch.distributed as dist
 
-    from meshfold.lowcomm.codecs import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
+    from meshfold.lowcomm.codecs.fp4 import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
 
     rank, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(7 + rank)
@@ -252,7 +253,7 @@ def _deflate_exchange(numel: int):
 
 
 def test_fp4_deflate_exchange_is_lossless_and_ledger_equals_payloads():
-    from meshfold.lowcomm.codecs import FP4_BLOCK, fp4_bytes
+    from meshfold.lowcomm.codecs.fp4 import FP4_BLOCK, fp4_bytes
 
     n, numel = 4, 5000  # not a multiple of the block: padding included
     res = run_on(n, _deflate_exchange, numel)
@@ -275,7 +276,7 @@ def _codec_outputs(strict: bool) -> dict:
     meta and is refused by the comm layer (or fails to mix with real tensors)."""
     import torch.distributed as dist
 
-    from meshfold.lowcomm.codecs import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
+    from meshfold.lowcomm.codecs.fp4 import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
     from meshfold.lowcomm.outer import build_outer
 
     rank = dist.get_rank()

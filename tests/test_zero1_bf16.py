@@ -1,4 +1,4 @@
-"""ZeRO-1 under bf16 compute (``parallel/optim.py::ShardedAdamW`` with a compute dtype):
+"""ZeRO-1 under bf16 compute (``optim/sharded.py::ShardedAdamW`` with a compute dtype):
 the updated parameters cross dp in bf16, gathered into the step's compute weights; each
 rank keeps fp32 values for its own segment only, and the module's fp32 parameters are
 freed between steps and gathered where they are read whole. Checked against the same layout with ZeRO-0 (every rank
@@ -28,7 +28,8 @@ def _bf16(run_dir, parallel, **train):
 
 def _zero1_source(cfg_dict: dict) -> dict:
     """The optimizer and compute-weights wiring a bf16 ZeRO-1 run builds (rank 0)."""
-    from meshfold.parallel.optim import ExpertSplitAdamW, ShardedAdamW
+    from meshfold.optim.expert_split import ExpertSplitAdamW
+    from meshfold.optim.sharded import ShardedAdamW
     from meshfold.train.trainer import Trainer
 
     tr = Trainer(from_dict(cfg_dict))

@@ -1,5 +1,5 @@
 """Training over slow links: outer optimizers across workers (``outer.py``), gradient
-codecs for the per-step data-parallel path (``codecs.py``, ``compress.py``,
+codecs for the per-step data-parallel path (``codecs/``, ``compress.py``,
 ``onebit_adam.py``) and a network lab of throttled namespaces (``netlab.py``).
 
 The Trainer builds the owner of the DDP compression hook before the model

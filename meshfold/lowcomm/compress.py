@@ -5,7 +5,7 @@ hook runs the codec on the per-parameter views (PowerSGD and L-GreCo need the ma
 shapes), writes the decoded group mean back into them and returns the buffer. The codec's
 step counter advances once per backward (on bucket 0, which DDP always reduces).
 PowerSGD and L-GreCo return an unfinished future (their work runs on the codec's
-communication thread while backward goes on; ``codecs.PowerSGD`` says why a thread);
+communication thread while backward goes on; ``codecs/powersgd.py`` says why a thread);
 the other codecs reduce before returning.
 
 With ``lowcomm.onebit_adam`` the hook all-reduces in full precision during the 1-bit Adam

@@ -14,7 +14,8 @@ from meshfold.lowcomm.compress import DDPCompression
 from meshfold.lowcomm.onebit_adam import OneBitAdam
 from meshfold.lowcomm.outer import build_outer, local_tensor
 from meshfold.parallel.data import unwrap, uses_fsdp
-from meshfold.parallel.optim import build_scheduler, param_groups
+from meshfold.optim.adamw import param_groups
+from meshfold.optim.lr_schedule import build_scheduler
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config

@@ -7,18 +7,27 @@ is frozen and only the 1-bit compressed momentum crosses the data-parallel group
                          m = mean_ranks(C(m_i + e_i)),  e_i <- m_i + e_i - C(m_i + e_i)
                          p <- p - lr (m_hat / (sqrt(v_hat_frozen) + eps) + wd p)
 
-C is the sign compressor with one fp32 scale per tensor (``codecs.sign_all_reduce_mean``).
+C is the sign compressor with one fp32 scale per tensor (``codecs/sign.py``).
 Every rank ends each step with the same m, v and p, so parameters stay identical.
+
+Checkpoints (``optim/state.py``): DCP's flattened optimizer state, plus the step count
+``t`` that decides warm-up or compressed (DCP's state dict keeps only the per-parameter
+state and the groups, so a resume used to start the warm-up over).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from meshfold.lowcomm.codecs import sign_all_reduce_mean
+from meshfold.lowcomm.codecs.sign import sign_all_reduce_mean
+from meshfold.optim.state import FlattenedState, ParamNames
+
+_STEPS_KEY = "onebit_t"
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(FlattenedState, torch.optim.Optimizer):
     def __init__(self, params, group, n: int, warmup_steps: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -60,11 +69,28 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def state_dict(self):
         sd = super().state_dict()
-        sd["onebit_t"] = self.t
+        sd[_STEPS_KEY] = self.t
         return sd
 
-    def load_state_dict(self, sd):
-        sd = dict(sd)
-        self.t = sd.pop("onebit_t", 0)
-        super().load_state_dict(sd)
+    def load_state_dict(self, state_dict):  # (DCP passes it by keyword)
+        state_dict = dict(state_dict)
+        self.t = state_dict.pop(_STEPS_KEY, 0)
+        super().load_state_dict(state_dict)
 
+    # ------------------------------------------------------------------ checkpoint state (optim/state.py)
+
+    def checkpoint_state(self, model: ParamNames) -> dict[str, Any]:
+        return {**super().checkpoint_state(model), _STEPS_KEY: self.t}
+
+    def checkpoint_template(self, model: ParamNames, saved: set[str]) -> dict[str, Any]:
+        out = super().checkpoint_template(model, saved)
+        if _STEPS_KEY not in saved:  # written before 1-bit Adam kept its step count
+            del out[_STEPS_KEY]
+        return out
+
+    def load_checkpoint_state(self, model: ParamNames, flat: dict[str, Any]) -> None:
+        flat = dict(flat)
+        steps = flat.pop(_STEPS_KEY, None)
+        super().load_checkpoint_state(model, flat)
+        if steps is not None:
+            self.t = int(steps)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from meshfold import comm
 from meshfold.lowcomm.config import LowCommConfig
-from meshfold.lowcomm.codecs import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
+from meshfold.lowcomm.codecs.fp4 import fp4_all_reduce_mean, fp4_deflate_all_reduce_mean
 
 
 def _mean_of(result):
@@ -162,7 +162,7 @@ class StreamingDiLoCo(OuterOptimizer):
     embeddings with fragment 0, final norm/output with fragment P-1). Fragment p syncs at the
     steps t with t mod H = floor(p H / P) (staggered, so each exchange carries ~1/P of the
     model). At t the outer gradient Delta_p = phi_p - theta_p(t) is sent (4-bit E3M0, see
-    codecs.fp4_all_reduce_mean) while tau more inner steps run; at t + tau:
+    codecs/fp4.py) while tau more inner steps run; at t + tau:
 
         phi_p <- Nesterov(phi_p, mean_workers(Delta_p))
         theta_p <- alpha theta_p(t + tau) + (1 - alpha) phi_p       (alpha = lowcomm.mixing)

@@ -8,9 +8,11 @@ What a checkpoint holds (``RUN_DIR/checkpoints/step-N/``, written with
   and plain tensors all map to the same keys. DCP stores each shard with its global offsets,
   so a checkpoint saved under one ``[parallel]`` loads under another (resharding).
 - ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<fqn>.<key>``:
-  the optimizer, flattened by parameter name (layout-independent). ZeRO-1 ranks each
-  contribute the state they own: whole parameters (``ZeroRedundancyOptimizer``), or the
-  rectangular boxes of their flat segment (``ShardedAdamW``, tensor parallel: ``Chunks``).
+  the optimizer, flattened by parameter name (layout-independent). Each optimizer owns
+  what it saves and how it reads it back in another layout (``optim/state.py``'s
+  protocol): AdamW as DCP flattens it; ZeRO-1 ranks each the state they own, whole
+  parameters (``optim/zero_one.py``) or the rectangular boxes of their flat segment
+  (``optim/sharded.py``, ``Chunks``); 1-bit Adam adds its step count.
 - ``scheduler``, ``sampler`` (data-loader position), ``step``, ``rng.rank<R>`` (this
   rank's RNG states) and ``extra.<name>``: state of components registered with
   ``Checkpointer.register(name, obj)`` (anything with ``state_dict``/``load_state_dict``,
@@ -33,9 +35,9 @@ objects to is loaded by all. Each one skipped is reported (by the rank that foun
 fault) with what is wrong.
 
 Modules: ``checkpoint_files.py`` (the folder on disk: manifest, validation, atomic
-publishing, the pickle-free reader and writer), ``zero_state.py`` (ZeRO-1's Adam state
-as boxes under tensor/pipeline parallel); this one assembles the state and decides
-when to save, what to resume from and how to load it.
+publishing, the pickle-free reader and writer), ``renamed_keys.py`` (checkpoints from
+before a rename), and each optimizer's own checkpoint state (``meshfold/optim``); this
+one assembles the state and decides when to save, what to resume from and how to load it.
 """
 
 from __future__ import annotations
@@ -46,25 +48,19 @@ import os
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from meshfold import comm
-from meshfold.parallel.data import unwrap
-from meshfold.parallel.optim import ExpertSplitAdamW, ShardedAdamW
+from meshfold.optim.state import CheckpointState, CheckpointStateError, ParamNames, state_of
+from meshfold.optim.zero_state import Chunks
 from meshfold.train.checkpoint_files import (
     CheckpointError,
     SafeWriter,
@@ -81,7 +77,6 @@ from meshfold.train.checkpoint_files import (
 from meshfold.train.progress import Progress
 from meshfold.train.renamed_keys import joinable, read_old_names
 from meshfold.train.run_dir import describe_os_error, explain_write_failure
-from meshfold.train.zero_state import Chunks, Piece, chunks_of, sharded_layout
 
 # Optimizer flags that describe the implementation, not the state: keep this run's.
 _IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -118,6 +113,15 @@ def _any_rank(flag: bool, group=None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
     comm.all_reduce(t, group or dist.group.WORLD, "ckpt", op="max")
     return bool(t.item())  # outside the step: a checkpoint decision every rank must share
+
+
+@contextmanager
+def _one_line_refusal():
+    """An optimizer state that cannot be checkpointed in this layout, as one line."""
+    try:
+        yield
+    except CheckpointStateError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def _stage(value: Any, buffers: dict, key: str = "") -> Any:
@@ -207,7 +211,6 @@ class Checkpointer:
         # Steps never pruned: the checkpoint the NaN guard last rolled back to (known good).
         self.pinned: set[int] = set()
         self._skipped_unhealthy: int | None = None  # the step whose save was withheld (logged once)
-        self._layout: list | None = None  # ShardedAdamW's boxes (_sharded_layout), computed once
         # Async: the upload and rank 0's publishing (hashing, manifest, rename, pruning)
         # run on this one background thread; ``_pending`` is its future.
         self._pending: Future | None = None
@@ -234,93 +237,14 @@ class Checkpointer:
     def _model_state(self) -> dict[str, Any]:
         return get_model_state_dict(_whole_model(self.parts))
 
-    def _zero_one(self) -> ZeroRedundancyOptimizer | None:
-        opt = self.optimizer
-        return opt if isinstance(opt, ZeroRedundancyOptimizer) else None
-
-    def _sharded(self) -> ShardedAdamW | ExpertSplitAdamW | None:
-        opt = self.optimizer
-        return opt if isinstance(opt, (ShardedAdamW, ExpertSplitAdamW)) else None
-
-    def _sharded_parts(self) -> list[ShardedAdamW]:
-        """The ``ShardedAdamW``s whose state is saved: the optimizer, or (expert parallel
-        with ZeRO-1) its dense and expert parts."""
-        opt = self._sharded()
-        return [] if opt is None else getattr(opt, "parts", [opt])
-
-    def _sync_masters(self) -> None:
-        """ZeRO-1 under bf16 keeps each rank's fp32 values only for its own segment between
-        checkpoints (``ShardedAdamW.sync_masters``): gather them into the parameters first."""
-        sharded = self._sharded()
-        if sharded is not None:
-            sharded.sync_masters()
-
-    def _materialize(self) -> None:
-        """Storage for the fp32 parameters to load into (ZeRO-1 under bf16 frees them)."""
-        sharded = self._sharded()
-        if sharded is not None and sharded.compute_dtype is not None:
-            sharded.materialize()
-
-    def _masters_written(self) -> None:
-        """Parameters loaded on every rank: ZeRO-1 under bf16 takes them into its master
-        shard and bf16 compute buffer (and frees them again)."""
-        sharded = self._sharded()
-        if sharded is not None:
-            sharded.masters_written()
-
-    def _fqn_of_params(self) -> dict[int, str]:
-
-        return {id(p): name for name, p in unwrap(_whole_model(self.parts)).named_parameters()}
-
-    def _param_group_entries(self, opt: torch.optim.Optimizer, meta_keys: set[str] | None = None) -> dict[str, Any]:
-        """``param_groups.<fqn>.<key>`` of every parameter (the same on every rank); given
-        ``meta_keys``, only those the checkpoint has."""
-        names = self._fqn_of_params()
-        out = {}
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for k, v in group.items():
-                    key = f"param_groups.{names[id(p)]}.{k}"
-                    if k != "params" and (meta_keys is None or f"optim.{key}" in meta_keys):
-                        out[key] = v
-        return out
-
-    def _sharded_layout(self) -> list[tuple]:
-        """``ShardedAdamW``'s pieces as checkpoint boxes (``zero_state.sharded_layout``),
-        each with the part that updates it, computed once: they are fixed for a run."""
-        if self._layout is None:
-            try:
-                names = self._fqn_of_params()
-                self._layout = [(part, *piece) for part in self._sharded_parts()
-                                for piece in sharded_layout(part, names)]
-            except ValueError as err:
-                raise CheckpointError(str(err)) from None
-        return self._layout
+    def _optim(self) -> CheckpointState:
+        """The optimizer's checkpoint state (``optim/state.py``): it decides what it saves,
+        what it reads back in this layout and how it takes it in."""
+        return state_of(self.optimizer)
 
     def _optim_state(self) -> dict[str, Any]:
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        zero, sharded = self._zero_one(), self._sharded()
-        if zero is None and sharded is None:
-            return get_state_dict(_whole_model(self.parts), self.optimizer, options=opts)[1]
-        # ZeRO-1: each rank writes the Adam state it owns, in the same flattened naming and
-        # global shapes as every other layout; param groups are the same everywhere.
-        state = {}
-        if zero is not None:  # whole parameters
-            names = self._fqn_of_params()
-            for p, s in zero.optim.state.items():
-                for k, v in s.items():
-                    state[f"state.{names[id(p)]}.{k}"] = v
-        else:  # flat pieces of parameters: their boxes, views into the state (no copy)
-            for part, view, fqn, shape, boxes, writes in self._sharded_layout():
-                s = part.optim.state.get(view)
-                if not s:
-                    continue
-                state[f"state.{fqn}.step"] = s["step"]  # the same on every rank (saved once)
-                if writes:
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        state[f"state.{fqn}.{k}"] = chunks_of(shape, boxes, s[k])
-        state.update(self._param_group_entries(zero or sharded))
-        return state
+        with _one_line_refusal():
+            return self._optim().checkpoint_state(ParamNames(_whole_model(self.parts)))
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         out = {"cpu": torch.get_rng_state()}
@@ -373,7 +297,7 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
-        self._sync_masters()
+        self._optim().before_checkpoint()
         sd = self.state_dict()
         self.last_saved_step = step
         try:
@@ -503,7 +427,7 @@ class Checkpointer:
         its step."""
         saved = read_dcp_metadata(path).state_dict_metadata
         meta_keys = set(saved) | joinable(saved)  # (and what it has under old names: renamed_keys.py)
-        self._materialize()  # (ZeRO-1 under bf16 frees the fp32 parameters between steps)
+        self._optim().before_load()  # (ZeRO-1 under bf16 frees the fp32 parameters between steps)
         sd = self.state_dict()
         # Keys this rank may ask for: its own RNG if the checkpoint has it, extras present.
         sd.pop(f"rng.rank{self.rank}")
@@ -523,30 +447,23 @@ class Checkpointer:
                         {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
                 except ValueError as err:
                     raise CheckpointError(f"{path}: {err}") from None
-        zero, sharded = self._zero_one(), self._sharded()
-        if zero is not None:
-            sd["optim"] = self._zero_one_template(meta_keys)
-        elif sharded is not None:
-            sd["optim"] = self._sharded_template(meta_keys)
+        optim = self._optim()
+        model = _whole_model(self.parts)
+        names = ParamNames(model)
+        with _one_line_refusal():  # what this rank reads, in this layout, whatever layout wrote it
+            sd["optim"] = optim.checkpoint_template(names, {k[len("optim."):] for k in meta_keys
+                                                            if k.startswith("optim.")})
         put_back = read_old_names(sd, saved)  # a checkpoint from before a rename
         safe_load(sd, path)
         put_back()
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
-        model = _whole_model(self.parts)
-        if zero is None and sharded is None:
-            set_state_dict(model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                           options=StateDictOptions(flatten_optimizer_state_dict=True))
-        else:
-            set_model_state_dict(model, sd["model"])
-            if zero is not None:
-                self._load_zero_one(sd["optim"])
-            else:
-                self._load_sharded(sd["optim"])
-            self._load_param_groups(self.optimizer, sd["optim"])
+        with _one_line_refusal():
+            optim.load_checkpoint_state(names, sd["optim"])
+        set_model_state_dict(model, sd["model"])
         for group, kept in zip(self.optimizer.param_groups, flags):
             group.update(kept)
-        self._masters_written()
+        optim.after_load()
         self.scheduler.load_state_dict(_per_group(sd["scheduler"], len(self.optimizer.param_groups), path))
         if restore_sampler:
             self.sampler.load_state_dict(sd["sampler"])
@@ -562,82 +479,18 @@ class Checkpointer:
         self.last_saved_step = self.progress.step
         return self.progress.step
 
-    def _zero_one_template(self, meta_keys: set[str]) -> dict[str, Any]:
-        """Placeholders for the optimizer keys a ZeRO-1 rank loads: the state of the
-        parameters it owns (if the checkpoint has any) and every param-group entry."""
-        zero = self._zero_one()
-        names = self._fqn_of_params()
-        out: dict[str, Any] = {}
-        owned = [p for g in zero.optim.param_groups for p in g["params"]]
-        for p in owned:
-            fqn = names[id(p)]
-            for k in ("step", "exp_avg", "exp_avg_sq"):
-                key = f"state.{fqn}.{k}"
-                if f"optim.{key}" in meta_keys:
-                    out[key] = torch.zeros((), dtype=torch.float32) if k == "step" else torch.empty_like(p)
-        out.update(self._param_group_entries(zero, meta_keys))
-        return out
-
-    def _sharded_template(self, meta_keys: set[str]) -> dict[str, Any]:
-        """Placeholders for the optimizer keys a ``ShardedAdamW`` rank loads: its boxes of
-        every parameter the checkpoint has state for (views into this rank's state, made
-        now where it has none yet: DCP reads straight into them, whatever layout wrote
-        them), the step, and every param-group entry."""
-        opt = self._sharded()
-        out: dict[str, Any] = {}
-        for part, view, fqn, shape, boxes, _ in self._sharded_layout():
-            if not all(f"optim.state.{fqn}.{k}" in meta_keys for k in ("step", "exp_avg", "exp_avg_sq")):
-                continue
-            s = part.optim.state.get(view, {})
-            out[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
-            for k in ("exp_avg", "exp_avg_sq"):
-                flat = s.get(k)
-                out[f"state.{fqn}.{k}"] = chunks_of(shape, boxes, torch.zeros_like(view) if flat is None else flat)
-        out.update(self._param_group_entries(opt, meta_keys))
-        return out
-
-    def _load_sharded(self, flat: dict[str, Any]) -> None:
-        for part, view, fqn, _, _, _ in self._sharded_layout():
-            if f"state.{fqn}.exp_avg" not in flat:
-                continue
-            old = part.optim.state.get(view, {}).get("step")
-            step = flat[f"state.{fqn}.step"].to(torch.float32 if old is None else old.dtype)
-            part.optim.state[view] = {"step": step.clone(), "exp_avg": flat[f"state.{fqn}.exp_avg"].flat,
-                                     "exp_avg_sq": flat[f"state.{fqn}.exp_avg_sq"].flat}
-
-    def _load_param_groups(self, opt: torch.optim.Optimizer, flat: dict[str, Any]) -> None:
-        names = self._fqn_of_params()
-        for group in opt.param_groups:
-            if not group["params"]:
-                continue
-            fqn = names[id(group["params"][0])]
-            for k in list(group):
-                if k != "params" and f"param_groups.{fqn}.{k}" in flat:
-                    group[k] = flat[f"param_groups.{fqn}.{k}"]
-
-    def _load_zero_one(self, flat: dict[str, Any]) -> None:
-        zero = self._zero_one()
-        names = self._fqn_of_params()
-        for g in zero.optim.param_groups:
-            for p in g["params"]:
-                fqn = names[id(p)]
-                state = {k: flat[f"state.{fqn}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")
-                         if f"state.{fqn}.{k}" in flat}
-                if state:
-                    zero.optim.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in state.items()}
-
     def load_model_only(self, path: Path) -> None:
         """``train.init_from``: parameters only (e.g. a converted Hugging Face model)."""
         error = self._validate_everywhere(path)
         if _any_rank(error is not None):
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
-        self._materialize()
+        self._optim().before_load()
         sd = {"model": self._model_state()}
         put_back = read_old_names(sd, read_dcp_metadata(path).state_dict_metadata)
         safe_load(sd, path)
         put_back()
         set_model_state_dict(_whole_model(self.parts), sd["model"])
-        self._masters_written()
+        self._optim().after_load()
 
     def resume(self) -> int | None:
         """At the start of ``fit``: resume from the newest good checkpoint

@@ -36,7 +36,7 @@ from meshfold.parallel.pipeline import Pipeline
 from meshfold.parallel.timeline import TIMELINE_FILE
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.compute_weights import ComputeWeights, compute_weights_for
-from meshfold.parallel.optim import clip_grad_norm_
+from meshfold.optim.clip import clip_grad_norm_
 
 
 def unsharded(named, grads: bool = False) -> dict[str, torch.Tensor]:

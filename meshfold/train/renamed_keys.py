@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from meshfold.parallel.materialize import local_box
-from meshfold.train.zero_state import Chunks
+from meshfold.optim.zero_state import Chunks
 
 # new key suffix -> (old key suffixes in order, the dimension they are joined along)
 JOINED: dict[str, tuple[tuple[str, ...], int]] = {

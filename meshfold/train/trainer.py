@@ -42,7 +42,8 @@ from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import MTPLoss, cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
-from meshfold.parallel.optim import build_optimizer, build_scheduler
+from meshfold.optim.lr_schedule import build_scheduler
+from meshfold.optim.registry import build_optimizer
 from meshfold.parallel.pipeline import Pipeline
 from meshfold.data.tokenizer import tokenizer_sha256
 from meshfold.errors import ConfigError

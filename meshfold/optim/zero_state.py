@@ -7,7 +7,7 @@ layout (``Chunks``, DCP's checkpointable protocol). Nothing is gathered or copie
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -15,7 +15,9 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshfold.parallel.materialize import local_box
-from meshfold.parallel.optim import ShardedAdamW
+
+if TYPE_CHECKING:  # annotations only: the optimizer imports this module
+    from meshfold.optim.sharded import ShardedAdamW
 
 
 def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tuple, int, int]]:

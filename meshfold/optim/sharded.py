@@ -1,74 +1,26 @@
-"""AdamW (plain or ZeRO-1 sharded), warmup + cosine schedule, and a gradient-norm clip that
-is correct for any mix of sharded (DTensor) and replicated gradients."""
+"""ZeRO-1 as Megatron-LM's distributed optimizer (``ShardedAdamW``): Adam state for one
+flat segment of this rank's parameter pieces, one all-gather of the updated segments,
+bf16 compute weights gathered straight from it; checkpointed as the boxes its segment
+cuts the parameters into (``zero_state.py``), which any layout reads back."""
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
 from meshfold import comm
-from meshfold.comm import ledger
-from meshfold.mesh import ParallelDims
-from meshfold.parallel.compute_weights import ComputeWeights
-from meshfold.parallel.data import expert_data_parallel
-
-if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
-    from meshfold.config import TrainConfig
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not norms, biases or router biases)."""
-    decay, no_decay = [], []
-    for _name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
-def adamw_kwargs(cfg: TrainConfig, device_type: str) -> dict:
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    choice = cfg.fused_optimizer
-    if choice == "auto":
-        # torch's fused AdamW runs on CUDA and on host CPUs (offloaded states included):
-        # 18.9M parameters step in 12-14 ms on this CPU against 50-73 ms foreach
-        choice = "fused" if device_type in ("cuda", "cpu") else "foreach"
-    if choice == "fused":
-        kwargs["fused"] = True
-    elif choice == "foreach":
-        kwargs["foreach"] = True
-    else:
-        kwargs["foreach"] = False
-    return kwargs
-
-
-class ZeroOneOptimizer(ZeroRedundancyOptimizer):
-    """ZeRO-1: gradients are all-reduced by DDP; each rank keeps Adam state only for the
-    parameters it owns and broadcasts them after its update. Records that traffic."""
-
-    def __init__(self, groups, group: dist.ProcessGroup, **adam_kwargs):
-        super().__init__(groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=group,
-                         weight_decay=groups[0]["weight_decay"], **adam_kwargs)
-        for extra in groups[1:]:
-            self.add_param_group(extra)
-        self._n = dist.get_world_size(group)
-        self._bytes = sum(p.numel() * p.element_size() for g in groups for p in g["params"])
-
-    def step(self, closure=None):
-        out = super().step(closure)
-        ledger().record("dp", "all_gather", self._bytes, self._n)
-        return out
+from meshfold.optim.state import (
+    ADAM_KEYS,
+    CheckpointStateError,
+    ParamNames,
+    load_param_groups,
+    param_group_entries,
+)
+from meshfold.optim.zero_state import Piece, chunks_of, sharded_layout
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -105,7 +57,8 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     ``param_groups`` still list every parameter, with every key AdamW's groups have (so
     schedulers work, and a checkpoint's param groups load into any layout's optimizer).
-    ``pieces``/``_views`` and the inner optimizer's state are what checkpoints save."""
+    ``pieces``/``_views`` and the inner optimizer's state are what checkpoints save
+    (``checkpoint_state``)."""
 
     def __init__(self, groups: list[dict], group: dist.ProcessGroup, compute_dtype: torch.dtype | None = None,
                  **adam_kwargs):
@@ -158,6 +111,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.optim = torch.optim.AdamW(inner_groups, **adam_kwargs) if inner_groups else None
         self.current = True  # the module's fp32 parameters hold the current values
         self._released: list[torch.Tensor] = []  # local parameter tensors whose storage is freed
+        self._boxes: list[Piece] | None = None  # the pieces as checkpoint boxes, once asked for
         if self.compute_dtype is not None:
             self._init_compute_buffer()
 
@@ -311,6 +265,73 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad.zero_()
 
 
+    # ------------------------------------------------------------------ checkpoint state (state.py)
+
+    def before_checkpoint(self) -> None:
+        """Under bf16 each rank holds fp32 values only for its own segment: gather them."""
+        self.sync_masters()
+
+    def checkpoint_boxes(self, model: ParamNames) -> list[Piece]:
+        """This rank's pieces as checkpoint boxes (``zero_state.sharded_layout``), computed
+        once: they are fixed for a run."""
+        if self._boxes is None:
+            try:
+                self._boxes = sharded_layout(self, model.by_id)
+            except ValueError as err:
+                raise CheckpointStateError(str(err)) from None
+        return self._boxes
+
+    def checkpoint_state(self, model: ParamNames) -> dict[str, Any]:
+        """The boxes of this rank's segment, views into its Adam state (no copy), in the
+        same flattened naming and global shapes as every other layout; the step (the same
+        on every rank, saved once) and every param-group entry."""
+        state = {}
+        for view, fqn, shape, boxes, writes in self.checkpoint_boxes(model):
+            s = self.optim.state.get(view)
+            if not s:
+                continue
+            state[f"state.{fqn}.step"] = s["step"]
+            if writes:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    state[f"state.{fqn}.{k}"] = chunks_of(shape, boxes, s[k])
+        state.update(param_group_entries(self, model))
+        return state
+
+    def before_load(self) -> None:
+        """Storage for the fp32 parameters to load into (bf16 compute frees them)."""
+        self.materialize()
+
+    def checkpoint_template(self, model: ParamNames, saved: set[str]) -> dict[str, Any]:
+        """This rank's boxes of every parameter the checkpoint has state for (views into its
+        state, made now where it has none yet: DCP reads straight into them, whatever
+        layout wrote them), the step, and every param-group entry."""
+        out: dict[str, Any] = {}
+        for view, fqn, shape, boxes, _ in self.checkpoint_boxes(model):
+            if not all(f"state.{fqn}.{k}" in saved for k in ADAM_KEYS):
+                continue
+            s = self.optim.state.get(view, {})
+            out[f"state.{fqn}.step"] = torch.zeros((), dtype=torch.float32)
+            for k in ("exp_avg", "exp_avg_sq"):
+                flat = s.get(k)
+                out[f"state.{fqn}.{k}"] = chunks_of(shape, boxes, torch.zeros_like(view) if flat is None else flat)
+        out.update(param_group_entries(self, model, saved))
+        return out
+
+    def load_checkpoint_state(self, model: ParamNames, flat: dict[str, Any]) -> None:
+        for view, fqn, _, _, _ in self.checkpoint_boxes(model):
+            if f"state.{fqn}.exp_avg" not in flat:
+                continue
+            old = self.optim.state.get(view, {}).get("step")
+            step = flat[f"state.{fqn}.step"].to(torch.float32 if old is None else old.dtype)
+            self.optim.state[view] = {"step": step.clone(), "exp_avg": flat[f"state.{fqn}.exp_avg"].flat,
+                                      "exp_avg_sq": flat[f"state.{fqn}.exp_avg_sq"].flat}
+        load_param_groups(self, model, flat)
+
+    def after_load(self) -> None:
+        """The parameters were loaded on every rank: under bf16, take them into the master
+        shard and the compute buffer (and free them again)."""
+        self.masters_written()
+
 class _FromBuffer(torch.autograd.Function):
     """``copy`` (a compute-dtype view of ZeRO-1's gathered buffer) as the compute weight of
     the fp32 ``master``: the gradient flows back to the master in its dtype, exactly as
@@ -324,216 +345,3 @@ class _FromBuffer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.dtype), None
-
-
-class ExpertSplitAdamW(torch.optim.Optimizer):
-    """ZeRO-1 with expert parallel (DeepSeek-V3's layout): the dense parameters' Adam state
-    sharded over the data-parallel ranks (``ShardedAdamW`` over dp_shard_cp) and the routed
-    experts' over edp, the ranks holding the same experts (a second ``ShardedAdamW``), seen
-    by the trainer, the scheduler, the compute weights and checkpoints as one optimizer.
-    ``param_groups`` are the parts' own group dicts (a scheduler's lr reaches both);
-    ``parts`` are what checkpoints save, each as any ``ShardedAdamW``. The gradient norm
-    needs nothing here: the experts' gradients are DTensors sharded over ep, so
-    ``grad_norm`` sums them over ep and counts each once."""
-
-    def __init__(self, parts: list[ShardedAdamW]):
-        self.parts = parts
-        super().__init__([g for o in parts for g in o.param_groups], parts[0].defaults)
-        self.params = [p for o in parts for p in o.params]
-        self.compute_dtype = parts[0].compute_dtype
-
-    @property
-    def current(self) -> bool:
-        return all(o.current for o in self.parts)
-
-    def step(self, closure=None):
-        for o in self.parts:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.parts:
-            o.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"parts": [o.optim.state_dict() if o.optim is not None else {} for o in self.parts]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for o, sd in zip(self.parts, state_dict["parts"], strict=True):
-            if o.optim is not None:
-                o.optim.load_state_dict(sd)
-
-    def compute_copies(self) -> dict[int, torch.Tensor]:
-        return {k: v for o in self.parts for k, v in o.compute_copies().items()}
-
-    def sync_masters(self) -> None:
-        for o in self.parts:
-            o.sync_masters()
-
-    def materialize(self) -> None:
-        for o in self.parts:
-            o.materialize()
-
-    def masters_written(self) -> None:
-        for o in self.parts:
-            o.masters_written()
-
-    def held_param_bytes(self) -> int:
-        return sum(o.held_param_bytes() for o in self.parts)
-
-
-class HostOffloadAdamW(torch.optim.AdamW):
-    """Optimizer-state offload (ZeRO-Offload style): fp32 master copies of this rank's
-    parameters (or their local shards) and all Adam state live in host memory; each step
-    copies gradients to the host, updates there, and copies the new values back. Device
-    memory then holds only the (possibly low-precision) parameters and gradients."""
-
-    def __init__(self, groups: list[dict], **adam_kwargs):
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        host_groups = []
-        for group in groups:
-            masters = []
-            for p in group["params"]:
-                local = p.to_local() if isinstance(p, DTensor) else p
-                master = local.detach().to("cpu", torch.promote_types(local.dtype, torch.float32), copy=True)
-                master.requires_grad_(True)
-                self._pairs.append((p, master))
-                masters.append(master)
-            host_groups.append({**group, "params": masters})
-        super().__init__(host_groups, **adam_kwargs)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for p, master in self._pairs:
-            if p.grad is None:
-                master.grad = None
-                continue
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            master.grad = grad.to("cpu", master.dtype, copy=True)
-        out = super().step(closure)
-        for p, master in self._pairs:
-            local = p.to_local() if isinstance(p, DTensor) else p
-            local.copy_(master.to(local.device, local.dtype))
-        return out
-
-    def zero_grad(self, set_to_none: bool = True):
-        super().zero_grad(set_to_none)
-        for p, _ in self._pairs:
-            p.grad = None
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_type: str = "cpu",
-                    zero_one: bool = False, sharded: bool = False,
-                    weights: ComputeWeights | None = None) -> torch.optim.Optimizer:
-    """``zero_one``: ZeRO-1 over dp_shard_cp; ``sharded`` picks ``ShardedAdamW`` (tensor
-    parallel: DTensor parameters, which ZeroRedundancyOptimizer cannot broadcast) over
-    ZeroRedundancyOptimizer (plain parameters: DDP, pipeline stages). Both checkpoint
-    (meshfold/train/checkpoint.py). ``weights``: the step's compute weights (bf16 compute
-    without FSDP2); given with ``zero_one``, ``ShardedAdamW`` gathers the updated values in
-    their dtype straight into them (Megatron's distributed optimizer: bf16 on the wire, in
-    one flat collective) in every ZeRO-1 layout, and becomes their source."""
-    groups = param_groups(model, cfg.weight_decay)
-    kwargs = adamw_kwargs(cfg, device_type)
-    experts, edp = expert_data_parallel(model)
-    if experts:
-        # expert parallel with zero 0/1: the experts (DTensors over ep) in groups of their own,
-        # as foreach/fused AdamW take no mix of DTensors and plain tensors in one group
-        apart = {id(p) for p in experts}
-        split = [[{**g, "params": [p for p in g["params"] if (id(p) in apart) == mine]} for g in groups]
-                 for mine in (False, True)]
-        split = [[g for g in part if g["params"]] for part in split]
-        groups = split[0] + split[1]
-    if zero_one and experts:  # dense state over dp_shard_cp, experts' over edp
-        dtype = weights.dtype if weights is not None else None
-        opt = ExpertSplitAdamW([ShardedAdamW(part, group, dtype, **kwargs)
-                                for part, group in zip(split, (dims.group("dp_shard_cp"), edp.get_group()))])
-        if weights is not None and opt.compute_dtype is not None:
-            weights.source = opt
-        return opt
-    if zero_one and (sharded or weights is not None):
-        opt = ShardedAdamW(groups, dims.group("dp_shard_cp"), weights.dtype if weights is not None else None,
-                           **kwargs)
-        if weights is not None and opt.compute_dtype is not None:
-            weights.source = opt
-        return opt
-    if zero_one:
-        return ZeroOneOptimizer(groups, dims.group("dp_shard_cp"), **kwargs)
-    if cfg.offload == "optimizer":
-        return HostOffloadAdamW(groups, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-def lr_lambda(cfg: TrainConfig):
-    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, cfg.steps // 10)
-    total = max(cfg.steps, warmup + 1)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-
-
-@torch.no_grad()
-def grad_norm(params, extra_group: dist.ProcessGroup | None = None,
-              device: torch.device | None = None) -> torch.Tensor:
-    """Global L2 norm of all gradients, a 0-dim float64 tensor on ``device`` (the compute
-    device; default: the gradients'). Sharded DTensor gradients are summed over the mesh
-    dimensions they are sharded on (replicated ones count once); ``extra_group`` adds the
-    squares over ranks holding disjoint parameters (pipeline stages). Gradients held on
-    the host (``train.offload = params``) have their squared norms moved to ``device``
-    before any collective: NCCL groups take device tensors only. No host reads."""
-    by_mesh: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            # _StridedShard (FSDP2 over a tp-sharded dim) is not a Shard subclass in torch 2.13.
-            sharded = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
-            key = (g.device_mesh, sharded) if sharded else (None, ())
-            by_mesh[key].append(g.to_local())
-        else:
-            by_mesh[(None, ())].append(g)
-        device = device or g.device
-    total = torch.zeros((), dtype=torch.float64, device=device or "cpu")
-    for (mesh, sharded), grads in by_mesh.items():
-        # Per-tensor norms in the gradients' own dtype (no float64 copies of every gradient),
-        # squared and summed in float64, on the compute device.
-        sq = torch.stack([n.to(total.device, torch.float64) for n in torch._foreach_norm(grads)]).pow(2).sum()
-        for dim in sharded:
-            comm.all_reduce(sq, mesh.get_group(dim), None)  # control scalar: not counted
-        total += sq
-    if extra_group is not None and dist.get_world_size(extra_group) > 1:
-        comm.all_reduce(total, extra_group, None)
-    return total.sqrt()
-
-
-def _local_grads_by_place(params) -> dict[tuple, list[torch.Tensor]]:
-    out: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        g = _local(p.grad)
-        out[(g.device, g.dtype)].append(g)
-    return out
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, extra_group: dist.ProcessGroup | None = None,
-                    device: torch.device | None = None, uncounted=()) -> torch.Tensor:
-    """Scale the gradients so their global norm is at most ``max_norm``: one foreach
-    multiply per (device, dtype) by a device scalar (never a host read). ``uncounted``:
-    parameters scaled but left out of the norm (a copy of a weight counted elsewhere: the
-    embedding on the last pipeline stage under multi-token prediction)."""
-    params = [p for p in params if p.grad is not None]
-    skip = {id(p) for p in uncounted}
-    norm = grad_norm([p for p in params if id(p) not in skip], extra_group, device)
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for (dev, dtype), grads in _local_grads_by_place(params).items():
-            torch._foreach_mul_(grads, scale.to(dev, dtype))
-    return norm
