@@ -43,7 +43,7 @@ from meshfold.parallel.data import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import MTPLoss, cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
-from meshfold.parallel.pipeline import Pipeline
+from meshfold.parallel.pp.executor import Pipeline
 from meshfold.data.tokenizer import tokenizer_sha256
 from meshfold.errors import ConfigError
 from meshfold.train.checkpoint import Checkpointer
