@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args()
 
-    from meshfold.parallel.timeline import TIMELINE_FILE
+    from meshfold.parallel.pp.timeline_plot import TIMELINE_FILE
     from meshfold.schedule import bubble_fractions, schedule_actions, simulate, theoretical_bubble
     from meshfold.testing import run_on
 

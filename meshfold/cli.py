@@ -219,7 +219,7 @@ def add_timeline_parser(sub) -> None:
 
 
 def run_timeline(args) -> int:
-    from meshfold.parallel.timeline import TIMELINE_FILE, draw_timeline
+    from meshfold.parallel.pp.timeline_plot import TIMELINE_FILE, draw_timeline
 
     if args.schedule:
         problem = microbatch_problem(args.schedule, args.pp, args.microbatches)

@@ -78,7 +78,7 @@ from meshfold.parallel.context import ContextParallelAttention, shard_for_contex
 from meshfold.parallel.data import BUCKET_MB
 from meshfold.memory import count_saved_activations
 from meshfold.optim.clip import grad_norm
-from meshfold.parallel.stages import stage_split
+from meshfold.parallel.pp.stage_modules import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel

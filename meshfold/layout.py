@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshfold.errors import ConfigError
+from meshfold.schedules import all_schedules, schedule_names
 
 
 @dataclass
@@ -21,7 +22,7 @@ class ParallelConfig:
     tp: int = 1
     sp: bool = False
     pp: int = 1
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbv | skippipe
+    pp_schedule: str = "1f1b"  # a registered schedule (meshfold/schedules): gpipe | 1f1b | interleaved | zbv | skippipe
     pp_microbatches: int = 0  # 0 = pp (or the local micro-batch count)
     pp_virtual_stages: int = 1
     pp_split: list = field(default_factory=list)  # layers per stage, overrides the balancer
@@ -65,7 +66,7 @@ class ParallelConfig:
 
 
 CHOICES: dict[str, tuple] = {
-    "pp_schedule": ("gpipe", "1f1b", "interleaved", "zbv", "skippipe"),
+    "pp_schedule": schedule_names(),
     "cp_mode": ("ring", "ulysses", "hybrid"),
 }
 
@@ -82,10 +83,8 @@ def validate(p: ParallelConfig) -> None:
                           "all-to-all; it needs parallel.ep > 1 (set it to 1 without expert parallel)")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {p.zero}; choose 0, 1, 2 or 3")
-    if not 0.0 <= p.pp_skip < 1.0:
-        raise ConfigError(f"parallel.pp_skip = {p.pp_skip}: the share of stages a micro-batch may skip is in [0, 1)")
-    if (p.pp_skip or p.pp_reorder) and p.pp_schedule != "skippipe":
-        raise ConfigError('parallel.pp_skip / pp_reorder need parallel.pp_schedule = "skippipe"')
+    for schedule in all_schedules():  # each checks its own keys, chosen or not
+        schedule.check_parallel(p, chosen=schedule.name == p.pp_schedule)
     for link in p.pp_links:
         if (not isinstance(link, list) or len(link) != 3 or not all(isinstance(x, int) for x in link[:2])
                 or not 0 <= min(link[:2]) <= max(link[:2]) < p.pp or link[0] == link[1] or link[2] <= 0):

@@ -108,7 +108,7 @@ UNEVEN = {"n_layers": 6, "dim": 64, "seq_len": 64, "vocab_size": 2048}
 def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
     from meshfold.config import from_dict, validate
     from meshfold.dryrun import dry_run
-    from meshfold.parallel.stages import stage_split
+    from meshfold.parallel.pp.stage_modules import stage_split
     from meshfold.planner.cluster import load_cluster
     from meshfold.planner.cost import CostModel
     from meshfold.planner.from_config import layout_from_config, workload_from_config

@@ -316,7 +316,7 @@ def test_simulated_schedule_matches_closed_form(sched, pp, m, v):
 
 
 def test_simulate_layout_and_draw(tmp_path):
-    from meshfold.parallel.timeline import draw_timeline
+    from meshfold.parallel.pp.timeline_plot import draw_timeline
 
     m = ModelConfig(dim=1024, n_layers=16, n_heads=16, vocab_size=32000, seq_len=2048)
     c = load_cluster("a100", devices=16)

@@ -1,4 +1,5 @@
-"""The one schedule model (``meshfold/schedule.py``): the executor and the planner use the
+"""The one schedule model (the registered objects of ``meshfold/schedules``, and the
+by-name delegates of ``meshfold/schedule.py``): the executor and the planner use the
 same generators and the same simulator, the planner's closed forms equal the simulation,
 and the pure layers (schedule, ring table, planner) load without torch or the trainer.
 No processes: the executor's measured order is checked in test_pipeline.py."""
@@ -26,17 +27,32 @@ def _per_rank(events: list[dict]) -> list[list[Action]]:
 
 
 def test_executor_and_planner_share_the_schedule_functions():
-    import meshfold.parallel.pipeline as executor
+    import meshfold.parallel.pp.executor as executor
     import meshfold.planner.cost as cost
     import meshfold.planner.simulate as planner
     import meshfold.schedule as schedule
+    import meshfold.schedules as schedules
 
-    assert executor.schedule_actions is schedule.schedule_actions
-    assert executor.chunks_per_rank is schedule.chunks_per_rank and executor.stage_of is schedule.stage_of
+    # the executor looks the object up; the planner's by-name functions reach the same object
+    assert executor.get_schedule is schedules.get_schedule
+    for name, v in CASES:
+        obj = schedules.get_schedule(name)
+        assert schedule.schedule_actions(name, 4, v, 8) is obj.actions(4, v, 8)
+        assert schedule.chunks_per_rank(name, v) == obj.chunks_per_rank(v)
+        assert schedule.rank_held_counts(name, 4, v, 8, 1) is obj.rank_held_counts(4, v, 8, 1)
     assert planner.schedule_actions is schedule.schedule_actions
     assert cost.pipeline_time is schedule.pipeline_time
     assert cost.rank_held_counts is schedule.rank_held_counts and cost.held_peak is schedule.held_peak
     assert not hasattr(planner, "stage_orders") and not hasattr(planner, "simulate_schedule")
+
+
+def test_unknown_schedule_names_the_registered_ones():
+    from meshfold.errors import ConfigError
+    from meshfold.schedules import get_schedule, schedule_names
+
+    assert schedule_names() == ("gpipe", "1f1b", "interleaved", "zbv", "skippipe")
+    with pytest.raises(ConfigError, match="choose one of gpipe, 1f1b, interleaved, zbv, skippipe"):
+        get_schedule("zigzag")
 
 
 @pytest.mark.parametrize("schedule,v", CASES)
@@ -116,7 +132,7 @@ def test_one_ring_table():
 
 
 def test_schedule_and_planner_load_without_torch_or_trainer():
-    code = ("import sys; import meshfold.schedule, meshfold.ring, "
+    code = ("import sys; import meshfold.schedule, meshfold.schedules, meshfold.ring, "
             "meshfold.planner.cost, meshfold.planner.cli, meshfold.planner.search, meshfold.planner.simulate, "
             "meshfold.planner.calibrate; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('meshfold.train', 'meshfold.testing', "
@@ -155,14 +171,15 @@ def test_p2p_delay_lands_on_cross_rank_dependencies():
 
 def test_interleaved_closed_forms_equal_the_order():
     """The planner's held activations and gradient moments of interleaved orders come from
-    arithmetic (``_interleaved_held``, ``_interleaved_grad_moments``); the dry-run
+    arithmetic (``interleaved_held``, ``interleaved_grad_moments``); the dry-run
     measures the built order (``held_counts``). Both must be the same definition."""
-    from meshfold.schedule import _actions, grad_moments, held_counts, rank_grad_moments, rank_held_counts
+    from meshfold.schedule import grad_moments, held_counts, rank_grad_moments, rank_held_counts
+    from meshfold.schedules import get_schedule
 
     for pp in (2, 3, 4, 8):
         for v in (2, 3, 4):
             for m in sorted({pp, 2 * pp, 3 * pp, 5 * pp}):
-                orders = _actions("interleaved", pp, v, m)
+                orders = get_schedule("interleaved")._actions(pp, v, m)
                 for rank, order in enumerate(orders):
                     assert rank_held_counts("interleaved", pp, v, m, rank) == held_counts(order), (pp, v, m, rank)
                     assert rank_grad_moments("interleaved", pp, v, m, rank) == \

@@ -8,8 +8,9 @@ caps, the makespan it buys, NCCL-safe exchange, the planner's price."""
 import torch
 
 from meshfold import skippipe
-from meshfold.parallel.exchange import exchange_plan
+from meshfold.parallel.pp.p2p_plan import exchange_plan
 from meshfold.schedule import makespan, schedule_actions, simulate
+from meshfold.schedules import get_schedule
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect, train_segment
 
 MODEL = {"n_layers": 4}
@@ -27,7 +28,7 @@ def _resume(cfg: dict) -> list:
 def _paths(cfg_dict: dict):
     from meshfold.config import from_dict
     from meshfold.parallel.skip import skippipe_paths
-    from meshfold.parallel.stages import stage_split
+    from meshfold.parallel.pp.stage_modules import stage_split
 
     cfg = from_dict(cfg_dict)
     split = stage_split(cfg)[0]
@@ -114,7 +115,7 @@ def test_paths_keep_the_caps_and_beat_1f1b_on_slow_links():
         assert t < full
         # the executor's inputs: a deadlock-free order and an NCCL-safe exchange plan
         assert makespan(simulate("skippipe", orders)) > 0
-        assert len(exchange_plan("skippipe", orders)) == pp
+        assert len(exchange_plan(get_schedule("skippipe"), orders)) == pp
         held = [sum(1 for a in o if a.kind == "F") for o in orders]
         assert held == [sum(s in p for p in paths) for s in range(pp)]
     assert times[(0.25, True)] <= times[(0.0, True)]

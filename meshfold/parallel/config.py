@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from meshfold.errors import ConfigError, divisors
 from meshfold.layout import ParallelConfig
 from meshfold.models.config import ModelConfig
-from meshfold.schedule import chunks_per_rank
+from meshfold.schedules import all_schedules, get_schedule
 
 if TYPE_CHECKING:  # the composed config is handed in; its module sits above this layer
     from meshfold.config import Config
@@ -62,10 +62,10 @@ def validate(cfg: Config) -> None:
             )
     check_context(cfg)  # Ulysses/hybrid head split, cp_ulysses
     # Pipeline stages: pp x chunks per rank (interleaved: pp_virtual_stages; zbv: 2, a V).
-    pp_stages = p.pp * chunks_per_rank(p.pp_schedule, p.pp_virtual_stages)
-    if p.pp > 1 and p.pp_schedule == "interleaved" and p.pp_virtual_stages < 2:
-        raise ConfigError("parallel.pp_schedule = interleaved needs parallel.pp_virtual_stages >= 2 "
-                          "(with 1 it is 1f1b)")
+    schedule = get_schedule(p.pp_schedule)
+    pp_stages = p.pp * schedule.chunks_per_rank(p.pp_virtual_stages)
+    if p.pp > 1:
+        schedule.check_model(p, m)  # (interleaved: pp_virtual_stages >= 2)
     if p.pp > 1 and m.tie_embeddings:
         raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
                           "set it to false (meshfold convert import --untie for a Hugging Face model) "
@@ -77,9 +77,10 @@ def validate(cfg: Config) -> None:
         if p.tp > 1 and p.sp:
             raise ConfigError("model.mtp_depth > 0 (multi-token prediction) shifts each sequence by k tokens, "
                               "which sequence parallel splits over tp ranks; set parallel.sp = false")
-        if p.pp > 1 and p.pp_schedule == "skippipe":
-            raise ConfigError("model.mtp_depth > 0 is not supported with parallel.pp_schedule = skippipe; "
-                              "use 1f1b, gpipe, interleaved or zbv")
+        if p.pp > 1 and not schedule.runs_stage_weight_copies:  # (the embedding's copy on the last stage)
+            able = [s.name for s in all_schedules() if s.runs_stage_weight_copies]
+            raise ConfigError(f"model.mtp_depth > 0 is not supported with parallel.pp_schedule = {p.pp_schedule}; "
+                              f"use {', '.join(able[:-1])} or {able[-1]}")
     if p.pp > 1 and pp_stages > m.n_layers:
         raise ConfigError(
             f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "

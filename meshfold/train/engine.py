@@ -32,8 +32,8 @@ from meshfold.models.attention_ops import note_run_starts
 from meshfold.models.moe import moe_aux_loss
 from meshfold.parallel.context import context_step_metrics
 from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
-from meshfold.parallel.pipeline import Pipeline
-from meshfold.parallel.timeline import TIMELINE_FILE
+from meshfold.parallel.pp.executor import Pipeline
+from meshfold.parallel.pp.timeline_plot import TIMELINE_FILE
 from meshfold.memory import count_saved_activations
 from meshfold.parallel.compute_weights import ComputeWeights, compute_weights_for
 from meshfold.optim.clip import clip_grad_norm_

@@ -44,7 +44,7 @@ from meshfold.parallel.loss import MTPLoss, cross_entropy_sum, vocab_parallel_lo
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.optim.lr_schedule import build_scheduler
 from meshfold.optim.registry import build_optimizer
-from meshfold.parallel.pipeline import Pipeline
+from meshfold.parallel.pp.executor import Pipeline
 from meshfold.data.tokenizer import tokenizer_sha256
 from meshfold.errors import ConfigError
 from meshfold.train.checkpoint import Checkpointer

@@ -1,7 +1,8 @@
 """Point-to-point plan of a pipeline step, pure (no torch): from every rank's schedule,
 which activations and gradients each rank sends and receives, batched per action, in an
-order that cannot deadlock under NCCL's rules. The executor (``pipeline.py``) posts the
-batches through ``comm.exchange``.
+order that cannot deadlock under NCCL's rules. The executor (``executor.py``) posts the
+batches through ``comm.exchange``. ``schedule`` is the registered schedule object
+(``meshfold/schedules``): its layout says which rank owns a stage.
 
 NCCL matches point-to-point messages in issue order per (sender, receiver) pair; tags
 mean nothing. So every rank derives, from every rank's order, the sequence of messages
@@ -14,20 +15,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
-from meshfold.schedule import Action, n_stages_of, neighbours, rank_chunk_of_stage, stage_of
+from meshfold.schedules import Action, Schedule, neighbours
 
 Message = tuple[str, int, int]  # (kind "act" | "grad", destination stage, micro-batch)
 
 
-def action_messages(schedule: str, pp: int, n_stages: int, rank: int,
+def action_messages(schedule: Schedule, pp: int, n_stages: int, rank: int,
                     a: Action) -> tuple[tuple[int, Message] | None, tuple[int, Message] | None]:
     """(peer rank, message) that ``a`` needs before it runs and that it sends after it
     runs (None when nothing); a peer equal to ``rank`` is a hand-over inside the rank."""
-    s = stage_of(schedule, pp, rank, a.chunk)
+    s = schedule.stage_of(pp, rank, a.chunk)
 
     def owner(stage: int) -> int:
-        return rank_chunk_of_stage(schedule, pp, stage)[0]
+        return schedule.rank_chunk_of_stage(pp, stage)[0]
 
     before, after = neighbours(a, s, n_stages)  # s-1, s+1 but on skippipe's paths
     need = send = None
@@ -55,7 +57,7 @@ class ExchangePlan:
     needs: list[tuple[int, Message] | None]
 
 
-def _channels(schedule: str, orders: list[list[Action]], n_stages: int) -> dict[tuple[int, int], list[Message]]:
+def _channels(schedule: Schedule, orders: list[list[Action]], n_stages: int) -> dict[tuple[int, int], list[Message]]:
     """(src, dst) -> the messages src sends dst, in src's issue order."""
     channel: dict[tuple[int, int], list[Message]] = defaultdict(list)
     for r, order in enumerate(orders):
@@ -66,10 +68,10 @@ def _channels(schedule: str, orders: list[list[Action]], n_stages: int) -> dict[
     return channel
 
 
-def _build_plan(schedule: str, orders: list[list[Action]], early: dict) -> list[ExchangePlan]:
+def _build_plan(schedule: Schedule, orders: list[list[Action]], early: dict) -> list[ExchangePlan]:
     """Receives go out in the batch just before the action that needs them, or earlier
     where ``early[(rank, src, index on the channel)]`` says; FIFO order kept per channel."""
-    pp, n_stages = len(orders), n_stages_of(schedule, orders)
+    pp, n_stages = len(orders), schedule.n_stages(orders)
     channel = _channels(schedule, orders, n_stages)
     plans = []
     for r, order in enumerate(orders):
@@ -103,7 +105,7 @@ def _build_plan(schedule: str, orders: list[list[Action]], early: dict) -> list[
     return plans
 
 
-def replay(schedule: str, orders: list[list[Action]], plans: list[ExchangePlan]):
+def replay(schedule: Schedule, orders: list[list[Action]], plans: list[ExchangePlan]):
     """Replay plans under NCCL's rules; None when every rank finishes, else the sends that
     block (rank, batch, peer, index on the channel) with their receive not yet posted.
 
@@ -129,7 +131,7 @@ def replay(schedule: str, orders: list[list[Action]], plans: list[ExchangePlan])
     for (kind, src, dst, idx), msg in label.items():
         other = ("recv" if kind == "send" else "send", src, dst, idx)
         if label.get(other) != msg:
-            raise RuntimeError(f"{schedule}: message {idx} from rank {src} to {dst} is {msg} on one side and "
+            raise RuntimeError(f"{schedule.name}: message {idx} from rank {src} to {dst} is {msg} on one side and "
                                f"{label.get(other)} on the other")
     ops_of: dict[tuple[int, int], list] = defaultdict(list)
     for key, rb in where.items():
@@ -171,7 +173,7 @@ def replay(schedule: str, orders: list[list[Action]], plans: list[ExchangePlan])
                                           for r in range(pp)], complete, posted)]
 
 
-def exchange_plan(schedule: str, orders: list[list[Action]]) -> list[ExchangePlan]:
+def exchange_plan(schedule: Schedule, orders: list[list[Action]]) -> list[ExchangePlan]:
     """Every rank's exchange batches for these orders, checked deadlock-free under NCCL's
     rules (``replay``). A receive goes out with the previous action's sends, before the
     action that needs it runs; where a sender would
@@ -192,15 +194,22 @@ def exchange_plan(schedule: str, orders: list[list[Action]]) -> list[ExchangePla
                 early[(rank, src, idx)] = batch
                 changed = True
         if not changed:
-            raise RuntimeError(f"{schedule}: no deadlock-free exchange found; replay stopped at {blocked}")
-    raise RuntimeError(f"{schedule}: exchange planning did not converge")
+            raise RuntimeError(f"{schedule.name}: no deadlock-free exchange found; replay stopped at {blocked}")
+    raise RuntimeError(f"{schedule.name}: exchange planning did not converge")
 
 
-def plan_exists(schedule: str, orders: list[list[Action]]) -> bool:
-    """Whether ``exchange_plan`` finds a deadlock-free plan for these orders (skippipe's
-    path scheduler keeps only paths whose orders have one)."""
+def plan_exists(schedule: Schedule, orders: list[list[Action]]) -> bool:
+    """Whether ``exchange_plan`` finds a deadlock-free plan for these orders (a schedule
+    that plans its orders per run keeps only orders that have one: ``nccl_check``)."""
     try:
         exchange_plan(schedule, orders)
     except RuntimeError:
         return False
     return True
+
+
+@lru_cache(maxsize=None)
+def nccl_check(schedule: Schedule):
+    """``plan_exists`` for ``schedule`` as one function of the orders, the same object on
+    every call (``RunFacts.feasible``: the schedule's per-run planning caches by it)."""
+    return lambda orders: plan_exists(schedule, orders)

@@ -1,12 +1,12 @@
 """Pipeline parallel execution: this rank's stages and the run of a schedule with
 measured per-action timings.
 
-What a step runs (layout, schedules, dependencies, the simulator) is the pure
-``meshfold/schedule.py``, which the planner uses too; the point-to-point plan is
-``exchange.py``; the stage modules are ``stages.py``; the timeline's file and drawing
-are ``timeline.py``.
+What a step runs (layout, orders, dependencies, bubble) is the registered schedule object
+(``meshfold/schedules``), looked up once here and priced by the planner too; the orders of
+this run are ``run_orders.py``'s, the point-to-point plan ``p2p_plan.py``'s; the stage
+modules are ``stage_modules.py``; the timeline's file and drawing ``timeline_plot.py``.
 
-A stage (``stages.py``: the model with the other layers deleted) is ``parallelize``d like
+A stage (``stage_modules.py``: the model with the other layers deleted) is ``parallelize``d like
 any model (tensor parallel, FSDP), so pp composes with tp and dp. The model is cut into S
 contiguous stages (``models/stage_balance.py`` balances them by cost; ``parallel.pp_split``
 overrides).
@@ -35,12 +35,11 @@ from meshfold.memory import activation_tag
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.compute_weights import master_parameters
 from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
-from meshfold.parallel.exchange import Message, exchange_plan
+from meshfold.parallel.pp.p2p_plan import Message, exchange_plan
 from meshfold.models.stage_balance import describe_split
-from meshfold.parallel.skip import skippipe_orders
-from meshfold.parallel.stages import build_stage, stage_split
-from meshfold.schedule import (Action, chunks_per_rank, neighbours, orders_bubble, rank_chunk_of_stage,
-                               schedule_actions, stage_of, theoretical_bubble)
+from meshfold.parallel.pp.run_orders import orders_of_run
+from meshfold.parallel.pp.stage_modules import build_stage, stage_split, weight_copies
+from meshfold.schedules import Action, get_schedule, neighbours
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config
@@ -83,14 +82,17 @@ class Pipeline:
         p = cfg.parallel
         self.cfg, self.device, self.param_dtype = cfg, device, param_dtype
         self.wire_dtype = wire_dtype or param_dtype
-        self.schedule, self.pp, self.virtual = p.pp_schedule, p.pp, p.pp_virtual_stages
-        self.n_chunks = chunks_per_rank(self.schedule, self.virtual)
+        self.schedule = get_schedule(p.pp_schedule)  # the one lookup; the object answers the rest
+        self.pp, self.virtual = p.pp, p.pp_virtual_stages
+        self.n_chunks = self.schedule.chunks_per_rank(self.virtual)
         self.n_stages = self.pp * self.n_chunks
         self.rank = dims.rank("pp")
         self.split, source = stage_split(cfg)
-        self.stages = [stage_of(self.schedule, self.pp, self.rank, c) for c in range(self.n_chunks)]
+        self.stages = [self.schedule.stage_of(self.pp, self.rank, c) for c in range(self.n_chunks)]
+        # {stage: module names} of weight copies this rank's stages hold (stage_modules.WEIGHT_COPIES)
+        self.copies = weight_copies(cfg, self.n_stages)
         if announce:
-            owners = [rank_chunk_of_stage(self.schedule, self.pp, s)[0] for s in range(self.n_stages)]
+            owners = [self.schedule.rank_chunk_of_stage(self.pp, s)[0] for s in range(self.n_stages)]
             print(describe_split(cfg.model, self.split, owners, source), flush=True)
         self.group = dims.group("pp")
         chunks = []
@@ -108,10 +110,10 @@ class Pipeline:
         # FSDP2 reduces (and, ZeRO-2, reshards) each chunk only in its last backward of the step.
         self.defer_fsdp_sync = self.fsdp
         self.zero = p.zero
-        # Split backward (B then W) only where torch's split works: not through FSDP's hooks,
-        # nor on a last stage with MTP, whose embedding copy takes no gradient through its input
-        # (its whole backward runs in B, its W is empty).
-        self.split_backward = self.schedule == "zbv" and not uses_fsdp(dims)
+        # Split backward (B then W) only where the schedule splits it and torch's split works:
+        # not through FSDP's hooks, nor on a stage holding a weight copy, which takes no
+        # gradient through its input (its whole backward runs in B, its W is empty).
+        self.split_backward = self.schedule.splits_backward and not uses_fsdp(dims)
         self.orders = {}
         self.events: list[dict] = []
         self.metrics: dict = {}  # the last step's bubble fields, read by the step engine
@@ -120,7 +122,7 @@ class Pipeline:
 
     def _owner(self, stage: int) -> int:
         """pp rank holding ``stage``."""
-        return rank_chunk_of_stage(self.schedule, self.pp, stage)[0]
+        return self.schedule.rank_chunk_of_stage(self.pp, stage)[0]
 
     def _post(self, sends: list[tuple[int, Message]], recvs: list[tuple[int, Message]],
               out: dict[Message, torch.Tensor], micro: list[dict]) -> None:
@@ -158,10 +160,7 @@ class Pipeline:
 
     def orders_for(self, m: int, micro_batch: int = 1) -> list[Action]:
         if m not in self.orders:
-            if self.schedule == "skippipe":  # per-micro-batch paths (parallel/skip.py)
-                orders = skippipe_orders(self.cfg, self.split, m, micro_batch, self.wire_dtype.itemsize)
-            else:
-                orders = schedule_actions(self.schedule, self.pp, self.virtual, m)
+            orders = orders_of_run(self.cfg, self.split, m, micro_batch, self.wire_dtype.itemsize, self.schedule)
             self.orders[m] = (orders, exchange_plan(self.schedule, orders))
         return self.orders[m][0][self.rank]
 
@@ -257,50 +256,46 @@ class Pipeline:
 
     def _splits(self, stage: int) -> bool:
         """Whether ``stage``'s backward runs as B then W (``split_backward``): never on the
-        first stage (no input to differentiate), nor on a last stage with MTP."""
-        last_with_mtp = stage == self.n_stages - 1 and self.cfg.model.mtp_depth > 0
-        return self.split_backward and stage > 0 and not last_with_mtp
+        first stage (no input to differentiate), nor on a stage holding a weight copy."""
+        holds_copy = any(stage in stages for stages in self.copies.values())
+        return self.split_backward and stage > 0 and not holds_copy
 
-    # ---------------------------------------------------------------- multi-token prediction
+    # ---------------------------------------------------------------- weight copies
 
-    def _embeddings(self) -> dict[int, nn.Parameter]:
-        """{stage: embedding weight} of this rank's first and last stages when both hold one
-        (multi-token prediction embeds the shifted tokens on the last stage, models/mtp.py)."""
-        if not self.cfg.model.mtp_depth:
-            return {}
-        out = {}
-        for c, s in enumerate(self.stages):
-            emb = self.model.chunks[c].tok_embeddings
-            if emb is not None and s in (0, self.n_stages - 1):
-                out[s] = emb.weight
+    def _copies(self) -> list[tuple[tuple[int, ...], dict[int, nn.Parameter]]]:
+        """Per registered weight copy (``stage_modules.weight_copies``; multi-token
+        prediction's embedding on the last stage): the stages holding it, and {stage:
+        weight} of this rank's among them."""
+        out = []
+        for name, stages in self.copies.items():
+            mine = {s: getattr(self.model.chunks[c], name).weight for c, s in enumerate(self.stages) if s in stages}
+            if mine:
+                out.append((stages, mine))
         return out
 
     def embedding_copies(self) -> list[nn.Parameter]:
-        """The last stage's copy of the embedding (clipped, not counted in the norm)."""
-        copy = self._embeddings().get(self.n_stages - 1)
-        return [copy] if copy is not None else []
+        """The copies beyond each weight's first holder (clipped, not counted in the norm)."""
+        return [w for stages, mine in self._copies() for s, w in mine.items() if s != stages[0]]
 
     def sum_embedding_grads(self) -> None:
-        """The embedding's gradient is the sum of the first stage's (main model) and the last
-        stage's (MTP depths): both copies get it, so their updates stay equal. One exchange
+        """A copied weight's gradient is the sum of its holders' (the first stage's, main
+        model, and the copy's): all get it, so their updates stay equal. One exchange
         between the two owners (already reduced over dp), or a local sum on one rank (zbv).
         Called by the step engine once the gradients are on the parameters (after the step's
         compute weights handed theirs back)."""
-        mine = self._embeddings()
-        if not mine:
-            return
-        grads = {s: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for s, p in mine.items()}
-        if len(grads) == 2:
-            grads[0].add_(grads[self.n_stages - 1])
-            grads[self.n_stages - 1].copy_(grads[0])
-            return
-        (s, g), = grads.items()
-        peer = self._owner(self.n_stages - 1 if s == 0 else 0)
-        other = torch.empty_like(g)
-        comm.wait_all(comm.exchange([(g.contiguous(), peer)], [(other, peer)], self.group, "pp"))
-        # the same order of addition on both ranks: first stage's + last stage's
-        total = g + other if s == 0 else other + g
-        g.copy_(total)
+        for (first, last), mine in self._copies():
+            grads = {s: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for s, p in mine.items()}
+            if len(grads) == 2:
+                grads[first].add_(grads[last])
+                grads[last].copy_(grads[first])
+                continue
+            (s, g), = grads.items()
+            peer = self._owner(last if s == first else first)
+            other = torch.empty_like(g)
+            comm.wait_all(comm.exchange([(g.contiguous(), peer)], [(other, peer)], self.group, "pp"))
+            # the same order of addition on both ranks: first holder's + the copy's
+            total = g + other if s == first else other + g
+            g.copy_(total)
 
     def _hand_over(self, outbox: dict, msg: Message, tensor: torch.Tensor) -> None:
         """A stage output (or input gradient) for ``msg``: kept for a stage on this rank,
@@ -334,8 +329,7 @@ class Pipeline:
         self.metrics = {
             "bubble_frac": sum(per_stage) / len(per_stage),
             "bubble_frac_stages": [round(b, 4) for b in per_stage],
-            "bubble_theory": (theoretical_bubble(self.schedule, self.pp, self.virtual, m)
-                              if self.schedule != "skippipe" else orders_bubble(self.schedule, self.orders[m][0])),
+            "bubble_theory": self.schedule.orders_theoretical_bubble(self.pp, self.virtual, m, self.orders[m][0]),
             "pp_microbatches": m,
         }
         return every[:, 0].sum()
@@ -367,7 +361,7 @@ class Pipeline:
         if not write or events is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": step, "schedule": self.schedule, "pp": self.pp, "virtual": self.virtual,
+        record = {"step": step, "schedule": self.schedule.name, "pp": self.pp, "virtual": self.virtual,
                   "microbatches": self.metrics.get("pp_microbatches"), "events": events}
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
