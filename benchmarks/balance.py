@@ -57,12 +57,13 @@ def bench(cfg_dict: dict, steps: int) -> dict | None:
     import torch.distributed as dist
 
     from meshfold.config import from_dict
+    from meshfold.parallel.balanced_loader import BalancedBatches
     from meshfold.train.trainer import Trainer
 
     torch.set_num_threads(1)
     balanced = Trainer(from_dict(cfg_dict))
     naive = Trainer(from_dict(cfg_dict))
-    naive.balancer.method = "none"  # same documents, token-equal contiguous split
+    naive.features.of_type(BalancedBatches).method = "none"  # same documents, token-equal contiguous split
     times = {"balanced": [], "naive": []}
     cpu = {"balanced": [], "naive": []}  # per step: every rank's main-thread CPU seconds
     stats = {"balanced": [], "naive": []}
@@ -83,7 +84,7 @@ def bench(cfg_dict: dict, steps: int) -> dict | None:
                 stats[name].append(tr.pop_step_metrics())
     if dist.get_rank() != 0:
         return None
-    cost = balanced.balancer.cost
+    cost = balanced.features.of_type(BalancedBatches).cost
     return {"times": times, "cpu": cpu, "stats": stats, "a": cost.a, "b": cost.b}
 
 

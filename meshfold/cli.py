@@ -37,7 +37,41 @@ def _fail(message: str) -> int:
 # --------------------------------------------------------------------------- train
 
 
-LIVE_RESTARTS = 3  # train.live_recovery: restarts per replica group when --max-restarts is not given
+# Launch policies: a feature that changes how a run's processes start names its module here
+# (it exports ``POLICY``, with the methods of ``PlainLaunch``); the first that applies is used.
+LAUNCH_POLICIES = ("meshfold.live_launch",)
+
+
+class PlainLaunch:
+    """How a run's processes start when no registered policy applies."""
+
+    @staticmethod
+    def applies(cfg) -> bool:
+        return True
+
+    @staticmethod
+    def worker_config(cfg):
+        """The config this process runs (a policy may give it a part of the job's layout)."""
+        return cfg
+
+    @staticmethod
+    def launch(nproc: int, argv: list[str], cfg, max_restarts: int) -> int | None:
+        """``--nproc N`` outside torchrun: the exit code of the policy's own launch, or None
+        for the plain one (``launch.launch_local``)."""
+        return None
+
+    @staticmethod
+    def refusal(cfg, world: int) -> str | None:
+        """Under a launcher that is not the policy's: why the run cannot go on, or None."""
+        return None
+
+
+def launch_policy(cfg):
+    for name in LAUNCH_POLICIES:
+        policy = importlib.import_module(name).POLICY
+        if policy.applies(cfg):
+            return policy
+    return PlainLaunch
 
 
 def add_train_parser(sub) -> None:
@@ -48,21 +82,18 @@ def add_train_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=None, help="start N local processes (torchrun's launcher)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc: restart all workers this many times after a failure (with "
-                        f"train.live_recovery: each replica group's own, default {LIVE_RESTARTS})")
+                        "train.live_recovery: each replica group's own, default 3)")
 
 
 def run_train(args) -> int:
     from meshfold.config import load_config, validate
     from meshfold.launch import (EXIT_STOPPED, CheckpointError, RunDirError, Stopped, StopRequest, die_with_parent,
-                                 describe_os_error, env_world_size, init_distributed, launch_live, launch_local,
+                                 describe_os_error, env_world_size, init_distributed, launch_local,
                                  shutdown_distributed, under_torchrun)
-    from meshfold.train import live
 
     cfg = load_config(args.config, args.set)
-    replica = live.replica_env() if cfg.train.live_recovery else None
-    if replica is not None:  # one replica group of a live-recovery job: its inner layout
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        cfg = live.replica_config(cfg, replica[0], attempt)
+    policy = launch_policy(cfg)  # e.g. live recovery: one replica group's inner layout
+    cfg = policy.worker_config(cfg)
     if args.nproc is not None and not under_torchrun():
         if args.nproc < 1:
             return _fail(f"--nproc must be >= 1, got {args.nproc}")
@@ -70,19 +101,17 @@ def run_train(args) -> int:
             return _fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
         validate(cfg, args.nproc)  # one line now, before any process starts
         argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
-        if cfg.train.live_recovery and replica is None:  # one agent per replica group
-            replicas = live.replica_count(cfg)
-            validate(live.replica_config(cfg, 0, 0), args.nproc // replicas)  # what each group runs
-            try:
-                return launch_live(args.nproc, argv, replicas, cfg.train.live_rejoin_wait_s,
-                                   args.max_restarts or LIVE_RESTARTS, Path(cfg.train.run_dir))
-            except RunDirError as err:  # a busy or unusable run directory: one line
-                return _fail(str(err))
+        try:
+            code = policy.launch(args.nproc, argv, cfg, args.max_restarts)  # e.g. one agent per replica group
+        except RunDirError as err:  # a busy or unusable run directory: one line
+            return _fail(str(err))
+        if code is not None:
+            return code
         if args.nproc > 1 or args.max_restarts:
             return launch_local(args.nproc, argv, args.max_restarts)
-    if cfg.train.live_recovery and replica is None and env_world_size() > 1:
-        return _fail("train.live_recovery needs its launcher: meshfold train --nproc N (one torchrun agent per "
-                     "replica group with MESHFOLD_LIVE_* set; docs/resilience.md), not a plain torchrun")
+    refusal = policy.refusal(cfg, env_world_size())
+    if refusal is not None:
+        return _fail(refusal)
     world = env_world_size()
     validate(cfg, world)
     die_with_parent()  # a worker of a launcher (--nproc, torchrun) never outlives it

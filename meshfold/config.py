@@ -26,7 +26,7 @@ from typing import Any
 
 import tomli_w
 
-from meshfold import layout
+from meshfold import layout, live_config
 from meshfold.data import config as data_config
 from meshfold.data.config import DataConfig
 from meshfold.data.micro import micro_batch_count
@@ -238,37 +238,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     parallel_config.validate(cfg)
     data_config.validate(cfg)
     validate_train(cfg.train)
-    validate_live(cfg)
+    live_config.validate(cfg)
     if world_size is not None:
         validate_world(cfg, world_size)
     return cfg
-
-
-def validate_live(cfg: Config) -> None:
-    """``train.live_recovery``: replica groups as failure domains (train/live.py). A replica
-    group's own processes run its inner layout (``dp_replicate = 1``, ``lowcomm.workers = 1``):
-    ``replica_config`` marks that config with ``live_replica``."""
-    t, p = cfg.train, cfg.parallel
-    if not t.live_recovery or getattr(cfg, "live_replica", False):  # train/live.py::replica_config
-        return
-    lc = cfg.lowcomm
-    if lc.workers > 1:  # the DiLoCo workers are the failure domains
-        if lc.method != "diloco" or lc.compression != "none" or p.dp_replicate > 1:
-            raise ConfigError('train.live_recovery over lowcomm.workers is built for lowcomm.method = "diloco" '
-                              'with lowcomm.compression = "none" and parallel.dp_replicate = 1')
-    elif p.dp_replicate < 2:
-        raise ConfigError("train.live_recovery needs replica groups that fail independently: set "
-                          "parallel.dp_replicate >= 2 (or lowcomm.workers >= 2 with DiLoCo)")
-    elif lc.method != "none" or lc.compression != "none":
-        raise ConfigError('train.live_recovery over parallel.dp_replicate with [lowcomm] is not built: set '
-                          'lowcomm.method = "none" and lowcomm.compression = "none"')
-    if cfg.data.balance != "none":
-        raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
-    if lc.workers <= 1 and t.global_batch % p.dp_replicate:
-        raise ConfigError(f"train.global_batch = {t.global_batch} must split into parallel.dp_replicate = "
-                          f"{p.dp_replicate} equal slices (one per replica group)")
-    if t.live_rejoin_wait_s < 0:
-        raise ConfigError(f"train.live_rejoin_wait_s = {t.live_rejoin_wait_s} must be >= 0")
 
 
 def validate_choices(cfg: Config) -> None:

@@ -53,6 +53,7 @@ import queue
 import sys
 import time
 import traceback
+import types
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -83,10 +84,23 @@ from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel
 from meshfold.schedule import chunks_per_rank, held_counts, held_peak, rank_grad_moments, stage_of
+from meshfold.train.feature import Features, RunParts
+from meshfold.train.mtp import build_mtp
 from meshfold.train.progress import Progress
 from meshfold.train.trainer import Trainer
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+
+
+def _lowcomm_build(cfg: Config, parts):
+    """What the trainer's ``[lowcomm]`` and live-recovery features change in what a rank
+    builds: lowcomm.compression's DDP hook and the optimizer's fp32 gather."""
+    owner, lc = build_compression(cfg.lowcomm), cfg.lowcomm
+    return types.SimpleNamespace(comm_hook=owner.install if owner is not None else None,
+                                 touches_master_weights=lc.method != "none" or lc.onebit_adam or cfg.train.live_recovery)
+
+
+MODEL_FEATURES = (build_mtp, _lowcomm_build)
 
 
 class DryTrainer(Trainer):
@@ -108,13 +122,16 @@ class DryTrainer(Trainer):
         self.balancer, self.use_doc_mask = None, device == "cuda" and cfg.data.pack and cfg.data.doc_mask
         self.ledger = ledger()
         self.step_metrics, self.progress, self.capture_grads = {}, Progress(), False
+        # The features that change what a rank builds and sends (no data: no batch source).
+        parts = RunParts(cfg, self.dims, self.device, self.param_dtype, self.rank, self.world, None, self.progress,
+                         Features())
+        self.features = parts.features.build(MODEL_FEATURES, cfg, parts)
         self.grad_reducers = self.dims.size("dp_cp")
         self.held_grad_bytes = 0
         self.chunk_grads: dict[int, dict[int, int]] = {1: {}, 2: {}}  # (_note_chunk_grads)
         self.reduced_chunks: set = set()
         self.announce_split = False  # stdout carries the report (--json: JSON only)
         self.loss_fn = self.build_loss()
-        self.compression = build_compression(cfg.lowcomm)  # lowcomm.compression's DDP hook, as the Trainer
         self.engine = self.build_engine()
         self.model, self.model_parts = self.engine.model, self.engine.parts
         if isinstance(self.model, ddp_module.DistributedDataParallel):

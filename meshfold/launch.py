@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
 import os
 import signal
 import sys
 import uuid
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.train import live
 from meshfold.train.checkpoint_files import CheckpointError
-from meshfold.train.run_dir import RunDirError, RunLock, describe_os_error, prepare_run_dir
-from meshfold.train.quorum import QuorumClient, QuorumServer
+from meshfold.train.run_dir import RunDirError, describe_os_error
 from meshfold.train.stop import EXIT_STOPPED, Stopped, StopRequest
 
 __all__ = ["EXIT_STOPPED", "CheckpointError", "RunDirError", "Stopped", "StopRequest", "describe_os_error",
-           "die_with_parent", "env_world_size", "init_distributed", "launch_live", "launch_local", "shutdown_distributed",
+           "die_with_parent", "env_world_size", "init_distributed", "launch_local", "shutdown_distributed",
            "under_torchrun"]
 
 STOP_GRACE_S = 300  # seconds the workers get to finish the step and checkpoint after a signal
@@ -99,61 +95,8 @@ def shutdown_distributed(clean: bool = True) -> None:
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code.
-    As one replica group of a live-recovery job (``MESHFOLD_LIVE_REPLICA`` set), this agent
-    tells the quorum server it is alive, so the group is waited for while it restarts."""
-    env = live.replica_env()
-    agent = QuorumClient(os.environ[live.ENV_QUORUM], env[0], agent=True) if env is not None else None
-    try:
-        return _launch_local(nproc, argv, max_restarts)
-    finally:
-        if agent is not None:
-            agent.close()
-
-
-def launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int,
-                run_dir: Path) -> int:
-    """``train.live_recovery``: one elastic agent per replica group (each a world of its own,
-    restarted alone: a failed worker restarts its group, not the job), the quorum server and
-    the store the cross-replica groups meet through, here in the launcher. The launcher holds
-    the run directory's lock for the whole job: the replica groups share that directory."""
-    lock = RunLock(prepare_run_dir(run_dir))
-    lock.acquire()
-    try:
-        return _launch_live(nproc, argv, replicas, rejoin_wait_s, max_restarts)
-    finally:
-        lock.release()
-
-
-def _launch_live(nproc: int, argv: list[str], replicas: int, rejoin_wait_s: float, max_restarts: int) -> int:
-    server = QuorumServer(replicas, rejoin_wait_s)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    per = nproc // replicas
-    env = {live.ENV_REPLICAS: str(replicas), live.ENV_QUORUM: server.address, live.ENV_STORE: f"127.0.0.1:{store.port}"}
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Forked, not spawned: the agents need nothing but this process's imports.
-    ctx = multiprocessing.get_context("fork")
-    agents = [ctx.Process(target=_replica_agent, args=(dict(env, **{live.ENV_REPLICA: str(r)}), per, argv, max_restarts),
-                          name=f"meshfold-replica-{r}") for r in range(replicas)]
-    for a in agents:
-        a.start()
-    for a in agents:
-        a.join()
-    codes = [a.exitcode for a in agents]
-    server.close()
-    failed = [r for r, c in enumerate(codes) if c != 0]
-    if failed:
-        print(f"meshfold: replica group(s) {failed} of {replicas} failed for good (exit codes "
-              f"{[codes[r] for r in failed]}) after --max-restarts {max_restarts}", file=sys.stderr)
-        return 2 if all(c == 2 for c in codes) else 1
-    return 0
-
-
-def _replica_agent(env: dict, nproc: int, argv: list[str], max_restarts: int) -> None:
-    """One replica group's elastic agent (a forked child of ``launch_live``): it restarts its
-    own workers, up to ``max_restarts`` times, and never the other groups'."""
-    os.environ.update(env)
-    sys.exit(launch_local(nproc, argv, max_restarts))
+    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code."""
+    return _launch_local(nproc, argv, max_restarts)
 
 
 def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:

@@ -29,7 +29,6 @@ LOCAL_IMPORTS_ALLOWED = {
     # or `meshfold prepare` do not load the trainer).
     ("meshfold.cli", "meshfold.config"): "start-up time",
     ("meshfold.cli", "meshfold.launch"): "start-up time",
-    ("meshfold.cli", "meshfold.train.live"): "start-up time",
     ("meshfold.cli", "meshfold.train.trainer"): "start-up time",
     ("meshfold.cli", "meshfold.train.plot"): "start-up time",
     ("meshfold.cli", "meshfold.data.cost_calibration"): "start-up time",

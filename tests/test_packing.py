@@ -152,6 +152,7 @@ def test_packed_training_matches_per_document_training(tmp_path):
     from meshfold.config import from_dict
     from meshfold.data.packing import DocumentPieces
     from meshfold.testing import tiny_config
+    from meshfold.parallel.balanced_loader import BalancedBatches
     from meshfold.train.trainer import Trainer
 
     source = write_short_docs(tmp_path / "docs.jsonl")
@@ -160,14 +161,14 @@ def test_packed_training_matches_per_document_training(tmp_path):
     packed_cfg["data"].update(balance="greedy", cost_a=0.01, cost_b=1.0)
     packed_cfg["train"].update(global_batch=2)  # 64-token budget: several documents per step
     packed = Trainer(from_dict(packed_cfg))
-    assert packed.balancer.pieces.lengths.max() < 32  # every document is one piece
+    assert packed.features.of_type(BalancedBatches).pieces.lengths.max() < 32  # every document is one piece
     got = packed.fit()
 
     plain_cfg = tiny_config(str(tmp_path / "plain"), **common)
     plain_cfg["data"].update(pack=False)
     plain = Trainer(from_dict(plain_cfg))
     pieces = DocumentPieces(plain.data.train.corpus, 32)
-    replay = type(packed.balancer.sampler)(pieces.lengths, pieces.doc_pieces, 64, seed=0)
+    replay = type(packed.features.of_type(BalancedBatches).sampler)(pieces.lengths, pieces.doc_pieces, 64, seed=0)
     doc_rows = {int(d): i for i, d in enumerate(plain.data.train.docs)}
 
     def per_document_batch():

@@ -105,3 +105,29 @@ class MixtureDataset:
     def make_sampler(self, global_batch: int, seed: int) -> MixtureSampler:
         return MixtureSampler([len(p) for p in self.parts], self.weights, global_batch, seed,
                               [p.name for p in self.parts])
+
+
+class MixtureTokens:
+    """The data-mixture feature (``train/feature.py``): ``data_tokens`` in metrics.jsonl,
+    the tokens drawn from each source so far, while the run draws from the mixture's own
+    sampler (a feature registered before it may replace the sampler: then nothing)."""
+
+    name = None
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self.sampler: MixtureSampler | None = None
+
+    def wrap_sampler(self, sampler):
+        self.sampler = sampler if isinstance(sampler, MixtureSampler) else None
+        return sampler
+
+    def after_batch(self) -> dict:
+        if self.sampler is None:
+            return {}
+        return {"data_tokens": {k: v * self.seq_len for k, v in self.sampler.source_counts().items()}}
+
+
+def build_mixture_tokens(cfg, parts) -> MixtureTokens | None:
+    """The feature of a run that trains on a mixture (registered in ``train/registry.py``)."""
+    return MixtureTokens(cfg.model.seq_len) if isinstance(parts.data.train, MixtureDataset) else None

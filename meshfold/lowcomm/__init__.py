@@ -2,11 +2,11 @@
 codecs for the per-step data-parallel path (``codecs/``, ``compress.py``,
 ``onebit_adam.py``) and a network lab of throttled namespaces (``netlab.py``).
 
-The Trainer builds the owner of the DDP compression hook before the model
-(``compress.build_compression``: its ``install`` goes to ``parallelize``), then the feature
-once the model exists (``build_lowcomm``: config, mesh, model, rank, size of the training
-set, that owner), and calls its hooks (``train/feature.py``): ``wrap_sampler``,
-``wrap_optimizer``, ``after_step(step)`` after every optimizer step, and its state with
+The trainer builds the feature before the model (``feature.build_lowcomm``, registered in
+``train/registry.py``): it owns the DDP compression hook (``compress.build_compression``),
+whose ``install`` goes to ``parallelize`` as the run's ``comm_hook``; once the model exists
+``attach`` builds the outer optimizer. The trainer calls its hooks (``train/feature.py``):
+``wrap_sampler``, ``wrap_optimizer``, ``after_step(step)`` after every optimizer step, and its state with
 the checkpoints; everything else lives here.
 
 Batch convention with workers (the DiLoCo convention): ``train.global_batch`` is the batch

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshfold.data.dataset import GlobalBatchSampler
-from meshfold.lowcomm.compress import DDPCompression
+from meshfold.lowcomm.compress import DDPCompression, build_compression
 from meshfold.lowcomm.onebit_adam import OneBitAdam
 from meshfold.lowcomm.outer import build_outer, local_tensor
 from meshfold.parallel.data import unwrap, uses_fsdp
@@ -47,28 +47,40 @@ class LowComm:
 
     name = "lowcomm"
 
-    def __init__(self, cfg: Config, dims, model, rank: int, train_size: int,
+    def __init__(self, cfg: Config, dims, rank: int, train_size: int,
                  compression: DDPCompression | None = None):
-        """``model``: this rank's parallelised model. ``compression``: the owner of
-        ``lowcomm.compression``'s DDP hook (``build_compression``), whose ``install`` the
-        trainer handed to ``parallelize``; its state (codec, 1-bit Adam switch) is read here."""
+        """Built before the model: ``compression`` (``build_compression``) is the owner of
+        ``lowcomm.compression``'s DDP hook, whose ``install`` goes to ``parallelize`` as the
+        run's ``comm_hook``; the model and the hook's state (codec, 1-bit Adam switch) are
+        read in ``attach``, once both exist."""
 
         lc = cfg.lowcomm
-        self.cfg, self.dims, self.model, self.rank, self.train_size = cfg, dims, model, rank, train_size
+        self.cfg, self.dims, self.model, self.rank, self.train_size = cfg, dims, None, rank, train_size
         self.optimizer = None  # the run's optimizer, once ``wrap_optimizer`` has seen it
         self.workers = dims.size("worker")
         self.outer = None
+        self.hook_owner = compression
+        self.comm_hook = compression.install if compression is not None else None
+        self.compression = None
+        # The outer methods and 1-bit Adam read or write the fp32 parameters between steps
+        # (or replace the optimizer): ZeRO-1 keeps its fp32 gather for them.
+        self.touches_master_weights = lc.method != "none" or lc.onebit_adam
+        # The straggler check gathers timings over the whole world every k steps: a
+        # collective over all workers, which NoLoCo promises not to issue.
+        self.world_collectives = not (lc.method == "noloco" and self.workers > 1)
+
+    def attach(self, parts) -> None:
+        """``parts.model``: this rank's parallelised model."""
+        lc, dims, model = self.cfg.lowcomm, self.dims, parts.model
+        self.model = model
         if lc.method != "none":
             named = list(unwrap(model).named_parameters())
             norm_group = dims.group("dp_shard_cp") if uses_fsdp(dims) else None
             self.outer = build_outer(lc.method, named, lc, outer_group(dims) if self.workers > 1 else None,
-                                     cfg.train.steps, cfg.train.seed, norm_group)
+                                     self.cfg.train.steps, self.cfg.train.seed, norm_group)
         # CompressionState, or None (no compression, or no DDP module to hook: one process,
         # the gradient reducer's layouts)
-        self.compression = compression.state if compression is not None else None
-        # The straggler check gathers timings over the whole world every k steps: a
-        # collective over all workers, which NoLoCo promises not to issue.
-        self.world_collectives = not (lc.method == "noloco" and self.workers > 1)
+        self.compression = self.hook_owner.state if self.hook_owner is not None else None
 
     def wrap_sampler(self, sampler):
         """With workers, worker w takes its slice of a W x B global batch (module doc)."""
@@ -321,13 +333,10 @@ def outer_group(dims):
     return mine
 
 
-def build_lowcomm(cfg: Config, dims, model, rank: int, train_size: int,
-                  compression: DDPCompression | None = None) -> LowComm | None:
-    """The ``[lowcomm]`` feature of a run, or None when it uses neither an outer optimizer
-    nor gradient compression. ``compression``: ``build_compression(cfg.lowcomm)``, built
-    before the model so that its hook goes on the DDP module (``LowComm``)."""
+def build_lowcomm(cfg: Config, parts) -> LowComm | None:
+    """The ``[lowcomm]`` feature of a run (registered in ``train/registry.py``), or None when
+    it uses neither an outer optimizer nor gradient compression."""
     lc = cfg.lowcomm
     if lc.method == "none" and lc.compression == "none":
         return None
-    return LowComm(cfg, dims, model, rank, train_size, compression)
-
+    return LowComm(cfg, parts.dims, parts.rank, len(parts.data.train), build_compression(lc))

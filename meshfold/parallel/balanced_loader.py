@@ -33,6 +33,7 @@ from meshfold.data.balance import (DocumentCost, StepPlan, imbalance, loads_of, 
 from meshfold.data.cost_calibration import cost_model_for
 from meshfold.data.micro import micro_batch_count
 from meshfold.data.packing import DocumentPieces, packed_row
+from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.per_sequence_cp import SpreadContext, build_groups, make_plan, spread_span
 
 
@@ -109,6 +110,11 @@ class BalancedBatches:
         self.device = torch.device(device)  # where the plan broadcast runs (NCCL: the GPU)
         self.sampler = PieceBatchSampler(pieces.lengths, pieces.doc_pieces, tokens_per_step, seed)
         self.last_plan: StepPlan | None = None
+
+    def prepare_model(self, model) -> None:
+        """Packed rows of whole documents: attention per document, cost sum l^2 (the meta
+        model, before ``parallelize``)."""
+        use_varlen_attention(model, self.spread)
 
     def plan(self, ids: np.ndarray) -> StepPlan:
         if self.seq_cp_max > 1 and self.method != "none":
@@ -206,3 +212,10 @@ def from_config(cfg, dims, corpus, device: torch.device, param_dtype: torch.dtyp
         seed=t.seed, method=d.balance, tolerance=d.balance_tolerance, time_limit=d.balance_time_limit_s,
         broadcast=d.balance == "exact", seq_cp_max=d.seq_cp_max, cp_groups=groups, device=device,
     )
+
+
+def build_balance(cfg, parts) -> BalancedBatches | None:
+    """The ``data.balance`` feature of a run (registered in ``train/registry.py``), or None."""
+    if cfg.data.balance == "none":
+        return None
+    return from_config(cfg, parts.dims, parts.data.train.corpus, parts.device, parts.param_dtype)

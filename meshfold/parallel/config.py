@@ -122,9 +122,7 @@ def check_expert_data_parallel(cfg: Config) -> None:
     if lc.compression != "none":
         raise ConfigError(f"lowcomm.compression = {lc.compression} (incl. 1-bit Adam) with {where} is not "
                           "supported; set lowcomm.compression = none or parallel.zero = 2")
-    if t.live_recovery:
-        raise ConfigError(f"train.live_recovery with {where} is not supported; "
-                          "set train.live_recovery = false or parallel.zero = 2")
+    # (train.live_recovery's own check: meshfold/live_config.py)
     if t.offload != "none":
         raise ConfigError(f"train.offload = {t.offload} with {where} is not supported; "
                           "set train.offload = none or parallel.zero = 2")

@@ -60,12 +60,15 @@ class StepEngine:
     parts: list[torch.nn.Module]
 
     def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device,
-                 autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool):
+                 autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool, forward_inputs=None):
         """``loss_fn(logits, labels)``: the token-loss sum; ``use_doc_mask``: batches carry
-        ``doc_ids`` that the attention masks by (``data.pack`` and ``data.doc_mask``)."""
+        ``doc_ids`` that the attention masks by (``data.pack`` and ``data.doc_mask``);
+        ``forward_inputs(mb) -> dict``: the features' extra keyword inputs of the forward
+        (``train/feature.py``; e.g. the token ids multi-token prediction embeds), or None."""
         self.cfg, self.dims, self.device = cfg, dims, device
         self.autocast_dtype, self.loss_fn = autocast_dtype, loss_fn
         self.use_doc_mask = use_doc_mask
+        self.forward_inputs = forward_inputs
         self.grad_reducers = dims.size("dp_cp")
         self.metrics: dict = {}  # this step's fields for metrics.jsonl (activation_bytes, bubble, cp)
         self.weights: ComputeWeights | None = None  # set by the subclass once it holds the modules
@@ -86,7 +89,7 @@ class StepEngine:
         """``module`` (the model or one pipeline chunk) on ``x`` under autocast, with the
         micro-batch's positions and, with ``data.doc_mask``, its document ids."""
         doc_ids = mb["doc_ids"] if self.use_doc_mask else None
-        extra = {"ids": mb["inputs"]} if self.cfg.model.mtp_depth else {}  # MTP embeds shifted tokens
+        extra = self.forward_inputs(mb) if self.forward_inputs is not None else {}
         with self.autocast():
             return module(x, positions=mb.get("positions"), doc_ids=doc_ids, **extra)
 
@@ -161,8 +164,8 @@ class LocalEngine(StepEngine):
     order, data-parallel gradients are reduced in the last one's backward."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config, dims: ParallelDims, device: torch.device,
-                 autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool):
-        super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask)
+                 autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool, forward_inputs=None):
+        super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask, forward_inputs)
         self.model, self.parts = model, [model]
         self.weights = compute_weights_for([unwrap(model)], autocast_dtype, uses_fsdp(dims))
 
@@ -231,10 +234,11 @@ class PipelineEngine(StepEngine):
     forward, loss and MoE terms, and the loss sum arrives summed over the stages."""
 
     def __init__(self, pipe: Pipeline, cfg: Config, dims: ParallelDims, device: torch.device,
-                 autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool, write_timeline: bool = False):
+                 autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool, write_timeline: bool = False,
+                 forward_inputs=None):
         """``write_timeline``: this rank appends the schedule's events to
         ``RUN_DIR/pipeline_timeline.jsonl`` on the steps metrics are logged."""
-        super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask)
+        super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask, forward_inputs)
         self.pipe = pipe
         self.model, self.parts = pipe.model, list(pipe.chunks)
         self.weights = compute_weights_for(self.parts, autocast_dtype, uses_fsdp(dims))

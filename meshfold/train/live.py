@@ -167,18 +167,23 @@ class LiveReplicas:
     (``replicas``, ``events``), and the step protocol (``step``, ``reduce``)."""
 
     name = None
+    # The run directory: replica groups share it; the launcher holds its lock
+    # (live_launch.py) and a restarted replica heals from a peer, not from disk.
+    holds_run_lock = False
+    # The fp32 parameters and the optimizer state are healed between steps: ZeRO-1 keeps its fp32 gather.
+    touches_master_weights = True
 
-    def __init__(self, cfg: Config, replica: int, replicas: int, model_parts, device: torch.device,
-                 train_data, progress, lowcomm=None):
+    def __init__(self, cfg: Config, replica: int, replicas: int, device: torch.device, train_data, progress):
         self.cfg, self.replica, self.replicas = cfg, replica, replicas
-        self.parts, self.device, self.train_data, self.progress = model_parts, device, train_data, progress
+        self.device, self.train_data, self.progress = device, train_data, progress
+        self.checks_resume = cfg.train.resume != "never"
+        self.writes_run_files = replica == 0  # run.json and config.toml: written once per run
+        self.parts: list = []
         self.rank, self.world = dist.get_rank() if dist.is_initialized() else 0, (
             dist.get_world_size() if dist.is_initialized() else 1)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.client = QuorumClient(os.environ[ENV_QUORUM], replica, self.attempt) if self.rank == 0 else None
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=cfg.train.collective_timeout_s))
+        self.client = None
+        self.store = None
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
         self.group: comm.StandaloneGroup | None = None
@@ -192,13 +197,23 @@ class LiveReplicas:
         self.trace = os.environ.get(ENV_TRACE) == "1"
         self.kill = self._parse_kill(os.environ.get(ENV_KILL, ""))
         self.healed_bytes = 0
+        self.outer = None
+        self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
+        self.pending_heal: dict | None = None
+
+    def attach(self, parts) -> None:
+        """Once the model exists: this rank's model parts, the quorum server and the store."""
+        self.parts = parts.model_parts
+        self.client = QuorumClient(os.environ[ENV_QUORUM], self.replica, self.attempt) if self.rank == 0 else None
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
         # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
         # the outer gradient is averaged over the workers that trained the phase.
+        lowcomm = parts.features.named("lowcomm")
         self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
         if self.outer is not None:
             self.outer.mean_fn = self._outer_mean
-        self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
-        self.pending_heal: dict | None = None
 
     def _parse_kill(self, text: str):
         if not text or self.attempt > 0:
@@ -238,6 +253,9 @@ class LiveReplicas:
         return out
 
     # ------------------------------------------------------------------ the step
+
+    def wrap_step(self, train_step):
+        return lambda: self.step(train_step)
 
     def step(self, train_step):
         """Run ``train_step`` (the trainer's step, which calls ``reduce``) until a quorum
@@ -474,10 +492,10 @@ def _plain(sd: dict) -> dict:
     return json.loads(json.dumps(sd, default=lambda _: None))
 
 
-def build_live(cfg: Config, model_parts, device: torch.device, train_data, progress,
-               lowcomm=None) -> LiveReplicas | None:
-    """The live-recovery feature of a replica group's process, or None (not a live replica)."""
+def build_live(cfg: Config, parts) -> LiveReplicas | None:
+    """The live-recovery feature of a replica group's process (registered in
+    ``train/registry.py``), or None (not a live replica)."""
     env = replica_env()
     if not cfg.train.live_recovery or env is None:
         return None
-    return LiveReplicas(cfg, env[0], env[1], model_parts, device, train_data, progress, lowcomm)
+    return LiveReplicas(cfg, env[0], env[1], parts.device, parts.data.train, parts.progress)

@@ -29,18 +29,13 @@ from meshfold.data.dataset import IGNORE_INDEX, GlobalBatchSampler, build_data, 
 from meshfold.data.loader import Prefetcher, peek
 from meshfold.data.prepared import check_verified
 from meshfold.device import resolve_device, resolve_dtypes
-from meshfold.lowcomm.feature import build_lowcomm
-from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
-from meshfold.models.moe import moe_end_step
 from meshfold.models.presets import flops_per_token
-from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.parallelize import parallelize
-from meshfold.parallel.balanced_loader import from_config
 from meshfold.parallel.context import shard_for_context_parallel
 from meshfold.parallel.data import uses_ddp, uses_grad_reducer
-from meshfold.parallel.loss import MTPLoss, cross_entropy_sum, vocab_parallel_loss
+from meshfold.parallel.loss import cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.optim.lr_schedule import build_scheduler
 from meshfold.optim.registry import build_optimizer
@@ -54,8 +49,8 @@ from meshfold.train.run_dir import (RunDirError, RunLock, check_resume, explain_
 from meshfold.train.stop import Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
-from meshfold.train.feature import Features
-from meshfold.train.live import build_live, replica_env
+from meshfold.train.feature import Features, RunParts
+from meshfold.train.registry import FEATURES
 from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
 
@@ -82,28 +77,22 @@ class Trainer:
             self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
         self.prefetcher = Prefetcher(self.make_local_batch, cfg.data.prefetch, self.device)  # data.prefetch ahead
         self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
-        # Features (train/feature.py): optional parts built from their config section and the
-        # objects they need, never from the trainer; the trainer calls their hooks.
-        self.features = Features()
-        # data.balance: whole documents assigned to dp ranks / micro-batches by cost (parallel/balanced_loader.py).
-        self.balancer = None
-        if cfg.data.balance != "none":
-
-            self.balancer = self.features.add(
-                from_config(cfg, self.dims, self.data.train.corpus, self.device, self.param_dtype))
+        self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
+        # Features (train/feature.py): optional parts built by the registered factories
+        # (train/registry.py) from their config section and the run's parts, never from the
+        # trainer; the trainer calls their hooks.
+        self.parts = RunParts(cfg, self.dims, self.device, self.param_dtype, self.rank, self.world, self.data,
+                              self.progress, Features())
+        self.features = self.parts.features.build(FEATURES, cfg, self.parts)
         self.batch_source = self.features.batch_source()
         self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
 
         self.loss_fn = self.build_loss()
-        # lowcomm.compression: DDP's one communication hook, owned by the lowcomm feature and
-        # installed where DDP is built (build_engine -> parallelize); None when off.
-        self.compression = build_compression(cfg.lowcomm)
         self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
         self.optimizer = self.build_optimizer(self.device.type)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
         self.peak_flops = device_peak_flops(self.device, t.peak_tflops)  # None: unknown GPU, no MFU
@@ -112,13 +101,10 @@ class Trainer:
         self.step_metrics: dict = {}
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
-        # [lowcomm]: per-worker data, outer optimizer, 1-bit Adam (meshfold/lowcomm); None when off.
-        self.lowcomm = self.features.add(build_lowcomm(cfg, self.dims, self.model, self.rank, len(self.data.train),
-                                                         self.compression))
-        # train.live_recovery: this replica group's quorum, heal and cross-replica reduce (train/live.py).
-        self.live = self.features.add(build_live(cfg, self.model_parts, self.device, self.data.train, self.progress,
-                                                   self.lowcomm))
         # The features' hooks, once everything they wrap exists.
+        self.parts.model, self.parts.model_parts = self.model, self.model_parts
+        self.features.attach(self.parts)
+        self.step_fn = self.features.wrap_step(self._train_step)  # e.g. until a quorum of replicas commits it
         self.sampler = self.features.wrap_sampler(self.sampler)
         self.optimizer, self.scheduler = self.features.wrap_optimizer(self.optimizer, self.scheduler)
         # Checkpoints (train/checkpoint.py; components add state with checkpointer.register(name, obj))
@@ -148,12 +134,11 @@ class Trainer:
 
     def build_loss(self):
         """The token-loss sum of a batch's logits: ``cross_entropy_sum``, or its
-        vocabulary-parallel form when the logits arrive split over tp; with multi-token
-        prediction, ``MTPLoss`` around it (the depths' losses computed the same way)."""
+        vocabulary-parallel form when the logits arrive split over tp; the features' loss
+        terms around it (``wrap_loss``: multi-token prediction's depths, computed the same way)."""
         base = (vocab_parallel_loss(self.dims, self.cfg) if self.dims.distributed and self.dims.enabled("tp")
                 else cross_entropy_sum)
-        m = self.cfg.model
-        return MTPLoss(base, m.mtp_depth, m.mtp_loss_weight) if m.mtp_depth else base
+        return self.features.wrap_loss(base)
 
     def build_engine(self) -> StepEngine:
         """This rank's model (or pipeline stages) and the step engine that runs it."""
@@ -163,24 +148,22 @@ class Trainer:
             pipe = Pipeline(cfg, dims, self.device, self.param_dtype, self.autocast_dtype or self.param_dtype,
                             announce=self.announce_split)
             return PipelineEngine(pipe, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
-                                  write_timeline=self.rank == 0)
+                                  write_timeline=self.rank == 0, forward_inputs=self.features.forward_inputs())
         # Built on the meta device: parallelize shards it there and allocates only this
         # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
-        model = build_on_meta(lambda: Transformer(cfg.model), self.param_dtype)
-        if self.balancer is not None:  # packed rows: attention per document, cost sum l^2
-            use_varlen_attention(model, self.balancer.spread)
-        model = parallelize(model, cfg, dims, self.device,
-                            comm_hook=self.compression.install if self.compression is not None else None)
-        return LocalEngine(model, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask)
+        model = self.features.prepare_model(build_on_meta(lambda: Transformer(cfg.model), self.param_dtype))
+        model = parallelize(model, cfg, dims, self.device, comm_hook=self.features.comm_hook())
+        return LocalEngine(model, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
+                           forward_inputs=self.features.forward_inputs())
 
     def build_optimizer(self, device_type: str) -> torch.optim.Optimizer:
         """AdamW, ZeRO-1 sharded over dp_shard_cp where ``parallel.zero = 1`` shards it.
         Under bf16 compute ZeRO-1 gathers bf16 parameters straight into the step's compute
         weights (``parallel/optim.py::ShardedAdamW``), except where a feature reads or writes
-        the fp32 parameters between steps or replaces the optimizer (low-communication
-        methods, 1-bit Adam, live recovery): those keep the fp32 gather."""
+        the fp32 parameters between steps or replaces the optimizer (``touches_master_weights``:
+        low-communication methods, 1-bit Adam, live recovery): those keep the fp32 gather."""
         cfg, t = self.cfg, self.cfg.train
-        features_touch_masters = cfg.lowcomm.method != "none" or cfg.lowcomm.onebit_adam or t.live_recovery
+        features_touch_masters = self.features.touches_master_weights
         return build_optimizer(
             self.model, t, self.dims, device_type,
             zero_one=cfg.parallel.zero == 1 and uses_ddp(self.dims) and self.dims.size("dp_shard_cp") > 1,
@@ -200,9 +183,7 @@ class Trainer:
         upcoming = peek(self.sampler, self.cfg.data.prefetch) if self.cfg.data.prefetch else []
         batch = self.prefetcher.get(global_indices, upcoming)
         self.step_metrics["data_wait_s"] = self.prefetcher.wait_s
-        if hasattr(self.sampler, "source_counts"):  # a mixture: tokens drawn from each source so far
-            self.step_metrics["data_tokens"] = {k: v * self.cfg.model.seq_len
-                                                for k, v in self.sampler.source_counts().items()}
+        self.step_metrics.update(self.features.after_batch())  # e.g. a mixture's tokens per source
         return batch
 
     def make_local_batch(self, global_indices) -> dict[str, torch.Tensor]:
@@ -237,47 +218,31 @@ class Trainer:
 
     def train_step(self) -> float:
         with self.strict_scope():
-            if self.live is not None:  # until a quorum of replicas commits the step
-                return self.live.step(self._train_step)
-            return self._train_step()
+            return self.step_fn()  # the features' wrap_step around _train_step
 
     def _train_step(self) -> float:
         batch = self.local_batch()
-        if isinstance(self.loss_fn, MTPLoss):
-            self.loss_fn.pop()  # a step redone (live recovery) counts its own depths' losses only
+        self.features.before_step()  # e.g. a step redone (live recovery) starts its own losses
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
         loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
         self.step_metrics.update(self.engine.pop_metrics())
-        if self.live is not None:  # over the replica groups that took part (raises to redo the step)
-            loss_sum, global_tokens = self.live.reduce(loss_sum, global_tokens)
+        # e.g. over the replica groups that took part (live recovery; raises to redo the step)
+        loss_sum, global_tokens = self.features.reduce(loss_sum, global_tokens)
         self.last_grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         if self.capture_grads and self.step + 1 >= self.cfg.train.steps:  # (the last step's only: a
             self.last_grads = self.full_state(grads=True)  # gather of every gradient)
         if self.fault.update_allowed(self.last_grad_norm):  # non-finite grad norm: skip the update
             self.optimizer.step()
-        self.step_metrics.update(moe_end_step(self.model))  # expert load, imbalance, dropped; bias update
+        self.step_metrics.update(self.features.after_update())  # e.g. MoE load, imbalance, dropped; bias update
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.all_reduce_sum(loss_sum) / global_tokens.double()
-        mtp = self.mtp_loss(global_tokens)
+        late = self.features.device_metrics(global_tokens)  # device values, e.g. mtp_loss
         self.step += 1
         self.step_metrics.update(self.features.after_step(self.step))  # e.g. the outer step when due
         loss = float(loss)
-        if mtp is not None:  # read after the loss: no second wait on the device
-            self.step_metrics["mtp_loss"] = float(mtp)
+        self.step_metrics.update({k: float(v) for k, v in late.items()})  # read after the loss: no second wait
         return loss
-
-    def mtp_loss(self, global_tokens: torch.Tensor) -> torch.Tensor | None:
-        """The step's multi-token prediction loss (mean over depths of their token losses,
-        normalised like the main loss, unweighted), on the device; None without MTP. Its sum
-        lives where the last stage ran: summed over dp/cp and pp."""
-        if not isinstance(self.loss_fn, MTPLoss):
-            return None
-        mine = self.loss_fn.pop()
-        mine = (torch.zeros((), dtype=torch.float64, device=self.device) if mine is None
-                else mine.detach().double().clone())
-        total = self.all_reduce_sum(self.all_reduce_sum(mine), "pp")
-        return total / global_tokens.double().clamp(min=1) / self.loss_fn.depth
 
     # ------------------------------------------------------------------ loop
 
@@ -328,17 +293,16 @@ class Trainer:
         its lock, and (resuming) it holds a run of this model and data. Rank 0 checks; every
         rank raises the same one-line error."""
         problem = None
-        # train.live_recovery: replica groups share the run directory; the launcher holds its
-        # lock (launch.launch_live) and a restarted replica heals from a peer, not from disk.
-        live = getattr(self.cfg, "live_replica", False)
+        # The features' run-directory policy (e.g. live replicas share one the launcher locks,
+        # and a restarted replica heals from a peer, not from disk).
         if self.rank == 0:
             try:
                 prepare_run_dir(self.run_dir)
-                if not live:
+                if self.features.holds_run_lock:
                     self.lock = RunLock(self.run_dir)
                     self.lock.acquire()
                 self.record = run_record(self.cfg, self.data_identity(), self.world)
-                if not (live and self.cfg.train.resume == "never"):
+                if self.features.checks_resume:
                     self.resume_changes = self.check_record()
             except (RunDirError, ConfigError) as err:
                 problem = (type(err).__name__, str(err))
@@ -375,9 +339,9 @@ class Trainer:
 
     @property
     def writes_run_files(self) -> bool:
-        """run.json and config.toml: written once per run (under live recovery, by replica 0)."""
-        replica = replica_env() if getattr(self.cfg, "live_replica", False) else None
-        return replica is None or replica[0] == 0
+        """run.json and config.toml: written once per run (a feature may leave it to another
+        process: under live recovery, replica 0)."""
+        return self.features.writes_run_files
 
     def release_lock(self) -> None:
         lock = getattr(self, "lock", None)

@@ -1,0 +1,42 @@
+"""``train.live_recovery``'s checks (docs/resilience.md), which ``config.validate`` runs
+with the other sections' own: what a live-recovery run needs of the layout, ``[lowcomm]``
+and the data."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshfold.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshfold.config import Config
+
+
+def validate(cfg: Config) -> None:
+    """``train.live_recovery``: replica groups as failure domains (train/live.py). A replica
+    group's own processes run its inner layout (``dp_replicate = 1``, ``lowcomm.workers = 1``):
+    ``replica_config`` marks that config with ``live_replica``."""
+    t, p = cfg.train, cfg.parallel
+    if t.live_recovery and p.ep > 1 and p.zero < 2:  # parallel/config.py::check_expert_data_parallel's split
+        raise ConfigError(f"train.live_recovery with parallel.ep = {p.ep} with parallel.zero = {p.zero} is not "
+                          "supported; set train.live_recovery = false or parallel.zero = 2")
+    if not t.live_recovery or getattr(cfg, "live_replica", False):  # train/live.py::replica_config
+        return
+    lc = cfg.lowcomm
+    if lc.workers > 1:  # the DiLoCo workers are the failure domains
+        if lc.method != "diloco" or lc.compression != "none" or p.dp_replicate > 1:
+            raise ConfigError('train.live_recovery over lowcomm.workers is built for lowcomm.method = "diloco" '
+                              'with lowcomm.compression = "none" and parallel.dp_replicate = 1')
+    elif p.dp_replicate < 2:
+        raise ConfigError("train.live_recovery needs replica groups that fail independently: set "
+                          "parallel.dp_replicate >= 2 (or lowcomm.workers >= 2 with DiLoCo)")
+    elif lc.method != "none" or lc.compression != "none":
+        raise ConfigError('train.live_recovery over parallel.dp_replicate with [lowcomm] is not built: set '
+                          'lowcomm.method = "none" and lowcomm.compression = "none"')
+    if cfg.data.balance != "none":
+        raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
+    if lc.workers <= 1 and t.global_batch % p.dp_replicate:
+        raise ConfigError(f"train.global_batch = {t.global_batch} must split into parallel.dp_replicate = "
+                          f"{p.dp_replicate} equal slices (one per replica group)")
+    if t.live_rejoin_wait_s < 0:
+        raise ConfigError(f"train.live_rejoin_wait_s = {t.live_rejoin_wait_s} must be >= 0")
