@@ -13,7 +13,7 @@ from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.lowcomm.compress import DDPCompression
 from meshfold.lowcomm.onebit_adam import OneBitAdam
 from meshfold.lowcomm.outer import build_outer, local_tensor
-from meshfold.parallel.data import unwrap, uses_fsdp
+from meshfold.parallel.dp.plan import unwrap, uses_fsdp
 from meshfold.parallel.optim import build_scheduler, param_groups
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer

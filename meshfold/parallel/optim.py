@@ -18,7 +18,7 @@ from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.mesh import ParallelDims
 from meshfold.parallel.compute_weights import ComputeWeights
-from meshfold.parallel.data import expert_data_parallel
+from meshfold.parallel.dp.replicate import expert_data_parallel
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig

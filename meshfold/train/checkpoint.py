@@ -63,7 +63,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from meshfold import comm
-from meshfold.parallel.data import unwrap
+from meshfold.parallel.dp.plan import unwrap
 from meshfold.parallel.optim import ExpertSplitAdamW, ShardedAdamW
 from meshfold.train.checkpoint_files import (
     CheckpointError,

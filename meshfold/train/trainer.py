@@ -38,8 +38,8 @@ from meshfold.models.presets import flops_per_token
 from meshfold.models.varlen_attention import use_varlen_attention
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.balanced_loader import from_config
-from meshfold.parallel.context import shard_for_context_parallel
-from meshfold.parallel.data import uses_ddp, uses_grad_reducer
+from meshfold.parallel.cp.batch import shard_for_context_parallel
+from meshfold.parallel.dp.plan import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import MTPLoss, cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.parallel.optim import build_optimizer, build_scheduler
