@@ -82,8 +82,8 @@ def _new_groups(rank_lists: list[list[int]]) -> dict[tuple, dist.ProcessGroup]:
     Made again once destroyed (a process group re-initialised by live recovery, or the
     test pool's clean-up between tasks): every rank destroys them together."""
     key = tuple(map(tuple, rank_lists))
-    live = dist.distributed_c10d._world.pg_map
-    if key not in _GROUPS or any(g not in live for g in _GROUPS[key].values()):
+    existing = dist.distributed_c10d._world.pg_map
+    if key not in _GROUPS or any(g not in existing for g in _GROUPS[key].values()):
         _GROUPS[key] = _make_groups(rank_lists)
     return _GROUPS[key]
 
