@@ -104,7 +104,7 @@ def validate(cfg: Config) -> None:
 
 
 def check_expert_data_parallel(cfg: Config) -> None:
-    """Expert parallel over DDP / ZeRO-1 data parallel (``parallel/expert.py``): the experts'
+    """Expert parallel over DDP / ZeRO-1 data parallel (``parallel/ep/plan.py``): the experts'
     gradients go through a reducer over edp of their own and their Adam state through a
     second ZeRO-1 optimizer; the features that replace the data-parallel reduction or the
     optimizer, or move the state to the host, are not built for that split."""

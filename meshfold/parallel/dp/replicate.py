@@ -22,7 +22,7 @@ BUCKET_MB = 25
 
 def expert_data_parallel(model: nn.Module) -> tuple[list[nn.Parameter], object | None]:
     """The parameters reduced over their own data-parallel mesh rather than dp_cp (expert
-    parallel with zero 0/1: the routed experts, over edp; ``parallel/expert.py`` marks their
+    parallel with zero 0/1: the routed experts, over edp; ``parallel/ep/plan.py`` marks their
     modules with ``reduce_over``), and that mesh (None when there are none)."""
     owners = [m for m in model.modules() if getattr(m, "reduce_over", None) is not None]
     return [p for m in owners for p in m.parameters()], (owners[0].reduce_over if owners else None)
