@@ -36,8 +36,10 @@ def measure(seq: int, dim: int, layers: int, mode: str, balance: bool, doc_mask:
     from meshfold.config import Config, ModelConfig, ParallelConfig
     from meshfold.mesh import build_mesh
     from meshfold.models.llama import Transformer, init_weights
-    from meshfold.parallel.context import (ContextParallelAttention, ContextParallelPlan, _MetaCache,
-                                           apply_context_parallel, shard_batch)
+    from meshfold.parallel.cp.attention import ContextParallelAttention, _MetaCache
+    from meshfold.parallel.cp.batch import shard_batch
+    from meshfold.parallel.cp.groups import ContextParallelPlan
+    from meshfold.parallel.cp.plan import apply_context_parallel
     from meshfold.memory import count_saved_activations
 
     torch.set_num_threads(1)

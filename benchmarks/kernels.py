@@ -94,7 +94,8 @@ class _PreviousVarlen(torch.nn.Module):
 
 def bench_docs(steps: int, quick: bool = False) -> dict:
     from meshfold.models.varlen_attention import VarlenCoreAttention
-    from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
+    from meshfold.parallel.cp.attention import ContextParallelAttention, _MetaCache
+    from meshfold.parallel.cp.groups import ContextParallelPlan
 
     seq, batch = 4096, 2
     cfg = ModelConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=1024, seq_len=seq, ffn_dim=512)
@@ -231,7 +232,10 @@ def _ring_worker(rank, world, variant, seq, reps, rev, init, out):
     if variant == "previous":
         ctx = _baseline_context(rev)
     else:
-        import meshfold.parallel.context as ctx
+        from meshfold.parallel.cp import attention, batch, groups
+        ctx = types.SimpleNamespace(ContextParallelPlan=groups.ContextParallelPlan, _MetaCache=attention._MetaCache,
+                                    ContextParallelAttention=attention.ContextParallelAttention,
+                                    token_indices=batch.token_indices)
     b, H, Hkv, d = 1, 8, 2, 64
     group = dist.group.WORLD
     plan = ctx.ContextParallelPlan(world, 1, True, rank, group, None, group)

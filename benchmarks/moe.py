@@ -71,7 +71,7 @@ def measure_a2a(cfg: dict) -> dict | None:
     import torch.distributed as dist
 
     from meshfold.config import from_dict
-    from meshfold.parallel.expert import AllToAllDispatcher
+    from meshfold.parallel.ep.dispatch import AllToAllDispatcher
     from meshfold.train.trainer import Trainer
 
     trainer = Trainer(from_dict(cfg))
@@ -164,7 +164,7 @@ def overlap_worker(args) -> None:
     from meshfold import comm
     from meshfold.models.config import ModelConfig
     from meshfold.models.moe import MoE
-    from meshfold.parallel.expert import AllToAllDispatcher
+    from meshfold.parallel.ep.dispatch import AllToAllDispatcher
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,

@@ -84,7 +84,7 @@ def measure(impl: str, sp: bool, dim: int, seq: int, batch: int, iters: int) -> 
     from meshfold.mesh import build_mesh
     from meshfold.models.llama import Transformer, init_weights
     from meshfold.parallel.loss import vocab_parallel_loss
-    from meshfold.parallel.tensor import parallelize_tensor
+    from meshfold.parallel.tp.plan import parallelize_tensor
     from meshfold.memory import SavedActivationCounter
 
     class Counter(SavedActivationCounter):

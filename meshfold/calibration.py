@@ -57,7 +57,8 @@ from pathlib import Path
 from meshfold import comm
 from meshfold.config import ConfigError, ModelConfig, TrainConfig, from_dict
 from meshfold.models.llama import Transformer
-from meshfold.parallel.context import ContextParallelAttention, ContextParallelPlan, _MetaCache
+from meshfold.parallel.cp.attention import ContextParallelAttention, _MetaCache
+from meshfold.parallel.cp.groups import ContextParallelPlan
 from meshfold.optim.adamw import adamw_kwargs
 from meshfold.planner.calibrate import (
     BLOCK_BATCH,

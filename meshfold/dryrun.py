@@ -75,8 +75,9 @@ from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
 from meshfold.models.moe import moe_end_step, moe_layers
 from meshfold.models.varlen_attention import use_varlen_attention
-from meshfold.parallel.context import ContextParallelAttention, shard_for_context_parallel
-from meshfold.parallel.data import BUCKET_MB
+from meshfold.parallel.cp.attention import ContextParallelAttention
+from meshfold.parallel.cp.batch import shard_for_context_parallel
+from meshfold.parallel.dp.replicate import BUCKET_MB
 from meshfold.memory import count_saved_activations
 from meshfold.optim.clip import grad_norm
 from meshfold.parallel.pp.stage_modules import stage_split

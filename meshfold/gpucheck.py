@@ -72,7 +72,7 @@ _MODES = ("__torch_function__", "__torch_dispatch__", "marked", "read_counts")
 
 
 # thin wrappers of comm.py's collectives (the tp group's raw ones): a collective's place is their caller
-_COMM_WRAPPERS = {(os.path.join(_PKG, "parallel", "tensor.py"), name)
+_COMM_WRAPPERS = {(os.path.join(_PKG, "parallel", "tp", "collectives.py"), name)
                   for name in ("all_reduce_", "all_gather", "reduce_scatter")}
 
 

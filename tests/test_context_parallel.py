@@ -37,7 +37,9 @@ def attention_cases(cases):
     from meshfold.config import Config, ModelConfig, ParallelConfig
     from meshfold.mesh import build_mesh
     from meshfold.models.llama import CoreAttention
-    from meshfold.parallel.context import ContextParallelAttention, _MetaCache, build_plan, token_indices
+    from meshfold.parallel.cp.attention import ContextParallelAttention, _MetaCache
+    from meshfold.parallel.cp.batch import token_indices
+    from meshfold.parallel.cp.groups import build_plan
 
     cp = dist.get_world_size()
     b, S, H, Hkv, d = 2, 32, 4, 2, 8
@@ -161,7 +163,7 @@ def test_uneven_sequence_and_heads_are_config_errors():
     msg = check({}, {"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 3, "dp_shard": 1}, 4)
     assert "parallel.cp_ulysses" in msg
     # The sharding itself refuses uneven lengths too (e.g. an evaluation batch of another length).
-    from meshfold.parallel.context import token_indices
+    from meshfold.parallel.cp.batch import token_indices
 
     with pytest.raises(ConfigError, match="multiple of 8"):
         token_indices(20, 4, 0, ulysses=1, balance=True)
@@ -233,7 +235,7 @@ def test_training_matches_one_process(world, parallel, reference, short_docs, tm
 def test_one_process_block_skipping_attention(reference, short_docs, tmp_path):
     """data.skip_masked_blocks at cp = 1: the tiled attention (masked tiles skipped) trains
     exactly like the model's dense masked attention."""
-    import meshfold.parallel.context as context
+    from meshfold.parallel.cp.attention import ContextParallelAttention
     from meshfold.models.llama import document_causal_mask
     from meshfold.train.trainer import Trainer
 
@@ -241,7 +243,7 @@ def test_one_process_block_skipping_attention(reference, short_docs, tmp_path):
     assert_runs_match(reference, got)
     trainer = Trainer(from_dict(_config(str(tmp_path / "t"), {**short_docs, "skip_masked_blocks": True})))
     cores = [b.attention.core for b in trainer.model.layers.values()]
-    assert all(isinstance(c, context.ContextParallelAttention) for c in cores)
+    assert all(isinstance(c, ContextParallelAttention) for c in cores)
     batch = trainer.local_batch()
     trainer.forward_loss(batch)
     work = cores[0].plan.work  # one plan shared by the layers
@@ -290,7 +292,8 @@ def mla_cases(cases):
     from meshfold.config import Config, ModelConfig, ParallelConfig
     from meshfold.mesh import build_mesh
     from meshfold.models.llama import Transformer
-    from meshfold.parallel.context import apply_context_parallel, shard_batch
+    from meshfold.parallel.cp.batch import shard_batch
+    from meshfold.parallel.cp.plan import apply_context_parallel
 
     cp = dist.get_world_size()
     b, S = 2, 32

@@ -43,7 +43,7 @@ def test_mixed_precision_follows_the_resolved_dtype():
     import torch
 
     from meshfold.config import TrainConfig
-    from meshfold.parallel.data import fsdp_policies
+    from meshfold.parallel.dp.fsdp import fsdp_policies
 
     for dtype, device, want in (("auto", "cuda", torch.bfloat16), ("bfloat16", "cpu", torch.bfloat16),
                                 ("auto", "cpu", None), ("float32", "cuda", None)):

@@ -184,7 +184,7 @@ def test_checkpoint_from_expert_parallel_resumes_in_one_process(experts, tmp_pat
 
 # Fewer local experts than edp ranks: 2 experts at ep 2 over 4 data ranks leave E_l = 1 expert
 # per ep rank for edp = 2 FSDP ranks. Dim 0 would pad to a whole expert per rank; FSDP2 shards
-# dim 1 instead (parallel/expert_shard.py). train.offload = params reaches the experts' group too.
+# dim 1 instead (parallel/facts/sizes.py). train.offload = params reaches the experts' group too.
 TWO = {**MOE, "moe_experts": 2}
 
 
@@ -230,7 +230,7 @@ def test_fewer_local_experts_than_edp_ranks_shard_dim1(train, tmp_path):
 
 
 def test_expert_shard_dim_picks_the_dimension_that_wastes_least():
-    from meshfold.parallel.expert_shard import expert_shard_dim, expert_shard_padding
+    from meshfold.parallel.facts.sizes import expert_shard_dim, expert_shard_padding
 
     cases = [((8, 6, 6), 4, 0, 1.0),           # edp divides the experts: whole experts per rank
              ((4, 1408, 2048), 32, 1, 1.0),    # deepseek-moe-16b w1 at ep 8, tp 2, edp 32
@@ -275,7 +275,7 @@ OVERLAP = [
 
 def _train_counting_exchanges(cfg_dict: dict) -> tuple:
     """train_collect, counting the MoE dispatcher's forwards and the asynchronous all-to-alls."""
-    from meshfold.parallel import expert
+    from meshfold.parallel.ep import dispatch as expert
 
     calls = {"async": 0, "forward": 0}
     start, forward = expert._a2a_async, expert.AllToAllDispatcher.forward

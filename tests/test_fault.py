@@ -18,7 +18,7 @@ def _poison_grads(tr, bad_steps: set[int], only_rank: int):
     real non-finite gradient flowing into clipping and the optimizer)."""
     import torch.distributed as dist
 
-    from meshfold.parallel.data import unwrap
+    from meshfold.parallel.dp.plan import unwrap
 
     if dist.get_rank() != only_rank:
         return

@@ -16,7 +16,7 @@ attention's dK/dV accumulators around the cp ring, in float32 as Megatron and to
 context parallel send them; integer metadata or codec bytes; or a float64 statistic of the
 MoE router or the dry-run's pipeline stand-in.
 The one sync allowed inside a layer is dropless MoE's variable all-to-all's split sizes
-(``parallel/expert.py``: NCCL takes them on the host; docs/gpu.md); capacity mode has none.
+(``parallel/ep/dispatch.py``: NCCL takes them on the host; docs/gpu.md); capacity mode has none.
 
 Cases that fail on a defect not fixed yet are ``xfail(strict=True)`` with the defect: when
 it is fixed the case passes and the mark must go.
@@ -113,7 +113,7 @@ def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
     if dtype == "float32":
         if where.startswith("meshfold/parallel/loss.py"):  # vocabulary-parallel CE's per-token max and sums
             return dim == "tp"
-        if where.startswith("meshfold/parallel/context.py"):  # ring backward's dK/dV accumulators
+        if where.startswith("meshfold/parallel/cp/"):  # ring backward's dK/dV accumulators
             return dim == "cp"
         if where.startswith("meshfold/lowcomm/codecs/"):  # a codec's encoding of the (fp32) gradients
             return cfg.train.reduce_dtype == "float32" and dim.startswith("dp")
@@ -123,7 +123,7 @@ def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
             return reduce and ("reduce_scatter" in op or (all_reduce and dim == "dp_replicate"))
         return reduce and all_reduce and dim.startswith("dp")  # DDP's / GradReducer's all-reduce
     if dtype == "float64":
-        return where.startswith(("meshfold/parallel/expert.py", "meshfold/dryrun.py"))
+        return where.startswith(("meshfold/parallel/ep/", "meshfold/dryrun.py"))
     return dtype.startswith(("int", "uint"))
 
 
@@ -134,7 +134,7 @@ def findings(g: dict, cfg) -> list[str]:
     if "math" in g["attention"]:
         out.append(f"math attention: {g['attention']}")
     out += [f"host sync inside a layer: {p}" for p in g["in_layer"]
-            if not (p.startswith("meshfold/parallel/expert.py") and p.endswith("(tolist)"))]
+            if not (p.startswith("meshfold/parallel/ep/") and p.endswith("(tolist)"))]
     for dim, dtypes in g["wire_dtypes"].items():
         if dim not in WIRES:
             continue

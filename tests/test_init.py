@@ -61,7 +61,7 @@ def _initial_state(cfg_dict: dict) -> dict | None:
     pytest.param(4, {"dp_shard": 2, "tp": 2, "zero": 3}, {}, id="tp2xfsdp2-strided"),
     pytest.param(4, {"dp_shard": 1, "pp": 2, "tp": 2}, {}, id="pp2xtp2"),
     pytest.param(4, {"dp_shard": 2, "tp": 2, "ep": 2}, {"moe_experts": 4, "moe_topk": 2}, id="moe-ep2xtp2"),
-    # 1 local expert over edp = 2 ranks: FSDP2 shards the experts' dim 1 (parallel/expert_shard.py)
+    # 1 local expert over edp = 2 ranks: FSDP2 shards the experts' dim 1 (parallel/facts/sizes.py)
     pytest.param(4, {"dp_shard": 4, "ep": 2}, {"moe_experts": 2, "moe_topk": 2}, id="moe-ep2-experts-dim1"),
 ])
 def test_sharded_build_holds_the_one_process_values(tmp_path, world, parallel, model):

@@ -74,8 +74,8 @@ def _gates_across_tp(sp: bool, n: int, experts: int) -> tuple:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshfold.parallel.expert import tokens_in
-    from meshfold.parallel.tensor import TensorParallelGroup
+    from meshfold.parallel.ep.dispatch import tokens_in
+    from meshfold.parallel.tp.collectives import TensorParallelGroup
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     rank = dist.get_rank()

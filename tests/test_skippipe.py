@@ -39,7 +39,7 @@ def _skipping_reference(cfg_dict: dict, split: list[int], paths) -> dict:
     """One process: micro-batch i runs the embedding, then the blocks of the stages on
     ``paths[i]`` in path order, then the norm, output and loss."""
     from meshfold.config import from_dict
-    from meshfold.parallel.data import unwrap
+    from meshfold.parallel.dp.plan import unwrap
     from meshfold.train.trainer import Trainer
 
     trainer = Trainer(from_dict(cfg_dict))

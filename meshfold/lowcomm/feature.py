@@ -13,7 +13,7 @@ from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.lowcomm.compress import DDPCompression, build_compression
 from meshfold.lowcomm.onebit_adam import OneBitAdam
 from meshfold.lowcomm.outer import build_outer, local_tensor
-from meshfold.parallel.data import unwrap, uses_fsdp
+from meshfold.parallel.dp.plan import unwrap, uses_fsdp
 from meshfold.optim.adamw import param_groups
 from meshfold.optim.lr_schedule import build_scheduler
 

@@ -292,6 +292,12 @@ class Transformer(nn.Module):
             valid.append(mtp_valid(doc_ids, ids, k))
         return MTPOutput(logits, depth_logits, valid)
 
+    def blocks(self) -> list[nn.Module]:
+        """The decoder blocks in the order they run: the trunk's layers (this stage's), then
+        those of the extra heads (each multi-token prediction depth's block)."""
+        extra = [head.block for head in (self.mtp or {}).values()]  # (None when there are none)
+        return list(self.layers.values()) + extra
+
     def project(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(h)

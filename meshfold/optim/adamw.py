@@ -16,7 +16,7 @@ from meshfold.optim.sharded import ShardedAdamW
 from meshfold.optim.state import FlattenedState
 from meshfold.optim.zero_one import ZeroOneOptimizer
 from meshfold.parallel.compute_weights import ComputeWeights
-from meshfold.parallel.data import expert_data_parallel
+from meshfold.parallel.dp.replicate import expert_data_parallel
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig

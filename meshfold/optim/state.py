@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshfold.parallel.data import unwrap
+from meshfold.parallel.dp.plan import unwrap
 
 # DCP's optimizer state dict flattened by parameter name (layout-independent keys).
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)

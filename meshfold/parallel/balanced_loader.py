@@ -34,7 +34,7 @@ from meshfold.data.cost_calibration import cost_model_for
 from meshfold.data.micro import micro_batch_count
 from meshfold.data.packing import DocumentPieces, packed_row
 from meshfold.models.varlen_attention import use_varlen_attention
-from meshfold.parallel.per_sequence_cp import SpreadContext, build_groups, make_plan, spread_span
+from meshfold.parallel.cp.per_sequence import SpreadContext, build_groups, make_plan, spread_span
 
 
 class PieceBatchSampler:

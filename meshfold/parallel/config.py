@@ -7,12 +7,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError, divisors
-from meshfold.layout import ParallelConfig
-from meshfold.models.config import ModelConfig
-from meshfold.schedules import all_schedules, get_schedule
+from meshfold.parallel.facts import mtp
+from meshfold.parallel.facts.attention import ATTENTION_LAYOUTS, local_heads, ulysses_degree, ulysses_fits
+from meshfold.schedules import get_schedule
 
 if TYPE_CHECKING:  # the composed config is handed in; its module sits above this layer
     from meshfold.config import Config
+
+
+# The layout rules of the model's extra heads (beside its attention variant's, which
+# ``facts/attention.py`` registers), one line each.
+EXTRA_HEAD_CHECKS = (mtp.check,)
 
 
 def validate(cfg: Config) -> None:
@@ -24,9 +29,7 @@ def validate(cfg: Config) -> None:
     if m.moe_experts and m.moe_seq_aux_loss_coef > 0 and p.cp > 1:
         raise ConfigError("model.moe_seq_aux_loss_coef > 0 (sequence-wise balance loss) needs whole sequences on a "
                           "rank; use parallel.cp = 1 or moe_seq_aux_loss_coef = 0")
-    if m.mla and p.tp > 1 and p.cp > 1:
-        raise ConfigError("model.mla_kv_rank > 0 (multi-head latent attention) runs under parallel.tp > 1 or "
-                          "parallel.cp > 1, not both yet; use one of them (with data, pipeline and expert parallel)")
+    ATTENTION_LAYOUTS[m.attention].check(cfg)  # the attention variant's own rules (facts/attention.py)
     # Tensor parallel: heads split across tp ranks.
     if p.tp > 1:
         if p.tp > m.n_heads:
@@ -70,17 +73,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.tie_embeddings puts one weight on the first and last pipeline stage; "
                           "set it to false (meshfold convert import --untie for a Hugging Face model) "
                           "or parallel.pp = 1")
-    if m.mtp_depth:  # multi-token prediction shifts whole sequences by k tokens (models/mtp.py)
-        if p.cp > 1:
-            raise ConfigError("model.mtp_depth > 0 (multi-token prediction) shifts each sequence by k tokens, "
-                              "which context parallel splits over ranks; set parallel.cp = 1 or model.mtp_depth = 0")
-        if p.tp > 1 and p.sp:
-            raise ConfigError("model.mtp_depth > 0 (multi-token prediction) shifts each sequence by k tokens, "
-                              "which sequence parallel splits over tp ranks; set parallel.sp = false")
-        if p.pp > 1 and not schedule.runs_stage_weight_copies:  # (the embedding's copy on the last stage)
-            able = [s.name for s in all_schedules() if s.runs_stage_weight_copies]
-            raise ConfigError(f"model.mtp_depth > 0 is not supported with parallel.pp_schedule = {p.pp_schedule}; "
-                              f"use {', '.join(able[:-1])} or {able[-1]}")
+    for check in EXTRA_HEAD_CHECKS:  # the model's extra heads' own rules
+        check(cfg)
     if p.pp > 1 and pp_stages > m.n_layers:
         raise ConfigError(
             f"parallel.pp = {p.pp} with pp_schedule = {p.pp_schedule} needs {pp_stages} stages, more than "
@@ -110,7 +104,7 @@ def validate(cfg: Config) -> None:
 
 
 def check_expert_data_parallel(cfg: Config) -> None:
-    """Expert parallel over DDP / ZeRO-1 data parallel (``parallel/expert.py``): the experts'
+    """Expert parallel over DDP / ZeRO-1 data parallel (``parallel/ep/plan.py``): the experts'
     gradients go through a reducer over edp of their own and their Adam state through a
     second ZeRO-1 optimizer; the features that replace the data-parallel reduction or the
     optimizer, or move the state to the host, are not built for that split."""
@@ -131,33 +125,6 @@ def check_expert_data_parallel(cfg: Config) -> None:
 # --------------------------------------------------------------------------- context parallel
 
 
-def local_heads(model: ModelConfig, tp: int) -> tuple[int, int]:
-    """(query heads, key/value heads) one tensor-parallel rank holds: kv heads are split
-    when tp divides them and replicated (one per rank) when they divide tp. Latent attention
-    expands its latent into a key and a value per query head."""
-    kv_heads = model.n_heads if model.mla else model.kv_heads
-    kv = kv_heads // tp if kv_heads % tp == 0 else 1
-    return model.n_heads // tp, kv
-
-
-def _ulysses_fits(model: ModelConfig, tp: int, degree: int) -> bool:
-    heads, kv = local_heads(model, tp)
-    return heads % degree == 0 and (kv % degree == 0 or degree % kv == 0)
-
-
-def ulysses_degree(parallel: ParallelConfig, model: ModelConfig) -> int:
-    """Ulysses group size: 1 for ring, cp for ulysses, ``cp_ulysses`` (or the largest
-    divisor of cp below cp whose heads fit) for hybrid."""
-    if parallel.cp_mode == "ring" or parallel.cp == 1:
-        return 1
-    if parallel.cp_mode == "ulysses":
-        return parallel.cp
-    if parallel.cp_ulysses:
-        return parallel.cp_ulysses
-    fits = [u for u in divisors(parallel.cp) if u < parallel.cp and _ulysses_fits(model, parallel.tp, u)]
-    return fits[-1]
-
-
 def check_context(cfg: Config) -> None:
     """Context-parallel checks for ``config.validate`` (before any process group starts)."""
     p, m = cfg.parallel, cfg.model
@@ -171,10 +138,10 @@ def check_context(cfg: Config) -> None:
             f"choose one of {divisors(p.cp)}"
         )
     degree = ulysses_degree(p, m)
-    if degree > 1 and not _ulysses_fits(m, p.tp, degree):
+    if degree > 1 and not ulysses_fits(m, p.tp, degree):
         heads, kv = local_heads(m, p.tp)
         key = "parallel.cp" if p.cp_mode == "ulysses" else "parallel.cp_ulysses"
-        fits = [u for u in divisors(heads) if _ulysses_fits(m, p.tp, u)]
+        fits = [u for u in divisors(heads) if ulysses_fits(m, p.tp, u)]
         raise ConfigError(
             f"parallel.cp_mode = {p.cp_mode} with Ulysses degree {degree}: each rank's {heads} query heads and "
             f"{kv} key/value heads (model.n_heads/n_kv_heads over tp = {p.tp}) must split evenly over it; "

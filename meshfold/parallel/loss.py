@@ -26,8 +26,8 @@ import torch
 
 from meshfold.data.dataset import IGNORE_INDEX
 from meshfold.models.mtp import MTPOutput, shift_left
-from meshfold.parallel.loss_chunk import chunk_elements as device_chunk
-from meshfold.parallel.tensor import TensorParallelGroup
+from meshfold.parallel.facts.sizes import chunk_elements as device_chunk
+from meshfold.parallel.tp.collectives import TensorParallelGroup
 
 
 class _ChunkedCE(torch.autograd.Function):

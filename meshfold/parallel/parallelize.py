@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from meshfold.mesh import ParallelDims
-from meshfold.parallel.context import apply_context_parallel
-from meshfold.parallel.data import apply_data_parallel, uses_fsdp
-from meshfold.parallel.expert import apply_expert_parallel
+from meshfold.parallel.cp.plan import apply_context_parallel
+from meshfold.parallel.dp.plan import apply_data_parallel, uses_fsdp
+from meshfold.parallel.ep.plan import apply_expert_parallel
 from meshfold.parallel.materialize import is_meta, materialize
 from meshfold.parallel.recompute import apply_compile, apply_recompute
-from meshfold.parallel.tensor import parallelize_tensor
+from meshfold.parallel.tp.plan import parallelize_tensor
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config

@@ -136,12 +136,9 @@ def _op_checkpoint_forward(module: nn.Module) -> None:
 
 
 def apply_recompute(model: nn.Module, cfg: TrainConfig) -> None:
-    layers = getattr(model, "layers", None)
-    if cfg.recompute == "none" or layers is None:
+    if cfg.recompute == "none":
         return
-    mtp = getattr(model, "mtp", None)  # multi-token prediction depths' blocks: after the layers
-    blocks = list(layers.values()) + ([depth.block for depth in mtp.values()] if mtp is not None else [])
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(model.blocks()):  # the trunk's, then the extra heads'
         if cfg.recompute == "selective":
             _checkpoint_forward(block.attention.core)
         elif cfg.recompute == "op":

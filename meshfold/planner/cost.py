@@ -19,8 +19,8 @@ from meshfold.layout import ParallelConfig
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
-from meshfold.parallel.expert_shard import expert_shard_padding
-from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
+from meshfold.parallel.facts.sizes import expert_shard_padding
+from meshfold.parallel.facts.sizes import CHUNK_ELEMENTS
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.counts import (
     BUCKET_BYTES,
@@ -1164,7 +1164,7 @@ class CostModel:
         """The routed experts' bytes per rank (held, all-gathered, reduce-scattered) relative to
         their even share over the edp ranks. Each stacked expert weight [E_l, out, in]
         (E_l = E / (ep tp) local experts) is sharded on the dimension
-        ``parallel/expert_shard.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
+        ``parallel/facts/sizes.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
         edp divides E_l, out or in; else dim 0 padded to ceil(E_l / edp) experts per rank."""
         m = self.w.model
         E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep

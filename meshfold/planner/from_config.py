@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshfold.config import Config, validate
 from meshfold.data.micro import micro_batch_count
-from meshfold.parallel.config import ulysses_degree
+from meshfold.parallel.facts.attention import ulysses_degree
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, Layout, Workload
 

@@ -30,8 +30,9 @@ from meshfold.data.micro import micro_batch_count, split_micro_batches
 from meshfold.mesh import ParallelDims
 from meshfold.models.attention_ops import note_run_starts
 from meshfold.models.moe import moe_aux_loss
-from meshfold.parallel.context import context_step_metrics
-from meshfold.parallel.data import grad_reducers, unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.cp.plan import context_step_metrics
+from meshfold.parallel.dp.plan import unwrap, uses_ddp, uses_fsdp, uses_grad_reducer
+from meshfold.parallel.dp.replicate import grad_reducers
 from meshfold.parallel.pp.executor import Pipeline
 from meshfold.parallel.pp.timeline_plot import TIMELINE_FILE
 from meshfold.memory import count_saved_activations

@@ -33,8 +33,8 @@ from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
 from meshfold.models.presets import flops_per_token
 from meshfold.parallel.parallelize import parallelize
-from meshfold.parallel.context import shard_for_context_parallel
-from meshfold.parallel.data import uses_ddp, uses_grad_reducer
+from meshfold.parallel.cp.batch import shard_for_context_parallel
+from meshfold.parallel.dp.plan import uses_ddp, uses_grad_reducer
 from meshfold.parallel.loss import cross_entropy_sum, vocab_parallel_loss
 from meshfold.parallel.materialize import build_on_meta
 from meshfold.optim.lr_schedule import build_scheduler

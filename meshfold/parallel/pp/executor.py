@@ -34,7 +34,8 @@ from meshfold.device import StepClock
 from meshfold.memory import activation_tag
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.compute_weights import master_parameters
-from meshfold.parallel.data import grad_reducers, unwrap, uses_fsdp
+from meshfold.parallel.dp.plan import unwrap, uses_fsdp
+from meshfold.parallel.dp.replicate import grad_reducers
 from meshfold.parallel.pp.p2p_plan import Message, exchange_plan
 from meshfold.models.stage_balance import describe_split
 from meshfold.parallel.pp.run_orders import orders_of_run

@@ -7,7 +7,7 @@ ranks (k a power of two); all other documents stay whole on one rank. A spread d
 is padded at its end to a multiple of 2k tokens (pads come after every real token, so
 causally no real token sees them; their labels are ignored) and cut into 2k chunks;
 group member j holds chunks j and 2k-1-j (the causal load-balanced layout of
-``parallel/context.py``), and its attention runs as that module's ring attention over the
+``parallel/cp/``), and its attention runs as that module's ring attention over the
 group. Everything outside attention is per token, so the rest of the model runs on the
 member's chunks like on any other tokens, and gradients need no special treatment: every
 rank's loss covers its own tokens, the ring's backward returns key/value gradients to
@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 
 from meshfold.data.packing import IGNORE_INDEX, DocumentPieces
-from meshfold.parallel import context
+from meshfold.parallel.cp.batch import token_indices
+from meshfold.parallel.cp.groups import ContextParallelPlan
+from meshfold.parallel.cp.ring import ring_attention as _ring_attention
 
 
 @dataclass
@@ -67,7 +69,7 @@ def build_groups(dp_group, dp_size: int, max_degree: int) -> dict[tuple[int, int
 
 def chunk_indices(padded: int, k: int, member: int) -> torch.Tensor:
     """Token indices member ``member`` of ``k`` holds: chunks member and 2k-1-member."""
-    return context.token_indices(padded, k, member, 1, True)
+    return token_indices(padded, k, member, 1, True)
 
 
 def spread_span(pieces: DocumentPieces, piece: int, k: int, member: int, pad_id: int) -> tuple[dict, torch.Tensor]:
@@ -89,10 +91,10 @@ def spread_span(pieces: DocumentPieces, piece: int, k: int, member: int, pad_id:
 
 
 def make_plan(group, k: int, member: int, s_local: int):
-    return context.ContextParallelPlan(cp=k, ulysses=1, balance=True, cp_rank=member, cp_group=group, ulysses_group=None,
+    return ContextParallelPlan(cp=k, ulysses=1, balance=True, cp_rank=member, cp_group=group, ulysses_group=None,
                                ring_group=group, tile=max(1, s_local // 2))
 
 
 def ring_attention(q, k, v, plan, meta):
     """Causal attention of one spread document's local chunks over the whole document."""
-    return context.ring_attention(q, k, v, meta.to(q.device), False, plan)
+    return _ring_attention(q, k, v, meta.to(q.device), False, plan)

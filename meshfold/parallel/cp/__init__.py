@@ -1,0 +1,2 @@
+"""Context parallel (ring, Ulysses, hybrid; per-sequence): ``plan.py`` is the entry point and
+the whole picture."""

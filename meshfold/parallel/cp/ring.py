@@ -1,0 +1,324 @@
+"""Ring attention: key/value blocks travel around the ring with point-to-point sends that
+overlap the block computation, merged exactly by log-sum-exp; the backward sends the
+key/value gradients back around the ring. ``RingLayout`` decides once per forward which
+(query tile, key tile) pairs are skipped, run unmasked, causal, or with a mask. See
+``parallel/cp/plan.py`` for the whole picture."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshfold.comm import exchange, wait_all
+from meshfold.models.attention_ops import attention_backward, attention_forward
+from meshfold.parallel.cp.groups import ContextParallelPlan
+
+_EMPTY, _FULL, _CAUSAL, _PARTIAL = 0, 1, 2, 3
+
+
+def _tile_mask(qpos, qdoc, kpos, kdoc):
+    mask = qpos.unsqueeze(-1) >= kpos.unsqueeze(-2)
+    if qdoc is not None:
+        mask &= qdoc.unsqueeze(-1) == kdoc.unsqueeze(-2)
+    return mask
+
+
+def _tile_view(x: torch.Tensor, tile: int, fill) -> torch.Tensor:
+    """[..., s] -> [..., n_tiles, tile], a ragged last tile padded with ``fill``."""
+    pad = (-x.shape[-1]) % tile
+    if pad:
+        x = torch.cat([x, x.new_full(x.shape[:-1] + (pad,), fill)], -1)
+    return x.unflatten(-1, (-1, tile))
+
+
+class RingLayout:
+    """Which (query tile, key tile) pairs of every ring step need which kernel, decided once
+    per forward from every member's (positions, doc ids) and shared by all layers: empty
+    pairs are skipped, fully visible ones run without a mask, diagonal ones as causal, and
+    only the rest build a (tile x tile) mask. One small device-to-host read per forward
+    (the codes), none per block."""
+
+    def __init__(self, meta: torch.Tensor, use_doc: bool, ring_rank: int, tile: int):
+        self.meta, self.use_doc, self.tile = meta, use_doc, tile
+        R, _, b, s = meta.shape
+        self.R, self.r, self.b, self.s = R, ring_rank, b, s
+        self.n = -(-s // tile)
+        big = torch.iinfo(torch.int64).max
+        pos, doc = meta[:, 0], meta[:, 1]
+        pmin, pmax = _tile_view(pos, tile, big).amin(-1), _tile_view(pos, tile, -big).amax(-1)  # [R, b, n]
+        dmin, dmax = _tile_view(doc, tile, big).amin(-1), _tile_view(doc, tile, -big).amax(-1)
+        qmin, qmax = pmin[ring_rank, :, :, None], pmax[ring_rank, :, :, None]  # [b, nq, 1]
+        kmin, kmax = pmin[:, :, None, :], pmax[:, :, None, :]  # [R, b, 1, nk]
+        empty = qmax < kmin
+        full = qmin >= kmax
+        ptiles = _tile_view(pos, tile, -1)  # [R, b, n, tile]
+        increasing = (ptiles[..., 1:] > ptiles[..., :-1]).all(-1)  # [R, b, n]
+        causal = (ptiles[ring_rank, :, :, None] == ptiles[:, :, None]).all(-1) & increasing[ring_rank, :, :, None]
+        if use_doc:
+            qdmin, qdmax = dmin[ring_rank, :, :, None], dmax[ring_rank, :, :, None]
+            kdmin, kdmax = dmin[:, :, None, :], dmax[:, :, None, :]
+            empty |= (qdmax < kdmin) | (kdmax < qdmin)
+            one_doc = (qdmin == qdmax) & (kdmin == kdmax) & (qdmin == kdmin)
+            full &= one_doc
+            causal &= one_doc
+        code = empty.new_full(empty.shape[:1] + empty.shape[2:], _PARTIAL, dtype=torch.int8)  # where meta is
+        code = torch.where(causal.all(1), _CAUSAL, code)
+        code = torch.where(full.all(1), _FULL, code)
+        code = torch.where(empty.all(1), _EMPTY, code)
+        codes = code.tolist()  # [R members][nq][nk]: the one host read
+        # steps[t]: (q tile, k tile, code, first) for key member (r - t) % R; ``first``: the
+        # first block for these query rows (its output is copied, not merged).
+        self.steps, seen = [], set()
+        self.tiles = self.skipped = self.computed = self.visible_known = 0
+        self.partial: list[tuple[int, int, int]] = []
+        for t in range(R):
+            j = (ring_rank - t) % R
+            tasks = []
+            for i in range(self.n):
+                for jj in range(self.n):
+                    c = codes[j][i][jj]
+                    self.tiles += 1
+                    if c == _EMPTY:
+                        self.skipped += 1
+                        continue
+                    tq, tk = self._len(i), self._len(jj)
+                    self.computed += b * tq * tk
+                    if c == _FULL:
+                        self.visible_known += b * tq * tk
+                    elif c == _CAUSAL:
+                        self.visible_known += b * tq * (tq + 1) // 2
+                    else:
+                        self.partial.append((t, i, jj))
+                    tasks.append((i, jj, c, i not in seen))
+                    seen.add(i)
+            self.steps.append(tasks)
+        self._partial_visible: torch.Tensor | None = None
+
+    def _len(self, i: int) -> int:
+        return min(self.tile, self.s - i * self.tile)
+
+    def rows(self, i: int) -> slice:
+        return slice(i * self.tile, min((i + 1) * self.tile, self.s))
+
+    def mask(self, t: int, i: int, j: int) -> torch.Tensor:
+        """bool [b, 1, tq, tk] of query tile i against key tile j of ring step t."""
+        member = (self.r - t) % self.R
+        qs, ks = self.rows(i), self.rows(j)
+        q, k = self.meta[self.r], self.meta[member]
+        m = _tile_mask(q[0][:, qs], q[1][:, qs] if self.use_doc else None,
+                       k[0][:, ks], k[1][:, ks] if self.use_doc else None)
+        return m.unsqueeze(1)
+
+    def partial_visible(self) -> torch.Tensor:
+        """Visible entries of the partial tiles, a device scalar (counted once per forward)."""
+        if self._partial_visible is None:
+            total = torch.zeros((), dtype=torch.float64, device=self.meta.device)
+            for t, i, j in self.partial:
+                total = total + self.mask(t, i, j).sum()
+            self._partial_visible = total
+        return self._partial_visible
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """-inf (a row with no visible key yet) -> 0, so exp(-inf - 0) = 0 instead of NaN."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _merge(out, lse, rows, o, lse_blk, first: bool) -> None:
+    """Fold a block's (normalised output, log-sum-exp) into the running ones, in place."""
+    if first:
+        out[:, :, rows] = o
+        lse[:, :, rows] = lse_blk
+        return
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, lse_blk)
+    safe = _finite(new)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - safe).unsqueeze(-1)
+                       + o * torch.exp(lse_blk - safe).unsqueeze(-1))
+    lse[:, :, rows] = new
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads [b, hkv, s, d] -> [b, hkv * groups, s, d] (grouped-query attention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // groups, groups, s, d).sum(2)
+
+
+class _HeadsPayload:
+    """What travels on the ring by default: the k and v heads, [2, b, hkv, s, d] stacked (one
+    message) when their widths match, else [b, hkv, s, dk + dv] side by side (k wider than
+    v, as latent attention's expanded heads before a Ulysses all-to-all).
+
+    A payload's protocol (a variant's own, such as ``cp/mla.py``'s, keeps it): ``params``
+    (parameters its ``unpack`` uses, whose gradients the ring returns), ``pack(k, v)`` (what
+    travels), ``unpack(cur)`` (a step's k, v), and for backward ``open(cur)`` (k, v and a
+    gradient accumulator), ``add``, ``close`` (the gradient of what travels) and ``grads``
+    (the gradients of the ring's k and v inputs)."""
+
+    params: tuple = ()
+
+    def __init__(self, k, v, heads: int):
+        self.dk, self.dv = k.shape[-1], v.shape[-1]
+        self.groups = heads // k.shape[2]
+        self.stacked = self.dk == self.dv
+
+    def pack(self, k, v):
+        if self.stacked:
+            return torch.stack([k, v]).transpose(2, 3).contiguous()
+        return torch.cat([k, v], -1).transpose(1, 2).contiguous()
+
+    def unpack(self, cur):
+        k, v = (cur[0], cur[1]) if self.stacked else (x.contiguous() for x in cur.split([self.dk, self.dv], -1))
+        return _expand(k, self.groups), _expand(v, self.groups)
+
+    def open(self, cur):
+        """Backward: (k, v) for the block kernels and the step's gradient accumulator."""
+        kx, vx = self.unpack(cur)
+        acc = torch.promote_types(cur.dtype, torch.float32)
+        return kx, vx, torch.zeros(cur.shape, dtype=acc, device=cur.device)
+
+    def add(self, state, ks, dk, dv):
+        if self.stacked:
+            state[0][:, :, ks] += _reduce_groups(dk, self.groups)
+            state[1][:, :, ks] += _reduce_groups(dv, self.groups)
+        else:
+            state[:, :, ks, :self.dk] += _reduce_groups(dk, self.groups)
+            state[:, :, ks, self.dk:] += _reduce_groups(dv, self.groups)
+
+    def close(self, state, param_grads):
+        return state  # already the payload's gradient
+
+    def grads(self, dcur, k, v):
+        dk, dv = (dcur[0], dcur[1]) if self.stacked else dcur.split([self.dk, self.dv], -1)
+        return dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact attention of this rank's queries over every ring member's keys/values.
+
+    q [b, s, H, d], k/v [b, s, Hkv, d] (this member's tokens), or what a variant's own
+    payload packs in k and v None; ``payload`` says what travels and how it becomes the
+    step's keys and values (``_HeadsPayload``; latent attention's in ``cp/mla.py``). Each (query tile, key tile)
+    pair runs a fused kernel that returns its log-sum-exp (``models/attention_ops``); the
+    blocks are merged by log-sum-exp in float32 (float64 for float64 inputs). Keys/values
+    travel in their own (compute) dtype; the next block's exchange is posted before the
+    current block is computed. With R = 1 it is tiled attention with block skipping.
+
+    Message order (no tags: p2p matches in issue order per peer pair, as on NCCL). Every
+    rank issues, towards its next ring neighbour, kv(0), dkv(0), kv(1), dkv(1), ..,
+    kv(R-2), dkv(R-2), dkv(R-1) in the backward and kv(0) .. kv(R-2) in the forward, and
+    posts the matching receives from its previous neighbour in the same order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan, payload, *params):
+        b, s, heads, d = q.shape
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scale = 1.0 / math.sqrt(d)
+        qt = q.transpose(1, 2)
+        cur = payload.pack(k, v)  # what travels, in the compute dtype
+        out = None  # [b, heads, s, dv] once v's width is known
+        lse = torch.full((b, heads, s), float("-inf"), dtype=acc, device=q.device)
+        R = layout.R
+        nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
+        auxes = []  # each block's kernel state (CUDA: philox seed/offset, lse width), for its backward
+        for t in range(R):
+            works, nxt = [], None
+            if t < R - 1:  # the next block travels while this one is computed
+                nxt = torch.empty_like(cur)
+                works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
+            kx, vx = payload.unpack(cur)
+            if out is None:
+                out = torch.zeros(b, heads, s, vx.shape[-1], dtype=acc, device=q.device)
+            for i, j, code, first in layout.steps[t]:
+                qs, ks = layout.rows(i), layout.rows(j)
+                mask = layout.mask(t, i, j) if code == _PARTIAL else None
+                o, lse_blk, aux = attention_forward(qt[:, :, qs], kx[:, :, ks], vx[:, :, ks], causal=code == _CAUSAL,
+                                                    mask=mask, scale=scale, kernel=plan.kernel)
+                auxes.append(aux)
+                _merge(out, lse, qs, o, lse_blk, first)
+            wait_all(works)
+            if nxt is not None:
+                cur = nxt
+        # The output in the compute dtype, rows [b, s, heads, d] contiguous: what the fused
+        # backward takes (as flash attention's), and what the caller's output projection
+        # saves too (a view), so the block keeps one copy of it, not an fp32 one besides.
+        result = out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.layout, ctx.plan, ctx.auxes, ctx.payload = layout, plan, auxes, payload
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout: RingLayout = ctx.layout
+        plan: ContextParallelPlan = ctx.plan
+        b, s, heads, d = q.shape
+        payload = ctx.payload
+        param_grads = [None] * len(payload.params)
+        acc = lse.dtype
+        scale = 1.0 / math.sqrt(d)
+        qt, dout = q.transpose(1, 2), grad_out.to(q.dtype).transpose(1, 2)
+        out_k, lse_k = out.transpose(1, 2), _finite(lse)  # the final rows: P = exp(S - lse_final)
+        dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
+        cur = payload.pack(k, v)
+        R = layout.R
+        nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
+        incoming, acc_works, dkv = None, [], None
+        auxes = iter(ctx.auxes)
+        # The gradient of member j's keys/values travels with them: every rank adds its part
+        # and passes it on; after R hops it is back at j, complete.
+        for t in range(R):
+            works, nxt = [], None
+            if t < R - 1:
+                nxt = torch.empty_like(cur)
+                works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
+            kx, vx, state = payload.open(cur)
+            for i, j, code, _ in layout.steps[t]:
+                qs, ks = layout.rows(i), layout.rows(j)
+                mask = layout.mask(t, i, j) if code == _PARTIAL else None
+                # The forward's kernel state of this block, kept (not the forward re-run): the
+                # fused backwards take the final out and lse, which the merge reconstructed.
+                aux = next(auxes)
+                dq_t, dk_t, dv_t = attention_backward(dout[:, :, qs], qt[:, :, qs], kx[:, :, ks], vx[:, :, ks],
+                                                      out_k[:, :, qs], lse_k[:, :, qs], aux, causal=code == _CAUSAL,
+                                                      mask=mask, scale=scale)
+                dq[:, :, qs] += dq_t
+                payload.add(state, ks, dk_t, dv_t)
+            dkv = payload.close(state, param_grads)  # this step's gradient of what travels
+            if R > 1:
+                wait_all(acc_works)
+                if incoming is not None:
+                    dkv += incoming
+                incoming = torch.empty_like(dkv)
+                acc_works = exchange([(dkv, nxt_peer)], [(incoming, prev_peer)], plan.ring_group, "cp")
+            wait_all(works)
+            if nxt is not None:
+                cur = nxt
+        if R > 1:
+            wait_all(acc_works)
+            dkv = incoming
+        dk, dv = payload.grads(dkv, k, v)
+        return (dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, *param_grads)
+
+
+def ring_attention(q, k, v, meta: torch.Tensor, use_doc: bool, plan: ContextParallelPlan,
+                   layout: RingLayout | None = None, payload=None) -> torch.Tensor:
+    """Ring attention of the local q/k/v [b, s, heads, d] over the ring of ``plan``; ``meta``
+    [R, 2, b, s] holds every member's (positions, doc ids). With ``payload`` (a variant's own,
+    see ``_HeadsPayload``), ``k`` is what it packs (``v`` None) and it travels instead of the
+    heads, each step making its keys and values."""
+    if layout is None:
+        layout = RingLayout(meta, use_doc, plan.ring_rank, plan.tile or meta.shape[-1])
+    if plan.count_work:
+        plan.work.add(layout)
+    plan.device = q.device
+    if payload is None:
+        payload = _HeadsPayload(k, v, q.shape[2])
+    return _RingAttention.apply(q, k, v, layout, plan, payload, *payload.params)

@@ -1,0 +1,1 @@
+"""Tensor (and sequence) parallel: ``plan.py`` is the entry point and the layout table."""
