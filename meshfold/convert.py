@@ -18,9 +18,8 @@ import torch
 from meshfold.config import Config, dump_toml, load_config
 from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
-from meshfold.models.hf import (ARCHITECTURES, FAMILIES, from_hf, hf_config_from_model, hf_family, model_config_from_hf,
-                               mtp_layers_in,
-                               read_safetensors, to_hf, write_safetensors)
+from meshfold.models.hf import (ARCHITECTURES, FAMILIES, complete_from_weights, from_hf, hf_config_from_model,
+                               hf_family, model_config_from_hf, read_safetensors, to_hf, write_safetensors)
 from meshfold.models.llama import Transformer, rope_tables
 from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
                                              validate_checkpoint, write_manifest)
@@ -148,9 +147,7 @@ def read_hf(hf_dir: Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     _check_readable(hf_dir)
     try:
         raw = read_safetensors(hf_dir)
-        if m.mla:  # DeepSeek-V3's multi-token prediction modules, where the files hold them
-            # (transformers neither runs nor saves them: num_nextn_predict_layers alone imports none)
-            m = dataclasses.replace(m, mtp_depth=mtp_layers_in(raw, m))
+        m = complete_from_weights(hf_config, m, raw)  # keys only the files tell (DeepSeek-V3's MTP depth)
         state = from_hf(raw, m)
     except (RuntimeError, ValueError, KeyError) as err:
         if isinstance(err, ConfigError):

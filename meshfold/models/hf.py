@@ -20,9 +20,13 @@ gate/up/down (Mixtral: w1/w3/w2) joins meshfold's stacked experts [E, out, in], 
 fused as ``experts.w13`` (gate's rows, then up's) and down as ``experts.w2``
 (transformers 5's fused ``experts.gate_up_proj``/``down_proj`` import too), DeepSeek's
 ``shared_experts`` are ``feed_forward.shared_experts`` and V3's ``e_score_correction_bias`` is
-the balancing bias ``expert_bias``. DeepSeek's multi-head latent attention rotates adjacent
-pairs like meshfold (``models/mla.py``): its weights need no permutation.
-Features and refusals: docs/hf.md.
+the balancing bias ``expert_bias``.
+
+What differs per family (its ``model_type`` names, its ``[model]`` keys and refusals, its
+``config.json`` entries, extra tensor names, tensors outside the decoder layers) is the family's
+adapter (``models/<family>/hf.py``, protocol in ``models/hf_adapter.py``), looked up through the
+registry: by ``model_type`` on import, by the one whose ``natural_type`` claims the model on
+export. Features and refusals: docs/hf.md; adding a family: docs/families.md.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from pathlib import Path
 import torch
 
 from meshfold.errors import ConfigError
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
+from meshfold.models.hf_adapter import ROPE_TYPES, HFAdapter, rope_parameters
 
-# meshfold name (per layer, after "layers.{i}.") <-> HF name (after "model.layers.{i}.")
+# meshfold name (per layer, after "layers.{i}.") <-> HF name (after "model.layers.{i}.");
+# a family's adapter adds its own (``layer_names``: DeepSeek's latent attention).
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -57,14 +64,7 @@ LAYER_NAMES = {
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    # multi-head latent attention (DeepSeek-V2/V3)
-    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    # MoE blocks (Mixtral's "block_sparse_moe." is read and written as "mlp." here; see to_hf)
+    # MoE blocks (the hub names; an adapter may rename them on export: Mixtral's block_sparse_moe)
     "feed_forward.router.weight": "mlp.gate.weight",
     "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
@@ -74,75 +74,44 @@ LAYER_NAMES = {
 # meshfold's stacked expert weights [E, out, in] <-> one HF tensor per expert (hub layout).
 EXPERT_NAMES = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
                 "feed_forward.experts.w2": "down_proj"}
-MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
-# DeepSeek-V3's multi-token prediction module k (models/mtp.py) is stored as decoder layer
-# n_layers + k with these tensors beside the block's (meshfold: "mtp.{k}." + name; the block under
-# "mtp.{k}.block."), and its own copies of the embedding and output head, which meshfold shares.
-MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-             "norm.weight": "shared_head.norm.weight"}
-MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 
 
 # --------------------------------------------------------------------------- config
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic", "yarn": "yarn"}
+ARCHITECTURES = registry.hf_model_types()  # model_type -> architecture, every family's
+FAMILIES = tuple(ARCHITECTURES)
 
 
-def _rope_parameters(hf: dict) -> dict:
-    """One flat RoPE dict from either format: transformers 4's ``rope_theta`` + ``rope_scaling``
-    or transformers 5's ``rope_parameters`` (which holds the theta too)."""
-    params = dict(hf.get("rope_parameters") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"convert: per-layer-type RoPE parameters {sorted(params)} are not supported")
-    params.update(hf.get("rope_scaling") or {})
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    return params
-
-
-def _sliding_window(hf: dict, model_type: str) -> str | None:
-    """Why the model attends through a sliding window, or None when it attends to everything."""
-    if "sliding_attention" in (hf.get("layer_types") or ()):
-        return "layer_types has sliding_attention layers"
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # the window only applies with use_sliding_window
-        return "use_sliding_window = true" if hf.get("use_sliding_window") else None
-    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 0)
-    return f"sliding_window = {window}" if window and window < longest else None
-
-
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """meshfold's ``[model]`` for a HF ``config.json`` of the Llama / Mistral / Qwen2 / Qwen3
-    families; ConfigError (one line) for what meshfold cannot represent exactly."""
-    model_type = hf.get("model_type", "llama")
-    if model_type not in FAMILIES:
+def adapter_of_type(model_type: str) -> HFAdapter:
+    adapter = registry.hf_adapter(model_type)
+    if adapter is None:
         raise ConfigError(f"convert: model_type {model_type!r} is not supported; meshfold imports "
                           f"{', '.join(FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, "
                           f"DeepSeek-V2/V3)")
-    window = _sliding_window(hf, model_type)
-    if window:
-        raise ConfigError(f"convert: {window}: sliding-window attention is not supported (meshfold attends "
-                          f"to the whole causal context)")
+    return adapter
+
+
+def adapter_of_model(m: ModelConfig) -> tuple[HFAdapter, str]:
+    """The adapter whose family a model is, and the ``model_type`` it exports as by default."""
+    for adapter in registry.hf_adapters():
+        model_type = adapter.natural_type(m)
+        if model_type is not None:
+            return adapter, model_type
+    raise ConfigError("convert export: no Hugging Face family has this model's blocks")
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """meshfold's ``[model]`` for a HF ``config.json`` of a registered family; ConfigError (one
+    line) for what meshfold cannot represent exactly."""
+    model_type = hf.get("model_type", "llama")
+    family_keys = adapter_of_type(model_type).config_keys(hf, model_type)
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"convert: hidden_act {hf['hidden_act']!r}; meshfold's SwiGLU needs silu")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    deepseek = model_type.startswith("deepseek")
-    head_dim = (None if deepseek else hf.get("head_dim")) or dim // heads  # DeepSeek's head_dim is the rope part
-    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if deepseek and (attn_bias or mlp_bias):
-        raise ConfigError("convert: DeepSeek with attention_bias or mlp_bias = true is not supported")
-    if model_type in ("qwen3", "qwen3_moe") and attn_bias:
-        raise ConfigError("convert: Qwen3 with attention_bias = true (biases on q/k/v/o without MLP biases) "
-                          "is not supported")
-    if model_type in ("llama", "mistral") and attn_bias != mlp_bias:
-        raise ConfigError("convert: attention_bias and mlp_bias differ; meshfold has one model.bias switch "
-                          "for both (and model.qkv_bias for q/k/v only)")
-    rope = _rope_parameters(hf)
+    head_dim = hf.get("head_dim") or dim // heads
+    rope = rope_parameters(hf)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"convert: rope_type {rope_type!r} is not supported; meshfold has "
@@ -171,125 +140,34 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             scaling.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
                            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
                            rope_attention_factor=float(attention or 0.0))
-        if rope_type == "yarn" and deepseek:  # MLA's softmax scale takes mscale(factor, mscale_all_dim)^2
-            scaling["rope_mscale_all_dim"] = float(rope.get("mscale_all_dim") or 0.0)
         if rope_type == "llama3":
             scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                            rope_high_freq_factor=float(rope["high_freq_factor"]))
         scaling.update(rope_factor=float(factor), rope_original_seq_len=int(original or 0))
-    return ModelConfig(
+    keys = dict(
         dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], seq_len=seq_len, max_position=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bias=attn_bias and model_type in ("llama", "mistral"), qkv_bias=model_type == "qwen2",
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), attn_head_dim=head_dim if head_dim != dim // heads else 0,
-        **scaling, **_moe_from_hf(hf, model_type), **_mla_from_hf(hf, model_type),
+        attn_head_dim=head_dim if head_dim != dim // heads else 0, **scaling,
     )
+    return ModelConfig(**{**keys, **family_keys})
 
 
-def _moe_from_hf(hf: dict, model_type: str) -> dict:
-    """The ``[model]`` MoE keys of a Mixtral / Qwen3-MoE / DeepSeek config ({} for dense)."""
-    if model_type == "mixtral":
-        return dict(moe_experts=hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"], moe_norm_topk=True,
-                    moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
-    if model_type == "qwen3_moe":
-        experts = hf.get("num_experts", hf.get("num_local_experts", 0))
-        if not experts:
-            return {}
-        return dict(moe_experts=experts, moe_topk=hf["num_experts_per_tok"], moe_ffn_dim=hf["moe_intermediate_size"],
-                    moe_every=hf.get("decoder_sparse_step", 1), moe_dense_layers=list(hf.get("mlp_only_layers") or []),
-                    moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
-                    moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)))
-    if not model_type.startswith("deepseek"):
-        return {}
-    if hf.get("moe_layer_freq", 1) != 1:
-        raise ConfigError(f"convert: moe_layer_freq = {hf['moe_layer_freq']} is not supported (transformers "
-                          f"makes every layer from first_k_dense_replace on a MoE layer)")
-    scoring = hf.get("scoring_func", "softmax" if model_type == "deepseek_v2" else "sigmoid")
-    if (model_type, scoring) not in (("deepseek_v2", "softmax"), ("deepseek_v3", "sigmoid")):
-        raise ConfigError(f"convert: {model_type} with scoring_func = {scoring!r} is not supported")
-    groups, topk_groups = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    out = dict(moe_experts=hf["n_routed_experts"], moe_topk=hf["num_experts_per_tok"],
-               moe_ffn_dim=hf["moe_intermediate_size"], moe_shared_experts=hf.get("n_shared_experts") or 0,
-               moe_first_dense=hf.get("first_k_dense_replace") or 0,
-               moe_routed_scale=float(hf.get("routed_scaling_factor", 1.0)))
-    if model_type == "deepseek_v2":  # transformers' V2 never renormalises the k gates
-        method = hf.get("topk_method", "greedy")
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ConfigError(f"convert: deepseek_v2 topk_method {method!r} is not supported")
-        limited = method == "group_limited_greedy" and groups > 1
-        return dict(out, moe_norm_topk=False, moe_groups=groups if limited else 0,
-                    moe_topk_groups=topk_groups if limited else 0)
-    if not hf.get("norm_topk_prob", True):
-        raise ConfigError("convert: deepseek_v3 with norm_topk_prob = false is not supported (meshfold's sigmoid "
-                          "router always renormalises the k gates)")
-    if hf.get("rope_interleave", True) is False:
-        raise ConfigError("convert: deepseek_v3 with rope_interleave = false is not supported")
-    # V3 balances without an auxiliary loss: the correction bias (moe_bias_balance) does.
-    return dict(out, moe_router="sigmoid", moe_bias_balance=True, moe_aux_loss_coef=0.0,
-                moe_groups=groups if groups > 1 else 0, moe_topk_groups=topk_groups if groups > 1 else 0)
-
-
-def _mla_from_hf(hf: dict, model_type: str) -> dict:
-    """Multi-head latent attention keys of a DeepSeek config ({} otherwise)."""
-    if not model_type.startswith("deepseek"):
-        return {}
-    return dict(mla_kv_rank=hf["kv_lora_rank"], mla_q_rank=hf.get("q_lora_rank") or 0,
-                mla_rope_dim=hf["qk_rope_head_dim"], mla_nope_dim=hf["qk_nope_head_dim"], mla_v_dim=hf["v_head_dim"])
+def complete_from_weights(hf: dict, m: ModelConfig, names) -> ModelConfig:
+    """``m`` once the weight names are known: keys a family reads from the files, not the
+    config (DeepSeek-V3's multi-token prediction depth)."""
+    return adapter_of_type(hf.get("model_type", "llama")).complete(m, names)
 
 
 def hf_family(m: ModelConfig, arch: str | None = None) -> str:
-    """The Hugging Face family a meshfold model exports to (``arch`` forces one), or a
+    """The Hugging Face ``model_type`` a meshfold model exports to (``arch`` forces one), or a
     ConfigError naming the feature that family lacks."""
     if m.norm != "rmsnorm" or m.mlp != "swiglu" or m.pos != "rope":
         raise ConfigError("convert export: only models with rmsnorm, swiglu and rope map to a Hugging Face "
                           "Llama/Mistral/Qwen/Mixtral/DeepSeek model")
-    if m.moe_experts or m.mla:
-        return _moe_family(m, arch)
-    family = arch or ("qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama")
-    if family in MOE_FAMILIES:
-        raise ConfigError(f"convert export: {ARCHITECTURES[family]} needs a MoE model (model.moe_experts > 0)")
-    need = {"llama": dict(qk_norm=False, qkv_bias=False), "mistral": dict(qk_norm=False, qkv_bias=False, bias=False),
-            "qwen2": dict(qk_norm=False, bias=False), "qwen3": dict(qkv_bias=False, bias=False)}[family]
-    for key, value in need.items():
-        if getattr(m, key) != value:
-            raise ConfigError(f"convert export: model.{key} = {getattr(m, key)} has no equivalent in "
-                              f"{ARCHITECTURES[family]}; choose another --arch")
-    if family == "qwen2" and not m.qkv_bias:
-        raise ConfigError("convert export: Qwen2ForCausalLM always has q/k/v biases; set --arch llama")
-    return family
-
-
-def _moe_family(m: ModelConfig, arch: str | None) -> str:
-    """Mixtral (softmax, no shared experts), Qwen3-MoE (q/k norms) or DeepSeek-V2/V3 (latent
-    attention; V3 = sigmoid router), checked key by key."""
-    natural = ("deepseek_v3" if m.moe_router == "sigmoid" else "deepseek_v2") if m.mla else (
-        "qwen3_moe" if m.qk_norm else "mixtral")
-    family = arch or natural
-    if family != natural:
-        raise ConfigError(f"convert export: this model exports as {ARCHITECTURES[natural]}, not {ARCHITECTURES[family]}")
-    if not m.moe_experts:
-        raise ConfigError(f"convert export: {ARCHITECTURES[family]} needs model.moe_experts > 0")
-    deepseek = family.startswith("deepseek")
-    need = dict(bias=False, qkv_bias=False, moe_capacity_factor=0.0)
-    if family == "mixtral":
-        need.update(moe_shared_experts=0, moe_first_dense=0, moe_dense_layers=[], moe_every=1, moe_router="softmax",
-                    moe_norm_topk=True, moe_groups=0, moe_routed_scale=1.0, moe_bias_balance=False)
-    elif family == "qwen3_moe":
-        need.update(moe_shared_experts=0, moe_router="softmax", moe_groups=0, moe_routed_scale=1.0,
-                    moe_bias_balance=False)
-    elif deepseek:
-        need.update(moe_every=1, moe_dense_layers=[], qk_norm=False, attn_head_dim=0)
-        if family == "deepseek_v2":
-            need.update(moe_norm_topk=False, moe_bias_balance=False)
-        else:
-            need.update(moe_bias_balance=True)
-    for key, value in need.items():
-        if getattr(m, key) != value:
-            raise ConfigError(f"convert export: model.{key} = {getattr(m, key)} has no equivalent in "
-                              f"{ARCHITECTURES[family]}")
-    return family
+    adapter, _ = adapter_of_model(m)
+    return adapter.export_type(m, arch)
 
 
 def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
@@ -324,36 +202,7 @@ def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = 
         "rope_theta": m.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": m.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if family in ("llama", "mistral"):
-        out.update(attention_bias=m.bias, mlp_bias=m.bias)
-    if family == "mistral":
-        out["sliding_window"] = None
-    if family in ("qwen2", "qwen3"):
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layers)
-    if family in ("qwen3", "qwen3_moe"):
-        out["attention_bias"] = False
-    if family == "mixtral":
-        out.update(num_local_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, sliding_window=None,
-                   router_aux_loss_coef=m.moe_aux_loss_coef, intermediate_size=m.expert_dim)
-    if family == "qwen3_moe":
-        out.update(num_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, moe_intermediate_size=m.expert_dim,
-                   decoder_sparse_step=m.moe_every, norm_topk_prob=m.moe_norm_topk,
-                   mlp_only_layers=sorted(set(m.moe_dense_layers) | set(range(m.moe_first_dense))),
-                   router_aux_loss_coef=m.moe_aux_loss_coef)
-    if family.startswith("deepseek"):
-        out.update(n_routed_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, moe_intermediate_size=m.expert_dim,
-                   n_shared_experts=m.moe_shared_experts, first_k_dense_replace=m.moe_first_dense, moe_layer_freq=1,
-                   n_group=m.moe_groups or 1, topk_group=m.moe_topk_groups or 1,
-                   routed_scaling_factor=m.moe_routed_scale, norm_topk_prob=family == "deepseek_v3",
-                   q_lora_rank=m.mla_q_rank or None, kv_lora_rank=m.mla_kv_rank, qk_rope_head_dim=m.mla_rope_dim,
-                   qk_nope_head_dim=m.mla_nope_dim, v_head_dim=m.mla_v_dim, head_dim=m.mla_rope_dim,
-                   attention_bias=False, mlp_bias=False, num_nextn_predict_layers=m.mtp_depth)
-        if family == "deepseek_v2":
-            out.update(topk_method="group_limited_greedy" if m.moe_groups else "greedy", scoring_func="softmax")
-        else:
-            out.update(topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True)
-        if rope_scaling and m.rope_scaling == "yarn" and m.rope_mscale_all_dim:
-            rope_scaling["mscale_all_dim"] = m.rope_mscale_all_dim
+    adapter_of_type(family).write_config(m, family, out)
     return out
 
 
@@ -371,20 +220,6 @@ def _from_hf_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     rows = w.shape[0]
     d = rows // heads
     return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:])
-
-
-def _rotated_heads(mine: str, m: ModelConfig) -> int | None:
-    """How many heads a tensor's rows (or, for the per-head q/k norms, its one head) hold
-    when RoPE's pair layout applies to it, or None when it does not."""
-    if m.mla:  # latent attention rotates adjacent pairs on both sides
-        return None
-    if mine.startswith("attention.wq."):
-        return m.n_heads
-    if mine.startswith("attention.wk."):
-        return m.kv_heads
-    if mine.startswith(("attention.q_norm.", "attention.k_norm.")):
-        return 1  # a weight over one head's features, applied before RoPE
-    return None
 
 
 FUSED_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w1", "feed_forward.experts.w3")
@@ -417,42 +252,31 @@ def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names and values (hub layout: one tensor per expert; Mixtral's block_sparse_moe)."""
-    mixtral = bool(m.moe_experts) and not (m.qk_norm or m.mla)
+    """HF names and values (hub layout: one tensor per expert; the family's renames)."""
+    adapter, _ = adapter_of_model(m)
+    names = {**LAYER_NAMES, **adapter.layer_names}
     out = {}
     for name, value in _unfuse_experts(state).items():
         if name in TOP_NAMES:
             out[TOP_NAMES[name]] = value
             continue
-        _, layer, rest = name.split(".", 2)
-        if name.startswith("mtp."):  # depth k: HF decoder layer n_layers + k
-            layer = str(m.n_layers + int(layer))
-            if rest in MTP_NAMES:
-                out[f"model.layers.{layer}.{MTP_NAMES[rest]}"] = value
-                continue
-            rest = rest.removeprefix("block.")
+        own = adapter.own_to_hf(name, value, m)
+        if own is not None:
+            out.update(own)
+            continue
+        layer, rest = adapter.split_name(name, m)
         prefix = f"model.layers.{layer}."
         if rest in EXPERT_NAMES:
-            kind = EXPERT_NAMES[rest]
             for j in range(value.shape[0]):
-                if mixtral:
-                    out[f"{prefix}block_sparse_moe.experts.{j}.{MIXTRAL_EXPERT_NAMES[kind]}.weight"] = value[j]
-                else:
-                    out[f"{prefix}mlp.experts.{j}.{kind}.weight"] = value[j]
+                out[prefix + adapter.expert_name(j, EXPERT_NAMES[rest], m)] = value[j]
             continue
-        if rest not in LAYER_NAMES:
+        if rest not in names:
             raise ConfigError(f"convert export: no Hugging Face name for {name}")
-        heads = _rotated_heads(rest, m)
+        heads = adapter.rotated_heads(rest, m)
         if heads is not None:
             value = _to_hf_rope(value, heads)
-        hf_name = LAYER_NAMES[rest]
-        if mixtral and rest.startswith("feed_forward.router."):
-            hf_name = hf_name.replace("mlp.", "block_sparse_moe.", 1)
-        out[prefix + hf_name] = value
-    for k in range(m.mtp_depth):  # the module's own copies of the shared embedding and head
-        for hf_name, mine in MTP_COPIES.items():
-            mine = "tok_embeddings.weight" if (m.tie_embeddings and mine == "output.weight") else mine
-            out[f"model.layers.{m.n_layers + k}.{hf_name}"] = state[mine].clone()  # (safetensors: no shared storage)
+        out[prefix + adapter.hf_layer_name(names[rest], m)] = value
+    out.update(adapter.extra_to_hf(state, m))
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -483,27 +307,10 @@ def _hub_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _block_prefix(layer: str, m: ModelConfig) -> str:
-    """meshfold's prefix of HF decoder layer ``layer``: a main block, or a multi-token
-    prediction depth's block past the main layers."""
-    i = int(layer)
-    return f"layers.{i}." if i < m.n_layers else f"mtp.{i - m.n_layers}.block."
-
-
-def mtp_layers_in(names, m: ModelConfig) -> int:
-    """How many multi-token prediction modules (decoder layers past ``m.n_layers``, DeepSeek-V3)
-    tensors ``names`` hold: 0 unless they are the consecutive layers n_layers, n_layers + 1, ..."""
-    extra = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()
-             and int(n.split(".")[2]) >= m.n_layers}
-    depth = 0
-    while m.n_layers + depth in extra:
-        depth += 1
-    return depth
-
-
 def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    adapter, _ = adapter_of_model(m)
     top = {v: k for k, v in TOP_NAMES.items()}
-    per_layer = {v: k for k, v in LAYER_NAMES.items()}
+    per_layer = {v: k for k, v in {**LAYER_NAMES, **adapter.layer_names}.items()}
     experts_of = {v: k for k, v in EXPERT_NAMES.items()}
     out, experts = {}, {}
     for name, value in _hub_names(state).items():
@@ -517,21 +324,10 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         if not name.startswith("model.layers."):
             raise ConfigError(f"convert import: unexpected tensor {name}")
         _, _, layer, rest = name.split(".", 3)
-        if m.mla and int(layer) >= m.n_layers:  # DeepSeek-V3's multi-token prediction modules
-            depth = int(layer) - m.n_layers
-            if depth >= m.mtp_depth:
-                continue  # not imported (read_hf sets mtp_depth from the layers the files hold)
-            if rest in MTP_COPIES:  # meshfold shares the main model's: they must be equal
-                main = state.get("model.embed_tokens.weight" if rest == "embed_tokens.weight" else "lm_head.weight")
-                if main is not None and not torch.equal(main, value):
-                    raise ConfigError(f"convert import: {name} differs from the main model's "
-                                      f"{'embedding' if rest == 'embed_tokens.weight' else 'output head'}; "
-                                      f"meshfold's multi-token prediction shares them")
-                continue
-            mtp_names = {v: k for k, v in MTP_NAMES.items()}
-            if rest in mtp_names:
-                out[f"mtp.{depth}.{mtp_names[rest]}"] = value
-                continue
+        own = adapter.own_from_hf(name, int(layer), rest, value, state, m)
+        if own is not None:
+            out.update(own)
+            continue
         expert = _EXPERT.fullmatch(name)
         if expert:
             experts.setdefault((layer, experts_of[expert.group(3)]), {})[int(expert.group(2))] = value
@@ -539,15 +335,15 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         if rest not in per_layer:
             raise ConfigError(f"convert import: unexpected tensor {name}")
         mine = per_layer[rest]
-        heads = _rotated_heads(mine, m)
+        heads = adapter.rotated_heads(mine, m)
         if heads is not None:
             value = _from_hf_rope(value, heads)
-        out[_block_prefix(layer, m) + mine] = value
+        out[adapter.block_prefix(int(layer), m) + mine] = value
     for (layer, mine), per_expert in experts.items():
         if sorted(per_expert) != list(range(m.moe_experts)):
             raise ConfigError(f"convert import: layer {layer} has experts {sorted(per_expert)[:5]}..., the config "
                               f"says {m.moe_experts}")
-        out[_block_prefix(layer, m) + mine] = torch.stack([per_expert[j] for j in range(m.moe_experts)])
+        out[adapter.block_prefix(int(layer), m) + mine] = torch.stack([per_expert[j] for j in range(m.moe_experts)])
     return {k: v.contiguous() for k, v in _fuse_experts(out).items()}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +19,10 @@ from torch import nn
 
 from meshfold.models.attention_ops import (DOCUMENT_TILE, compute_dtype, document_attention, document_plan,
                                           flash_varlen_ok)
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
-from meshfold.models.mla import MLAttention
 from meshfold.models.moe import MoE
-from meshfold.models.mtp import MTPModule, MTPOutput, mtp_valid, shift_left
 
 
 class RMSNorm(nn.Module):
@@ -42,7 +42,9 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
-    return RMSNorm(cfg.dim, cfg.norm_eps)
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.dim, cfg.norm_eps)
+    return registry.load(registry.norms()[cfg.norm])(cfg.dim, cfg.norm_eps)  # a family's variant
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -211,16 +213,23 @@ class Attention(nn.Module):
         return out.reshape(bsz, seq, -1)
 
 
+def grouped_query_attention(cfg: ModelConfig, layer_id: int, parts) -> Attention:
+    """The ``gqa`` attention kind's builder (``models/dense/__init__.py`` registers it)."""
+    return Attention(cfg)
+
+
+# The shared pieces an attention kind's builder composes (registry.AttentionKind.build): the
+# norm class, the core attention (a named submodule context parallel swaps) and RoPE.
+BLOCK_PARTS = SimpleNamespace(rms_norm=RMSNorm, core=CoreAttention, rotary=apply_rotary)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = make_norm(cfg)
-        if cfg.mla:  # DeepSeek's multi-head latent attention (models/mla.py)
-            # its q/kv latent norms use eps 1e-6 whatever norm_eps is, as DeepSeek's do
-            self.attention = MLAttention(cfg, lambda d: RMSNorm(d, 1e-6), CoreAttention(), apply_rotary)
-        else:
-            self.attention = Attention(cfg)
+        # the attention kind the config asks for (registry: gqa, or a family's, e.g. mla)
+        self.attention = registry.load(registry.attention_of(cfg).build)(cfg, layer_id, BLOCK_PARTS)
         self.ffn_norm = make_norm(cfg)
         if cfg.is_moe_layer(layer_id):
             self.feed_forward = MoE(cfg)
@@ -233,10 +242,11 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM. ``tok_embeddings``/``norm``/``output``/``mtp`` may be ``None`` on
-    pipeline stages that do not own them; ``layers`` is a ModuleDict keyed by the global layer
-    index so parameter names (and hence initial values) are the same under any split.
-    ``mtp``: the multi-token prediction depths (models/mtp.py), run in training only."""
+    """Decoder-only LM. ``tok_embeddings``/``norm``/``output`` and the extra heads may be
+    ``None`` on pipeline stages that do not own them; ``layers`` is a ModuleDict keyed by the
+    global layer index so parameter names (and hence initial values) are the same under any
+    split. The extra heads (``registry.heads()``, e.g. DeepSeek's ``mtp``) are submodules named
+    after their kind, None where the config leaves them off; they run after the final norm."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -246,8 +256,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, make_norm, TransformerBlock(cfg, cfg.n_layers + k))
-                                  for k in range(cfg.mtp_depth)}) if cfg.mtp_depth else None
+        self.head_names = tuple(head.name for head in registry.heads())
+        for head in registry.heads():
+            self.add_module(head.name, registry.load(head.build)(cfg, make_norm, lambda i: TransformerBlock(cfg, i))
+                            if head.active(cfg) else None)
+        self.embedding_scale = registry.embedding_scale(cfg)
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -260,11 +273,14 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, ids: torch.Tensor | None = None):
         """tokens: [batch, seq] ids (or [batch, seq, dim] hidden states on a later pipeline
-        stage). Returns logits [batch, seq, vocab] (or hidden states if there is no output);
-        in training with ``mtp``, an ``MTPOutput`` (``ids``: the token ids, needed when
-        ``tokens`` are hidden states, on the last pipeline stage)."""
+        stage). Returns logits [batch, seq, vocab] (or hidden states if there is no output), or
+        what an extra head makes of them (multi-token prediction in training: an
+        ``MTPOutput``; ``ids``: the token ids, needed when ``tokens`` are hidden states, on the
+        last pipeline stage)."""
         is_ids = not tokens.is_floating_point()
         h = self.tok_embeddings(tokens) if (self.tok_embeddings is not None and is_ids) else tokens
+        if h is not tokens and self.embedding_scale != 1.0:  # a family's scale on the embeddings (Gemma: sqrt(dim))
+            h = h * self.embedding_scale
         seq = h.shape[1]
         if self.pos_embeddings is not None:
             pos = positions if positions is not None else torch.arange(seq, device=h.device)
@@ -273,24 +289,20 @@ class Transformer(nn.Module):
         if doc_ids is not None:  # the documents' attention windows: once per micro-batch, not per layer
             tile = next((getattr(layer.attention.core, "document_tile", None) for layer in self.layers.values()), None)
             if tile is not None:
-                qk, v = ((self.cfg.mla_nope_dim + self.cfg.mla_rope_dim, self.cfg.mla_v_dim) if self.cfg.mla
-                         else (self.cfg.head_dim, self.cfg.head_dim))
+                qk, v = registry.attention_of(self.cfg).widths(self.cfg)
                 document_plan(doc_ids, positions, tile).prepare(flash_varlen_ok(h, compute_dtype(h), qk, v))
         for layer in self.layers.values():
             h = layer(h, rope, positions, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
-        logits = self.project(h)
-        if self.mtp is None or self.norm is None or not self.training:
-            return logits
-        ids = tokens if is_ids else ids
-        emb = self.tok_embeddings(ids)  # shared with the main model (a copy on the last pipeline stage)
-        depth_logits, valid = [], []
-        for k, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, shift_left(emb, k, 0.0), rope, positions, doc_ids)
-            depth_logits.append(self.project(h))
-            valid.append(mtp_valid(doc_ids, ids, k))
-        return MTPOutput(logits, depth_logits, valid)
+        out = self.project(h)
+        if self.norm is None:
+            return out
+        for name in self.head_names:
+            head = getattr(self, name)
+            if head is not None:
+                out = head.predict(self, h, out, tokens if is_ids else ids, rope, positions, doc_ids)
+        return out
 
     def blocks(self) -> list[nn.Module]:
         """The decoder blocks in the order they run: the trunk's layers (this stage's), then

@@ -22,7 +22,7 @@ planner prices is the stage the runtime builds.
 from __future__ import annotations
 
 from meshfold.models.config import ModelConfig
-from meshfold.models.presets import attention_params, ffn_params
+from meshfold.models.counts import attention_params, ffn_params
 
 
 def block_cost(cfg: ModelConfig, layer: int, seq_len: int | None = None) -> float:

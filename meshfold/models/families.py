@@ -1,0 +1,10 @@
+"""The registered model families, one line each (``models/registry.py``; how to add one:
+docs/families.md). The dense family's attention (``gqa``) is the default every other
+composes."""
+
+from meshfold.models import dense, deepseek, sparse
+from meshfold.models.registry import register
+
+register(dense.FAMILY)
+register(sparse.FAMILY)
+register(deepseek.FAMILY)
