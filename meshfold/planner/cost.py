@@ -21,6 +21,7 @@ from meshfold.models.presets import attention_params, ffn_params, mlp_params
 from meshfold.models.stage_balance import stage_split_of
 from meshfold.parallel.expert_shard import expert_shard_padding
 from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
+from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.counts import (
     BUCKET_BYTES,
@@ -280,8 +281,8 @@ class CostModel:
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         # QK^T and AV for this device's queries (latent attention: q/k heads nope + rope wide,
         # v zero-padded to them for the fused kernel, models/llama.py ``CoreAttention``)
-        width = m.n_heads * (m.mla_nope_dim + m.mla_rope_dim) if m.mla else h
-        attn_core = 4 * tokens * s * width / tp * self.causal
+        attn_kind = attention_terms(m)
+        attn_core = 4 * tokens * s * attn_kind.core_width(m) / tp * self.causal
         amp = w.dtype == "bf16-amp"
         kept: dict = {}  # layer_activation_bytes per (recompute, MoE block): the same ones recur
 
@@ -327,21 +328,14 @@ class CostModel:
         # when fewer). Ring, on the member's u x tokens and heads / u: K,V go around (R-1
         # hops) forward, K,V again (R-1) and dK,dV (R hops back to their owner, in the >= fp32
         # accumulation dtype) backward, each hop hidden behind the attention block it feeds.
-        hkv = m.kv_heads * m.head_dim
         u = 1 if cp_mode == "ring" else cp if cp_mode == "ulysses" else max(1, ulysses)
         R = cp // u
-        kv_local = m.kv_heads // min(tp, m.kv_heads)  # kv heads per tp rank
-        kv_heads = u if (u > 1 and kv_local % u) else kv_local
-        # head widths of q/k and of v/out (latent attention: nope + rope and v_dim; its latent
-        # expands into a k and a v per query head)
-        qk_w, v_w = (m.mla_nope_dim + m.mla_rope_dim, m.mla_v_dim) if m.mla else (m.head_dim, m.head_dim)
-        if m.mla:
-            kv_local = kv_heads = m.n_heads // tp
+        kv_local, kv_heads = attn_kind.cp_kv_heads(m, tp, u)  # per tp rank, per Ulysses rank
+        qk_w, v_w = attn_kind.head_widths(m)  # head widths of q/k and of v/out
         cp_fwd = cp_sel = cp_sent = cp_sent_rec = cp_sent_sel = 0.0
         cp_calls = cp_calls_rec = cp_calls_sel = 0
         if cp > 1 and u > 1:
-            q_size, o_size = ((act * tokens * m.n_heads / tp * w for w in (qk_w, v_w)) if m.mla
-                              else (act * tokens * h / tp,) * 2)  # q and the attention output
+            q_size, o_size = attn_kind.ulysses_q_out(m, act, tokens, tp)  # q and the attention output
             k_size, v_size = (act * tokens * kv_heads * w for w in (qk_w, v_w))  # k, v (GQA: fewer heads)
             cp_fwd = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, o_size, k_size, v_size)) + 4 * call
             cp_sent = 2 * RING["all_to_all"](u) * (q_size + o_size + k_size + v_size)  # forward and backward
@@ -351,14 +345,10 @@ class CostModel:
             cp_sent_sel, cp_calls_sel = RING["all_to_all"](u) * (q_size + k_size + v_size), 3
             cp_sel = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, k_size, v_size)) + 3 * call
         if cp > 1 and R > 1:
-            kv = act * tokens * kv_heads * (qk_w + v_w)
-            if m.mla and u == 1:  # pure ring: the latent travels, kv_rank + rope values a token
-                # (parallel/context.py), each step expanding it with wkv_b: R - 1 more expansions
-                # forward, R re-run plus their two gradient GEMMs backward
-                kv = act * tokens * (m.mla_kv_rank + m.mla_rope_dim)
-                expand = 2 * tokens * m.mla_kv_rank * m.n_heads * (m.mla_nope_dim + m.mla_v_dim) / (peak * eff)
-                attn_f += (R - 1) * expand
-                attn_b += (3 * R - 2) * expand
+            # a hop's bytes, and the compute the attention kind's ring adds (the latent's expansions)
+            kv, ring_f, ring_b = attn_kind.ring_hop(m, act, tokens, kv_heads, u, R, peak * eff)
+            attn_f += ring_f
+            attn_b += ring_b
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
             cp_fwd += max((R - 1) * hop - attn_f, hop)
@@ -367,16 +357,13 @@ class CostModel:
             cp_sent_rec += (R - 1) * kv
             cp_sent_sel += (R - 1) * kv
             cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
-        if cp > 1 and m.mla and u == 1 and recompute in ("none", "selective"):
-            # the latent ring keeps q, the latent and the output: no expanded k and (padded) v
-            # (counts.mla_kept_bytes counts the one-process kernel's)
-            act_kinds = {k: x - act * tokens * m.n_heads * 2 * qk_w + act * tokens * (m.mla_kv_rank + m.mla_rope_dim)
-                         for k, x in act_kinds.items()}
+        if cp > 1:  # what the attention kind's ring keeps in place of the one-process kernel's
+            act_kinds = attn_kind.ring_kept(m, act_kinds, act, tokens, u, recompute)
         if cp > 1 and u > 1 and recompute in ("none", "selective"):
             # Ulysses: the output projection keeps the output's all-to-all result besides the
             # core's own output (other layouts: one tensor); kv heads repeated up to u are kept
             # so by the core (unless selective recompute reruns it)
-            extra = act * tokens * (m.n_heads * v_w if m.mla else h) / tp
+            extra = act * tokens * attn_kind.ulysses_out_width(m) / tp
             if recompute == "none" and kv_local % u:
                 extra += 2 * act * tokens * m.head_dim * (u - kv_local)
             act_kinds = {k: x + extra for k, x in act_kinds.items()}
@@ -488,26 +475,9 @@ class CostModel:
                 weights += (2 * norm_calls + (2 if m.bias else 0)) * h
             else:  # f (all-reduce bwd) into, g (all-reduce fwd) out of attention and MLP
                 calls, sent = 4 + recomputed, (4 + recomputed) * r_ar * A
-            if m.mla:  # parallel/tensor.py TensorParallelMLAttention: the latent enters in place of
-                # the block input (a full-rank q still reads the input: a dense entry of its own);
-                # sp: the latent's gather (AG fwd, RS bwd, again when recomputed; the up-projections
-                # keep the gathered latent, no re-gather) and the sequence-split down-projections'
-                # and latent norms' gradients summed over tp; else f (all-reduce bwd)
-                full_q = m.mla_q_rank == 0
-                latent = act * tokens * (m.mla_q_rank + m.mla_kv_rank + m.mla_rope_dim)
-                if sp:
-                    calls += 2 + recomputed - (0 if full_q else 3 + recomputed)
-                    sent += r_ar * ((1 + 0.5 * recomputed) * latent - (0 if full_q else (1.5 + 0.5 * recomputed) * A))
-                    calls += 2 if full_q else 4
-                    weights += (h * (m.mla_kv_rank + m.mla_rope_dim) + m.mla_kv_rank
-                                + (0 if full_q else h * m.mla_q_rank + m.mla_q_rank))
-                else:
-                    calls += 1 if full_q else 0
-                    sent += r_ar * (latent - (0 if full_q else A))
-            elif m.kv_heads % tp:  # wk, wv replicated: their gradients are summed over tp
-                kv_bias = m.bias or m.qkv_bias
-                calls += 2 * (2 if kv_bias else 1)
-                weights += 2 * hkv * (h + (1 if kv_bias else 0))
+            # the attention kind's entry and replicated weights (planner/attention)
+            calls, sent, weights = attn_kind.tp_layer(m, tp, sp, recomputed, act, tokens, r_ar, A,
+                                                      calls, sent, weights)
             if m.qk_norm:  # per-head q/k norms: each rank's gradient covers its own heads
                 calls += 2
                 weights += 2 * m.head_dim
@@ -1231,7 +1201,8 @@ class CostModel:
             expert_calls = chunks * buckets(E0 * gb / chunks)
             m = w.model
             moe_sizes = None  # GradReducer's buckets of a MoE / latent-attention chunk, exactly
-            if tp == 1 and chunks == 1 and (pp > 1 or L.ep > 1) and (m.moe_experts or m.mla):
+            per_parameter = m.moe_experts or attention_terms(m).per_parameter_buckets
+            if tp == 1 and chunks == 1 and (pp > 1 or L.ep > 1) and per_parameter:
                 moe_sizes = moe_chunk_param_sizes(m, layers0, True, last_on_rank0, max(1, L.ep))
             if moe_sizes is not None:
                 apart = L.ep > 1
@@ -1239,7 +1210,7 @@ class CostModel:
                 expert_calls = reducer_buckets([e * pb for e, x in moe_sizes if x and apart])
             if tp == 1 and pp == 1 and L.ep == 1:  # torch DDP's buckets
                 sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
-                if sizes is None and (m.moe_experts or m.mla):
+                if sizes is None and per_parameter:
                     every = moe_chunk_param_sizes(m, m.n_layers, True, True)
                     sizes = None if every is None else [e for e, _ in every]
                 if sizes is not None:
