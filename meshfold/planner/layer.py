@@ -9,9 +9,9 @@ from __future__ import annotations
 from meshfold.models.presets import ffn_params
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
+    DTYPE_BYTES,
     attention_params_local,
     dense_layer_params_local,
-    DTYPE_BYTES,
     layer_activation_bytes,
     moe_activation_bytes,
     routed_fraction,
@@ -56,8 +56,7 @@ class LayerCosts:
         bw = hbm * d.hbm_eff  # what streaming kernels reach
         attn_p = self._attn_p
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
-        # QK^T and AV for this device's queries (latent attention: q/k heads nope + rope wide,
-        # v zero-padded to them for the fused kernel, models/llama.py ``CoreAttention``)
+        # QK^T and AV for this device's queries, as wide as the attention kind's heads
         attn_kind = attention_terms(m)
         attn_core = 4 * tokens * s * attn_kind.core_width(m) / tp * self.causal
         amp = w.dtype == "bf16-amp"

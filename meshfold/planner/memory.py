@@ -12,10 +12,10 @@ from meshfold.parallel.loss_chunk import CHUNK_ELEMENTS
 from meshfold.planner import mtp
 from meshfold.planner.cluster import GiB
 from meshfold.planner.counts import (
-    autocast_input_copies,
     BUCKET_BYTES,
     DTYPE_BYTES,
     FSDP_WIRE,
+    autocast_input_copies,
     model_state_bytes,
 )
 from meshfold.planner.terms import LayerTerms

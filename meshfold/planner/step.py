@@ -4,7 +4,7 @@ fixed overhead (``CostModel.step_time``, and ``step_bound`` for the search)."""
 
 from __future__ import annotations
 
-from meshfold.planner.counts import BUCKET_BYTES, buckets, DTYPE_BYTES, FSDP_WIRE, zero1_gather
+from meshfold.planner.counts import BUCKET_BYTES, DTYPE_BYTES, FSDP_WIRE, buckets, zero1_gather
 from meshfold.planner.terms import LayerTerms
 from meshfold.planner.workload import Layout
 from meshfold.schedule import chunks_per_rank

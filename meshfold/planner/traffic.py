@@ -8,11 +8,11 @@ from meshfold.models.config import ModelConfig
 from meshfold.planner import mtp
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
+    DTYPE_BYTES,
+    FSDP_WIRE,
     buckets,
     chunk_param_sizes,
     ddp_buckets,
-    DTYPE_BYTES,
-    FSDP_WIRE,
     moe_chunk_param_sizes,
     reducer_buckets,
     tp_grad_bytes,
