@@ -28,7 +28,8 @@ def _per_rank(events: list[dict]) -> list[list[Action]]:
 
 def test_executor_and_planner_share_the_schedule_functions():
     import meshfold.parallel.pp.executor as executor
-    import meshfold.planner.cost as cost
+    import meshfold.planner.memory as memory
+    import meshfold.planner.pipeline as stages
     import meshfold.planner.simulate as planner
     import meshfold.schedule as schedule
     import meshfold.schedules as schedules
@@ -41,8 +42,8 @@ def test_executor_and_planner_share_the_schedule_functions():
         assert schedule.chunks_per_rank(name, v) == obj.chunks_per_rank(v)
         assert schedule.rank_held_counts(name, 4, v, 8, 1) is obj.rank_held_counts(4, v, 8, 1)
     assert planner.schedule_actions is schedule.schedule_actions
-    assert cost.pipeline_time is schedule.pipeline_time
-    assert cost.rank_held_counts is schedule.rank_held_counts and cost.held_peak is schedule.held_peak
+    assert stages.pipeline_time is schedule.pipeline_time
+    assert memory.rank_held_counts is schedule.rank_held_counts and memory.held_peak is schedule.held_peak
     assert not hasattr(planner, "stage_orders") and not hasattr(planner, "simulate_schedule")
 
 

@@ -12,6 +12,7 @@ import math
 from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, mlp_params
+from meshfold.planner.attention import attention_terms
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
     "bf16": (2, 2, 12, 2),  # mixed precision Adam: fp32 master + m + v = 12 (ZeRO paper's K)
@@ -77,21 +78,9 @@ def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
 
 
 def attention_params_local(m: ModelConfig, tp: int) -> float:
-    """One tp rank's attention parameters (wo's bias aside) under parallel/tensor.py's layout.
-    Grouped-query: wq, wo (and wk, wv when tp divides the kv heads) split, else whole, with
-    the per-head q/k norms. Latent attention: the up-projections (wq_b or a full-rank wq,
-    wkv_b) and wo split by heads; the down-projections (wq_a, wkv_a) and their norms whole."""
-    h = m.dim
-    if m.mla:
-        H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
-        q = (h * m.mla_q_rank + m.mla_q_rank + H * qk * m.mla_q_rank / tp) if m.mla_q_rank else H * qk * h / tp
-        return (q + h * (m.mla_kv_rank + m.mla_rope_dim) + m.mla_kv_rank
-                + H * (m.mla_nope_dim + m.mla_v_dim) * m.mla_kv_rank / tp + H * m.mla_v_dim * h / tp)
-    hd = m.head_dim
-    qkv = 1 if (m.bias or m.qkv_bias) else 0
-    kv_tp = tp if m.kv_heads % tp == 0 else 1
-    return (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
-            + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
+    """One tp rank's attention parameters (wo's bias aside) under parallel/tensor.py's layout,
+    as the model's attention kind splits them (``planner/attention``)."""
+    return attention_terms(m).params_local(m, tp)
 
 
 def ddp_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
@@ -135,14 +124,7 @@ def moe_chunk_param_sizes(m: ModelConfig, layers: int, first: bool, last: bool,
     if m.bias or m.qkv_bias or m.qk_norm or m.norm != "rmsnorm" or m.pos != "rope":
         return None
     h, V = m.dim, m.vocab_size
-    if m.mla:  # models/mla.py
-        qk, heads = m.mla_nope_dim + m.mla_rope_dim, m.n_heads
-        q = [m.mla_q_rank * h, m.mla_q_rank, heads * qk * m.mla_q_rank] if m.mla_q_rank else [heads * qk * h]
-        attention = q + [(m.mla_kv_rank + m.mla_rope_dim) * h, m.mla_kv_rank,
-                         heads * (m.mla_nope_dim + m.mla_v_dim) * m.mla_kv_rank, h * heads * m.mla_v_dim]
-    else:
-        hd = m.head_dim
-        attention = [h * m.n_heads * hd, h * m.kv_heads * hd, h * m.kv_heads * hd, m.n_heads * hd * h]
+    attention = attention_terms(m).param_sizes(m)
     mats = 3 if m.mlp == "swiglu" else 2
 
     def block(layer: int) -> list[tuple[float, bool]]:
@@ -232,9 +214,6 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     # Replicated across tp ranks unless sequence parallel: two norm inputs, the inputs of
     # the QKV and first MLP projections, and the two dropout masks (1 byte each).
     replicated = s * b * h * (2 * act + act + act) + (2 * s * b * h if dropout else 0)
-    mla_split = mla_replicated = mla_whole = 0.0
-    if m.mla:
-        mla_split, mla_replicated, mla_whole = mla_kept_bytes(m, s, b, tp, recompute, act, amp)
     if amp:
         replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
             + (2 * s * b * h if dropout else 0)
@@ -246,44 +225,15 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     if (m.moe_experts > 0) if moe is None else moe:  # top-k experts each see the token
         mlp = (4 * act * s * b * m.expert_dim) * (m.moe_topk * routed_fraction(m, s) + m.moe_shared_experts)
     split = act * s * b * (2 * h + 2 * hkv) + mlp
-    if m.mla:  # latent attention in place of the q, k, v, out above (mla_kept_bytes)
-        split += mla_split - act * s * b * (2 * h + 2 * hkv)
-        replicated += mla_replicated - (3 * act * s * b * h if amp else 0.0)
+    # the attention kind's own kept bytes in place of the q, k, v, out above (planner/attention)
+    split, replicated, whole = attention_terms(m).kept_bytes(m, s, b, tp, recompute, act, amp, split, replicated)
     # Scores: softmax output, dropout mask and dropout output (5 a s^2 b with act=2);
     # fused attention keeps only the log-sum-exp.
     if flash or recompute == "selective":
         scores = 0.0 if not flash else 4 * a * s * b
     else:
         scores = a * s * s * b * (act + (1 + act if dropout else 0))
-    return (replicated / (tp if sp else 1)) + (split + scores) / tp + mla_whole
-
-
-def mla_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, recompute: str, act: int,
-                   amp: bool) -> tuple[float, float, float]:
-    """What latent attention (``models/mla.py``; under tp ``parallel/tensor.py``'s
-    ``TensorParallelMLAttention``) keeps for backward beyond the block's norms, for one
-    micro-batch of one layer: (split over the tp heads, on the rank's tokens (1/tp of them
-    under sp), whole on every tp rank).
-
-    Split: the fused kernel's q, k and v (v zero-padded to the q/k width by ``CoreAttention``)
-    and output, all nope + rope wide per head (selective recompute keeps the core's inputs
-    only: q, k and the unpadded v), and the out-projection's input (v wide). The rank's tokens: the latent
-    norms' fp32 input, bf16 output and 1/rms (amp), and the one bf16 copy autocast makes of
-    the block input for the down-projections (two with a full-rank q, which reads it too).
-    Whole: the up-projections' input latent (with tp the gathered / entered
-    [c_q ; c_kv ; k_rope], without it c_q and c_kv), and RoPE's cos/sin tables cast to fp32
-    for q and k."""
-    H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
-    ranks = m.mla_q_rank + m.mla_kv_rank
-    # selective: the checkpointed core's inputs q, k and the unpadded v (the core pads it)
-    kernel = (2 * qk + m.mla_v_dim) if recompute == "selective" else 4 * qk
-    split = act * s * b * H * (kernel + m.mla_v_dim)
-    norms = 2 if m.mla_q_rank else 1
-    per_token = ((6 * ranks + 4 * norms) if amp else 2 * act * ranks) \
-        + (act * m.dim * (1 if m.mla_q_rank else 2) if amp else 0.0)
-    latent = ranks + m.mla_rope_dim if tp > 1 else ranks
-    whole = act * latent + 8 * m.mla_rope_dim
-    return split, s * b * per_token, s * b * whole
+    return (replicated / (tp if sp else 1)) + (split + scores) / tp + whole
 
 
 def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, flash: bool,
@@ -297,7 +247,7 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
     column-parallel outputs are this rank's heads or hidden units over the whole sequence
     (sp gathers it first); a row-parallel output is the full-width partial sum, before the
     reduction. Dense (non-MLA) blocks only."""
-    if m.mla or ((m.moe_experts > 0) if moe is None else moe):
+    if not attention_terms(m).op_recompute or ((m.moe_experts > 0) if moe is None else moe):
         raise ConfigError('train.recompute = "op": the planner prices it for dense attention blocks only '
                           '(no MLA, no MoE); use "selective" or "full"')
     h, hd = m.dim, m.head_dim

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from meshfold.models.config import ModelConfig
+from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import Cluster
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
@@ -48,14 +49,8 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
     """(output columns, inner dimension) per device of a block's linear layers, in the
     order the forward runs them (q, k, v, o; w1, w3, w2 or w1, w2); a MoE block's
     experts as one dense MLP of the active width (top-k experts' hidden per token)."""
-    h, hq, hkv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
-    kv_local = hkv / min(tp, m.kv_heads) if m.kv_heads % tp else hkv / tp
-    out = [(hq / tp, h), (kv_local, h), (kv_local, h), (h, hq / tp)]
-    if m.mla:  # down-projections whole on every tp rank, up-projections and wo split by heads
-        H, qk = m.n_heads, m.mla_nope_dim + m.mla_rope_dim
-        q = [(m.mla_q_rank, h), (H * qk / tp, m.mla_q_rank)] if m.mla_q_rank else [(H * qk / tp, h)]
-        out = q + [(m.mla_kv_rank + m.mla_rope_dim, h), (H * (m.mla_nope_dim + m.mla_v_dim) / tp, m.mla_kv_rank),
-                   (h, H * m.mla_v_dim / tp)]
+    h = m.dim
+    out = attention_terms(m).gemms(m, tp)  # the attention's, by its kind (planner/attention)
     f = (m.moe_topk * m.expert_dim + m.moe_shared_experts * m.expert_dim) if moe else m.hidden_dim
     if m.mlp == "swiglu":
         out += [(f / tp, h), (f / tp, h), (h, f / tp)]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
+from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.cost import EP_CHUNKS, CostModel, Estimate, Layout, Workload
 from meshfold.schedule import bubble_lower_bound, zbv_priced
@@ -55,7 +56,7 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                     modes.append("ulysses")
             if cp > 1 and m.moe_capacity_factor > 0:  # capacity is per whole sequence
                 modes = []
-            if cp > 1 and tp > 1 and m.mla:  # latent attention: tp or cp, not both (parallel/config.py)
+            if cp > 1 and tp > 1 and not attention_terms(m).tp_with_cp:  # (parallel/config.py)
                 modes = []
             if not modes:
                 continue

@@ -1,0 +1,269 @@
+"""The layer terms (``terms.LayerTerms``) of one micro-batch on one device: per block kind
+(dense / MoE) and for the output layer and loss, forward and backward seconds (GEMMs by
+shape, the attention core, memory-bound bytes, the tp/cp/ep communication left exposed,
+recompute), parameters, kept activation bytes and the traffic ``traffic.py`` counts.
+What differs between attention kinds comes from ``planner/attention``."""
+
+from __future__ import annotations
+
+from meshfold.models.presets import ffn_params
+from meshfold.planner.attention import attention_terms
+from meshfold.planner.counts import (
+    DTYPE_BYTES,
+    attention_params_local,
+    dense_layer_params_local,
+    layer_activation_bytes,
+    moe_activation_bytes,
+    routed_fraction,
+    routed_params,
+)
+from meshfold.planner.kernels import (
+    attention_tiles_per_rank,
+    elementwise_bytes,
+    gemm_time,
+    layer_gemms,
+    matmul_efficiency,
+)
+from meshfold.planner.terms import (
+    BlockTerms,
+    LayerActivations,
+    LayerParams,
+    LayerTerms,
+    LayerTimes,
+    LayerTraffic,
+)
+from meshfold.planner.traffic import tp_counts
+from meshfold.ring import FACTORS as RING
+
+
+class LayerCosts:
+    """``CostModel``'s layer terms, cached per (tp, sp, cp, ep, micro-batch, recompute)."""
+
+    def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str,
+                    ulysses: int = 0, ep_chunks: int = 1) -> LayerTerms:
+        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses, ep_chunks)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return hit
+        w, c, m = self.w, self.c, self.w.model
+        pb, gb, ob, act = DTYPE_BYTES[w.dtype]
+        s, h, V = w.s, m.dim, m.vocab_size
+        s_loc = s // cp
+        tokens = b * s_loc
+        peak, hbm = self.peak, self.hbm
+        eff = matmul_efficiency(c, h / tp)
+        d = c.device
+        bw = hbm * d.hbm_eff  # what streaming kernels reach
+        attn_p = self._attn_p
+        norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
+        # QK^T and AV for this device's queries, as wide as the attention kind's heads
+        attn_kind = attention_terms(m)
+        attn_core = 4 * tokens * s * attn_kind.core_width(m) / tp * self.causal
+        amp = w.dtype == "bf16-amp"
+        kept: dict = {}  # layer_activation_bytes per (recompute, MoE block): the same ones recur
+
+        def layer_kept(r: str, moe: bool) -> float:
+            if (r, moe) not in kept:
+                kept[(r, moe)] = layer_activation_bytes(m, s_loc, b, tp, sp, r, act, w.flash, w.dropout, amp, moe)
+            return kept[(r, moe)]
+
+        any_moe = m.moe_experts > 0
+        act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
+        # per layer kind (dense / MoE): a model with leading dense layers has both
+        act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
+                                                         if moe and recompute != "full" else 0.0)
+                     for moe in self.kind_counts}
+        # The attention core: fused (flash) kernels at their measured efficiency, forward
+        # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
+        # two batched GEMMs per head (QK^T, AV) priced as GEMMs, whose s x s output makes
+        # them memory bound at short head dims, the softmax in the memory-bound bytes; a
+        # device without a measured attention efficiency: its FLOPs at the GEMM rate.
+        if w.flash and d.attention_eff:
+            attn_f = attn_core / (peak * d.attention_eff)
+            attn_b = 2.5 * attn_core / (peak * (d.attention_bwd_eff or d.attention_eff))
+        elif d.gemm_tile and not w.flash:
+            per_head = gemm_time(d, tokens, s, m.head_dim, h / tp, act)
+            attn_f = 2 * per_head * (m.n_heads / tp) * self.causal
+            attn_b = 2 * attn_f
+        else:
+            attn_f = attn_core / (peak * eff)
+            attn_b = 2 * attn_f
+        # memory-bound work, bytes over the bandwidth streaming kernels reach; backward
+        # twice forward (an elementwise op's gradient reads the output gradient and its
+        # saved operands and writes one gradient per operand)
+        scale = c.elementwise_traffic / bw
+        overhead = d.layer_overhead_us * 1e-6
+        # Tensor parallel: 2 all-reduces (with sp: all-gather + reduce-scatter, the same
+        # bytes) of the b*s*h activations per layer forward, 2 in backward.
+        tp_bytes = act * tokens * h
+        call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
+        tp_ar = self.ct("all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
+        # Context parallel (parallel/context.py) over u Ulysses ranks (stride tp) inside R =
+        # cp / u ring members (stride u tp): ring u = 1, Ulysses u = cp, hybrid cp_ulysses.
+        # Ulysses: 4 all-to-alls (q, k, v, out) forward, 4 backward (kv heads repeated up to u
+        # when fewer). Ring, on the member's u x tokens and heads / u: K,V go around (R-1
+        # hops) forward, K,V again (R-1) and dK,dV (R hops back to their owner, in the >= fp32
+        # accumulation dtype) backward, each hop hidden behind the attention block it feeds.
+        u = 1 if cp_mode == "ring" else cp if cp_mode == "ulysses" else max(1, ulysses)
+        R = cp // u
+        kv_local, kv_heads = attn_kind.cp_kv_heads(m, tp, u)  # per tp rank, per Ulysses rank
+        qk_w, v_w = attn_kind.head_widths(m)  # head widths of q/k and of v/out
+        cp_fwd = cp_sel = cp_sent = cp_sent_rec = cp_sent_sel = 0.0
+        cp_calls = cp_calls_rec = cp_calls_sel = 0
+        if cp > 1 and u > 1:
+            q_size, o_size = attn_kind.ulysses_q_out(m, act, tokens, tp)  # q and the attention output
+            k_size, v_size = (act * tokens * kv_heads * w for w in (qk_w, v_w))  # k, v (GQA: fewer heads)
+            cp_fwd = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, o_size, k_size, v_size)) + 4 * call
+            cp_sent = 2 * RING["all_to_all"](u) * (q_size + o_size + k_size + v_size)  # forward and backward
+            cp_sent_rec, cp_calls, cp_calls_rec = cp_sent / 2, 8, 4
+            # selective recompute re-runs the attention core from its q, k, v: their three
+            # all-to-alls again, not the output's (checkpoint stops once backward has what it needs)
+            cp_sent_sel, cp_calls_sel = RING["all_to_all"](u) * (q_size + k_size + v_size), 3
+            cp_sel = sum(self.ct("all_to_all", x, u, tp) for x in (q_size, k_size, v_size)) + 3 * call
+        if cp > 1 and R > 1:
+            # a hop's bytes, and the compute the attention kind's ring adds (the latent's expansions)
+            kv, ring_f, ring_b = attn_kind.ring_hop(m, act, tokens, kv_heads, u, R, peak * eff)
+            attn_f += ring_f
+            attn_b += ring_b
+            alpha, beta = self.link(tp * u, R)
+            hop = alpha + kv / beta + call
+            cp_fwd += max((R - 1) * hop - attn_f, hop)
+            cp_sel += max((R - 1) * hop - attn_f, hop)
+            cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
+            cp_sent_rec += (R - 1) * kv
+            cp_sent_sel += (R - 1) * kv
+            cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
+        if cp > 1:  # what the attention kind's ring keeps in place of the one-process kernel's
+            act_kinds = attn_kind.ring_kept(m, act_kinds, act, tokens, u, recompute)
+        if cp > 1 and u > 1 and recompute in ("none", "selective"):
+            # Ulysses: the output projection keeps the output's all-to-all result besides the
+            # core's own output (other layouts: one tensor); kv heads repeated up to u are kept
+            # so by the core (unless selective recompute reruns it)
+            extra = act * tokens * attn_kind.ulysses_out_width(m) / tp
+            if recompute == "none" and kv_local % u:
+                extra += 2 * act * tokens * m.head_dim * (u - kv_local)
+            act_kinds = {k: x + extra for k, x in act_kinds.items()}
+        # the tiled attention's fixed cost per tile (a third forward, two thirds backward)
+        tile_t = 0.0
+        if cp > 1:
+            tile_t = attention_tiles_per_rank(cp, R) * c.device.attention_tile_us * 1e-6
+        out = {}
+        for moe in self.kind_counts:
+            ffn_active, ffn_total, params = self._layer_params(tp, ep, moe, norm_p)
+            gkey = (tokens, tp, moe)  # (sp, cp's mode and the recompute change no GEMM)
+            gemms = self._gemm_cache.get(gkey)
+            if gemms is None and d.gemm_tile:  # each linear layer's GEMM by its shape
+                gemms = [gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in layer_gemms(m, tp, moe)]
+            elif gemms is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
+                gemms = [2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)]
+            self._gemm_cache[gkey] = gemms
+            ekey = ("ew", tp, sp, moe)  # (bytes per token: the count is linear in the tokens)
+            per_token = self._model_cache.get(ekey)
+            if per_token is None:
+                per_token = self._model_cache[ekey] = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash,
+                                                                        w.dropout, w.kernels, moe)
+            ew_all, ew_attn, ew_sums = (tokens * x for x in per_token)
+            if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
+                # its output gradient backward, and its weight each micro-batch (both ways)
+                ew_all += 5 * tokens * sum(k for _, k in layer_gemms(m, tp, moe)) + 10 * (attn_p + ffn_total) / tp
+            ew_f = ew_all * scale
+            fwd_c = sum(gemms) + attn_f
+            fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
+            if recompute == "full":
+                rec = fwd
+            elif recompute == "op":
+                # torchtitan's op policy: every op recomputed but every other matmul (it
+                # saves the 1st, 3rd, ...) and the attention kernel; the block's tp and
+                # cp communication is re-run (meshfold's collectives are not kept)
+                rec = sum(gemms[1::2]) + ew_f - ew_attn * scale + 2 * tp_ar + cp_fwd
+            elif recompute == "selective":  # the attention core and its softmax, with its cp communication
+                rec = attn_f + ew_attn * scale + cp_sel
+            else:
+                rec = 0.0
+            bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
+                   + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
+            ep_sent = 0.0
+            if moe and ep > 1:
+                # expert parallel: dispatch and combine all-to-alls of the routed tokens
+                # (top-k copies of each, every capacity slot under a capacity; with tp each tp
+                # rank sends only its expert column's 1/tp) forward, and their transposes
+                # backward, over the ep ranks (innermost of dp x cp: stride tp); before them,
+                # dropless, the per-expert row counts (E/tp int64)
+                # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined)
+                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
+                counts = 8 * m.moe_experts / tp * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
+                # pipelined in n chunks (parallel/expert.py ``overlapped_exchange``): the first
+                # dispatch and the last combine are exposed; the other 2n - 2 chunk exchanges
+                # run while the experts compute, and show only where they outlast it
+                n = ep_chunks
+                a2a = self.ct("all_to_all", routed / n, ep, tp) + call
+                experts_f = 2 * routed_params(m) / m.moe_experts * m.moe_topk * routed_fraction(m, s) \
+                    * tokens / tp / (peak * eff)
+                fwd = fwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - experts_f)
+                bwd = bwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - 2 * experts_f)
+                ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
+                if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
+                    ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
+            out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
+        # the output layer and the loss over the vocabulary: the logits GEMM, then the
+        # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
+        # a, the shifted fp32 copy a + 4, exp 8, the sum 4; backward: the shifted copy a + 4,
+        # exp 8, the scale 8, the cast into the gradient 4 + a)
+        logits_gemm = self._gemm_cache.get((tokens, tp, "logits"))
+        if logits_gemm is None and d.gemm_tile:
+            logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8)
+        elif logits_gemm is None:
+            logits_gemm = 2 * h * V / tp * tokens / (peak * eff)
+        self._gemm_cache[(tokens, tp, "logits")] = logits_gemm
+        ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
+        out_fwd = logits_gemm + (2 * act + 16) * ce if d.gemm_tile else logits_gemm + ce
+        out_bwd = 2 * logits_gemm + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
+        # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
+        # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
+        # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:
+        # all-gather fwd, reduce-scatter + re-gather bwd; else all-reduce bwd); and per layer
+        # with sp the re-gather of the two gathered inputs in backward. Plus, on the last
+        # stage, the loss's three all-reduces of per-token scalars and (sp) the all-reduce of
+        # the replicated norm weights' gradients.
+        emb_ops = (0.5, 0.5) if sp else (1.0, 0.0)  # (forward, backward)
+        out_ops = (0.5, 1.0) if sp else (0.0, 1.0)
+        layer_regather = 1.0 if sp else 0.0
+        loss_bytes = 3 * tokens * max(4, act)
+        norm_bytes = (2 * m.n_layers + 1) * h * pb if sp else 0.0
+        tp_layer, tp_moe, tp_first, tp_last = tp_counts(m, tp, sp, recompute, act, tokens, s, b, self._has_moe)
+        # with ep > 1 the routed experts are their own FSDP group, sharded over the edp ranks
+        expert_p = routed_params(m) / (tp * ep) if ep > 1 else 0.0
+        hit = LayerTerms(
+            kinds={moe: BlockTerms(*x) for moe, x in out.items()}, tokens=tokens,
+            time=LayerTimes(out_fwd=out_fwd, out_bwd=out_bwd, tp_ar=tp_ar, cp_fwd=cp_fwd,
+                            loss_t=self.ct("all_reduce", loss_bytes / 3, tp, 1),
+                            norm_t=self.ct("all_reduce", norm_bytes, tp, 1) if sp else 0.0,
+                            emb_ops=emb_ops, out_ops=out_ops, layer_regather=layer_regather),
+            traffic=LayerTraffic(tp_layer=tp_layer, tp_moe=tp_moe, tp_first=tp_first, tp_last=tp_last,
+                                 cp_sent=cp_sent, cp_sent_rec=cp_sent_rec, cp_sent_sel=cp_sent_sel,
+                                 cp_calls=(cp_calls, cp_calls_rec, cp_calls_sel),
+                                 p2p_bytes=act * tokens * h / (tp if sp else 1)),
+            params=LayerParams(expert_p=expert_p, emb=V * h / tp,
+                               pos_emb=s * h if m.pos == "learned" else 0.0,  # learned positions: whole on every tp rank
+                               final_norm=norm_p / 2),
+            acts=LayerActivations(act_kinds=act_kinds, act_full=act_full, act_kept=act_kept))
+        self._layer_cache[key] = hit
+        return hit
+
+    def _layer_params(self, tp: int, ep: int, moe: bool, norm_p: float) -> tuple[float, float, float]:
+        """A block's active and total feed-forward parameters and its parameters per device
+        (``layer_terms``'), per (tp, ep, kind)."""
+        key = ("params", tp, ep, moe)
+        hit = self._model_cache.get(key)
+        if hit is None:
+            m = self.w.model
+            ffn_active = ffn_params(m, self._first_moe if moe else 0, active=True)
+            ffn_total = ffn_params(m, self._first_moe if moe else 0)
+            if moe:  # the router is replicated over tp; the routed experts split over ep too
+                router = m.dim * m.moe_experts
+                params = (attention_params_local(m, tp) + (ffn_total - router) / tp + router + norm_p
+                          - routed_params(m) / tp * (1 - 1 / ep))
+            else:  # replicated kv heads, q/k norms and row-parallel biases are whole on each rank
+                params = dense_layer_params_local(m, tp) + norm_p
+            hit = self._model_cache[key] = (ffn_active, ffn_total, params)
+        return hit
