@@ -291,3 +291,29 @@ def test_latent_attention_under_cp_agrees_with_planner(tmp_path):
         assert {d: x["count"] for d, x in pl["collectives"].items()} == \
             {d: x["count"] for d, x in rt["collectives"].items()}, (parallel, rt["collectives"], pl["collectives"])
         assert pl["collectives"]["cp"]["bytes"] == pytest.approx(rt["collectives"]["cp"]["bytes"], rel=0.02), parallel
+
+
+def test_report_states_are_one_ranks_on_both_sides():
+    # The first two blocks dense, the last two MoE (ep 2 over ZeRO-1: experts sharded over 2 ranks,
+    # dense state over 4): the two pipeline ranks hold different states. The report's model states
+    # are one rank's on both sides (the fullest, as the planner prices it), never maxima taken per
+    # field over different ranks; every simulated rank is listed with its own.
+    from meshfold.config import from_dict
+    from meshfold.dryrun import STATES, dry_run
+
+    cfg = tiny_config("/nonexistent", parallel={"pp": 2, "dp_shard": 4, "ep": 2, "zero": 1, "pp_microbatches": 2},
+                      train={"steps": 1, "micro_batch": 0, "dtype": "bfloat16"})
+    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, "n_layers": 4, **MOE, "moe_ffn_dim": 64,
+                         "moe_first_dense": 2})
+    out = dry_run(from_dict(cfg), 8, cluster="h100")
+    rt, pl = out["runtime"], out["planner"]
+    ranks = rt["ranks"]
+    assert sorted(ranks, key=int) == ["0", "4"] and ranks["0"]["pp_rank"] == 0 and ranks["4"]["pp_rank"] == 1
+    assert ranks["0"]["optimizer_bytes"] != ranks["4"]["optimizer_bytes"]
+    fullest = ranks[str(rt["rank"])]
+    assert fullest == max(ranks.values(), key=lambda r: sum(r[f] for f in STATES))
+    for field in STATES:
+        assert rt[field] == fullest[field]
+        assert pl[field] == pytest.approx(rt[field], rel=0.02), (field, rt, pl)
+    assert rt["activation_bytes"] == max(r["activation_bytes"] for r in ranks.values())
+    assert pl["activation_bytes"] == pytest.approx(rt["activation_bytes"], rel=0.10)

@@ -14,7 +14,8 @@ reduce-scatter, DDP's and ``GradReducer``'s all-reduce, a compression codec's en
 them); the vocabulary-parallel cross-entropy's per-token max and sums over tp and ring
 attention's dK/dV accumulators around the cp ring, in float32 as Megatron and torch's
 context parallel send them; integer metadata or codec bytes; or a float64 statistic of the
-MoE router or the dry-run's pipeline stand-in.
+MoE router, or the step's statistics the pipeline (loss, timings) and context parallel
+(attention work) gather.
 The one sync allowed inside a layer is dropless MoE's variable all-to-all's split sizes
 (``parallel/ep/dispatch.py``: NCCL takes them on the host; docs/gpu.md); capacity mode has none.
 
@@ -122,8 +123,10 @@ def _wire_ok(dim: str, dtype: str, place: str, cfg) -> bool:
         if cfg.parallel.zero >= 2:  # FSDP2's reduce-scatter (HSDP: then over replicas)
             return reduce and ("reduce_scatter" in op or (all_reduce and dim == "dp_replicate"))
         return reduce and all_reduce and dim.startswith("dp")  # DDP's / GradReducer's all-reduce
-    if dtype == "float64":
-        return where.startswith(("meshfold/parallel/ep/", "meshfold/dryrun.py"))
+    if dtype == "float64":  # the router's statistics; the step's statistics over pp and cp (loss, timings, work)
+        return where.startswith("meshfold/parallel/ep/") or \
+            (dim == "pp" and where.startswith("meshfold/parallel/pp/executor.py")) or \
+            (dim == "cp" and where.startswith("meshfold/parallel/cp/"))
     return dtype.startswith(("int", "uint"))
 
 

@@ -10,10 +10,13 @@ unsharded ``full_state``. ``LocalEngine`` runs the micro-batches one after the o
 this rank's model; ``PipelineEngine`` hands the same forward, loss and auxiliary terms to
 the pipeline executor (``parallel/pipeline.py::Pipeline``), which runs the schedule.
 
-The trainer counts the global tokens (one all-reduce) and calls
-``engine.step(batch, global_tokens, step)`` (gradients accumulated and reduced),
+The trainer counts the global tokens (one all-reduce), cuts the batch with
+``engine.micro_batches(batch)`` and calls ``engine.step(micro, global_tokens, step)``
+(gradients accumulated and reduced),
 ``engine.clip_grad_norm``, ``engine.evaluate(batch)`` and ``engine.full_state()``; the
-engine never sees the optimizer, the data or the trainer. See docs/engine.md.
+engine never sees the optimizer, the data or the trainer. ``observe_grad_sync(fn)``: ``fn(chunk)``
+is called right before a part's gradients are reduced in its last backward of the step (an
+observer measures what is held then: the dry-run). See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ class StepEngine:
         self.grad_reducers = dims.size("dp_cp")
         self.metrics: dict = {}  # this step's fields for metrics.jsonl (activation_bytes, bubble, cp)
         self.weights: ComputeWeights | None = None  # set by the subclass once it holds the modules
+        self.grad_sync_observers: list = []  # observe_grad_sync's
+
+    def observe_grad_sync(self, fn) -> None:
+        """``fn(chunk)`` right before a part's gradients are reduced: ``chunk`` is the part
+        (pipeline chunk) whose next backward is its last of the step; with a pipeline also None
+        when the schedule starts and "all" when it is done."""
+        self.grad_sync_observers.append(fn)
 
     # ------------------------------------------------------------------ shared policy
 
@@ -116,13 +126,13 @@ class StepEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, batch: dict, global_tokens: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        """Forward and backward of this rank's ``batch``: gradients accumulated over its
-        micro-batches and reduced over data parallel. ``global_tokens``: the valid tokens of
-        the global batch (the trainer's one all-reduce of the step's control scalars);
-        ``step``: the number of the step it makes. Returns this rank's loss sum; the step's
-        metrics are in ``self.metrics`` (``pop_metrics``)."""
-        loss_sum = self.forward_backward(self.micro_batches(batch), global_tokens, step)
+    def step(self, micro: list[dict], global_tokens: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches (``micro_batches(batch)``):
+        gradients accumulated over them and reduced over data parallel. ``global_tokens``:
+        the valid tokens of the global batch (the trainer's one all-reduce of the step's
+        control scalars); ``step``: the number of the step it makes. Returns this rank's loss
+        sum; the step's metrics are in ``self.metrics`` (``pop_metrics``)."""
+        loss_sum = self.forward_backward(micro, global_tokens, step)
         self.metrics.update(context_step_metrics(self.model))  # cp: attention work max/mean
         return loss_sum
 
@@ -200,6 +210,9 @@ class LocalEngine(StepEngine):
         backward: DDP's no_sync before it; FSDP2 keeps unsharded gradients (and, ZeRO-2,
         unsharded parameters) between micro-batches and reduce-scatters once;
         ``GradReducer`` (tp/pp with zero 0/1) is armed for the last backward only."""
+        if last:
+            for observe in self.grad_sync_observers:
+                observe(0)
         if uses_fsdp(self.dims):
             self.model.set_requires_gradient_sync(last)
             if self.cfg.parallel.zero == 2:
@@ -236,11 +249,15 @@ class PipelineEngine(StepEngine):
 
     def __init__(self, pipe: Pipeline, cfg: Config, dims: ParallelDims, device: torch.device,
                  autocast_dtype: torch.dtype | None, loss_fn, use_doc_mask: bool, write_timeline: bool = False,
-                 forward_inputs=None):
+                 forward_inputs=None, timeline: bool = True):
         """``write_timeline``: this rank appends the schedule's events to
-        ``RUN_DIR/pipeline_timeline.jsonl`` on the steps metrics are logged."""
+        ``RUN_DIR/pipeline_timeline.jsonl`` on the steps metrics are logged; ``timeline``:
+        the events are gathered then (an object collective over pp; off where collectives
+        return at once without data: a fake process group)."""
         super().__init__(cfg, dims, device, autocast_dtype, loss_fn, use_doc_mask, forward_inputs)
         self.pipe = pipe
+        self.grad_sync_observers = pipe.grad_sync_observers  # called by the executor
+        self.timeline = timeline
         self.model, self.parts = pipe.model, list(pipe.chunks)
         self.weights = compute_weights_for(self.parts, autocast_dtype, uses_fsdp(dims))
         self.write_timeline = write_timeline
@@ -255,7 +272,7 @@ class PipelineEngine(StepEngine):
         self.pipe.sum_embedding_grads()  # multi-token prediction: the last stage's embedding copy
         self.metrics.update(self.pipe.metrics)
         t = self.cfg.train
-        if step is not None and (step % max(1, t.log_every) == 0 or step == t.steps):
+        if self.timeline and step is not None and (step % max(1, t.log_every) == 0 or step == t.steps):
             self.pipe.log_events(step, Path(t.run_dir) / TIMELINE_FILE, self.write_timeline)
         return loss_sum
 

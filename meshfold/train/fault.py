@@ -110,9 +110,11 @@ class FaultMonitor:
     update may be applied, and runs the straggler check and rollback after the step.
     Explicit inputs (it never sees the Trainer): ``train`` (the config section), this
     rank and the world size, the run's ``Progress`` (read to name steps) and the
-    ``checkpointer`` to roll back with (None: no rollback possible)."""
+    ``checkpointer`` to roll back with (None: no rollback possible). ``collectives_wait``:
+    False where collectives return at once (torch's fake process group): nothing to time
+    out, so no timeouts, probe group or watchdog."""
 
-    def __init__(self, train, rank: int, world: int, progress, checkpointer=None):
+    def __init__(self, train, rank: int, world: int, progress, checkpointer=None, collectives_wait: bool = True):
         self.progress, self.checkpointer = progress, checkpointer
         t = train
         self.rank = rank
@@ -133,7 +135,7 @@ class FaultMonitor:
         self._probe_group = None
         self._step_started: float | None = None
         self.late_history: deque[set[int]] = deque(maxlen=WINDOW)
-        if self.world > 1 and dist.is_initialized():
+        if self.world > 1 and dist.is_initialized() and collectives_wait:
             self.tracker = comm.timer()
             self._set_timeouts()
             # A spare group for naming unresponsive ranks after a timeout.

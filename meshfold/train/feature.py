@@ -23,7 +23,8 @@ Built before the model:
                                       ranks, so the trainer turns its straggler check off
 ``holds_run_lock``, ``checks_resume``, ``writes_run_files`` (bool): the run directory's
                                       policy (live replicas share one the launcher locks)
-``attach(parts)``                     once the model exists (``parts.model_parts``)
+``attach(parts)``                     once the model exists (``parts.model_parts``,
+                                      ``parts.engine``: e.g. ``engine.observe_grad_sync``)
 
 Each step, in this order:
 
@@ -31,6 +32,8 @@ Each step, in this order:
 ``before_step()``                     a step (or its redo) starts
 ``local_batch(device) -> batch``      a feature that supplies this rank's batches (at most one)
 ``after_batch() -> dict``             fields for metrics.jsonl once the batch is drawn
+``micro_batches(micro) -> micro``     the step's micro-batches as the engine cut them (the
+                                      dry-run's observer runs a first part of them)
 ``reduce(loss_sum, tokens) -> (loss_sum, tokens)``  after backward, before the update
 ``after_update() -> dict``            right after the optimizer step (MoE statistics)
 ``device_metrics(tokens) -> dict``    device values, read on the host after the loss
@@ -64,7 +67,7 @@ class Feature(Protocol):
 @dataclasses.dataclass
 class RunParts:
     """What a feature is built from and attached to: explicit, never the trainer.
-    ``model``/``model_parts`` are set once the step engine holds them; ``features``: the
+    ``model``/``model_parts``/``engine`` are set once the step engine holds them; ``features``: the
     ones built so far (a feature may ask for another by ``name``)."""
 
     cfg: Any
@@ -78,6 +81,7 @@ class RunParts:
     features: "Features"
     model: Any = None
     model_parts: list = dataclasses.field(default_factory=list)
+    engine: Any = None  # the step engine (train/engine.py), once built
 
 
 class Features:
@@ -199,6 +203,11 @@ class Features:
 
     def after_batch(self) -> dict:
         return self._merged("after_batch")
+
+    def micro_batches(self, micro: list) -> list:
+        for f in self._with("micro_batches"):
+            micro = f.micro_batches(micro)
+        return micro
 
     def reduce(self, loss_sum, tokens):
         for f in self._with("reduce"):

@@ -8,16 +8,22 @@ Loss normalisation is exact for any layout: every rank divides its token-loss *s
 number of valid tokens in the *global* batch and multiplies by the number of ranks that
 average gradients, so the averaged gradient equals the one-process gradient of the mean
 loss over the global batch.
+
+What the trainer runs in (``Surroundings``) is built by the trainer unless its caller hands
+it over: ``meshfold dry-run`` builds the same ``Trainer`` on a fake process group and fake
+tensors, with its mesh, a data set without a corpus and an observer feature of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,8 +61,22 @@ from meshfold.train.progress import Progress
 from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Surroundings:
+    """What a ``Trainer`` runs in, where its caller provides it; the defaults are a real run's."""
+
+    dims: ParallelDims | None = None  # the mesh (None: built over the process group)
+    data: Any = None  # the run's data, ``.train``/``.val``/``.tokenizer`` (None: built from [data])
+    features: tuple = ()  # feature factories added after the registered ones (train/registry.py)
+    kernel_device: str | None = None  # the device type kernels are picked for (None: the run's device's)
+    # False where collectives return at once without data (torch's fake process group): no
+    # timeouts or watchdog (train/fault.py), no object collectives (the pipeline timeline)
+    collectives_wait: bool = True
+
+
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, surroundings: Surroundings = Surroundings()):
+        env = self.surroundings = surroundings
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.cfg = cfg = validate(cfg, self.world)
@@ -65,16 +85,18 @@ class Trainer:
         self.device = resolve_device(t.device)
         self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
         workers = cfg.lowcomm.n_workers
-        self.dims: ParallelDims = build_mesh(cfg.parallel, workers, self.device.type)
+        self.dims: ParallelDims = env.dims if env.dims is not None else build_mesh(cfg.parallel, workers,
+                                                                                  self.device.type)
         self.run_dir = Path(t.run_dir)
         self.ledger = ledger()
 
-        # Data: rank 0 tokenises (and caches) first so the others only read the cache.
-        if self.rank == 0:
-            self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
-        self.barrier()
-        if self.rank != 0:
-            self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+        self.data = env.data
+        if self.data is None:  # rank 0 tokenises (and caches) first so the others only read the cache
+            if self.rank == 0:
+                self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+            self.barrier()
+            if self.rank != 0:
+                self.data = build_data(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
         self.prefetcher = Prefetcher(self.make_local_batch, cfg.data.prefetch, self.device)  # data.prefetch ahead
         self.use_doc_mask = cfg.data.pack and cfg.data.doc_mask
         self.progress = Progress()  # the step counter, shared explicitly with checkpointer and fault monitor
@@ -83,7 +105,7 @@ class Trainer:
         # trainer; the trainer calls their hooks.
         self.parts = RunParts(cfg, self.dims, self.device, self.param_dtype, self.rank, self.world, self.data,
                               self.progress, Features())
-        self.features = self.parts.features.build(FEATURES, cfg, self.parts)
+        self.features = self.parts.features.build(FEATURES + tuple(env.features), cfg, self.parts)
         self.batch_source = self.features.batch_source()
         self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
 
@@ -91,7 +113,7 @@ class Trainer:
         self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
-        self.optimizer = self.build_optimizer(self.device.type)
+        self.optimizer = self.build_optimizer(env.kernel_device or self.device.type)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.grad_reducers = self.dims.size("dp_cp")
         self.flops_per_token = flops_per_token(cfg.model, cfg.model.seq_len)
@@ -102,7 +124,7 @@ class Trainer:
         self.capture_grads = False  # tests: keep the last step's unsharded gradients
         self.last_grads: dict[str, torch.Tensor] = {}
         # The features' hooks, once everything they wrap exists.
-        self.parts.model, self.parts.model_parts = self.model, self.model_parts
+        self.parts.model, self.parts.model_parts, self.parts.engine = self.model, self.model_parts, self.engine
         self.features.attach(self.parts)
         self.step_fn = self.features.wrap_step(self._train_step)  # e.g. until a quorum of replicas commits it
         self.sampler = self.features.wrap_sampler(self.sampler)
@@ -112,7 +134,8 @@ class Trainer:
         # the objects they read, once the features have wrapped them, and the run's Progress.
         self.checkpointer = Checkpointer(cfg, self.model_parts, self.optimizer, self.scheduler, self.sampler,
                                          self.progress)
-        self.fault = FaultMonitor(t, self.rank, self.world, self.progress, self.checkpointer)
+        self.fault = FaultMonitor(t, self.rank, self.world, self.progress, self.checkpointer,
+                                  collectives_wait=env.collectives_wait)
         if not self.features.world_collectives:
             self.fault.every = 0  # a feature promises no collective over all ranks: no straggler check
         self.features.register_state(self.checkpointer)
@@ -148,7 +171,8 @@ class Trainer:
             pipe = Pipeline(cfg, dims, self.device, self.param_dtype, self.autocast_dtype or self.param_dtype,
                             announce=self.announce_split)
             return PipelineEngine(pipe, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
-                                  write_timeline=self.rank == 0, forward_inputs=self.features.forward_inputs())
+                                  write_timeline=self.rank == 0, forward_inputs=self.features.forward_inputs(),
+                                  timeline=self.surroundings.collectives_wait)
         # Built on the meta device: parallelize shards it there and allocates only this
         # rank's pieces, filled with the one-process initial values (parallel/materialize.py).
         model = self.features.prepare_model(build_on_meta(lambda: Transformer(cfg.model), self.param_dtype))
@@ -224,7 +248,8 @@ class Trainer:
         batch = self.local_batch()
         self.features.before_step()  # e.g. a step redone (live recovery) starts its own losses
         global_tokens = self.all_reduce_sum((batch["labels"] != IGNORE_INDEX).sum())  # the loss's denominator
-        loss_sum = self.engine.step(batch, global_tokens, self.step + 1)  # gradients accumulated and reduced
+        micro = self.features.micro_batches(self.micro_batches(batch))
+        loss_sum = self.engine.step(micro, global_tokens, self.step + 1)  # gradients accumulated and reduced
         self.step_metrics.update(self.engine.pop_metrics())
         # e.g. over the replica groups that took part (live recovery; raises to redo the step)
         loss_sum, global_tokens = self.features.reduce(loss_sum, global_tokens)

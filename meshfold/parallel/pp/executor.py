@@ -118,6 +118,8 @@ class Pipeline:
         self.orders = {}
         self.events: list[dict] = []
         self.metrics: dict = {}  # the last step's bubble fields, read by the step engine
+        # fn(chunk) before each _set_grad_sync (an observer of what is held then: the dry-run)
+        self.grad_sync_observers: list = []
 
     # ---------------------------------------------------------------- p2p
 
@@ -338,7 +340,9 @@ class Pipeline:
     def _set_grad_sync(self, chunk) -> None:
         """None: no chunk reduces (start of the schedule); an index: that chunk's next
         backward action is its last of the step, so it reduces there; "all": back to
-        syncing everywhere (evaluation, other callers)."""
+        syncing everywhere (evaluation, other callers). The observers see it first."""
+        for observe in self.grad_sync_observers:
+            observe(chunk)
         for c, part in enumerate(self.model.chunks):
             on = chunk == "all" or chunk == c
             if self.fsdp:

@@ -45,8 +45,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
-import math
 import multiprocessing
 import os
 import queue
@@ -61,303 +61,45 @@ import torch
 import torch.distributed as dist
 import torch.nn.parallel.distributed as ddp_module
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshfold import comm, gpucheck
-from meshfold.comm import ledger, reset_ledger
+from meshfold import gpucheck
+from meshfold.comm import reset_ledger
 from meshfold.config import Config, load_config, validate
-from meshfold.data.loader import to_device, with_host_run_starts
-from meshfold.device import resolve_dtypes
+from meshfold.data.micro import micro_batch_count
+from meshfold.dryrun.observer import RowsWithoutCorpus, StepObserver, observe
 from meshfold.errors import ConfigError
-from meshfold.lowcomm.compress import build_compression
 from meshfold.mesh import build_mesh
-from meshfold.models.moe import moe_end_step, moe_layers
-from meshfold.models.varlen_attention import use_varlen_attention
-from meshfold.parallel.cp.attention import ContextParallelAttention
-from meshfold.parallel.cp.batch import shard_for_context_parallel
 from meshfold.parallel.dp.replicate import BUCKET_MB
-from meshfold.memory import count_saved_activations
-from meshfold.optim.clip import grad_norm
 from meshfold.parallel.pp.stage_modules import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel
-from meshfold.schedule import chunks_per_rank, held_counts, held_peak, rank_grad_moments, stage_of
-from meshfold.train.feature import Features, RunParts
-from meshfold.train.mtp import build_mtp
-from meshfold.train.progress import Progress
-from meshfold.train.trainer import Trainer
+from meshfold.schedules import get_schedule
+from meshfold.train.trainer import Surroundings, Trainer
 
-FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
-
-
-def _lowcomm_build(cfg: Config, parts):
-    """What the trainer's ``[lowcomm]`` and live-recovery features change in what a rank
-    builds: lowcomm.compression's DDP hook and the optimizer's fp32 gather."""
-    owner, lc = build_compression(cfg.lowcomm), cfg.lowcomm
-    return types.SimpleNamespace(comm_hook=owner.install if owner is not None else None,
-                                 touches_master_weights=lc.method != "none" or lc.onebit_adam or cfg.train.live_recovery)
-
-
-MODEL_FEATURES = (build_mtp, _lowcomm_build)
-
-
-class DryTrainer(Trainer):
-    """The parts of a ``Trainer`` that build and step the model; no data, checkpoints,
-    metrics or fault handling (those do not change what a rank holds or sends)."""
-
-    gpu = None  # --device cuda: the step's recorder (meshfold/gpucheck.py)
-
-    def __init__(self, cfg: Config, device: str = "cpu"):
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.cfg = cfg = validate(cfg, self.world)
-        t = cfg.train
-        self.device = torch.device("cpu")  # --device cuda: see meshfold/gpucheck.py for where tensors live
-        self.param_dtype, self.autocast_dtype = resolve_dtypes(t.dtype, self.device)
-        workers = cfg.lowcomm.n_workers
-        with unset_fake_temporarily():  # the mesh holds real rank tables
-            self.dims = build_mesh(cfg.parallel, workers, "cpu")
-        # --device cuda runs the trainer's data settings (packed rows carry doc_ids)
-        self.balancer, self.use_doc_mask = None, device == "cuda" and cfg.data.pack and cfg.data.doc_mask
-        self.ledger = ledger()
-        self.step_metrics, self.progress, self.capture_grads = {}, Progress(), False
-        # The features that change what a rank builds and sends (no data: no batch source).
-        parts = RunParts(cfg, self.dims, self.device, self.param_dtype, self.rank, self.world, None, self.progress,
-                         Features())
-        self.features = parts.features.build(MODEL_FEATURES, cfg, parts)
-        self.grad_reducers = self.dims.size("dp_cp")
-        self.held_grad_bytes = 0
-        self.chunk_grads: dict[int, dict[int, int]] = {1: {}, 2: {}}  # (_note_chunk_grads)
-        self.reduced_chunks: set = set()
-        self.announce_split = False  # stdout carries the report (--json: JSON only)
-        self.loss_fn = self.build_loss()
-        self.engine = self.build_engine()
-        self.model, self.model_parts = self.engine.model, self.engine.parts
-        if isinstance(self.model, ddp_module.DistributedDataParallel):
-            self.model.reducer = _KeptBuckets(self.model.reducer)
-        self.pipeline = getattr(self.engine, "pipe", None)
-        if device == "cuda" and cfg.data.balance != "none" and self.pipeline is None:
-            use_varlen_attention(self.model)  # data.balance's attention per document (its placement is not simulated)
-        self.optimizer = self.build_optimizer(device)  # cuda: the fused AdamW a GPU rank runs
-        if self.pipeline is not None:  # timings need real values (no step number: no timeline)
-            self.pipeline._reduce_step = self._pipeline_step_reduction
-            set_sync = self.pipeline._set_grad_sync
-
-            def measured_set_sync(chunk):  # called before each chunk's last backward
-                self._note_held_grads()
-                self._note_chunk_grads(chunk)
-                set_sync(chunk)
-
-            self.pipeline._set_grad_sync = measured_set_sync
-        else:
-            grad_sync = self.engine.grad_sync
-
-            def measured_grad_sync(last: bool):
-                if last:  # the gradients accumulated over the micro-batches before the last one
-                    self._note_held_grads()
-                return grad_sync(last)
-
-            self.engine.grad_sync = measured_grad_sync
-
-    def _note_held_grads(self) -> None:
-        self.held_grad_bytes = max(self.held_grad_bytes, held_grad_bytes(self.model))
-
-    def _note_chunk_grads(self, chunk) -> None:
-        """Each pipeline chunk's gradient bytes while it accumulates (unsharded between
-        micro-batches) and once reduced, seen before each chunk's last backward
-        (``chunk``; None starts a step, "all" ends it): what ``held_pipeline_grads`` combines
-        at the moments of the real micro-batch count."""
-        if chunk is None:
-            self.reduced_chunks = set()
-            return
-        if chunk == "all":
-            return
-        for c, module in enumerate(self.pipeline.model.chunks):
-            held = held_grad_bytes(module)
-            if held:
-                seen = self.chunk_grads[2 if c in self.reduced_chunks else 1]
-                seen[c] = max(seen.get(c, 0), held)
-        self.reduced_chunks.add(chunk)
-
-    def held_pipeline_grads(self) -> int:
-        """The most gradient bytes this pipeline rank holds before a chunk's last backward
-        in a step of the real micro-batch count: its chunks' accumulating and reduced
-        bytes at each of those moments (``schedule.rank_grad_moments``, as the planner)."""
-        p = self.cfg.parallel
-        v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
-        if p.pp_schedule == "skippipe" or chunks_per_rank(p.pp_schedule, p.pp_virtual_stages) == 1:
-            return 0
-        moments = rank_grad_moments(p.pp_schedule, p.pp, v, self.n_micro, self.dims.rank("pp"))
-        return max(sum(self.chunk_grads[s].get(c, 0) for c, s in enumerate(moment) if s)
-                   for moment in moments)
-
-    def _pipeline_step_reduction(self, loss_sum, events, wall0, span, m):
-        """What ``Pipeline._reduce_step`` sends (loss sum and timings, one all-gather over pp),
-        without reading the values on the host (they are fake)."""
-        pipe = self.pipeline
-        mine = torch.zeros(4, dtype=torch.float64, device=loss_sum.device)
-        every = torch.zeros(4 * pipe.pp, dtype=torch.float64, device=loss_sum.device)
-        comm.all_gather_into_tensor(every, mine, pipe.group, "pp")
-        return every.view(pipe.pp, 4)[:, 0].sum()
-
-    def _context_work_gather(self) -> None:
-        """What ``context_step_metrics`` sends once a step (each cp rank's attention work, one
-        all-gather over cp), without its host read of the (fake) values."""
-        if self.dims.size("cp") > 1:
-            for m in self.model.modules():
-                plan = getattr(m, "plan", None)
-                if isinstance(m, ContextParallelAttention):
-                    plan.work.reset()
-                    work = torch.empty(plan.cp, dtype=torch.float64, device=self.device)
-                    comm.all_gather_into_tensor(work, torch.zeros(1, dtype=torch.float64, device=self.device),
-                                                plan.cp_group, "cp")
-                    return
-
-    def fake_batch(self) -> dict[str, torch.Tensor]:
-        p, m = self.cfg.parallel, self.cfg.model
-        local = self.cfg.train.global_batch // p.dp
-        tokens = torch.randint(0, m.vocab_size, (local, m.seq_len + 1))
-        batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
-        if self.use_doc_mask:
-            batch["doc_ids"] = torch.zeros_like(batch["inputs"])
-        batch = shard_for_context_parallel(batch, self.cfg, self.dims)
-        return to_device(with_host_run_starts(batch), self.device)  # as the trainer's prefetcher moves it
-
-    def _step(self, micro: list[dict]) -> tuple[dict, float]:
-        """One optimizer step over ``micro``: (collectives, activation bytes)."""
-        # the step's scalar reductions, as Trainer.train_step issues them: token count, then loss
-        tokens = self.all_reduce_sum(torch.tensor(self.cfg.train.global_batch * self.cfg.model.seq_len,
-                                                  device=self.device))
-        if self.pipeline is not None:
-            with count_saved_activations(self.model) as counted:
-                loss_sum = self.engine.forward_backward(micro, tokens)
-            activations = self.held_activations(counted.by_tag, len(micro))
-        else:
-            loss_sum = self.engine.forward_backward(micro, tokens)
-            activations = self.engine.pop_metrics().get("activation_bytes", 0)
-        self._context_work_gather()
-        self.all_reduce_sum(loss_sum)
-        if self.gpu is not None:  # the trainer's step end: clip, norm and loss reads, MoE metrics
-            norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
-            math.isfinite(float(norm))
-            self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
-            self.optimizer.step()
-            moe_end_step(self.model)
-            self.optimizer.zero_grad(set_to_none=True)
-            float(loss_sum / tokens.double())
-            return self.ledger.pop_step_collectives(), activations
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm(params, self.dims.group("pp") if self.pipeline is not None else None)
-        self.grad_bytes = max(self.grad_bytes, self.held_grad_bytes, held_grad_bytes(self.model))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for _, moe in moe_layers(self.model):  # the step's routing statistics, as the Trainer ends a step
-            moe.end_step()
-        return self.ledger.pop_step_collectives(), activations
-
-    def held_activations(self, by_chunk: dict, counted_micro: int) -> float:
-        """The most activation bytes this pipeline rank holds at once in a step of the real
-        micro-batch count: each chunk's bytes per micro-batch (counted over
-        ``counted_micro`` of them) held from its forward to its backward, in this rank's
-        order (``schedule.held_counts``: the planner prices the same moments)."""
-        order = self.pipeline.orders_for(self.n_micro, self.micro_rows)
-        chunks = chunks_per_rank(self.cfg.parallel.pp_schedule, self.cfg.parallel.pp_virtual_stages)
-        per_micro = [by_chunk.get(c, 0) / counted_micro for c in range(chunks)]
-        return held_peak(held_counts(order), per_micro)
-
-    def dry_step(self) -> dict:
-        """Every micro-batch has the same shapes, so a step's collectives are affine in the
-        micro-batch count m (per-micro-batch traffic plus once-per-step reductions): two
-        short steps with m1 < m2 micro-batches give the count and bytes for the real m
-        exactly, at the cost of m1 + m2 micro-batches instead of m."""
-        self.ledger.pop_step()  # building is not a step
-        self.grad_bytes = 0
-        micro = self.micro_batches(self.fake_batch())
-        self.n_micro = m = len(micro)
-        self.micro_rows = micro[0]["inputs"].shape[0]
-        p = self.cfg.parallel
-        unit = p.pp if p.pp > 1 and p.pp_schedule == "interleaved" else 1
-        gpu = self.gpu
-        self._step = gpu.stepping(self._step) if gpu else self._step
-        if m <= 2 * unit:
-            coll, activations = self._step(micro)
-            g = gpu.pop_step() if gpu else None
-        else:
-            c1, activations = self._step(micro[:unit])
-            g1 = gpu.pop_step() if gpu else None
-            c2, _ = self._step(self.micro_batches(self.fake_batch())[:2 * unit])  # fresh tensors: no cache hits
-            g2 = gpu.pop_step() if gpu else None
-            k = (m - unit) / unit
-            coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0)
-                                                                    - c1.get(d, {}).get(f, 0))))
-                        for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
-            g = {f: gpucheck.extrapolate(g1[f], g2[f], k) for f in g1} if gpu else None
-        extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
-        if self.pipeline is not None:
-            self.grad_bytes = max(self.grad_bytes, self.held_pipeline_grads())
-        return {**extra, "param_bytes": _param_bytes(self.model, self.optimizer),
-                "grad_bytes": self.grad_bytes, "optimizer_bytes": _optimizer_bytes(self.optimizer),
-                "activation_bytes": int(activations), "collectives": coll, "micro_batches": m}
-
-
-def _param_bytes(model: torch.nn.Module, opt) -> int:
-    """The parameter bytes the rank holds: its local pieces, except that ZeRO-1 under bf16
-    holds only its own segment of the fp32 values (``ShardedAdamW.held_param_bytes``)."""
-    held = getattr(opt, "held_param_bytes", None)
-    if held is not None and opt.compute_dtype is not None:
-        mine = {id(p) for p in opt.params}
-        return held() + sum(_local_bytes(q) for q in model.parameters() if id(q) not in mine)
-    return sum(_local_bytes(q) for q in model.parameters())
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def held_grad_bytes(model: torch.nn.Module) -> int:
-    """Gradient bytes the rank holds now: the local pieces of its parameters' gradients,
-    plus FSDP2's unsharded gradients, which it keeps between micro-batches while gradient
-    sync is off (in the reduce dtype, ``unsharded_accumulated_grad``, once a second
-    micro-batch has been added to them) and which ``model.parameters()`` does not show."""
-    total = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fp in (group.fsdp_params if group is not None else ()):
-            unsharded = getattr(fp, "_unsharded_param", None)
-            for g in (getattr(unsharded, "grad", None), getattr(fp, "unsharded_accumulated_grad", None)):
-                if g is not None:
-                    total += _local_bytes(g)
-    return total
-
-
-def _optimizer_bytes(opt) -> int:
-    if hasattr(opt, "parts"):  # ZeRO-1 with expert parallel: the dense and the expert part
-        return sum(_optimizer_bytes(part) for part in opt.parts)
-    inner = getattr(opt, "optim", None)  # ZeRO-1: the rank's own optimizer
-    states = list(opt.state.values()) + (list(inner.state.values()) if inner is not None else [])
-    return sum(_local_bytes(v) for s in states for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+STATES = ("param_bytes", "grad_bytes", "optimizer_bytes")  # a rank's model states
+FIELDS = (*STATES, "activation_bytes")
 
 
 def representative_ranks(cfg: Config, world: int) -> list[int]:
     """Coordinate 0 on every dimension but pp, one rank per distinct pipeline-rank shape
-    (the layer counts of its chunks, and whether it holds the embedding or the output);
+    (the blocks of its chunks by kind, and whether it holds the embedding or the output);
     see the module doc."""
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
     per_stage = world // cfg.lowcomm.n_workers // p.pp
     if p.pp == 1:
         return [0]
     split, _ = stage_split(cfg)
-    last = len(split) - 1
+    starts = [sum(split[:s]) for s in range(len(split))]
+    last, schedule = len(split) - 1, get_schedule(p.pp_schedule)
     seen, ranks = set(), []
     for r in range(p.pp):
-        stages = [stage_of(p.pp_schedule, p.pp, r, c) for c in range(chunks_per_rank(p.pp_schedule,
-                                                                                       p.pp_virtual_stages))]
-        shape = tuple((split[s], s == 0, s == last) for s in stages)
+        stages = [schedule.stage_of(p.pp, r, c) for c in range(schedule.chunks_per_rank(p.pp_virtual_stages))]
+        shape = tuple((tuple(m.is_moe_layer(i) for i in range(starts[s], starts[s] + split[s])), s == 0, s == last)
+                      for s in stages)
         if shape not in seen:
             seen.add(shape)
             ranks.append(r * per_stage)
@@ -422,37 +164,92 @@ def _ddp_without_shape_check():
         dist._compute_bucket_assignment_by_size = assign
 
 
-class _KeptBuckets:
-    """DDP's reducer, as DDP's Python side calls it, except that it never rebuilds its
-    buckets: after the first backward DDP re-allocates them in the order gradients arrived,
-    copying parameter values, which fake tensors do not have. The dry-run's DDP cuts its
-    buckets at the cap from the start (``_ddp_without_shape_check``) and keeps them."""
+class _NeutralReads(TorchDispatchMode):
+    """Host reads of tensors without values (the loss, the NaN guard's norm, the pipeline's
+    and context parallel's step statistics) answered with a neutral value (1, 1.0, True),
+    as ``--device cuda``'s recorder answers them (meshfold/gpucheck.py): the step runs on
+    as a finite one. Entered inside the fake mode, so it sees every op first."""
 
-    def __init__(self, reducer):
-        self._reducer = reducer
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        x = args[0] if args else None
+        if func in _READS and isinstance(x, FakeTensor) and x.constant is None:
+            return True if x.dtype == torch.bool or func is not _READS[0] else \
+                (1.0 if x.dtype.is_floating_point else 1)
+        return func(*args, **(kwargs or {}))
 
-    def _rebuild_buckets(self) -> bool:
-        return False
 
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
+_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+def _as_simulated(cfg: Config, device: str) -> Config:
+    """The config the simulated rank's trainer runs: on this CPU, with the batches in the
+    observer's hands (no data placement: ``data.balance`` does not change memory or
+    collectives) and, except for ``--device cuda``, rows without documents."""
+    data = dataclasses.replace(cfg.data, balance="none", doc_mask=cfg.data.doc_mask and device == "cuda")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cpu"), data=data)
 
 
 def simulate_rank(cfg: Config, world: int, rank: int, device: str = "cpu") -> dict:
+    """What global rank ``rank`` of ``world`` holds and sends: the ``Trainer`` built on a
+    fake process group and fake tensors, with the observer attached (dryrun/observer.py),
+    and its step measured (``_measure``)."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         reset_ledger()
         cuda = device == "cuda"  # every op recorded as a CUDA run would do it (meshfold/gpucheck.py)
+        cfg = _as_simulated(cfg, device)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings(), _real_mesh_tensors(), \
-                _ddp_without_shape_check(), gpucheck.recording() if cuda else contextlib.nullcontext() as gpu:
+                _ddp_without_shape_check(), gpucheck.recording() if cuda else _NeutralReads() as reads:
             warnings.simplefilter("ignore")
-            trainer = DryTrainer(dataclasses.replace(cfg), device)
+            with unset_fake_temporarily():  # the mesh holds real rank tables
+                dims = build_mesh(cfg.parallel, cfg.lowcomm.n_workers, "cpu")
+            data = types.SimpleNamespace(train=RowsWithoutCorpus(cfg.train.global_batch * cfg.lowcomm.n_workers),
+                                         val=None, tokenizer=None)
+            with contextlib.redirect_stdout(io.StringIO()):  # stdout carries the report (--json: JSON only)
+                trainer = Trainer(cfg, Surroundings(dims=dims, data=data, features=(observe,), collectives_wait=False,
+                                                    kernel_device=device))  # cuda: the fused AdamW a GPU rank runs
+            observer = trainer.features.of_type(StepObserver)
+            gpu = reads if cuda else None  # the CUDA recorder (it answers reads too)
             if gpu is not None:
                 gpu.attach(trainer.dims, gpucheck.layer_modules(trainer.model_parts), gpucheck.blocks(trainer.model_parts))
-            trainer.gpu = gpu
-            return trainer.dry_step()
+            return _measure(trainer, observer, gpu)
     finally:
         dist.destroy_process_group()
+
+
+def _measure(trainer: Trainer, observer: StepObserver, gpu) -> dict:
+    """Every micro-batch has the same shapes, so a step's collectives are affine in the
+    micro-batch count m (per-micro-batch traffic plus once-per-step reductions): two short
+    steps with m1 < m2 micro-batches (the fewest the schedule runs, then twice that) give
+    the count and bytes for the real m exactly, at the cost of m1 + m2 micro-batches."""
+    p = trainer.cfg.parallel
+    schedule = get_schedule(p.pp_schedule)
+    unit = next(k for k in range(1, p.pp + 1) if schedule.microbatch_problem(p.pp, k) is None)
+    step = gpu.stepping(trainer.train_step) if gpu else trainer.train_step
+
+    t = trainer.cfg.train
+    m = micro_batch_count(t.global_batch // p.dp, t.micro_batch, p.pp, p.pp_microbatches)  # as the engine cuts
+
+    def run(take):
+        observer.take = take
+        step()
+        metrics = trainer.pop_step_metrics()
+        activations = (observer.held_activations(take or m) if observer.pipeline is not None
+                       else metrics.get("activation_bytes", 0))
+        return observer.collectives, activations, gpu.pop_step() if gpu else None
+
+    if m <= 2 * unit:
+        coll, activations, g = run(None)
+    else:
+        c1, activations, g = run(unit)
+        c2, _, g2 = run(2 * unit)  # a fresh batch: fresh tensors, no cache hits
+        k = (m - unit) / unit
+        coll = {d: {f: int(round(c1.get(d, {}).get(f, 0) + k * (c2.get(d, {}).get(f, 0) - c1.get(d, {}).get(f, 0))))
+                    for f in ("count", "bytes")} for d in sorted(set(c1) | set(c2))}
+        g = {f: gpucheck.extrapolate(g[f], g2[f], k) for f in g} if gpu else None
+    extra = {"gpu": {**g, **gpu.report()}} if gpu else {}
+    return {**extra, **observer.state_bytes(), "activation_bytes": int(activations), "collectives": coll,
+            "micro_batches": m, "pp_rank": trainer.dims.rank("pp")}
 
 
 def planner_prediction(cfg: Config, world: int, cluster_spec: str) -> dict:
@@ -611,8 +408,14 @@ def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device:
 
 def _report(cfg: Config, world: int, cluster: str, per_rank: dict, start: float, device: str) -> dict:
     gpu = {"gpu": gpucheck.summary({r: v["gpu"] for r, v in per_rank.items()})} if device == "cuda" else {}
-    runtime = {f: max(v[f] for v in per_rank.values()) for f in FIELDS}
+    # The planner prices one rank's model states, the fullest (the most parameter, gradient and
+    # optimizer bytes together), activations at their most over ranks and rank 0's collectives:
+    # the runtime's are taken for the same ranks.
+    fullest = max(per_rank, key=lambda r: (sum(per_rank[r][f] for f in STATES), -r))
+    runtime = {f: per_rank[fullest][f] for f in STATES}
+    runtime["activation_bytes"] = max(v["activation_bytes"] for v in per_rank.values())
     runtime["collectives"] = per_rank[0]["collectives"]
+    runtime["rank"] = fullest
     runtime["ranks"] = {str(r): v for r, v in per_rank.items()}
     layout = dataclasses.asdict(layout_from_config(cfg, world))
     return {"world": world, "layout": layout, "runtime": runtime,
@@ -658,9 +461,14 @@ def run(args: argparse.Namespace) -> int:
     rt, pl = out["runtime"], out["planner"]
     print(f"dry-run: {args.world} ranks, layout {out['layout']}; simulated ranks {list(rt['ranks'])} "
           f"in {out['seconds']} s")
-    print(f"{'per rank (max), GiB':24s} {'runtime':>12s} {'planner':>12s}")
+    print(f"{'GiB':24s} {'runtime':>12s} {'planner':>12s}   (states: the fullest rank, {rt['rank']}; "
+          f"activations: the most over ranks)")
     for f in FIELDS:
         print(f"{f:24s} {_gib(rt[f]):>12s} {_gib(pl[f]):>12s}")
+    if len(rt["ranks"]) > 1:
+        print(f"{'runtime per rank, GiB':24s} " + " ".join(f"{'rank ' + r:>12s}" for r in rt["ranks"]))
+        for f in FIELDS:
+            print(f"{f:24s} " + " ".join(f"{_gib(v[f]):>12s}" for v in rt["ranks"].values()))
     print(f"{'collectives per step':24s} {'runtime count':>14s} {'runtime GiB':>12s} {'planner count':>14s} "
           f"{'planner GiB':>12s}")
     for d in sorted(set(rt["collectives"]) | set(pl["collectives"])):
