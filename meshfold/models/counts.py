@@ -107,6 +107,21 @@ def layers_attention_flops(cfg: ModelConfig, seq_len: int, causal: bool = False)
     return attn + sum(full * window_keys(w, seq_len, causal) / seq_len for w in windowed)
 
 
+def attention_share(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
+    """Every layer's attention work over that of as many full layers (1.0 without sliding
+    windows): what the planner scales its per-layer attention core by."""
+    full = attention_flops(cfg, seq_len) * cfg.n_layers
+    return layers_attention_flops(cfg, seq_len, causal) / (full / 2 if causal else full)
+
+
+def plain_layers(cfg: ModelConfig) -> bool:
+    """Whether every layer is plain causal softmax(QK^T / sqrt(d)) attention: no sliding
+    window, no softmax scale of its own (what context parallel's attention computes; a layer's
+    own RoPE is applied before it)."""
+    specs = (registry.layer_attention(cfg, i) for i in range(cfg.n_layers))
+    return not any(spec.window or spec.scale for spec in specs)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool = True,
                     causal: bool = False) -> float:
     """Model FLOPs per token: 2 per multiply-add in every matmul, plus attention scores and
