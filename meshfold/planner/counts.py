@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from meshfold.errors import ConfigError
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, mlp_params
 from meshfold.planner.attention import attention_terms
@@ -217,6 +218,8 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     if amp:
         replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
             + (2 * s * b * h if dropout else 0)
+    if registry.post_norms(m):  # the attention and MLP outputs' norms keep their inputs too
+        replicated += s * b * 2 * (8 * h + 4) if amp else 2 * act * s * b * h
     # Split over tp ranks: Q, K, V, attention output (input of the out-projection), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate, silu(gate), up,
     # product), and the attention output dropout mask.
