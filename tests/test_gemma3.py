@@ -16,7 +16,7 @@ from meshfold.config import ConfigError, from_dict, validate
 from meshfold.convert import load_model, read_checkpoint_model
 from meshfold.models import attention_ops
 from meshfold.models.config import ModelConfig
-from meshfold.models.counts import flops_per_token, param_count
+from meshfold.models.counts import attention_share, flops_per_token, param_count
 from meshfold.models.llama import CoreAttention, Transformer, init_weights
 from meshfold.models.presets import PRESETS
 from meshfold.testing import assert_runs_match, run_on, save_random_hf_model, tiny_config, train_collect
@@ -143,3 +143,20 @@ def test_window_attention_equals_the_dense_reference_and_shares_its_mask():
     model(torch.randint(0, VOCAB, (2, 32)))
     model(torch.randint(0, VOCAB, (2, 32)))
     assert len(attention_ops._WINDOW_MASKS) == 1  # five windowed layers, two steps: one mask
+
+
+def test_planner_prices_the_band_and_never_proposes_context_parallel():
+    from meshfold.planner.cluster import load_cluster
+    from meshfold.planner.cost import CostModel, Workload
+    from meshfold.planner.search import structures
+
+    m = ModelConfig(**PRESETS["gemma-3-4b"])
+    cluster = load_cluster("h100", devices=16)
+    windowed, full = (CostModel(Workload(model, 64), cluster).layer_terms(1, False, 1, "ring", 1, 1, "none")
+                      for model in (m, dataclasses.replace(m, sliding_window=0, query_pre_attn_scalar=0.0)))
+    # 29 of 34 layers score 1,024 of 8,192 keys (causal: the band's area w - w^2/2s per query)
+    assert attention_share(m, 8192, True) == pytest.approx((5 * 4096 + 29 * (1024 - 1024 ** 2 / 16384)) / (34 * 4096))
+    assert windowed.kinds[False].compute_fwd < 0.8 * full.kinds[False].compute_fwd
+    assert all(st[3] == 1 for st in structures(Workload(m, 64), cluster.world_size))
+    assert any(st[3] > 1 for st in structures(Workload(dataclasses.replace(m, sliding_window=0, query_pre_attn_scalar=0.0),
+                                                        64), cluster.world_size))
