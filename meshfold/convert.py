@@ -20,7 +20,7 @@ from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
 from meshfold.models.hf import (ARCHITECTURES, FAMILIES, complete_from_weights, from_hf, hf_config_from_model,
                                hf_family, model_config_from_hf, read_safetensors, to_hf, write_safetensors)
-from meshfold.models.llama import Transformer, rope_tables
+from meshfold.models.llama import Transformer, rope_buffers
 from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
                                              validate_checkpoint, write_manifest)
 from meshfold.train.renamed_keys import join_whole
@@ -316,7 +316,8 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
     with torch.device("meta"):  # no random init of billions of weights about to be replaced
         ours = Transformer(m)
     ours.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
-    ours.rope_cos, ours.rope_sin = rope_tables(m)  # non-persistent buffers: not in the state dict
+    for name, table in rope_buffers(m).items():  # non-persistent buffers: not in the state dict
+        setattr(ours, name, table)
     ours.eval()
     del state
     fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}

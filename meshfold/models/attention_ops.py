@@ -296,17 +296,19 @@ def document_plan(doc_ids: torch.Tensor, positions: torch.Tensor | None, tile: i
 
 @torch.compiler.disable  # compiled blocks call it eagerly: its plan lookup and group loop are Python
 def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.Tensor, tile: int = DOCUMENT_TILE,
-                       key: torch.Tensor | None = None):
+                       key: torch.Tensor | None = None, scale: float | None = None):
     """Causal attention within each packed document (``document_causal_mask`` semantics for
     contiguous documents); q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, d]. Differentiable
     (plain fused SDPA calls, one per distinct window size, each with a tile-sized mask). No
-    host read: the windows come from the micro-batch's ``document_plan``."""
+    host read: the windows come from the micro-batch's ``document_plan``. ``scale``: the
+    softmax scale (None = 1/sqrt(d))."""
     b, s, heads, d = q.shape
     hkv, dv = k.shape[2], v.shape[-1]  # latent attention: v's head size differs from q/k's
     plan = document_plan(doc_ids, positions, tile, key)
     if flash_varlen_ok(q, q.dtype, d, dv):
         cu, longest = plan.runs
-        out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest, attention_scale(d))
+        out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest,
+                                scale or attention_scale(d))
         return out.view(b, s, heads, dv)
     tile, pad, n = plan.tile, plan.pad, plan.n
     if pad:
@@ -323,9 +325,45 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
         if repeat > 1:
             kw, vw = kw.repeat_interleave(repeat, dim=2), vw.repeat_interleave(repeat, dim=2)
         o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), kw.transpose(1, 2), vw.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=heads != hkv and repeat == 1)
+                                           attn_mask=mask, enable_gqa=heads != hkv and repeat == 1, scale=scale)
         out = out.index_copy(0, sel, o.transpose(1, 2))
     return out.view(b, s + pad, heads, dv)[:, :s]
+
+
+_WINDOW_MASKS: list[tuple] = []  # (weakref to the anchor tensor or None, key, mask), newest last
+
+
+def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [b or 1, 1, sq, sq] sliding-window causal mask: a key is visible when it is at
+    most ``window - 1`` positions before the query (and in its document with ``doc_ids``).
+    Made once per shape and window, or once per micro-batch (``doc_ids``/``positions`` by
+    identity) and window, and shared by every windowed layer: never one mask per layer."""
+    anchor = doc_ids if doc_ids is not None else positions
+    key = (sq, window, str(device))
+    for ref, k, mask in reversed(_WINDOW_MASKS):
+        if k == key and (ref is None if anchor is None else ref is not None and ref() is anchor):
+            return mask
+    pos = positions if positions is not None else torch.arange(sq, device=device).unsqueeze(0)
+    gap = pos.unsqueeze(-1) - pos.unsqueeze(-2)
+    mask = (gap >= 0) & (gap < window)
+    if doc_ids is not None:
+        mask = mask & (doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2))
+    mask = mask.unsqueeze(1)
+    _WINDOW_MASKS.append((None if anchor is None else weakref.ref(anchor), key, mask))
+    del _WINDOW_MASKS[:-_PLANS_KEPT]
+    return mask
+
+
+def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None,
+                     doc_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Sliding-window causal attention, q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv]:
+    one fused SDPA call with the shared banded mask (``window_mask``; CPU: the flash kernel,
+    CUDA: the memory-efficient one)."""
+    mask = window_mask(q.shape[1], window, q.device, positions, doc_ids)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+    return out.transpose(1, 2)
 
 
 def attention_scale(head_dim: int) -> float:

@@ -20,6 +20,9 @@ from meshfold.models.moe_config import CHOICES as MOE_CHOICES
 from meshfold.models.moe_config import MoEKeys, check_moe
 
 
+GATED_MLPS = ("swiglu", "geglu")
+
+
 @dataclass
 class CommonKeys:
     """The keys every decoder has (the dense Llama-style shape, its RoPE, GPT-3's switches)."""
@@ -37,7 +40,7 @@ class CommonKeys:
     tie_embeddings: bool = False
     # Architecture switches so published non-Llama shapes (GPT-3) have exact counts.
     norm: str = "rmsnorm"  # rmsnorm | layernorm
-    mlp: str = "swiglu"  # swiglu | gelu
+    mlp: str = "swiglu"  # swiglu | geglu | gelu
     bias: bool = False
     pos: str = "rope"  # rope | learned
     # Hugging Face families (Llama 3.x, Qwen 2/2.5/3, Mistral): docs/hf.md.
@@ -75,6 +78,11 @@ class CommonKeys:
         return registry.attention_of(self).rope_dim(self)
 
     @property
+    def gated_mlp(self) -> bool:
+        """w2(act(w1 x) * w3 x): SwiGLU (silu) or GeGLU (tanh GELU, Gemma); else w2(gelu(w1 x))."""
+        return self.mlp in GATED_MLPS
+
+    @property
     def hidden_dim(self) -> int:
         if self.ffn_dim:
             return self.ffn_dim
@@ -94,7 +102,7 @@ class ModelConfig(*reversed(registry.sections()), MoEKeys, CommonKeys):
 
 CHOICES: dict[str, tuple] = {
     "norm": ("rmsnorm", "layernorm", *registry.norms()),  # families may add norm variants
-    "mlp": ("swiglu", "gelu"),
+    "mlp": ("swiglu", "geglu", "gelu"),
     "pos": ("rope", "learned"),
     **MOE_CHOICES,
     "rope_scaling": ("none", "linear", "llama3", "dynamic", "yarn"),
@@ -136,4 +144,7 @@ def validate(m: ModelConfig) -> None:
                               f"model.rope_low_freq_factor = {m.rope_low_freq_factor}")
     for check in registry.checks():
         check(m)
+    if m.mlp == "geglu" and m.moe_experts:
+        raise ConfigError("model.mlp = 'geglu' has no MoE experts (they are SwiGLU or GELU); use model.mlp = "
+                          "'swiglu' or model.moe_experts = 0")
     check_moe(m)

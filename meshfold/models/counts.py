@@ -31,8 +31,8 @@ def attention_params(cfg: ModelConfig) -> int:
 
 
 def mlp_params(cfg: ModelConfig, hidden: int) -> int:
-    mats = 3 if cfg.mlp == "swiglu" else 2
-    return mats * cfg.dim * hidden + ((2 * hidden if cfg.mlp == "swiglu" else hidden) + cfg.dim if cfg.bias else 0)
+    mats = 3 if cfg.gated_mlp else 2
+    return mats * cfg.dim * hidden + ((2 * hidden if cfg.gated_mlp else hidden) + cfg.dim if cfg.bias else 0)
 
 
 def ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -49,8 +49,10 @@ def ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
 
 
 def block_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
-    """One decoder block (layer index ``layer``, MoE placement by it): attention, feed-forward, two norms."""
-    return attention_params(cfg) + ffn_params(cfg, layer, active) + 2 * norm_params(cfg)
+    """One decoder block (layer index ``layer``, MoE placement by it): attention, feed-forward, two
+    norms (four with ``registry.post_norms``)."""
+    norms = 4 if registry.post_norms(cfg) else 2
+    return attention_params(cfg) + ffn_params(cfg, layer, active) + norms * norm_params(cfg)
 
 
 def heads_params(cfg: ModelConfig, active: bool = False) -> int:
@@ -87,6 +89,39 @@ def attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     return 2 * seq_len * cfg.n_heads * (qk + v)
 
 
+def window_keys(window: int, seq_len: int, causal: bool) -> float:
+    """Keys per query a sliding-window layer scores: ``window`` (causal: the band's area
+    s·w - w²/2 over s), where a full layer counts s (causal: s/2)."""
+    return window - window * window / (2 * seq_len) if causal else float(window)
+
+
+def layers_attention_flops(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """Forward FLOPs per token of every layer's attention scores and weighted sum: the whole
+    s x s per layer (half with ``causal``), a sliding-window layer's band only."""
+    windows = [registry.layer_attention(cfg, i).window for i in range(cfg.n_layers)]
+    windowed = [w for w in windows if 0 < w < seq_len]
+    full = attention_flops(cfg, seq_len)
+    attn = full * (cfg.n_layers - len(windowed))
+    if causal:
+        attn /= 2
+    return attn + sum(full * window_keys(w, seq_len, causal) / seq_len for w in windowed)
+
+
+def attention_share(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
+    """Every layer's attention work over that of as many full layers (1.0 without sliding
+    windows): what the planner scales its per-layer attention core by."""
+    full = attention_flops(cfg, seq_len) * cfg.n_layers
+    return layers_attention_flops(cfg, seq_len, causal) / (full / 2 if causal else full)
+
+
+def plain_layers(cfg: ModelConfig) -> bool:
+    """Whether every layer is plain causal softmax(QK^T / sqrt(d)) attention: no sliding
+    window, no softmax scale of its own (what context parallel's attention computes; a layer's
+    own RoPE is applied before it)."""
+    specs = (registry.layer_attention(cfg, i) for i in range(cfg.n_layers))
+    return not any(spec.window or spec.scale for spec in specs)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool = True,
                     causal: bool = False) -> float:
     """Model FLOPs per token: 2 per multiply-add in every matmul, plus attention scores and
@@ -94,9 +129,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool
     FLOPs, as MFU is defined). ``causal=True`` counts only the unmasked half of attention;
     the default counts it whole, the convention of PaLM/Megatron MFU figures."""
     s = seq_len or cfg.seq_len
-    attn = attention_flops(cfg, s) * cfg.n_layers
-    if causal:
-        attn /= 2
+    attn = layers_attention_flops(cfg, s, causal)  # (sliding-window layers: their band)
     forward = 2 * matmul_params(cfg, active=True) + attn
     if training:  # heads that run in training only (multi-token prediction)
         forward += sum(h.training_flops(cfg, s, causal) for h in registry.heads() if h.active(cfg))

@@ -41,7 +41,7 @@ import torch
 from meshfold.errors import ConfigError
 from meshfold.models import registry
 from meshfold.models.config import ModelConfig
-from meshfold.models.hf_adapter import ROPE_TYPES, HFAdapter, rope_parameters
+from meshfold.models.hf_adapter import ROPE_TYPES, HFAdapter
 
 # meshfold name (per layer, after "layers.{i}.") <-> HF name (after "model.layers.{i}.");
 # a family's adapter adds its own (``layer_names``: DeepSeek's latent attention).
@@ -96,6 +96,8 @@ def adapter_of_type(model_type: str) -> HFAdapter:
 def adapter_of_model(m: ModelConfig) -> tuple[HFAdapter, str]:
     """The adapter whose family a model is, and the ``model_type`` it exports as by default."""
     for adapter in registry.hf_adapters():
+        if (m.norm, m.mlp) != (adapter.norm, adapter.mlp):
+            continue
         model_type = adapter.natural_type(m)
         if model_type is not None:
             return adapter, model_type
@@ -106,12 +108,13 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     """meshfold's ``[model]`` for a HF ``config.json`` of a registered family; ConfigError (one
     line) for what meshfold cannot represent exactly."""
     model_type = hf.get("model_type", "llama")
-    family_keys = adapter_of_type(model_type).config_keys(hf, model_type)
+    adapter = adapter_of_type(model_type)
+    family_keys = adapter.config_keys(hf, model_type)
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"convert: hidden_act {hf['hidden_act']!r}; meshfold's SwiGLU needs silu")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or dim // heads
-    rope = rope_parameters(hf)
+    rope = adapter.rope_parameters(hf)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"convert: rope_type {rope_type!r} is not supported; meshfold has "
@@ -163,7 +166,7 @@ def complete_from_weights(hf: dict, m: ModelConfig, names) -> ModelConfig:
 def hf_family(m: ModelConfig, arch: str | None = None) -> str:
     """The Hugging Face ``model_type`` a meshfold model exports to (``arch`` forces one), or a
     ConfigError naming the feature that family lacks."""
-    if m.norm != "rmsnorm" or m.mlp != "swiglu" or m.pos != "rope":
+    if m.pos != "rope" or all((m.norm, m.mlp) != (a.norm, a.mlp) for a in registry.hf_adapters()):
         raise ConfigError("convert export: only models with rmsnorm, swiglu and rope map to a Hugging Face "
                           "Llama/Mistral/Qwen/Mixtral/DeepSeek model")
     adapter, _ = adapter_of_model(m)

@@ -54,6 +54,7 @@ class HFAdapter:
     keeps in RoPE's half-split layout. A family overrides what differs."""
 
     architectures: dict[str, str] = {}  # model_type -> architectures[0] (read and written)
+    norm, mlp = "rmsnorm", "swiglu"  # the [model] norm and mlp of the family's Hugging Face models
     layer_names: dict[str, str] = {}  # per-layer meshfold name -> HF name, beyond models/hf.py's LAYER_NAMES
 
     def natural_type(self, m) -> str | None:
@@ -64,6 +65,11 @@ class HFAdapter:
         """The family's ``[model]`` keys of a ``config.json`` (beyond the shape every decoder
         has), or ConfigError (one line) for what meshfold cannot represent exactly."""
         return {}
+
+    def rope_parameters(self, hf: dict) -> dict:
+        """The model-wide RoPE keys of a ``config.json``, one flat dict (``rope_type``,
+        ``rope_theta``, ``factor``, ...); a family with per-layer-type RoPE picks its default."""
+        return rope_parameters(hf)
 
     def export_type(self, m, arch: str | None) -> str:
         """The ``model_type`` to write (``arch`` forces one), or ConfigError naming the key

@@ -9,6 +9,7 @@ slices of the sequence).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.attention_ops import (DOCUMENT_TILE, compute_dtype, document_attention, document_plan,
-                                          flash_varlen_ok)
+                                          flash_varlen_ok, window_attention)
 from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
@@ -26,25 +27,45 @@ from meshfold.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) times the gain ``offset + weight``. ``offset`` is 0 here; a family's variant
+    sets it as a class attribute (Gemma: 1, its weights start at 0), copied to the instance so
+    it survives tensor parallel's class swap."""
+
+    offset = 0.0
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
+        self.offset = type(self).offset
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def gain(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.offset if self.offset else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in at least fp32 so bf16 activations keep their accuracy.
         dtype = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(dtype)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.weight
+        return out.to(x.dtype) * self.gain(self.weight)
+
+
+def rms_norm_class(cfg: ModelConfig) -> type:
+    """The RMS norm class of the model: a family's variant when ``model.norm`` names one (it
+    serves the per-head q/k norms too), else ``RMSNorm``."""
+    variants = registry.norms()
+    return registry.load(variants[cfg.norm]) if cfg.norm in variants else RMSNorm
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, cfg.norm_eps)
-    return registry.load(registry.norms()[cfg.norm])(cfg.dim, cfg.norm_eps)  # a family's variant
+    return rms_norm_class(cfg)(cfg.dim, cfg.norm_eps)
+
+
+def norm_start(cfg: ModelConfig) -> float:
+    """The initial value of norm weights: a gain of 1 (``1 - offset`` of the model's norm)."""
+    return 1.0 - getattr(rms_norm_class(cfg), "offset", 0.0)
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -93,6 +114,28 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq, scale = rope_frequencies(cfg)
     angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float64), inv_freq)
     return angles.cos() * scale, angles.sin() * scale
+
+
+def rope_variants(cfg: ModelConfig) -> list[tuple]:
+    """The distinct RoPE key overrides of the layers (``registry.layer_attention``): index 0
+    is the model's own (no override); a layer runs with table ``rope_variants(cfg).index(its)``."""
+    variants: list[tuple] = [()]
+    for layer in range(cfg.n_layers):
+        rope = registry.layer_attention(cfg, layer).rope
+        if rope not in variants:
+            variants.append(rope)
+    return variants
+
+
+def rope_buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's RoPE buffers by name: ``rope_cos``/``rope_sin`` (the model's keys), then
+    ``rope_cos_{i}``/``rope_sin_{i}`` for each layer override ``i`` (``rope_variants``)."""
+    out = {}
+    for i, rope in enumerate(rope_variants(cfg)):
+        cos, sin = rope_tables(dataclasses.replace(cfg, **dict(rope)) if rope else cfg)
+        suffix = f"_{i}" if i else ""
+        out["rope_cos" + suffix], out["rope_sin" + suffix] = cos, sin
+    return out
 
 
 def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,11 +188,13 @@ class CoreAttention(nn.Module):
     S x S mask); ``dense = True`` is the S x S-mask reference the tests compare it with.
     """
 
-    def __init__(self, dense: bool = False):
+    def __init__(self, dense: bool = False, window: int = 0, scale: float | None = None):
         super().__init__()
         self.dense = dense
+        self.window = window  # > 0: sliding-window attention (each query's `window` latest keys)
+        self.scale = scale  # softmax scale; None = 1/sqrt(head_dim)
         # Transformer.forward plans the micro-batch's windows once with this tile.
-        self.document_tile = None if dense else DOCUMENT_TILE
+        self.document_tile = None if (dense or window) else DOCUMENT_TILE
 
     def forward(self, q, k, v, positions=None, doc_ids=None):
         width = v.shape[-1]
@@ -159,27 +204,31 @@ class CoreAttention(nn.Module):
             # scores in fp32; as Hugging Face pads v for FlashAttention-2
             v = F.pad(v, (0, q.shape[-1] - width))
             return self.forward(q, k, v, positions, doc_ids)[..., :width]
+        if self.window:
+            return window_attention(q, k, v, self.window, positions, doc_ids, self.scale)
         if doc_ids is not None and not self.dense:
-            return document_attention(q, k, v, positions, doc_ids, self.document_tile)
+            return document_attention(q, k, v, positions, doc_ids, self.document_tile, scale=self.scale)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if doc_ids is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
         else:
             pos = positions if positions is not None else torch.arange(q.shape[2], device=q.device).expand(
                 q.shape[0], -1
             )
             mask = document_causal_mask(doc_ids, doc_ids, pos, pos)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
         return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
     """Grouped-query attention. ``head_dim`` may differ from dim/n_heads (Qwen3); q/k/v may
     carry biases without the output projection (``qkv_bias``, Qwen2); ``qk_norm`` applies an
-    RMSNorm over each head's features of q and k before RoPE (Qwen3)."""
+    RMSNorm over each head's features of q and k before RoPE (Qwen3; the model's RMS norm
+    variant). Layer ``layer_id``'s ``registry.layer_attention`` may give it a sliding window
+    and a softmax scale (its RoPE table is the block's)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
@@ -190,9 +239,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.core = CoreAttention()
+        head_norm = rms_norm_class(cfg)
+        self.q_norm = head_norm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = head_norm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        spec = registry.layer_attention(cfg, layer_id)
+        self.core = CoreAttention(window=spec.window, scale=spec.scale or None)
 
     def forward(self, x, rope, positions=None, doc_ids=None):
         out = self.attend(self.wq(x), self.wk(x), self.wv(x), rope, positions, doc_ids)
@@ -215,7 +266,7 @@ class Attention(nn.Module):
 
 def grouped_query_attention(cfg: ModelConfig, layer_id: int, parts) -> Attention:
     """The ``gqa`` attention kind's builder (``models/dense/__init__.py`` registers it)."""
-    return Attention(cfg)
+    return Attention(cfg, layer_id)
 
 
 # The shared pieces an attention kind's builder composes (registry.AttentionKind.build): the
@@ -224,9 +275,14 @@ BLOCK_PARTS = SimpleNamespace(rms_norm=RMSNorm, core=CoreAttention, rotary=apply
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block; with ``registry.post_norms`` the attention and feed-forward outputs are
+    normalised too before the residual add (``post_attention_norm``, ``post_ffn_norm``; None
+    otherwise). ``rope_index``: which of the model's RoPE tables the layer takes."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
+        self.rope_index = rope_variants(cfg).index(registry.layer_attention(cfg, layer_id).rope)
         self.attention_norm = make_norm(cfg)
         # the attention kind the config asks for (registry: gqa, or a family's, e.g. mla)
         self.attention = registry.load(registry.attention_of(cfg).build)(cfg, layer_id, BLOCK_PARTS)
@@ -235,10 +291,15 @@ class TransformerBlock(nn.Module):
             self.feed_forward = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim, cfg.mlp, cfg.bias)
+        post = registry.post_norms(cfg)
+        self.post_attention_norm = make_norm(cfg) if post else None
+        self.post_ffn_norm = make_norm(cfg) if post else None
 
     def forward(self, x, rope, positions=None, doc_ids=None):
-        h = x + self.attention(self.attention_norm(x), rope, positions, doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), rope, positions, doc_ids)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class Transformer(nn.Module):
@@ -261,14 +322,16 @@ class Transformer(nn.Module):
             self.add_module(head.name, registry.load(head.build)(cfg, make_norm, lambda i: TransformerBlock(cfg, i))
                             if head.active(cfg) else None)
         self.embedding_scale = registry.embedding_scale(cfg)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, table in rope_buffers(cfg).items():  # rope_cos/rope_sin, then a table per layer override
+            self.register_buffer(name, table, persistent=False)
+        self.n_ropes = len(rope_variants(cfg))
 
-    def _rope(self, positions, seq, device):
+    def _rope(self, positions, seq, device, index: int = 0):
+        suffix = f"_{index}" if index else ""
+        cos, sin = getattr(self, "rope_cos" + suffix), getattr(self, "rope_sin" + suffix)
         if positions is None:
-            return self.rope_cos[:seq].unsqueeze(0), self.rope_sin[:seq].unsqueeze(0)
-        return self.rope_cos[positions], self.rope_sin[positions]
+            return cos[:seq].unsqueeze(0), sin[:seq].unsqueeze(0)
+        return cos[positions], sin[positions]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, ids: torch.Tensor | None = None):
@@ -285,14 +348,16 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             pos = positions if positions is not None else torch.arange(seq, device=h.device)
             h = h + self.pos_embeddings(pos)
-        rope = self._rope(positions, seq, h.device)
+        ropes = [self._rope(positions, seq, h.device, i) for i in range(self.n_ropes)]
+        rope = ropes[0]
         if doc_ids is not None:  # the documents' attention windows: once per micro-batch, not per layer
-            tile = next((getattr(layer.attention.core, "document_tile", None) for layer in self.layers.values()), None)
+            tiles = (getattr(layer.attention.core, "document_tile", None) for layer in self.layers.values())
+            tile = next((t for t in tiles if t is not None), None)  # (windowed layers plan none)
             if tile is not None:
                 qk, v = registry.attention_of(self.cfg).widths(self.cfg)
                 document_plan(doc_ids, positions, tile).prepare(flash_varlen_ok(h, compute_dtype(h), qk, v))
         for layer in self.layers.values():
-            h = layer(h, rope, positions, doc_ids)
+            h = layer(h, ropes[layer.rope_index], positions, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         out = self.project(h)
@@ -372,7 +437,7 @@ def fill_initial_(out: torch.Tensor, name: str, shape: tuple[int, ...], offset: 
     if leaf == "bias":
         return out.zero_()
     if "norm" in name:
-        return out.fill_(1.0)
+        return out.fill_(norm_start(cfg))
     if out.numel() == 0:
         return out
     std = init_std(name, cfg)
@@ -417,9 +482,9 @@ def init_buffers(model: nn.Module, cfg: ModelConfig) -> None:
     built on the meta device is given storage, they hold garbage."""
     for module in model.modules():
         if isinstance(module, Transformer):
-            cos, sin = rope_tables(cfg)  # with the model's RoPE scaling
-            module.rope_cos.copy_(cos.to(module.rope_cos.dtype))
-            module.rope_sin.copy_(sin.to(module.rope_sin.dtype))
+            for name, table in rope_buffers(cfg).items():  # with the model's (and layers') RoPE keys
+                buf = getattr(module, name)
+                buf.copy_(table.to(buf.dtype))
     for name, buf in model.named_buffers():
         if name.endswith("expert_bias"):
             buf.zero_()

@@ -40,6 +40,23 @@ class AttentionKind:
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """How one layer's attention differs from the model-wide default (a family's
+    ``layer_attention`` hook says, per layer index). ``window`` > 0: each query sees only its
+    ``window`` latest keys, itself included (sliding-window attention; 0 = the whole causal
+    context); ``rope``: the ``[model]`` RoPE keys this layer uses instead of the model's, as
+    (key, value) pairs (its own base, its own scaling); ``scale``: the softmax scale (0 =
+    1/sqrt(the q/k head width))."""
+
+    window: int = 0
+    rope: tuple[tuple[str, Any], ...] = ()
+    scale: float = 0.0
+
+
+PLAIN_LAYER = LayerAttention()
+
+
+@dataclass(frozen=True)
 class Head:
     """Extra output heads after the last layer (multi-token prediction), a submodule of the
     ``Transformer`` named ``name`` (None when ``active`` is false). ``build``: ``"module:fn"``,
@@ -62,7 +79,10 @@ class Family:
     ``ConfigError`` for those keys; ``presets``: name -> ``[model]`` values; ``hf``: its Hugging
     Face adapter (``models/hf_adapter.py``'s protocol) or None; ``attention`` / ``heads``: the
     blocks it provides; ``norms``: norm name (``model.norm``) -> ``"module:Class"``
-    (``Class(dim, eps)``); ``embedding_scale``: a factor on the token embeddings (1 = none)."""
+    (``Class(dim, eps)``); ``embedding_scale``: a factor on the token embeddings (1 = none);
+    ``layer_attention(cfg, layer)``: a ``LayerAttention`` for the layers of its configs (None
+    for configs not its own); ``post_norms(cfg)``: whether blocks also normalise the attention
+    and feed-forward outputs before the residual add (four norms per block)."""
 
     name: str
     sections: tuple[type, ...] = ()
@@ -73,6 +93,8 @@ class Family:
     heads: tuple[Head, ...] = ()
     norms: Mapping[str, str] = field(default_factory=dict)
     embedding_scale: Callable[[ModelConfig], float] | None = None
+    layer_attention: Callable[[ModelConfig, int], LayerAttention | None] | None = None
+    post_norms: Callable[[ModelConfig], bool] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -136,6 +158,21 @@ def embedding_scale(cfg: ModelConfig) -> float:
         if f.embedding_scale is not None:
             scale *= f.embedding_scale(cfg)
     return scale
+
+
+def layer_attention(cfg: ModelConfig, layer: int) -> LayerAttention:
+    """Layer ``layer``'s attention (window, RoPE, softmax scale): the first family's that
+    claims the config, else the plain causal one."""
+    for f in _FAMILIES.values():
+        if f.layer_attention is not None:
+            spec = f.layer_attention(cfg, layer)
+            if spec is not None:
+                return spec
+    return PLAIN_LAYER
+
+
+def post_norms(cfg: ModelConfig) -> bool:
+    return any(f.post_norms(cfg) for f in _FAMILIES.values() if f.post_norms is not None)
 
 
 def hf_adapters() -> tuple[Any, ...]:

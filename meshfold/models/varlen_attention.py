@@ -77,7 +77,8 @@ def use_varlen_attention(model: nn.Module, spread=None) -> int:
     """Swap every plain ``CoreAttention`` for ``VarlenCoreAttention``; returns how many."""
     n = 0
     for module in model.modules():
-        if isinstance(module, Attention) and type(module.core) is CoreAttention:
+        if (isinstance(module, Attention) and type(module.core) is CoreAttention and not module.core.window
+                and module.core.scale is None):  # (windowed or rescaled layers keep their own)
             module.core = VarlenCoreAttention(spread)
             n += 1
     return n

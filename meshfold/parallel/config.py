@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError, divisors
+from meshfold.models import registry
 from meshfold.parallel.facts import mtp
 from meshfold.parallel.facts.attention import ATTENTION_LAYOUTS, local_heads, ulysses_degree, ulysses_fits
 from meshfold.schedules import get_schedule
@@ -30,6 +31,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.moe_seq_aux_loss_coef > 0 (sequence-wise balance loss) needs whole sequences on a "
                           "rank; use parallel.cp = 1 or moe_seq_aux_loss_coef = 0")
     ATTENTION_LAYOUTS[m.attention].check(cfg)  # the attention variant's own rules (facts/attention.py)
+    if p.cp > 1:
+        check_plain_layers(m)
     # Tensor parallel: heads split across tp ranks.
     if p.tp > 1:
         if p.tp > m.n_heads:
@@ -101,6 +104,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
     if p.ep > 1 and p.zero < 2:
         check_expert_data_parallel(cfg)
+
+
+def check_plain_layers(m) -> None:
+    """Context parallel's ring and Ulysses attention is plain causal softmax(QK^T / sqrt(d)):
+    layers with a sliding window or their own softmax scale (``registry.layer_attention``)
+    are refused, never computed wrongly."""
+    for layer in range(m.n_layers):
+        spec = registry.layer_attention(m, layer)
+        if spec.window or spec.scale:
+            what = f"a sliding window of {spec.window}" if spec.window else f"softmax scale {spec.scale}"
+            raise ConfigError(f"parallel.cp > 1 is not supported with layer {layer}'s attention ({what}): context "
+                              f"parallel attends the whole causal context; use parallel.cp = 1")
 
 
 def check_expert_data_parallel(cfg: Config) -> None:

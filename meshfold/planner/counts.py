@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from meshfold.errors import ConfigError
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import attention_params, mlp_params
 from meshfold.planner.attention import attention_terms
@@ -103,7 +104,7 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
         return None
     h, hd, V = m.dim, m.head_dim, m.vocab_size
     kv_tp = tp if m.kv_heads % tp == 0 else 1  # replicated wk, wv when the kv heads do not split
-    ffn = [h * m.hidden_dim / tp] * (3 if m.mlp == "swiglu" else 2)
+    ffn = [h * m.hidden_dim / tp] * (3 if m.gated_mlp else 2)
     block = [h, h * m.n_heads * hd / tp, h * m.kv_heads * hd / kv_tp, h * m.kv_heads * hd / kv_tp,
              m.n_heads * hd * h / tp, h] + ffn
     sizes = ([V * h / tp] if first else []) + block * layers
@@ -125,7 +126,7 @@ def moe_chunk_param_sizes(m: ModelConfig, layers: int, first: bool, last: bool,
         return None
     h, V = m.dim, m.vocab_size
     attention = attention_terms(m).param_sizes(m)
-    mats = 3 if m.mlp == "swiglu" else 2
+    mats = 3 if m.gated_mlp else 2
 
     def block(layer: int) -> list[tuple[float, bool]]:
         out = [(h, False)] + [(x, False) for x in attention] + [(h, False)]
@@ -185,7 +186,7 @@ def autocast_input_copies(m: ModelConfig, s: int, b: int, act: int, tp: int, sp:
     reads them (q, k, v; w1 and w3, or w1), for one micro-batch of one layer. Not made under
     FSDP2's bf16 mixed precision, which casts each block's input to bf16 itself (the norm
     then keeps a bf16 output, which the projections share: within the norm's 8h + 4)."""
-    return (3 + (2 if m.mlp == "swiglu" else 1)) * act * s * b * m.dim / (tp if sp else 1)
+    return (3 + (2 if m.gated_mlp else 1)) * act * s * b * m.dim / (tp if sp else 1)
 
 
 def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, recompute: str,
@@ -217,6 +218,8 @@ def layer_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, re
     if amp:
         replicated = s * b * 2 * (8 * h + 4) + autocast_input_copies(m, s, b, act, 1, False) \
             + (2 * s * b * h if dropout else 0)
+    if registry.post_norms(m):  # the attention and MLP outputs' norms keep their inputs too
+        replicated += s * b * 2 * (8 * h + 4) if amp else 2 * act * s * b * h
     # Split over tp ranks: Q, K, V, attention output (input of the out-projection), the MLP
     # hidden activations (GELU: fc1 output and GELU output; SwiGLU: gate, silu(gate), up,
     # product), and the attention output dropout mask.
@@ -254,7 +257,7 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
     q = m.n_heads * hd / tp
     kv = m.kv_heads * hd / tp if m.kv_heads % tp == 0 else hd  # replicated kv: one head per rank
     f = m.hidden_dim / tp
-    widths = [q, kv, kv, h] + ([f, f, h] if m.mlp == "swiglu" else [f, h])
+    widths = [q, kv, kv, h] + ([f, f, h] if m.gated_mlp else [f, h])
     kept = act * s * b * sum(widths[0::2])
     attention = (act * q + max(4, act) * m.n_heads / tp) * s * b if flash else 0.0
     block_input = act * s * b * h / (tp if sp else 1)  # the bf16 residual stream under amp too

@@ -52,7 +52,7 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
     h = m.dim
     out = attention_terms(m).gemms(m, tp)  # the attention's, by its kind (planner/attention)
     f = (m.moe_topk * m.expert_dim + m.moe_shared_experts * m.expert_dim) if moe else m.hidden_dim
-    if m.mlp == "swiglu":
+    if m.gated_mlp:
         out += [(f / tp, h), (f / tp, h), (h, f / tp)]
     else:
         out += [(f / tp, h), (h, f / tp)]
@@ -85,7 +85,7 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
     hq = m.n_heads * m.head_dim / tp
     hk = m.kv_heads * m.head_dim / min(tp, m.kv_heads) if m.kv_heads % tp else m.kv_heads * m.head_dim / tp
     f = ((m.moe_topk + m.moe_shared_experts) * m.expert_dim if moe else m.hidden_dim) / tp
-    swiglu = m.mlp == "swiglu"
+    swiglu = m.gated_mlp
     rope = m.pos == "rope"
     scores = 0.0 if flash else (m.n_heads / tp) * s  # score elements per token
     drop = 1.0 if dropout else 0.0

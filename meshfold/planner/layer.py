@@ -6,6 +6,7 @@ What differs between attention kinds comes from ``planner/attention``."""
 
 from __future__ import annotations
 
+from meshfold.models.counts import attention_share
 from meshfold.models.presets import ffn_params
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
@@ -88,6 +89,11 @@ class LayerCosts:
         else:
             attn_f = attn_core / (peak * eff)
             attn_b = 2 * attn_f
+        share = self.__dict__.get("_attention_share")
+        if share is None:  # sliding-window layers: their band only (1.0 without), once per model
+            share = self._attention_share = attention_share(m, s, self.causal < 1)
+        if share != 1.0:
+            attn_f, attn_b = attn_f * share, attn_b * share
         # memory-bound work, bytes over the bandwidth streaming kernels reach; backward
         # twice forward (an elementwise op's gradient reads the output gradient and its
         # saved operands and writes one gradient per operand)

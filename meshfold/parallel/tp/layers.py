@@ -56,10 +56,10 @@ class TensorParallelFeedForward(FeedForward):
         if self.w3 is not None:
             a, b = column_linears(tp, x, [local(self.w1.weight), local(self.w3.weight)],
                                   [local(self.w1.bias), local(self.w3.bias)])
-            h = F.silu(a) * b
+            h = self.activate(a) * b
         else:
             (a,) = column_linears(tp, x, [local(self.w1.weight)], [local(self.w1.bias)])
-            h = F.gelu(a, approximate="tanh")
+            h = self.activate(a)
         out = tp.leave(F.linear(h, local(self.w2.weight)))
         if self.w2.bias is not None:
             out = out + tp.replicated(self.w2.bias)
@@ -73,7 +73,7 @@ class TensorParallelRMSNorm(RMSNorm):
         dtype = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(dtype)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.tp.replicated(self.weight)
+        return out.to(x.dtype) * self.gain(self.tp.replicated(self.weight))
 
 
 class TensorParallelHeadNorm(RMSNorm):
@@ -86,7 +86,7 @@ class TensorParallelHeadNorm(RMSNorm):
         dtype = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(dtype)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * self.tp.grad_sum(local(self.weight))
+        return out.to(x.dtype) * self.gain(self.tp.grad_sum(local(self.weight)))
 
 
 class TensorParallelLayerNorm(nn.LayerNorm):

@@ -114,8 +114,8 @@ EXTRA_HEAD_PLANS = {
 
 def parallelize_block(block: nn.Module, tp: TensorParallelGroup, attention: str) -> None:
     """A decoder block's plan; ``attention``: ``ModelConfig.attention``, its variant's key."""
-    parallelize_norm(block.attention_norm, tp)
-    parallelize_norm(block.ffn_norm, tp)
+    for norm in (block.attention_norm, block.ffn_norm, block.post_attention_norm, block.post_ffn_norm):
+        parallelize_norm(norm, tp)  # (the post norms are None unless the model has them)
     ATTENTION_PLANS[attention](block.attention, tp)
     if type(block.feed_forward) is FeedForward:
         parallelize_ffn(block.feed_forward, tp)
