@@ -21,7 +21,6 @@ from meshfold.planner.counts import (
 from meshfold.planner.terms import LayerTerms, TpCalls
 from meshfold.planner.workload import Layout
 from meshfold.ring import FACTORS as RING
-from meshfold.schedule import chunks_per_rank, stage_of
 
 
 def tp_counts(m: ModelConfig, tp: int, sp: bool, recompute: str, act: int, tokens: int, s: int, b: int,
@@ -106,14 +105,14 @@ class Traffic:
         """Rank 0's collectives in one optimizer step, by mesh dimension as the runtime's
         communication ledger names them: ``{dim: {"count": calls, "bytes": sent}}``, bytes
         in ``meshfold/ring.py``'s ring convention (FACTORS, as ``comm.py`` counts), one count per collective call
-        or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
-        also the last stage). Not counted (as the runtime's ledger does not count them:
+        or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or where the
+        schedule lays the last stage there, zbv's V, also the last stage). Not counted (as the runtime's ledger does not count them:
         ``dim=None`` in comm.py): the step's control scalars (token count, loss sum, gradient norm)."""
         w = self.w
         pb, gb, _, act = DTYPE_BYTES[w.dtype]
         tp, pp, cp = L.tp, L.pp, L.cp
-        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
-        last_on_rank0 = pp == 1 or L.pp_schedule == "zbv"
+        chunks = L.schedule.chunks_per_rank(L.pp_virtual_stages) if pp > 1 else 1
+        last_on_rank0 = self.stage_kinds(L)[1] == 0
         layers0 = stage_layers[0]  # all of rank 0's chunks
         out: dict[str, list] = {}
 
@@ -170,16 +169,14 @@ class Traffic:
                     sizes = None if every is None else [e for e, _ in every]
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
-            elif L.pp_schedule != "zbv" and moe_sizes is None:
-                # GradReducer: greedy per parameter
+            elif (pp == 1 or not last_on_rank0) and moe_sizes is None:
+                # GradReducer: greedy per parameter, over each chunk of rank 0 (the first
+                # stage's; a rank 0 holding the last stage too is estimated, as above)
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
-                elif L.pp_schedule == "interleaved":
-                    split = self.stage_split(L)
-                    shapes = [(split[stage_of(L.pp_schedule, pp, 0, c)], c == 0, False)
-                              for c in range(L.pp_virtual_stages)]
                 else:
-                    shapes = [(layers0, True, False)]
+                    split = self.stage_split(L)
+                    shapes = [(split[L.schedule.stage_of(pp, 0, c)], c == 0, False) for c in range(chunks)]
                 sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
                 if all(x is not None for x in sizes):
                     calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
@@ -207,10 +204,9 @@ class Traffic:
         # pipeline: activations to the next stage, gradients to the previous one, per
         # micro-batch and chunk; then the loss and the bubble statistics over pp
         if pp > 1:
-            if L.pp_schedule == "zbv":
-                sends = 2  # stage 0 sends activations, stage 2p-1 (the last) gradients
-            else:
-                sends = 2 * chunks - 1  # every chunk sends forward; all but stage 0 backward
+            # (every chunk sends forward, all but stage 0 backward; under zbv's V stage 0
+            # sends activations and stage 2p-1, the last, gradients)
+            sends = L.schedule.sends_per_microbatch(pp, L.virtual, 0)
             add("pp", n_micro * sends, n_micro * sends * T.traffic.p2p_bytes)
             # one all-gather of [loss sum, busy, start, end] (float64) per pp rank
             add("pp", 1, RING["all_gather"](pp) * 32 * pp)
