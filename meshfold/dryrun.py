@@ -84,7 +84,8 @@ from meshfold.parallel.pp.stage_modules import stage_split
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel
-from meshfold.schedule import chunks_per_rank, held_counts, held_peak, rank_grad_moments, stage_of
+from meshfold.schedules.by_name import chunks_per_rank, rank_grad_moments, stage_of
+from meshfold.schedules.held import held_counts, held_peak
 from meshfold.train.feature import Features, RunParts
 from meshfold.train.mtp import build_mtp
 from meshfold.train.progress import Progress

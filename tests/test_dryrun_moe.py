@@ -23,7 +23,8 @@ MOE = {"moe_experts": 8, "moe_topk": 2}
 
 
 def test_balanced_counts_seam_is_bincount_on_real_tensors_and_balanced_on_fake_ones():
-    from meshfold.models.moe import balanced_counts, count_rows, read_counts
+    from meshfold.models.moe import balanced_counts
+    from meshfold.models.moe_experts import count_rows, read_counts
 
     assert balanced_counts(12, 8) == [2, 2, 2, 2, 1, 1, 1, 1] and sum(balanced_counts(1000, 7)) == 1000
     key = torch.tensor([3, 0, 3, 5, 0, 3])

@@ -11,7 +11,7 @@ import math
 
 from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
-from meshfold.models.presets import attention_params, mlp_params
+from meshfold.models.counts import attention_params, mlp_params
 from meshfold.planner.attention import attention_terms
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes

@@ -6,7 +6,7 @@ What differs between attention kinds comes from ``planner/attention``."""
 
 from __future__ import annotations
 
-from meshfold.models.presets import ffn_params
+from meshfold.models.counts import ffn_params
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
     DTYPE_BYTES,

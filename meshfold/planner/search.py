@@ -30,7 +30,8 @@ from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
-from meshfold.planner.cost import EP_CHUNKS, CostModel, Estimate, Layout, Workload
+from meshfold.planner.bounds import EP_CHUNKS
+from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.planner.workload import DEFAULT_SCHEDULE
 from meshfold.schedules import all_schedules, get_schedule
 

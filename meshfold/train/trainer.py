@@ -31,7 +31,7 @@ from meshfold.data.prepared import check_verified
 from meshfold.device import resolve_device, resolve_dtypes
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
-from meshfold.models.presets import flops_per_token
+from meshfold.models.counts import flops_per_token
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.cp.batch import shard_for_context_parallel
 from meshfold.parallel.dp.plan import uses_ddp, uses_grad_reducer

@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from meshfold.models.mla import MLAttention
+from meshfold.models.deepseek.mla import MLAttention
 from meshfold.parallel.cp.groups import ContextParallelPlan
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from meshfold.models.mla import MLAttention
+from meshfold.models.deepseek.mla import MLAttention
 from meshfold.parallel.tp.collectives import TensorParallelGroup, column_linears, local, wire_dtype
 from meshfold.parallel.tp.placement import distribute, parallelize_norm, swap_class
 

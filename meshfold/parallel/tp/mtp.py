@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate
 
-from meshfold.models.mtp import MTPModule
+from meshfold.models.deepseek.mtp import MTPModule
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 from meshfold.parallel.tp.layers import ReplicatedLinear
 from meshfold.parallel.tp.placement import distribute, parallelize_norm, swap_class
