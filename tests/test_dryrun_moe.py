@@ -157,7 +157,7 @@ def test_moe_dry_runs_agree_with_planner(tmp_path):
 
 
 def test_latent_attention_under_tp_agrees_with_planner():
-    # DeepSeek's latent attention with its heads split over tp (parallel/tensor.py): the
+    # DeepSeek's latent attention with its heads split over tp (parallel/tp/mla.py): the
     # latent gathered (sp) or entered instead of the block input, the down-projections whole
     # on every rank; low-rank and full-rank q, each recompute mode, with MoE blocks. Width
     # 512, head widths 64 + 32 (v 64, zero-padded to 96 for the fused kernel).

@@ -1,4 +1,4 @@
-"""Multi-token prediction (models/mtp.py): the loss against a hand-written reference of
+"""Multi-token prediction (models/deepseek/mtp.py): the loss against a hand-written reference of
 DeepSeek-V3's formula (each depth run on the sequence truncated by k, as the paper writes
 it), float64; pipeline parallel against one process (losses, parameters, gradients:
 rtol 1e-9, atol 1e-11); the metric; config errors."""

@@ -24,7 +24,7 @@ Auxiliary losses (added to the training loss by the trainer through ``moe_aux_lo
                                                  sigmoid scores divided by their row sum)
     L_z   = z * mean over tokens of logsumexp(logits)^2
 
-f and N are *global*: ``reduce_stats`` (injected by ``parallel/expert.py``; the identity in a
+f and N are *global*: ``reduce_stats`` (injected by ``parallel/ep/plan.py``; the identity in a
 one-process run) sums the per-expert counts over every data-parallel (and context-parallel)
 rank, so each rank's term uses the global-batch f ("Demons in the Detail", Qiu et al. 2025)
 and the rank terms add up to exactly the one-process value. Under gradient accumulation f

@@ -136,7 +136,7 @@ def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
 
 def _matmul_active(m: ModelConfig) -> float:
     """Parameters in a matmul per token in training: the layers, the output head, and each
-    multi-token prediction depth's block, eh_proj and head (``presets.flops_per_token``)."""
+    multi-token prediction depth's block, eh_proj and head (``models/counts.py: flops_per_token``)."""
     total = m.vocab_size * m.dim
     for i in range(m.n_layers):
         total += attention_params(m) + ffn_params(m, i, active=True)

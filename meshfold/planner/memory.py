@@ -243,7 +243,7 @@ class Memory:
                       accumulate: bool) -> dict:
         """``model_state_bytes`` of a pipeline rank with ``params`` parameters: sharded over
         dp_shard x cp, except (ep > 1) the routed experts of its ``moe_layers`` MoE layers, an
-        own FSDP group over the edp = dp x cp / ep ranks (``parallel/expert.py``)."""
+        own FSDP group over the edp = dp x cp / ep ranks (``parallel/ep/plan.py``)."""
         n_shard = L.dp_shard * L.cp
         experts = moe_layers * T.params.expert_p
         states = model_state_bytes(params - experts, zero, n_shard, self.w.dtype, accumulate)
@@ -267,7 +267,7 @@ class Memory:
         """The routed experts' bytes per rank (held, all-gathered, reduce-scattered) relative to
         their even share over the edp ranks. Each stacked expert weight [E_l, out, in]
         (E_l = E / (ep tp) local experts) is sharded on the dimension
-        ``parallel/expert_shard.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
+        ``parallel/facts/sizes.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
         edp divides E_l, out or in; else dim 0 padded to ceil(E_l / edp) experts per rank."""
         m = self.w.model
         E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep

@@ -18,7 +18,7 @@ class PipelineTime:
     """``CostModel``'s pipeline stages and schedule time."""
 
     def stage_split(self, L: Layout) -> list[int]:
-        """Blocks per pipeline stage (stage order), as ``parallel/stages.py::stage_split``
+        """Blocks per pipeline stage (stage order), as ``parallel/pp/stage_modules.py::stage_split``
         builds them; cached per (stages, pp_split) -- the model is fixed per CostModel."""
         n = L.pp * L.schedule.chunks_per_rank(L.pp_virtual_stages) if L.pp > 1 else 1
         key = (n, tuple(L.pp_split))

@@ -115,7 +115,7 @@ def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     # (ep > 1: zero >= 2 shards the experts with FSDP over edp; zero 0/1 reduce them over edp,
-    # ZeRO-1 shards their Adam state there: parallel/expert.py)
+    # ZeRO-1 shards their Adam state there: parallel/ep/plan.py)
     scheds = schedules(w, pp, n_micro, gpipe)
     chunks = EP_CHUNKS if ep > 1 else (1,)
     for zero in zero_stages(st):

@@ -29,7 +29,7 @@ def tp_counts(m: ModelConfig, tp: int, sp: bool, recompute: str, act: int, token
     the first stage's, the last stage's), for ``tokens`` tokens of ``b`` sequences of ``s``."""
     h = m.dim
     attn_kind = attention_terms(m)
-    # Calls and bytes each tp collective of the runtime (parallel/tensor.py, loss.py)
+    # Calls and bytes each tp collective of the runtime (parallel/tp/, loss.py)
     # sends, per micro-batch: per layer, on the first stage, on the last stage, each as
     # (calls, activation bytes, weight-gradient elements): activations (and their
     # gradients) cross the tp link in the compute dtype (``act``: bf16 under autocast,
@@ -58,12 +58,12 @@ def tp_counts(m: ModelConfig, tp: int, sp: bool, recompute: str, act: int, token
             weights += 2 * m.head_dim
         tp_layer = TpCalls(calls, sent, r_ar * weights)
         shared = 1 if m.moe_shared_experts else 0
-        gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/expert.py)
+        gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/ep/dispatch.py)
         if has_moe and not sp:  # a MoE block: its gates' gradient summed over tp in
             # backward (the expert output leaves, its input enters like a dense MLP's), and the
             # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
             tp_moe = TpCalls(1 + 2 * shared, r_ar * (gates + 2 * shared * A), 0.0)
-        elif has_moe:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
+        elif has_moe:  # a MoE block under sp (parallel/ep/dispatch.py ``tokens_in``/``_out``),
             # in place of the dense MLP's 5 calls (2.5 all-reduces of A) counted in tp_layer: the
             # tokens gathered (AG fwd, RS bwd; not re-gathered), the chosen experts (int64, AG)
             # and the gates (AG fwd, RS bwd, compute dtype), the per-token sums scattered back (RS
@@ -147,7 +147,7 @@ class Traffic:
             if n_rep > 1:
                 add("dp", modules, RING["all_reduce"](n_rep) * (P0 - E0) * wr / n_shard)
         elif n_all > 1:
-            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py);
+            # under pp each of the rank's chunks has its own bucketed reducer (parallel/dp/replicate.py);
             # with ep > 1 the routed experts have reducers of their own over edp (and, ZeRO-1,
             # their own ShardedAdamW over edp), the rest goes over dp x cp
             E0, edp = (moe0 * T.params.expert_p, n_all // L.ep) if L.ep > 1 else (0.0, 1)
@@ -190,7 +190,7 @@ class Traffic:
                 add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * (P0 - E0) * zb)
                 if E0 and edp > 1:
                     add("dp", 1, RING["all_gather"](edp) * E0 * zb)
-        # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
+        # tensor parallel: per layer, around the layers, loss (parallel/tp/, loss.py)
         if tp > 1:
             grad = tp_grad_bytes(w.dtype)
             moe_layers0 = stages[0].get(True, 0)
@@ -212,7 +212,7 @@ class Traffic:
             add("pp", 1, RING["all_gather"](pp) * 32 * pp)
             # the embedding's gradient, exchanged with the last stage's copy (multi-token prediction)
             add("pp", mtp.embedding_exchanges(w.model, last_on_rank0), T.params.emb * gb)
-        # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
+        # context parallel (parallel/cp/): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch and chunk; the work counter per step
         if cp > 1:
             # the collectives recompute issues again: the block's forward ones (full, op), or the

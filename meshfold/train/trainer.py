@@ -144,7 +144,7 @@ class Trainer:
         """This rank's model (or pipeline stages) and the step engine that runs it."""
         torch.manual_seed(self.cfg.train.seed)
         cfg, dims = self.cfg, self.dims
-        if cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
+        if cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pp/
             pipe = Pipeline(cfg, dims, self.device, self.param_dtype, self.autocast_dtype or self.param_dtype,
                             announce=self.announce_split)
             return PipelineEngine(pipe, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
@@ -159,7 +159,7 @@ class Trainer:
     def build_optimizer(self, device_type: str) -> torch.optim.Optimizer:
         """AdamW, ZeRO-1 sharded over dp_shard_cp where ``parallel.zero = 1`` shards it.
         Under bf16 compute ZeRO-1 gathers bf16 parameters straight into the step's compute
-        weights (``parallel/optim.py::ShardedAdamW``), except where a feature reads or writes
+        weights (``optim/sharded.py::ShardedAdamW``), except where a feature reads or writes
         the fp32 parameters between steps or replaces the optimizer (``touches_master_weights``:
         low-communication methods, 1-bit Adam, live recovery): those keep the fp32 gather."""
         cfg, t = self.cfg, self.cfg.train

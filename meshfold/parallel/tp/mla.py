@@ -1,4 +1,4 @@
-"""Tensor parallel for multi-head latent attention (``models/mla.py``), registered in
+"""Tensor parallel for multi-head latent attention (``models/deepseek/mla.py``), registered in
 ``parallel/tp/plan.py``'s ``ATTENTION_PLANS`` under ``"mla"``."""
 
 from __future__ import annotations
