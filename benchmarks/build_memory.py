@@ -41,7 +41,8 @@ def _available_bytes() -> int:
 
 
 def run_case(preset: str, procs: int, run_dir: str) -> bool:
-    from meshfold.models.presets import param_count, preset as preset_config
+    from meshfold.models.counts import param_count
+    from meshfold.models.presets import preset as preset_config
     from meshfold.testing import run_on, tiny_config
 
     model = preset_config(preset)

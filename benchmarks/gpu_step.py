@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from meshfold.config import Config, validate  # noqa: E402
 from meshfold.models import attention_ops  # noqa: E402
-from meshfold.models.presets import flops_per_token, param_count, preset  # noqa: E402
+from meshfold.models.counts import flops_per_token, param_count  # noqa: E402
+from meshfold.models.presets import preset  # noqa: E402
 from meshfold.train.trainer import Trainer  # noqa: E402
 
 T0 = time.time()

@@ -160,7 +160,7 @@ def bench_docs(steps: int, quick: bool = False) -> dict:
 def _previous_experts_forward(self, x, counts, groups=None, gates=None):
     """Before issue 18: one expert at a time after a host read of the counts (the gates
     applied where the current kernel applies them, so only the expert loop differs)."""
-    from meshfold.models.moe import _local
+    from meshfold.models.moe_experts import _local
 
     w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
     outs = []

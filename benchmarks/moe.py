@@ -123,7 +123,7 @@ def a2a_bytes(world: int, ep_list: list[int], steps: int) -> None:
 
 def step_times(steps: int) -> None:
     from meshfold.config import from_dict
-    from meshfold.models.presets import param_count
+    from meshfold.models.counts import param_count
     from meshfold.train.trainer import Trainer
 
     torch.set_num_threads(1)

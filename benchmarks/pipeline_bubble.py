@@ -47,7 +47,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from meshfold.parallel.pp.timeline_plot import TIMELINE_FILE
-    from meshfold.schedule import bubble_fractions, schedule_actions, simulate, theoretical_bubble
+    from meshfold.schedules import get_schedule
+    from meshfold.schedules.simulate import bubble_fractions, simulate
     from meshfold.testing import run_on
 
     rows = []
@@ -71,9 +72,10 @@ def main() -> int:
             events = [e for rec in steps for e in rec["events"]]
             cost = {k: statistics.mean([e["end"] - e["start"] for e in events if e["kind"] == k] or [0.0])
                     for k in "FBW"}
-            orders = schedule_actions(schedule, args.pp, virtual, args.microbatches)
-            replay = bubble_fractions(simulate(schedule, orders, cost))
-            rows.append((schedule, virtual, theoretical_bubble(schedule, args.pp, virtual, args.microbatches),
+            sched = get_schedule(schedule)
+            orders = sched.actions(args.pp, virtual, args.microbatches)
+            replay = bubble_fractions(simulate(sched, orders, cost))
+            rows.append((schedule, virtual, sched.theoretical_bubble(args.pp, virtual, args.microbatches),
                          sum(replay.values()) / len(replay),
                          statistics.median(r["bubble_frac"] for r in records), stages,
                          statistics.median(r["step_time_s"] for r in records), cost))

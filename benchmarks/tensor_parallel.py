@@ -3,7 +3,7 @@
 On tp = 2 real gloo processes, one forward+backward (with the vocabulary-parallel loss) of
 the same Llama, from the same initial weights and batch, under two implementations:
 
-* meshfold: ``parallel/tensor.py`` (explicit autograd collectives on local shards,
+* meshfold: ``parallel/tp/`` (explicit autograd collectives on local shards,
   sequence-parallel linears that save only the sequence slice) + ``parallel/loss.py``;
 * baseline: ``torch.distributed.tensor.parallel.parallelize_module`` with the torchtitan-style
   plan (Colwise/Rowwise, SequenceParallel norms, vocab-sharded embedding/output) and

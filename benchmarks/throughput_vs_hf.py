@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from meshfold.config import Config, validate
-from meshfold.models.presets import param_count, preset
+from meshfold.models.counts import param_count
+from meshfold.models.presets import preset
 from meshfold.train.trainer import Trainer
 
 

@@ -32,7 +32,7 @@ the cores, so every number is measured with all N busy):
 - the tiled attention context parallelism runs, on one rank, as 1 tile and as 36 visible
   tiles (-> ``attention_tile_us``);
 - overlap = 0: gloo's progress threads compete with compute for the same cores;
-- host_cores = this machine's core count: the processes share them (cost.py uses it for
+- host_cores = this machine's core count: the processes share them (planner/pipeline.py uses it for
   pipeline bubbles, which free cores for the busy stages).
 
 ``meshfold calibrate --gpu PRESET`` measures one GPU instead and keeps PRESET's datasheet

@@ -12,7 +12,8 @@ import traceback
 from pathlib import Path
 
 from meshfold.errors import ConfigError
-from meshfold.schedule import microbatch_problem, schedule_actions, simulate  # stdlib only: no start-up cost
+from meshfold.schedules import get_schedule  # stdlib only: no start-up cost
+from meshfold.schedules.simulate import simulate
 
 # name -> module providing add_parser(subparsers) and run(args)
 SUBCOMMANDS = {
@@ -251,11 +252,12 @@ def run_timeline(args) -> int:
     from meshfold.parallel.pp.timeline_plot import TIMELINE_FILE, draw_timeline
 
     if args.schedule:
-        problem = microbatch_problem(args.schedule, args.pp, args.microbatches)
+        schedule = get_schedule(args.schedule)
+        problem = schedule.microbatch_problem(args.pp, args.microbatches)
         if problem:
             raise ConfigError(f"meshfold timeline --microbatches: {problem}")
-        virtual = args.virtual if args.schedule == "interleaved" else 1
-        events = simulate(args.schedule, schedule_actions(args.schedule, args.pp, virtual, args.microbatches))
+        virtual = schedule.virtual_of(args.virtual)
+        events = simulate(schedule, schedule.actions(args.pp, virtual, args.microbatches))
         out = args.out or f"timeline-{args.schedule}-pp{args.pp}-m{args.microbatches}.png"
         title = f"{args.schedule}, pp {args.pp}, {args.microbatches} micro-batches (simulated, unit costs)"
         print(draw_timeline(events, out, title))

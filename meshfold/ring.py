@@ -1,6 +1,7 @@
 """The ring algorithm's cost per collective, pure (no torch): one table that the
 communication layer's byte ledger (``comm.py``) and the planner's alpha-beta model
-(``planner/cost.py``) both use, so predicted and counted traffic follow one convention.
+(``planner/cost.py``, ``planner/traffic.py``) both use, so predicted and counted traffic
+follow one convention.
 
 ``FACTORS[op](n)``: bytes a rank sends, per byte of ``size``, in the bandwidth-optimal
 ring algorithm over a group of n ranks holding ``size`` bytes in total (all-reduce,

@@ -222,13 +222,12 @@ def test_exchange_is_tagless_fifo():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv"])
 def test_pipeline_exchange_plans_match_and_cannot_deadlock(schedule):
     from meshfold.parallel.pp.p2p_plan import exchange_plan, replay
-    from meshfold.schedule import schedule_actions
     from meshfold.schedules import get_schedule
 
     for pp in (2, 3, 4, 8):
         for m in (pp, 2 * pp, 3 * pp):
             for v in ((2, 3) if schedule == "interleaved" else (1,)):
-                orders = schedule_actions(schedule, pp, v, m)
+                orders = get_schedule(schedule).actions(pp, v, m)
                 plans = exchange_plan(get_schedule(schedule), orders)  # raises if no deadlock-free plan exists
                 assert replay(get_schedule(schedule), orders, plans) is None
                 # Every message received is one some rank sends, once: tags carry nothing.
@@ -241,10 +240,9 @@ def test_replay_finds_a_deadlock():
     # The checker can fail: receives posted in the wrong channel order are refused, and a
     # plan whose receive goes out only after the action that needs it never finishes.
     from meshfold.parallel.pp.p2p_plan import ExchangePlan, replay
-    from meshfold.schedule import schedule_actions
     from meshfold.schedules import get_schedule
 
-    orders = schedule_actions("gpipe", 2, 1, 2)  # rank 0: F0 F1 B0 B1; rank 1: F0 F1 B0 B1
+    orders = get_schedule("gpipe").actions(2, 1, 2)  # rank 0: F0 F1 B0 B1; rank 1: F0 F1 B0 B1
     act = [("act", 1, 0), ("act", 1, 1)]
     swapped = [ExchangePlan([([], []), ([(1, act[0])], []), ([(1, act[1])], []), ([], []), ([], [])],
                             [None] * 4),

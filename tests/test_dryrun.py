@@ -112,7 +112,7 @@ def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
     from meshfold.planner.cluster import load_cluster
     from meshfold.planner.cost import CostModel
     from meshfold.planner.from_config import layout_from_config, workload_from_config
-    from meshfold.schedule import chunks_per_rank, stage_of
+    from meshfold.schedules import get_schedule
 
     cfg = tiny_config(str(tmp_path), parallel=parallel, train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})
     cfg["model"].update(UNEVEN)
@@ -123,9 +123,10 @@ def test_planner_prices_the_runtime_stage_split(parallel, split, tmp_path):
     assert cm.stage_split(layout) == split
     ranks, last_rank = cm.stage_kinds(layout)
     sched, pp = config.parallel.pp_schedule, config.parallel.pp
-    chunks = chunks_per_rank(sched, config.parallel.pp_virtual_stages)
+    schedule = get_schedule(sched)
+    chunks = schedule.chunks_per_rank(config.parallel.pp_virtual_stages)
     assert [sum(r.values()) for r in ranks] == \
-        [sum(split[stage_of(sched, pp, r, c)] for c in range(chunks)) for r in range(pp)]
+        [sum(split[schedule.stage_of(pp, r, c)] for c in range(chunks)) for r in range(pp)]
     assert last_rank == (0 if sched == "zbv" else pp - 1)
     out = dry_run(from_dict(cfg), 4, cluster="h100")
     rt, pl = out["runtime"], out["planner"]

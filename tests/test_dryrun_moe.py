@@ -23,7 +23,8 @@ MOE = {"moe_experts": 8, "moe_topk": 2}
 
 
 def test_balanced_counts_seam_is_bincount_on_real_tensors_and_balanced_on_fake_ones():
-    from meshfold.models.moe import balanced_counts, count_rows, read_counts
+    from meshfold.models.moe import balanced_counts
+    from meshfold.models.moe_experts import count_rows, read_counts
 
     assert balanced_counts(12, 8) == [2, 2, 2, 2, 1, 1, 1, 1] and sum(balanced_counts(1000, 7)) == 1000
     key = torch.tensor([3, 0, 3, 5, 0, 3])
@@ -156,7 +157,7 @@ def test_moe_dry_runs_agree_with_planner(tmp_path):
 
 
 def test_latent_attention_under_tp_agrees_with_planner():
-    # DeepSeek's latent attention with its heads split over tp (parallel/tensor.py): the
+    # DeepSeek's latent attention with its heads split over tp (parallel/tp/mla.py): the
     # latent gathered (sp) or entered instead of the block input, the down-projections whole
     # on every rank; low-rank and full-rank q, each recompute mode, with MoE blocks. Width
     # 512, head widths 64 + 32 (v 64, zero-padded to 96 for the fused kernel).

@@ -300,7 +300,8 @@ PUBLISHED_CONFIGS = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED_CONFIGS))
 def test_presets_are_what_import_reads_from_the_published_configs(name):
     from meshfold.models.hf import model_config_from_hf
-    from meshfold.models.presets import param_count, preset
+    from meshfold.models.counts import param_count
+    from meshfold.models.presets import preset
 
     imported, shipped = model_config_from_hf(PUBLISHED_CONFIGS[name]), preset(name)
     assert imported.head_dim == shipped.head_dim

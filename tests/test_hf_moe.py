@@ -18,7 +18,8 @@ from meshfold.models.config import ModelConfig
 from meshfold.models.hf import model_config_from_hf
 from meshfold.models.llama import Transformer
 from meshfold.models.moe import MoE
-from meshfold.models.presets import param_count, preset
+from meshfold.models.counts import param_count
+from meshfold.models.presets import preset
 from meshfold.testing import assert_runs_match, run_on, save_random_hf_model, tiny_config, train_collect
 
 transformers = pytest.importorskip("transformers")

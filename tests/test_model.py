@@ -8,7 +8,10 @@ import torch
 
 from meshfold.config import ModelConfig
 from meshfold.models.llama import Transformer, init_weights
-from meshfold.models.presets import PRESETS, flops_per_token, matmul_params, param_count, preset
+from meshfold.models.counts import flops_per_token, matmul_params, param_count
+
+# Published totals (model cards / papers), exact where the publisher gives exact numbers.
+from meshfold.models.presets import PRESETS, preset
 
 # Published totals (model cards / papers), exact where the publisher gives exact numbers.
 PUBLISHED = {

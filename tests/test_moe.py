@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from meshfold.config import ModelConfig
 from meshfold.models.llama import Transformer, init_weights
 from meshfold.models.moe import MoE, moe_aux_loss, moe_end_step
-from meshfold.models.presets import flops_per_token, param_count, preset
+from meshfold.models.counts import flops_per_token, param_count
+from meshfold.models.presets import preset
 from meshfold.testing import run_on
 
 
@@ -290,7 +291,7 @@ def test_grouped_gemm_matches_naive_without_host_reads(dtype, tol):
     """fp32/bf16 through ``torch._grouped_mm`` (the default where it exists): equal to the per-token definition within the stated tolerance (relative to the
     output scale), equal to the padded-bmm kernel, and neither the forward nor the backward
     reads a tensor on the host."""
-    from meshfold.models.moe import _Groups, grouped_gemm_supported, grouped_linear
+    from meshfold.models.moe_experts import _Groups, grouped_gemm_supported, grouped_linear
 
     cfg = tiny(moe_experts=8, moe_topk=3, moe_shared_experts=1, moe_aux_loss_coef=0.01, moe_z_loss_coef=1e-3)
     moe = build_moe(cfg).train()

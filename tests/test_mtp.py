@@ -1,4 +1,4 @@
-"""Multi-token prediction (models/mtp.py): the loss against a hand-written reference of
+"""Multi-token prediction (models/deepseek/mtp.py): the loss against a hand-written reference of
 DeepSeek-V3's formula (each depth run on the sequence truncated by k, as the paper writes
 it), float64; pipeline parallel against one process (losses, parameters, gradients:
 rtol 1e-9, atol 1e-11); the metric; config errors."""
@@ -126,7 +126,8 @@ def test_mtp_config_errors(tmp_path):
 def test_counts_include_the_depths():
     import dataclasses
 
-    from meshfold.models.presets import flops_per_token, param_count, preset
+    from meshfold.models.counts import flops_per_token, param_count
+    from meshfold.models.presets import preset
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, seq_len=12, mtp_depth=2, moe_experts=4,
                       moe_first_dense=1)
     with torch.device("meta"):

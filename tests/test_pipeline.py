@@ -129,18 +129,19 @@ def test_pp2_validation_loss_matches_one_process(tmp_path):
 
 
 def test_schedules_are_complete_and_deadlock_free():
-    from meshfold.schedule import (bubble_fractions, chunks_per_rank, microbatch_problem, schedule_actions, simulate,
-                                   theoretical_bubble)
+    from meshfold.schedules import get_schedule
+    from meshfold.schedules.simulate import bubble_fractions, simulate
 
     for schedule in ("gpipe", "1f1b", "interleaved", "zbv"):
         for pp in (2, 3, 4):
             for m in (1, 2, 3, 4, 6, 8):
                 v = 2 if schedule == "interleaved" else 1
-                if microbatch_problem(schedule, pp, m):
+                sched = get_schedule(schedule)
+                if sched.microbatch_problem(pp, m):
                     continue
-                orders = schedule_actions(schedule, pp, v, m)
-                events = simulate(schedule, orders)  # raises on deadlock
-                chunks = chunks_per_rank(schedule, v)
+                orders = sched.actions(pp, v, m)
+                events = simulate(sched, orders)  # raises on deadlock
+                chunks = sched.chunks_per_rank(v)
                 for rank, order in enumerate(orders):
                     assert len(set(order)) == len(order)
                     for kind in "FB":
@@ -149,9 +150,9 @@ def test_schedules_are_complete_and_deadlock_free():
                 frac = bubble_fractions(events)
                 mean = sum(frac.values()) / len(frac)
                 if schedule != "zbv":  # the simulation reproduces the closed form
-                    assert mean == pytest.approx(theoretical_bubble(schedule, pp, v, m)), (schedule, pp, m)
+                    assert mean == pytest.approx(sched.theoretical_bubble(pp, v, m)), (schedule, pp, m)
                 elif m >= pp:  # the V shape and split backward beat 1F1B's bubble
-                    assert mean < theoretical_bubble("1f1b", pp, 1, m), (pp, m)
+                    assert mean < get_schedule("1f1b").theoretical_bubble(pp, 1, m), (pp, m)
 
 
 def test_balanced_split_weighs_output_layer():
@@ -227,7 +228,8 @@ def test_zbv_runs_the_order_the_planner_prices(tmp_path):
     # the order the planner simulates; replaying that measured order with the planner's
     # action costs gives the planner's pipeline time.
     from meshfold.planner.simulate import schedule_events
-    from meshfold.schedule import Action, chunk_costs, makespan, pipeline_time, simulate
+    from meshfold.schedules import Action, get_schedule
+    from meshfold.schedules.simulate import makespan, simulate
 
     run = tmp_path / "run"
     got = _pp(2, {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 4}, run)
@@ -242,5 +244,6 @@ def test_zbv_runs_the_order_the_planner_prices(tmp_path):
     assert {a.kind for o in ran for a in o} == {"F", "B", "W"}
     assert ran == orders(schedule_events("zbv", 2, 4, 1, 1.0, 2.0))
     for t_f, t_b in ((1.0, 2.0), (1.0, 3.5)):
-        replay = makespan(simulate("zbv", ran, chunk_costs("zbv", 1, t_f, t_b)))
-        assert replay == pytest.approx(pipeline_time("zbv", 2, 4, 1, t_f, t_b)[0], rel=1e-12)
+        zbv = get_schedule("zbv")
+        replay = makespan(simulate(zbv, ran, zbv.chunk_costs(1, t_f, t_b)))
+        assert replay == pytest.approx(zbv.pipeline_time(2, 4, 1, t_f, t_b)[0], rel=1e-12)

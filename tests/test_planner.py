@@ -16,7 +16,8 @@ from meshfold.planner.cost import CostModel, Layout, Workload, estimate, megatro
 from meshfold.planner.counts import BUCKET_BYTES, ddp_buckets, layer_activation_bytes, model_state_bytes
 from meshfold.planner.search import RECOMPUTE, brute_force, search
 from meshfold.planner.simulate import schedule_events, simulate
-from meshfold.schedule import chunks_per_rank, makespan, pipeline_time
+from meshfold.schedules import get_schedule
+from meshfold.schedules.simulate import makespan
 
 # --------------------------------------------------------------------------- ZeRO paper
 
@@ -305,11 +306,11 @@ def test_link_levels_follow_group_span():
                                           ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3), ("zbv", 4, 8, 1)])
 def test_simulated_schedule_matches_closed_form(sched, pp, m, v):
     events = schedule_events(sched, pp, m, v, 1.0, 2.0)
-    assert makespan(events) == pytest.approx(pipeline_time(sched, pp, m, v, 1.0, 2.0)[0])
+    assert makespan(events) == pytest.approx(get_schedule(sched).pipeline_time(pp, m, v, 1.0, 2.0)[0])
     kinds = {"F", "B"} | ({"W"} if sched == "zbv" else set())
     assert {e["kind"] for e in events} == kinds
     per_stage = {s: sum(1 for e in events if e["stage"] == s and e["kind"] == "F") for s in range(pp)}
-    assert set(per_stage.values()) == {m * chunks_per_rank(sched, v)}
+    assert set(per_stage.values()) == {m * get_schedule(sched).chunks_per_rank(v)}
     for s in range(pp):  # a stage never runs two things at once
         mine = sorted((e["start"], e["end"]) for e in events if e["stage"] == s)
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))

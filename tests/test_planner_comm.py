@@ -94,7 +94,7 @@ def test_model_parallel_collectives_match_runtime(tmp_path, parallel, model, tra
 
 
 # train.dtype = bfloat16 (fp32 master weights, bf16 compute weights, bf16 residual stream): the
-# tp activations and their gradients travel in bf16 (parallel/tensor.py's wire_dtype), the
+# tp activations and their gradients travel in bf16 (parallel/tp/collectives.py's wire_dtype), the
 # loss's per-token statistics in fp32, and replicated weights' gradients in the dtype backward
 # makes them: the compute weights' (bf16: FSDP2's param_dtype or the step's compute copies,
 # parallel/compute_weights.py). Exact, as in float64.
@@ -135,6 +135,6 @@ def test_planner_knows_the_parameter_list_the_grad_reducer_buckets(model):
         params = list(Transformer(m).parameters())
     sizes = chunk_param_sizes(m, 1, m.n_layers, True, True)
     assert sizes == [p.numel() for p in params]
-    # greedy packing in reverse, a parameter larger than a bucket alone (parallel/data.py)
+    # greedy packing in reverse, a parameter larger than a bucket alone (parallel/dp/replicate.py)
     assert reducer_buckets([10, 10, 10], bucket_bytes=25) == 2
     assert reducer_buckets([30, 5, 30], bucket_bytes=25) == 3

@@ -18,7 +18,7 @@ from meshfold.models.stage_balance import balanced_split, block_cost, embedding_
 from meshfold.planner.cluster import cluster_from_dict, load_cluster
 from meshfold.planner.cost import CostModel, Layout, Workload
 from meshfold.planner.search import RECOMPUTE, _with_recompute, schedules, search, structures, variants
-from meshfold.schedule import bubble_lower_bound, pipeline_time, zbv_priced
+from meshfold.schedules import get_schedule
 
 
 def _cases():
@@ -77,17 +77,18 @@ def test_zbv_bubble_lower_bound_never_above_the_replay():
     rng = random.Random(5)
     for pp in (2, 3, 4, 8):
         for m in (1, 2, 3, 4, 8, 16):
-            if not zbv_priced(pp, m):
+            if not get_schedule("zbv").priced(pp, m):
                 continue
             for _ in range(4):
                 t_f, t_b = rng.uniform(0.1, 3.0), rng.uniform(0.1, 6.0)
-                exact = pipeline_time("zbv", pp, m, 1, t_f, t_b)[1]
-                bound = bubble_lower_bound("zbv", pp, m, 1, t_f, t_b)
+                exact = get_schedule("zbv").pipeline_time(pp, m, 1, t_f, t_b)[1]
+                bound = get_schedule("zbv").bubble_lower_bound(pp, m, 1, t_f, t_b)
                 assert bound <= exact * (1 + 1e-12)
                 if m == 1:  # one micro-batch: its own path is the step (the bound is exact)
                     assert bound == pytest.approx(exact, rel=1e-12)
     for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):  # closed forms: the same number
-        assert bubble_lower_bound(sched, 4, 8, v, 1.0, 2.0) == pipeline_time(sched, 4, 8, v, 1.0, 2.0)[1]
+        obj = get_schedule(sched)
+        assert obj.bubble_lower_bound(4, 8, v, 1.0, 2.0) == obj.pipeline_time(4, 8, v, 1.0, 2.0)[1]
 
 
 def _ranked_by_brute_force(w, cluster, top):

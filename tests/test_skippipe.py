@@ -7,10 +7,10 @@ caps, the makespan it buys, NCCL-safe exchange, the planner's price."""
 
 import torch
 
-from meshfold import skippipe
 from meshfold.parallel.pp.p2p_plan import exchange_plan
-from meshfold.schedule import makespan, schedule_actions, simulate
 from meshfold.schedules import get_schedule
+from meshfold.schedules.simulate import makespan, simulate
+from meshfold.schedules.skippipe import paths as skippipe
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect, train_segment
 
 MODEL = {"n_layers": 4}
@@ -27,12 +27,13 @@ def _resume(cfg: dict) -> list:
 
 def _paths(cfg_dict: dict):
     from meshfold.config import from_dict
-    from meshfold.parallel.skip import skippipe_paths
+    from meshfold.parallel.pp.run_orders import run_facts
     from meshfold.parallel.pp.stage_modules import stage_split
 
     cfg = from_dict(cfg_dict)
     split = stage_split(cfg)[0]
-    return split, skippipe_paths(cfg, split, cfg.parallel.pp_microbatches, 2, 8)
+    sched = get_schedule("skippipe")
+    return split, sched.run_paths_orders(cfg.parallel.pp_microbatches, run_facts(cfg, sched, split, 2, 8))[0]
 
 
 def _skipping_reference(cfg_dict: dict, split: list[int], paths) -> dict:
@@ -102,7 +103,7 @@ def test_paths_keep_the_caps_and_beat_1f1b_on_slow_links():
     pp, m = 4, 8
     stage, links = _tables()
     full = skippipe.table_step_time(pp, (tuple(range(pp)),) * m, stage, links)
-    assert skippipe.plan_orders(pp, m, 0.0, False, stage, links)[1] == schedule_actions("1f1b", pp, 1, m)
+    assert skippipe.plan_orders(pp, m, 0.0, False, stage, links)[1] == get_schedule("1f1b").actions(pp, 1, m)
     times = {}
     for skip, reorder in ((0.25, False), (0.0, True), (0.25, True), (0.5, True)):
         paths, orders = skippipe.plan_orders(pp, m, skip, reorder, stage, links)
@@ -114,7 +115,7 @@ def test_paths_keep_the_caps_and_beat_1f1b_on_slow_links():
         times[(skip, reorder)] = t = skippipe.table_step_time(pp, paths, stage, links)
         assert t < full
         # the executor's inputs: a deadlock-free order and an NCCL-safe exchange plan
-        assert makespan(simulate("skippipe", orders)) > 0
+        assert makespan(simulate(get_schedule("skippipe"), orders)) > 0
         assert len(exchange_plan(get_schedule("skippipe"), orders)) == pp
         held = [sum(1 for a in o if a.kind == "F") for o in orders]
         assert held == [sum(s in p for p in paths) for s in range(pp)]

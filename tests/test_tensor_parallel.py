@@ -89,7 +89,7 @@ def test_hf_family_features(world, parallel, hf_reference, tmp_path):
     assert_runs_match(hf_reference, got, rtol=RTOL, atol=ATOL)
 
 
-# DeepSeek's multi-head latent attention (models/mla.py): heads split over tp, the latent
+# DeepSeek's multi-head latent attention (models/deepseek/mla.py): heads split over tp, the latent
 # (low-rank q's with the kv's, or the kv's alone beside a full-rank q) gathered or entered.
 MLA = {"mla_kv_rank": 16, "mla_rope_dim": 8, "mla_nope_dim": 8, "mla_v_dim": 12, "n_kv_heads": 0}
 

@@ -34,7 +34,7 @@ from meshfold.data.tokenizer import cache_root
 from meshfold.models.config import ModelConfig
 from meshfold.device import resolve_dtypes
 from meshfold.models.llama import TransformerBlock, init_weights, rope_tables
-from meshfold.models.presets import attention_params, ffn_params
+from meshfold.models.counts import attention_params, ffn_params
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import Config

@@ -71,7 +71,7 @@ def _done(buf: torch.Tensor) -> torch.futures.Future:
 class DDPCompression:
     """The compressing hook of ``lowcomm.compression``, owned by the lowcomm feature. DDP
     takes one communication hook, chosen where DDP is built: the trainer hands ``install``
-    to ``parallelize`` (``parallel/data.py`` takes it as an explicit argument), and the
+    to ``parallelize`` (``parallel/dp/plan.py`` takes it as an explicit argument), and the
     feature (``LowComm``) reads the state the hook uses from ``state``."""
 
     def __init__(self, lc: LowCommConfig, seed: int = 0):

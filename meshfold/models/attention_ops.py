@@ -1,6 +1,6 @@
 """Fused attention kernels that return the log-sum-exp, and attention over packed documents.
 
-Ring attention (``parallel/context.py``) computes attention block by block and merges the
+Ring attention (``parallel/cp/ring.py``) computes attention block by block and merges the
 blocks with their log-sum-exp, and its backward feeds the *final* output and log-sum-exp
 back into each block's fused backward (the flash-attention rule: P = exp(S - lse_final)).
 That needs the kernels one level below ``F.scaled_dot_product_attention``, which hides the

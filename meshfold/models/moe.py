@@ -24,7 +24,7 @@ Auxiliary losses (added to the training loss by the trainer through ``moe_aux_lo
                                                  sigmoid scores divided by their row sum)
     L_z   = z * mean over tokens of logsumexp(logits)^2
 
-f and N are *global*: ``reduce_stats`` (injected by ``parallel/expert.py``; the identity in a
+f and N are *global*: ``reduce_stats`` (injected by ``parallel/ep/plan.py``; the identity in a
 one-process run) sums the per-expert counts over every data-parallel (and context-parallel)
 rank, so each rank's term uses the global-batch f ("Demons in the Detail", Qiu et al. 2025)
 and the rank terms add up to exactly the one-process value. Under gradient accumulation f
@@ -33,7 +33,7 @@ with one micro-batch per rank this is the exact global-batch loss.
 
 The expert computation goes through ``self.dispatcher``: ``LocalDispatcher`` here; expert
 parallel swaps in an all-to-all dispatcher that holds only this rank's experts. The experts'
-grouped GEMM is ``models/moe_experts.py`` (its names are importable from here too).
+grouped GEMM is ``models/moe_experts.py``.
 
 Routing counts are data: their shapes and host reads depend on the values. Every place that
 counts rows per expert or reads a count on the host goes through ``count_rows`` /
@@ -52,10 +52,8 @@ from torch import nn
 
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
-from meshfold.models.moe_experts import (GROUP_ALIGN_BYTES, GroupedExperts, _compute_dtype, _Groups,  # noqa: F401
-                                         _local, expert_kernel, fixed_groups, grouped_gemm_supported, grouped_linear,
-                                         count_rows, gather_rows, has_values, read_counts,
-                                         scatter_add_rows)
+from meshfold.models.moe_experts import (GroupedExperts, _compute_dtype, _Groups, _local, count_rows, expert_kernel,
+                                         fixed_groups, gather_rows, read_counts, scatter_add_rows)
 
 
 def balanced_counts(total: int, n: int) -> list[int]:

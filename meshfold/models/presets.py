@@ -1,9 +1,6 @@
 """Shipped model shapes, looked up by name over the registered families' presets
-(``models/<family>/presets.py``), and the counts the planner and tests read with them.
-
-The counts (exact parameters, FLOPs per token) are ``models/counts.py``'s, named here too
-because the planner and the MFU metric import them from this module.
-"""
+(``models/<family>/presets.py``). Their counts (exact parameters, FLOPs per token) are
+``models/counts.py``'s."""
 
 from __future__ import annotations
 
@@ -12,8 +9,6 @@ import dataclasses
 from meshfold.errors import ConfigError
 from meshfold.models import registry
 from meshfold.models.config import ModelConfig
-from meshfold.models.counts import (attention_params, ffn_params, flops_per_token, matmul_params,  # noqa: F401
-                                    mlp_params, param_count)
 
 PRESETS: dict[str, dict] = registry.presets()
 

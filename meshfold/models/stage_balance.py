@@ -15,7 +15,7 @@ Parallelism with Vocabulary Parallelism" (Yeung et al. 2024). The split is conti
 found exactly by dynamic programming; ties go to the split with the smaller spread.
 
 Pure Python (no torch): the runtime (``parallel/pp/stage_modules.py``) and the planner
-(``planner/cost.py``) both take their split from ``stage_split_of``, so the stage the
+(``planner/pipeline.py``) both take their split from ``stage_split_of``, so the stage the
 planner prices is the stage the runtime builds.
 """
 

@@ -102,7 +102,7 @@ class BalancedBatches:
                  tolerance: float = 1.02, time_limit: float = 1.0, broadcast: bool = False,
                  seq_cp_max: int = 1, cp_groups: dict | None = None, device: torch.device | str = "cpu"):
         self.pieces, self.cost = pieces, cost
-        # Per-sequence context parallel (parallel/per_sequence_cp.py): groups made once, plans per step.
+        # Per-sequence context parallel (parallel/cp/per_sequence.py): groups made once, plans per step.
         self.seq_cp_max, self.cp_groups, self.spread = seq_cp_max, cp_groups or {}, SpreadContext()
         self.n_ranks, self.rank, self.n_micro, self.micro_cap = n_ranks, rank, n_micro, micro_cap
         self.method, self.tolerance, self.time_limit = method, tolerance, time_limit

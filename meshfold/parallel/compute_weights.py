@@ -23,7 +23,7 @@ the bf16 copies (``master_parameters`` yields the fp32 ones, e.g. for the zero-b
 pipeline's weight-gradient pass); the copies count as model state, not activations
 (``memory.note_model_state``).
 
-Under ZeRO-1 the optimizer keeps them: ``parallel/optim.py::ShardedAdamW`` all-gathers the
+Under ZeRO-1 the optimizer keeps them: ``optim/sharded.py::ShardedAdamW`` all-gathers the
 updated values in bf16 into one flat buffer after each step, and the copies are views of it
 (``source``), as Megatron's distributed optimizer gathers bf16 parameters. Each rank keeps
 fp32 values only for the segment it updates, and the module's fp32 parameters are freed
@@ -60,7 +60,7 @@ class ComputeWeights:
                     if p is not None and p.is_floating_point() and p.dtype != dtype:
                         self.slots.append((module, name, p))
         self.swapped = False
-        # ZeRO-1 under bf16 (``parallel/optim.py::ShardedAdamW``, set by ``build_optimizer``):
+        # ZeRO-1 under bf16 (``optim/sharded.py::ShardedAdamW``, set by ``build_optimizer``):
         # the copies come from the optimizer's gathered bf16 buffer; the fp32 parameters hold
         # no values between checkpoints (each rank keeps its own segment's).
         self.source = None

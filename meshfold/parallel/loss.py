@@ -25,7 +25,7 @@ import math
 import torch
 
 from meshfold.data.dataset import IGNORE_INDEX
-from meshfold.models.mtp import MTPOutput, shift_left
+from meshfold.models.deepseek.mtp import MTPOutput, shift_left
 from meshfold.parallel.facts.sizes import chunk_elements as device_chunk
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from meshfold.planner.counts import BUCKET_BYTES, DTYPE_BYTES, FSDP_WIRE
 from meshfold.planner.workload import Layout
-from meshfold.schedule import bubble_lower_bound
+from meshfold.schedules import get_schedule
 
 
 # The expert all-to-all chunkings the layout search tries with ep > 1 (parallel.ep_overlap_chunks).
@@ -28,7 +28,7 @@ class SearchBounds:
                                                    max(1, L.ep), L.micro_batch, L.cp_ulysses)
         bubble = 0.0
         if L.pp > 1 and not self.bubble_free(L.world):
-            bubble = min(bubble_lower_bound(sched, L.pp, n_micro, v, t_f, t_b) for sched, v in schedules)
+            bubble = min(get_schedule(sched).bubble_lower_bound(L.pp, n_micro, v, t_f, t_b) for sched, v in schedules)
         return self.bound_of(n_micro, t_f, t_b, bubble, rest)
 
     @staticmethod

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from meshfold.config import ModelConfig, from_dict
-from meshfold.models.presets import attention_params, mlp_params
+from meshfold.models.counts import attention_params, mlp_params
 from meshfold.planner.cluster import Cluster, Device, cluster_to_toml
 from meshfold.planner.cost import CostModel
 from meshfold.planner.from_config import layout_from_config, workload_from_config

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from meshfold.config import Config, load_config, validate
 from meshfold.errors import ConfigError
-from meshfold.parallel.timeline import draw_timeline
+from meshfold.parallel.pp.timeline_plot import draw_timeline
 from meshfold.planner.cluster import GiB, Cluster, load_cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.planner import from_config
 from meshfold.planner.from_config import layout_from_config
 from meshfold.planner.search import explain, search
-from meshfold.planner.goodput import FailureModel, goodput
+from meshfold.planner.goodput import FailureModel, failures_line, goodput
 from meshfold.planner.simulate import result_json, simulate
-from meshfold.schedule import makespan
+from meshfold.schedules.simulate import makespan
 
 
 def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
@@ -212,11 +212,7 @@ def run_simulate(args) -> int:
     print("collectives per step (rank 0): " + "  ".join(f"{k} {v['count']} calls {v['bytes']:.4g} B"
                                                           for k, v in est.collectives.items()))
     if failures is not None:
-        g = failures
-        live = "n/a (one replica group)" if g["goodput_live"] is None else f"{100 * g['goodput_live']:.1f}%"
-        print(f"failures: {g['failures_per_day']:.2f}/day at MTBF {args.mtbf_node_h:g} h per node; goodput "
-              f"{100 * g['goodput_restart']:.1f}% restarting from checkpoints (every {g['checkpoint_interval_s']:.0f} s), "
-              f"{live} with live recovery over {g['replicas']} replica groups")
+        print(failures_line(failures, args.mtbf_node_h))
     if args.png:
         print(f"timeline: {args.png}")
     return 0

@@ -125,7 +125,7 @@ class Cluster:
     # Fraction of data-parallel communication that can hide behind backward compute
     # (1 on GPUs with separate copy/NCCL engines; CPU gloo shares the cores: measured).
     overlap: float = 1.0
-    # Scale on the memory-bound bytes cost.py counts op by op (norms, RoPE, activations,
+    # Scale on the memory-bound bytes kernels.py counts op by op (norms, RoPE, activations,
     # residual adds, softmax, casts, the loss over the vocabulary): 1 = as counted; 0 = none
     # (a calibrated CPU block time already contains them).
     elementwise_traffic: float = 1.0
@@ -133,7 +133,7 @@ class Cluster:
     step_overhead_s: float = 0.0
     # > 0: all devices are processes sharing this many CPU cores (this machine). A
     # waiting process frees its core for the others, so the step is bounded by the total
-    # work over the cores as well as by the critical path (see cost.py).
+    # work over the cores as well as by the critical path (see pipeline.py).
     host_cores: int = 0
     # Software cost of issuing one collective beyond the alpha of its hops (Python and
     # the library's bookkeeping): small on GPUs, large for gloo on a busy CPU.

@@ -17,7 +17,7 @@ search's bounds); ``workload.py`` holds what is priced."""
 from __future__ import annotations
 
 from meshfold.models.config import ModelConfig
-from meshfold.models.presets import attention_params, ffn_params
+from meshfold.models.counts import attention_params, ffn_params
 from meshfold.planner import mtp
 from meshfold.planner.bounds import SearchBounds
 from meshfold.planner.cluster import Cluster, GiB
@@ -29,11 +29,6 @@ from meshfold.planner.traffic import Traffic
 from meshfold.planner.workload import Estimate, Layout, Workload
 from meshfold.ring import FACTORS as RING  # bytes a rank sends, per byte (ring algorithm)
 from meshfold.ring import HOPS as STEPS  # sequential hops (alpha terms)
-
-# re-exported: what callers import from here (the search, the published table, tests)
-from meshfold.models.presets import mlp_params  # noqa: F401
-from meshfold.planner.bounds import EP_CHUNKS  # noqa: F401
-from meshfold.planner.counts import layer_activation_bytes, model_state_bytes  # noqa: F401
 
 
 class CostModel(LayerCosts, PipelineTime, StepTime, Memory, Traffic, SearchBounds):
@@ -141,7 +136,7 @@ def estimate(w: Workload, cluster: Cluster, L: Layout) -> Estimate:
 
 def _matmul_active(m: ModelConfig) -> float:
     """Parameters in a matmul per token in training: the layers, the output head, and each
-    multi-token prediction depth's block, eh_proj and head (``presets.flops_per_token``)."""
+    multi-token prediction depth's block, eh_proj and head (``models/counts.py: flops_per_token``)."""
     total = m.vocab_size * m.dim
     for i in range(m.n_layers):
         total += attention_params(m) + ffn_params(m, i, active=True)

@@ -12,7 +12,7 @@ import math
 from meshfold.errors import ConfigError
 from meshfold.models import registry
 from meshfold.models.config import ModelConfig
-from meshfold.models.presets import attention_params, mlp_params
+from meshfold.models.counts import attention_params, mlp_params
 from meshfold.planner.attention import attention_terms
 
 DTYPE_BYTES = {  # (parameter, gradient, optimizer incl. master copy, activation) bytes
@@ -44,7 +44,7 @@ def zero1_gather(dtype: str, tp: int, ep: int = 1) -> tuple[int, bool]:
     straight into the step's compute weights, in one call, in every layout; otherwise it
     gathers the stored dtype, in one call with tp or ep (``ShardedAdamW``; with ep one for
     the dense part and one for the experts over edp), else in ``ZeroRedundancyOptimizer``'s
-    buckets (parallel/optim.py). (Runs with a low-communication method, 1-bit Adam or live
+    buckets (optim/sharded.py). (Runs with a low-communication method, 1-bit Adam or live
     recovery keep the fp32 gather.)"""
     if dtype == "bf16-amp":
         return DTYPE_BYTES[dtype][3], True
@@ -57,7 +57,7 @@ def buckets(size_bytes: float) -> int:
 
 
 def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Buckets ``GradReducer`` (parallel/data.py) makes of parameters of ``sizes`` bytes in
+    """Buckets ``GradReducer`` (parallel/dp/replicate.py) makes of parameters of ``sizes`` bytes in
     registration order: packed greedily in reverse order, a new bucket whenever the next
     parameter would overflow the current one (a parameter larger than a bucket gets its own)."""
     count, size = 0, bucket_bytes + 1
@@ -70,7 +70,7 @@ def reducer_buckets(sizes: list[float], bucket_bytes: int = BUCKET_BYTES) -> int
 
 def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
     """One tp rank's attention and dense-MLP parameters (norms aside) under
-    parallel/tensor.py's layout: wq, wo, w1, w3, w2 (and wk, wv when tp divides the kv
+    parallel/tp/plan.py's layout: wq, wo, w1, w3, w2 (and wk, wv when tp divides the kv
     heads) split over tp; whole on every rank: wk, wv otherwise, the per-head q/k norms and
     the biases of the row-parallel wo and w2. Equals the model's count at tp = 1."""
     h = m.dim
@@ -79,7 +79,7 @@ def dense_layer_params_local(m: ModelConfig, tp: int) -> float:
 
 
 def attention_params_local(m: ModelConfig, tp: int) -> float:
-    """One tp rank's attention parameters (wo's bias aside) under parallel/tensor.py's layout,
+    """One tp rank's attention parameters (wo's bias aside) under parallel/tp/plan.py's layout,
     as the model's attention kind splits them (``planner/attention``)."""
     return attention_terms(m).params_local(m, tp)
 
@@ -110,7 +110,7 @@ def chunk_param_sizes(m: ModelConfig, tp: int, layers: int, first: bool, last: b
     sizes = ([V * h / tp] if first else []) + block * layers
     if last:
         sizes += [h] + ([] if (m.tie_embeddings and first) else [V * h / tp])
-        # multi-token prediction depths (models/mtp.py): enorm, hnorm, eh_proj (whole on every
+        # multi-token prediction depths (models/deepseek/mtp.py): enorm, hnorm, eh_proj (whole on every
         # tp rank), a block, the depth's norm
         sizes += ([h, h, 2 * h * h] + block + [h]) * m.mtp_depth
     return sizes
@@ -158,7 +158,7 @@ def model_state_bytes(params: float, zero: int, shards: int, dtype: str = "bf16"
     pb, gb, ob, _ = DTYPE_BYTES[dtype]
     n = max(1, shards)
     # ZeRO-1 under meshfold's bfloat16 keeps fp32 values only for the rank's own segment
-    # (parallel/optim.py::ShardedAdamW; the bf16 compute copies are ``gathered_param_bytes``)
+    # (optim/sharded.py::ShardedAdamW; the bf16 compute copies are ``gathered_param_bytes``)
     sharded_params = zero >= 3 or (zero == 1 and dtype == "bf16-amp")
     return {"params": params * pb / (n if sharded_params else 1),
             "grads": params * gb / (n if zero >= 2 and not accumulate else 1),
@@ -268,7 +268,7 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
                          ep_chunks: int = 1) -> float:
     """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
     activations, for one micro-batch of b sequences of s tokens on one rank, as
-    ``models/moe.py`` and ``parallel/expert.py`` run it under a balanced router: the router's
+    ``models/moe.py`` and ``parallel/ep/dispatch.py`` run it under a balanced router: the router's
     scores (T x E, >= fp32), the chosen experts and gates; the A = T k / tp assignments of
     this rank's expert column (every capacity slot under a capacity) enter the experts as act-sized
     rows, with their int64 row indices; the rows coming back are added per token with an

@@ -8,6 +8,7 @@ from meshfold.data.micro import micro_batch_count
 from meshfold.parallel.facts.attention import ulysses_degree
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, Layout, Workload
+from meshfold.planner.workload import DEFAULT_SCHEDULE
 
 
 def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
@@ -31,12 +32,13 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     micro = local // micro_batch_count(local, t.micro_batch, p.pp, p.pp_microbatches)
     zero = p.zero if (p.dp_shard * p.cp > 1) else 0
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
-                  pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b", pp_virtual_stages=p.pp_virtual_stages,
+                  pp_schedule=p.pp_schedule if p.pp > 1 else DEFAULT_SCHEDULE, pp_virtual_stages=p.pp_virtual_stages,
                   cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, ep_overlap_chunks=p.ep_overlap_chunks,
                   micro_batch=micro, recompute=t.recompute,
                   cp_ulysses=ulysses_degree(p, cfg.model) if p.cp_mode == "hybrid" and p.cp > 1 else 0,
-                  pp_split=tuple(p.pp_split) if p.pp > 1 else (), pp_skip=p.pp_skip, pp_reorder=p.pp_reorder,
-                  pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else ())
+                  pp_split=tuple(p.pp_split) if p.pp > 1 else (),
+                  pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else (),
+                  pp_skip=p.pp_skip, pp_reorder=p.pp_reorder)
 
 
 def _cuda_available() -> bool:

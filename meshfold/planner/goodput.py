@@ -70,3 +70,15 @@ def goodput(nodes: int, replicas: int, step_time_s: float, fm: FailureModel) -> 
     else:
         out.update(goodput_live=None, replica_down_frac=None)
     return out
+
+
+def failures_line(g: dict, mtbf_node_h: float) -> str:
+    """``meshfold simulate``'s summary of ``goodput``'s answer ``g``."""
+    with_replicas = _percent(g["goodput_live"], "n/a (one replica group)")
+    return (f"failures: {g['failures_per_day']:.2f}/day at MTBF {mtbf_node_h:g} h per node; goodput "
+            f"{100 * g['goodput_restart']:.1f}% restarting from checkpoints (every {g['checkpoint_interval_s']:.0f} s), "
+            f"{with_replicas} with live recovery over {g['replicas']} replica groups")
+
+
+def _percent(share: float | None, absent: str) -> str:
+    return absent if share is None else f"{100 * share:.1f}%"

@@ -124,7 +124,7 @@ def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride
 def attention_tiles_per_rank(cp: int, ring: int) -> float:
     """Visible (query, key) tiles one rank computes per layer in the tiled attention that
     context parallelism runs: tiles of seq / (2 max(cp, 4)) tokens (the rule in
-    ``parallel/context.py``), so T = 2 max(cp, 4) per side, T (T + 1) / 2 under the causal
+    ``parallel/cp/ring.py``), so T = 2 max(cp, 4) per side, T (T + 1) / 2 under the causal
     mask, split over the ``ring`` members (Ulysses ranks each see every tile)."""
     t = 2 * max(cp, 4)
     return t * (t + 1) / 2 / ring

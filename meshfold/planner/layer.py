@@ -6,8 +6,7 @@ What differs between attention kinds comes from ``planner/attention``."""
 
 from __future__ import annotations
 
-from meshfold.models.counts import attention_share
-from meshfold.models.presets import ffn_params
+from meshfold.models.counts import attention_share, ffn_params
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
     DTYPE_BYTES,
@@ -104,7 +103,7 @@ class LayerCosts:
         tp_bytes = act * tokens * h
         call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
         tp_ar = self.ct("all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
-        # Context parallel (parallel/context.py) over u Ulysses ranks (stride tp) inside R =
+        # Context parallel (parallel/cp/) over u Ulysses ranks (stride tp) inside R =
         # cp / u ring members (stride u tp): ring u = 1, Ulysses u = cp, hybrid cp_ulysses.
         # Ulysses: 4 all-to-alls (q, k, v, out) forward, 4 backward (kv heads repeated up to u
         # when fewer). Ring, on the member's u x tokens and heads / u: K,V go around (R-1
@@ -198,7 +197,7 @@ class LayerCosts:
                 # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined)
                 routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
                 counts = 8 * m.moe_experts / tp * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
-                # pipelined in n chunks (parallel/expert.py ``overlapped_exchange``): the first
+                # pipelined in n chunks (parallel/ep/dispatch.py ``overlapped_exchange``): the first
                 # dispatch and the last combine are exposed; the other 2n - 2 chunk exchanges
                 # run while the experts compute, and show only where they outlast it
                 n = ep_chunks

@@ -19,7 +19,8 @@ from meshfold.planner.counts import (
 )
 from meshfold.planner.terms import LayerTerms
 from meshfold.planner.workload import Layout
-from meshfold.schedule import chunks_per_rank, held_peak, rank_grad_moments, rank_held_counts, stage_of
+from meshfold.schedules import Schedule
+from meshfold.schedules.held import held_peak
 
 
 class Memory:
@@ -28,7 +29,7 @@ class Memory:
     def peak_memory(self, L: Layout) -> float:
         """``estimate(L).peak_mem_bytes`` without the step time (the search prunes by memory
         before it prices): the stage split and the memory terms alone, cached alike."""
-        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        v = L.virtual
         n_micro = self.w.global_batch // L.dp // L.micro_batch
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
                              L.ep_overlap_chunks)
@@ -48,7 +49,7 @@ class Memory:
         fsdp = L.zero >= 2 and n_shard > 1
         # ---- memory on the fullest device (stage 0 holds the most in-flight activations)
         states, zero, accumulate, moe_layers = self._top_states(L, T, stage_params, n_micro)
-        if accumulate and zero >= 2 and pp > 1 and chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) > 1:
+        if accumulate and zero >= 2 and pp > 1 and L.schedule.chunks_per_rank(L.pp_virtual_stages) > 1:
             # a rank's chunks reduce their gradients each at its own last backward: the
             # unsharded ones are only those still accumulating at the fullest moment
             states = {**states, "grads": states["grads"] * self._grad_share(L, T, n_micro, L.dp_shard * cp)}
@@ -116,12 +117,11 @@ class Memory:
 
     def _grad_share(self, L: Layout, T: LayerTerms, n_micro: int, n_shard: int) -> float:
         """The gradients the fullest pp rank holds at its fullest moment
-        (``schedule.rank_grad_moments``: chunks still accumulating whole, chunks already
+        (``Schedule.rank_grad_moments``: chunks still accumulating whole, chunks already
         reduced as their 1/n_shard share, chunks not yet in backward nothing), as a
         fraction of the largest rank's unsharded gradients."""
-        sched = L.pp_schedule
-        v = L.pp_virtual_stages if sched == "interleaved" else 1
-        key = ("grads", L.tp, L.ep, L.pp, sched, v, tuple(L.pp_split), n_micro, n_shard)  # (params: tp, ep)
+        sched, v = L.schedule, L.virtual
+        key = ("grads", L.tp, L.ep, L.pp, L.pp_schedule, v, tuple(L.pp_split), n_micro, n_shard)  # (params: tp, ep)
         hit = self._held_cache.get(key)
         if hit is None:
             kinds, stage_kinds = T.kinds, self.stage_block_kinds(L)
@@ -137,10 +137,10 @@ class Memory:
             weight = (0.0, 1.0, 1.0 / max(1, n_shard))
             held = whole = 0.0
             for rank in range(L.pp):
-                mine = [params[stage_of(sched, L.pp, rank, c)] for c in range(chunks_per_rank(sched, v))]
+                mine = [params[sched.stage_of(L.pp, rank, c)] for c in range(sched.chunks_per_rank(v))]
                 whole = max(whole, sum(mine))
                 held = max(held, max(sum(p * weight[s] for p, s in zip(mine, moment))
-                                     for moment in rank_grad_moments(sched, L.pp, v, n_micro, rank)))
+                                     for moment in sched.rank_grad_moments(L.pp, v, n_micro, rank)))
             hit = self._held_cache[key] = held / max(whole, 1e-30)
         return hit
 
@@ -148,11 +148,10 @@ class Memory:
               n_micro: int) -> tuple[list, list]:
         """Per pipeline rank, the most activation bytes it holds at once, without and with
         the last stage's saved logits: each chunk's bytes per micro-batch, held from its
-        forward to its backward in the rank's order (``schedule.held_counts``: the moments
+        forward to its backward in the rank's order (``schedules/held.py``: the moments
         the dry-run's measurement is taken at too). Cached: the search asks often."""
-        sched = L.pp_schedule
-        v = L.pp_virtual_stages if sched == "interleaved" else 1
-        key = (L.pp, sched, v, tuple(L.pp_split), n_micro, tuple(sorted(per_layer.items())), stage_in, saved_logits)
+        v = L.virtual
+        key = (L.pp, L.pp_schedule, v, tuple(L.pp_split), n_micro, tuple(sorted(per_layer.items())), stage_in, saved_logits)
         hit = self._held_cache.get(key)
         if hit is None:
             stage_bytes = [sum(per_layer[k] * n for k, n in kinds.items()) + stage_in
@@ -160,7 +159,7 @@ class Memory:
             last = len(stage_bytes) - 1
             stage_bytes[last] += sum(per_layer[k] for k in self.mtp_kinds)
             without, with_logits = [], []
-            for stages, counts in _rank_held(sched, L.pp, v, n_micro):
+            for stages, counts in _rank_held(L.schedule, L.pp, v, n_micro):
                 without.append(held_peak(counts, [stage_bytes[st] for st in stages]))
                 with_logits.append(held_peak(counts, [stage_bytes[st] + (saved_logits if st == last else 0.0)
                                                       for st in stages]))
@@ -189,9 +188,9 @@ class Memory:
         # what _memory's activations depend on: the layer terms' key (tp, sp, cp, ep,
         # micro-batch, recompute, ...), the schedule and its split, the micro-batches; not the
         # zero stage or how dp splits into shards and replicas
-        sched = L.pp_schedule if L.pp > 1 else ""
+        sched = (L.pp_schedule, L.virtual) if L.pp > 1 else ()
         return (L.tp, L.sp, L.cp, L.cp_mode, L.ep, L.micro_batch, L.recompute, L.cp_ulysses, L.ep_overlap_chunks,
-                L.pp, sched, L.pp_virtual_stages if sched == "interleaved" else 1, tuple(L.pp_split), n_micro)
+                L.pp, *sched, tuple(L.pp_split), n_micro)
 
     def activations_if_known(self, L: Layout) -> float | None:
         """``peak_memory``'s activation term for ``L`` if a layout differing only in its zero
@@ -206,7 +205,7 @@ class Memory:
         variant whose floor does not fit without checking each recompute's peak).
         ``with_grads``: (that, the gradients in it)."""
         n_micro = self.w.global_batch // L.dp // L.micro_batch
-        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        v = L.virtual
         # model states depend on the parameters (tp, ep), the stages and how they shard, not
         # on the micro-batch, sp or cp's mode: structures differing only there share it
         key = (L.tp, L.ep, L.pp, L.pp_schedule, v, L.pp_split, L.zero, L.dp_shard, L.cp, L.dp, n_micro > 1)
@@ -244,7 +243,7 @@ class Memory:
                       accumulate: bool) -> dict:
         """``model_state_bytes`` of a pipeline rank with ``params`` parameters: sharded over
         dp_shard x cp, except (ep > 1) the routed experts of its ``moe_layers`` MoE layers, an
-        own FSDP group over the edp = dp x cp / ep ranks (``parallel/expert.py``)."""
+        own FSDP group over the edp = dp x cp / ep ranks (``parallel/ep/plan.py``)."""
         n_shard = L.dp_shard * L.cp
         experts = moe_layers * T.params.expert_p
         states = model_state_bytes(params - experts, zero, n_shard, self.w.dtype, accumulate)
@@ -268,7 +267,7 @@ class Memory:
         """The routed experts' bytes per rank (held, all-gathered, reduce-scattered) relative to
         their even share over the edp ranks. Each stacked expert weight [E_l, out, in]
         (E_l = E / (ep tp) local experts) is sharded on the dimension
-        ``parallel/expert_shard.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
+        ``parallel/facts/sizes.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
         edp divides E_l, out or in; else dim 0 padded to ceil(E_l / edp) experts per rank."""
         m = self.w.model
         E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep
@@ -282,8 +281,8 @@ class Memory:
 
 
 @lru_cache(maxsize=1024)
-def _rank_held(sched: str, pp: int, v: int, n_micro: int) -> tuple:
+def _rank_held(sched: Schedule, pp: int, v: int, n_micro: int) -> tuple:
     """Per pp rank, (its chunks' stages, ``rank_held_counts``): ``_held``'s per-rank terms."""
-    chunks = chunks_per_rank(sched, v)
-    return tuple((tuple(stage_of(sched, pp, r, c) for c in range(chunks)),
-                  rank_held_counts(sched, pp, v, n_micro, r)) for r in range(pp))
+    chunks = sched.chunks_per_rank(v)
+    return tuple((tuple(sched.stage_of(pp, r, c) for c in range(chunks)),
+                  sched.rank_held_counts(pp, v, n_micro, r)) for r in range(pp))

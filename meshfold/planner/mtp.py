@@ -1,7 +1,7 @@
-"""Multi-token prediction's planner terms (``models/mtp.py``): ``mtp_depth`` extra heads
+"""Multi-token prediction's planner terms (``models/deepseek/mtp.py``): ``mtp_depth`` extra heads
 after the trunk, on the last pipeline stage, each a block, eh_proj [2h -> h] and three
 norms, an output head and its loss; under pp the last stage's copy of the embedding
-(``parallel/pipeline.py``). Arithmetic over the depth: a model without it (depth 0) adds
+(``parallel/pp/mtp_copies.py``). Arithmetic over the depth: a model without it (depth 0) adds
 nothing, so the shared planner code adds these terms without asking whether there are any."""
 
 from __future__ import annotations
@@ -52,5 +52,5 @@ def heads_on(m: ModelConfig, holds_last: bool) -> int:
 
 def embedding_exchanges(m: ModelConfig, holds_last: bool) -> int:
     """Point-to-point exchanges per step of the embedding's gradient with the last stage's
-    copy (``parallel/pipeline.py``): one on the first stage's rank when another holds the last."""
+    copy (``parallel/pp/mtp_copies.py``): one on the first stage's rank when another holds the last."""
     return 1 if m.mtp_depth and not holds_last else 0

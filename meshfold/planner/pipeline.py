@@ -1,26 +1,26 @@
 """Pipeline time: the stage split (as the runtime's ``stage_split_of``), which blocks each
 pp rank holds (stage -> rank as the schedule lays them out), the slowest stage's
 forward and backward per micro-batch, and the schedule's makespan and bubble
-(``meshfold/schedule.py``; stage-per-rank paths over priced links with ``skippipe``)."""
+(the layout's schedule object, ``meshfold/schedules/``; per-micro-batch paths over
+priced links where the schedule is priced as paths)."""
 
 from __future__ import annotations
 
 from meshfold.models.stage_balance import stage_split_of
-from meshfold.parallel.skip import nccl_safe
+from meshfold.parallel.pp.p2p_plan import nccl_check
 from meshfold.planner import mtp
 from meshfold.planner.terms import LayerTerms
 from meshfold.planner.workload import Layout
-from meshfold.schedule import bubble_lower_bound, chunks_per_rank, pipeline_time, rank_chunk_of_stage
-from meshfold.skippipe import link_table, plan_orders, table_step_time
+from meshfold.schedules.skippipe.paths import link_table, plan_orders, table_step_time
 
 
 class PipelineTime:
     """``CostModel``'s pipeline stages and schedule time."""
 
     def stage_split(self, L: Layout) -> list[int]:
-        """Blocks per pipeline stage (stage order), as ``parallel/stages.py::stage_split``
+        """Blocks per pipeline stage (stage order), as ``parallel/pp/stage_modules.py::stage_split``
         builds them; cached per (stages, pp_split) -- the model is fixed per CostModel."""
-        n = L.pp * chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if L.pp > 1 else 1
+        n = L.pp * L.schedule.chunks_per_rank(L.pp_virtual_stages) if L.pp > 1 else 1
         key = (n, tuple(L.pp_split))
         hit = self._split_cache.get(key)
         if hit is None:
@@ -30,19 +30,18 @@ class PipelineTime:
     def stage_kinds(self, L: Layout) -> tuple[list[dict], int]:
         """Per pipeline rank, its blocks by kind ({is_moe: count}) over all its chunks, and
         the rank holding the last stage (the output layer): pp - 1, or 0 under zbv's V."""
-        sched = L.pp_schedule if L.pp > 1 else "1f1b"
-        key = (L.pp, sched, L.pp_virtual_stages if sched == "interleaved" else 1, tuple(L.pp_split))
+        key = (L.pp, L.pp_schedule, L.virtual, tuple(L.pp_split)) if L.pp > 1 else (1, tuple(L.pp_split))
         hit = self._stage_cache.get(key)
         if hit is None:
             split = self.stage_split(L)
             ranks = [dict() for _ in range(L.pp)]
             start = 0
             for stage, n in enumerate(split):
-                rank = rank_chunk_of_stage(sched, L.pp, stage)[0] if L.pp > 1 else 0
+                rank = L.schedule.rank_chunk_of_stage(L.pp, stage)[0] if L.pp > 1 else 0
                 for i in range(start, start + n):
                     ranks[rank][self.kinds[i]] = ranks[rank].get(self.kinds[i], 0) + 1
                 start += n
-            last = rank_chunk_of_stage(sched, L.pp, len(split) - 1)[0] if L.pp > 1 else 0
+            last = L.schedule.rank_chunk_of_stage(L.pp, len(split) - 1)[0] if L.pp > 1 else 0
             for kind in self.mtp_kinds:
                 ranks[last][kind] = ranks[last].get(kind, 0) + 1
             hit = self._stage_cache[key] = (ranks, last)
@@ -138,14 +137,15 @@ class PipelineTime:
             hit = self._stage_sums(T, stages, last_rank, pp, v, p2p)
             self._stage_sum_cache[skey] = hit
         t_f, t_b, busy_sum, stage_params, stage_layers = hit
-        if pp > 1 and (L.pp_schedule == "skippipe" or (L.pp_links and L.pp_schedule == "1f1b")):
+        schedule = L.schedule
+        if pp > 1 and schedule.priced_as_paths(bool(L.pp_links)):
             makespan = self._path_time(L, T, n_micro, t_f - p2p, t_b - p2p, p2p)
             bubble = max(0.0, makespan - n_micro * (t_f + t_b))
-        elif bound and L.pp_schedule == "zbv":  # (step_bound: no replay)
-            bubble = bubble_lower_bound(L.pp_schedule, pp, n_micro, v, t_f, t_b)
+        elif bound:  # (step_bound: the bound, without replaying an order; exact for the closed forms)
+            bubble = schedule.bubble_lower_bound(pp, n_micro, v, t_f, t_b)
             makespan = n_micro * (t_f + t_b) + bubble
         else:
-            makespan, bubble = pipeline_time(L.pp_schedule, pp, n_micro, v, t_f, t_b)
+            makespan, bubble = schedule.pipeline_time(pp, n_micro, v, t_f, t_b)
         if c.host_cores and L.world > c.host_cores and pp > 1:
             # Processes sharing host_cores cores: the calibrated rate is with every process
             # busy; a stage waiting in the bubble frees its core, so the step is the larger
@@ -159,13 +159,13 @@ class PipelineTime:
         return p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble
 
     def _path_time(self, L: Layout, T: LayerTerms, n_micro: int, t_f: float, t_b: float, p2p: float) -> float:
-        """One step of stage-per-rank paths (``meshfold/skippipe.py``: 1F1B without skips)
+        """One step of stage-per-rank paths (``schedules/skippipe/paths.py``: 1F1B without skips)
         over links priced one by one: ``p2p`` on the cluster's link, ``alpha + bytes/rate``
         on the ``pp_links``; the slowest stage's times on every stage."""
         slow = {(a, b): p2p - T.traffic.p2p_bytes / self.link(L.tp * L.cp * L.dp, L.pp)[1] + T.traffic.p2p_bytes * 8 / (r * 1e6)
                 for a, b, r in L.pp_links}
         stage_s = tuple((t_f, t_b) for _ in range(L.pp))
         links = link_table(L.pp, p2p, slow)
-        paths, _ = plan_orders(L.pp, n_micro, float(L.pp_skip) if L.pp_schedule == "skippipe" else 0.0,
-                               bool(L.pp_reorder) and L.pp_schedule == "skippipe", stage_s, links, nccl_safe)
+        schedule = L.schedule
+        paths, _ = plan_orders(L.pp, n_micro, *schedule.path_options(L), stage_s, links, nccl_check(schedule))
         return table_step_time(L.pp, paths, stage_s, links)

@@ -31,8 +31,10 @@ from meshfold.errors import divisors as _divisors
 from meshfold.models.counts import plain_layers
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
-from meshfold.planner.cost import EP_CHUNKS, CostModel, Estimate, Layout, Workload
-from meshfold.schedule import bubble_lower_bound, zbv_priced
+from meshfold.planner.bounds import EP_CHUNKS
+from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
+from meshfold.planner.workload import DEFAULT_SCHEDULE
+from meshfold.schedules import all_schedules, get_schedule
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -89,17 +91,17 @@ def structures(w: Workload, world: int, max_tp: int = 0):
 
 
 def schedules(w: Workload, pp: int, n_micro: int, gpipe: bool = True) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) choices. GPipe takes 1F1B's time with more memory, so
-    the search (``gpipe=False``) never needs it; brute force keeps it."""
+    """(schedule, virtual stages) choices: the default schedule first, then the registered
+    ones in order, each with the virtual stages it is searched with
+    (``Schedule.search_virtuals``). A dominated schedule (GPipe: 1F1B's time with more
+    memory) the search (``gpipe=False``) never needs; brute force keeps it."""
     if pp == 1:
-        return [("1f1b", 1)]
-    out = [("1f1b", 1)] + ([("gpipe", 1)] if gpipe else [])
-    L = w.model.n_layers
-    for v in (2, 4):
-        if pp * v <= L and n_micro % pp == 0:
-            out.append(("interleaved", v))
-    if 2 * pp <= L and zbv_priced(pp, n_micro):  # priced by replaying its order: bounded size
-        out.append(("zbv", 1))
+        return [(DEFAULT_SCHEDULE, 1)]
+    first = get_schedule(DEFAULT_SCHEDULE)
+    out = []
+    for sched in (first, *(s for s in all_schedules() if s is not first)):
+        if gpipe or not sched.dominated:
+            out += [(sched.name, v) for v in sched.search_virtuals(pp, n_micro, w.model.n_layers)]
     return out
 
 
@@ -117,7 +119,7 @@ def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     # (ep > 1: zero >= 2 shards the experts with FSDP over edp; zero 0/1 reduce them over edp,
-    # ZeRO-1 shards their Adam state there: parallel/expert.py)
+    # ZeRO-1 shards their Adam state there: parallel/ep/plan.py)
     scheds = schedules(w, pp, n_micro, gpipe)
     chunks = EP_CHUNKS if ep > 1 else (1,)
     for zero in zero_stages(st):
@@ -148,9 +150,9 @@ def runtime_config(w: Workload, L: Layout):
 
 
 def recomputes(schedule: str) -> tuple[str, ...]:
-    """The recompute choices a schedule runs with (``config.validate_train_layout``: zbv's
-    separate weight-gradient pass would recompute every block again under full)."""
-    return RECOMPUTE[:2] if schedule == "zbv" else RECOMPUTE
+    """The recompute choices a schedule runs with (``config.validate_train_layout``: a
+    backward split into B and W passes, zbv's, would recompute every block again under full)."""
+    return RECOMPUTE[:2] if get_schedule(schedule).splits_backward else RECOMPUTE
 
 
 def _with_recompute(L: Layout, r: str) -> Layout:
@@ -186,7 +188,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         return n_micro, t_f, t_b, rest, sc
 
     def bubble(sched: str, v: int, pp: int, n_micro: int, t_f: float, t_b: float) -> float:
-        return 0.0 if pp == 1 or free else bubble_lower_bound(sched, pp, n_micro, v, t_f, t_b)
+        return 0.0 if pp == 1 or free else get_schedule(sched).bubble_lower_bound(pp, n_micro, v, t_f, t_b)
 
     # Structures sharing layer terms (tp, sp, cp, cp_mode, ep, micro-batch) share their
     # compute whatever their pp and dp split (``CostModel.compute_floor``): a group's floor
@@ -239,7 +241,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         n_micro, t_f, t_b, rest, _ = st_terms[i]
         specs = list(variant_specs(w, st, gpipe=False))
         visited += 1
-        if best and cm.states_floor(_layout(st, 0, "1f1b", 1), zero_stages(st)) > capacity:
+        if best and cm.states_floor(_layout(st, 0, DEFAULT_SCHEDULE, 1), zero_stages(st)) > capacity:
             continue  # no zero stage fits its model states: no variant fits
         sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
         for j, (zero, sched, v, chunks) in enumerate(specs):
@@ -295,7 +297,7 @@ def brute_force(w: Workload, cluster: Cluster) -> list[Estimate]:
     out = []
     for st in structures(w, cluster.world_size):
         for L in variants(w, st):
-            for r in recomputes(L.pp_schedule if L.pp > 1 else "1f1b"):
+            for r in recomputes(L.pp_schedule):  # (pp = 1: the default schedule, ``schedules``)
                 out.append(cm.estimate(_with_recompute(L, r)))
     return out
 

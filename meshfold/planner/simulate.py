@@ -1,9 +1,9 @@
 """``meshfold simulate``: one layout in detail, including the pipeline schedule as a
-per-stage, per-micro-batch event timeline (drawn with ``parallel/timeline.py``).
+per-stage, per-micro-batch event timeline (drawn with ``parallel/pp/timeline_plot.py``).
 
-The schedule is the one the executor runs: ``meshfold/schedule.py`` generates each
-rank's action list and replays it (``simulate``); an action starts when its rank is free
-and its input is ready. Action times come from the cost model (``CostModel``: a rank's
+The schedule is the object the executor runs (``meshfold/schedules/``): its ``actions``
+are each rank's action list, replayed by ``schedules/simulate.py``; an action starts when
+its rank is free and its input is ready. Action times come from the cost model (``CostModel``: a rank's
 per-micro-batch forward/backward time, split evenly over its chunks, zbv's backward
 split into B and W: ``chunk_costs``), so the makespan equals the ``pipeline_time`` the
 search uses; the tests check that.
@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from meshfold.planner.cluster import Cluster
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
-from meshfold.schedule import chunk_costs, schedule_actions
-from meshfold.schedule import simulate as simulate_orders
+from meshfold.schedules import get_schedule
+from meshfold.schedules.simulate import simulate as simulate_orders
 
 
 def schedule_events(schedule: str, pp: int, m: int, v: int, t_f: float, t_b: float) -> list[dict]:
     """Events of one step of ``schedule`` with per-micro-batch rank times ``t_f``, ``t_b``."""
-    v = v if schedule == "interleaved" else 1
-    return simulate_orders(schedule, schedule_actions(schedule, pp, v, m), chunk_costs(schedule, v, t_f, t_b))
+    sched = get_schedule(schedule)
+    v = sched.virtual_of(v)
+    return simulate_orders(sched, sched.actions(pp, v, m), sched.chunk_costs(v, t_f, t_b))
 
 
 def simulate(w: Workload, cluster: Cluster, layout: Layout) -> tuple[Estimate, list[dict]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from meshfold.planner.counts import BUCKET_BYTES, DTYPE_BYTES, FSDP_WIRE, buckets, zero1_gather
 from meshfold.planner.terms import LayerTerms
 from meshfold.planner.workload import Layout
-from meshfold.schedule import chunks_per_rank
 
 
 ENDLESS = 1e30  # ``step_bound``'s compute window: long enough to hide any traffic the model can hide
@@ -22,7 +21,7 @@ class StepTime:
 
     def step_bound(self, L: Layout) -> float:
         """A time ``L`` with any recompute cannot beat (``L.recompute`` should be "none"):
-        its step time with zbv's replay replaced by ``bubble_lower_bound`` and the data-
+        its step time with the schedule's ``bubble_lower_bound`` (zbv: no replay) and the data-
         parallel traffic with endless compute to hide behind (recompute only lengthens the
         backward: the pipeline takes no less, the traffic finds no shorter windows)."""
         return self._step(L, bound=True)[0] * (1 - 1e-12)
@@ -33,7 +32,7 @@ class StepTime:
         w, c = self.w, self.c
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         tp, cp = L.tp, L.cp
-        v = L.pp_virtual_stages if L.pp_schedule == "interleaved" else 1
+        v = L.virtual
         dp, b = L.dp, L.micro_batch
         if w.global_batch % dp or (w.global_batch // dp) % b:
             raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
@@ -91,7 +90,7 @@ class StepTime:
         # (the last micro-batch's backward); ZeRO-1 then gathers the updated parameters;
         # ZeRO-3 gathers parameters per micro-batch (forward, and again in backward).
         n_shard, n_rep, n_all = L.dp_shard * cp, L.dp_replicate, dp * cp
-        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if L.pp > 1 else 1
+        chunks = L.schedule.chunks_per_rank(L.pp_virtual_stages) if L.pp > 1 else 1
         dp_exposed = 0.0
         fsdp = L.zero >= 2 and n_shard > 1
         if fsdp:

@@ -21,7 +21,6 @@ from meshfold.planner.counts import (
 from meshfold.planner.terms import LayerTerms, TpCalls
 from meshfold.planner.workload import Layout
 from meshfold.ring import FACTORS as RING
-from meshfold.schedule import chunks_per_rank, stage_of
 
 
 def tp_counts(m: ModelConfig, tp: int, sp: bool, recompute: str, act: int, tokens: int, s: int, b: int,
@@ -30,7 +29,7 @@ def tp_counts(m: ModelConfig, tp: int, sp: bool, recompute: str, act: int, token
     the first stage's, the last stage's), for ``tokens`` tokens of ``b`` sequences of ``s``."""
     h = m.dim
     attn_kind = attention_terms(m)
-    # Calls and bytes each tp collective of the runtime (parallel/tensor.py, loss.py)
+    # Calls and bytes each tp collective of the runtime (parallel/tp/, loss.py)
     # sends, per micro-batch: per layer, on the first stage, on the last stage, each as
     # (calls, activation bytes, weight-gradient elements): activations (and their
     # gradients) cross the tp link in the compute dtype (``act``: bf16 under autocast,
@@ -59,12 +58,12 @@ def tp_counts(m: ModelConfig, tp: int, sp: bool, recompute: str, act: int, token
             weights += 2 * m.head_dim
         tp_layer = TpCalls(calls, sent, r_ar * weights)
         shared = 1 if m.moe_shared_experts else 0
-        gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/expert.py)
+        gates = tokens * m.moe_topk * act  # every assignment's, in the compute dtype (parallel/ep/dispatch.py)
         if has_moe and not sp:  # a MoE block: its gates' gradient summed over tp in
             # backward (the expert output leaves, its input enters like a dense MLP's), and the
             # tp-split shared experts' own entry (all-reduce backward) and exit (forward)
             tp_moe = TpCalls(1 + 2 * shared, r_ar * (gates + 2 * shared * A), 0.0)
-        elif has_moe:  # a MoE block under sp (parallel/expert.py ``tokens_in``/``_out``),
+        elif has_moe:  # a MoE block under sp (parallel/ep/dispatch.py ``tokens_in``/``_out``),
             # in place of the dense MLP's 5 calls (2.5 all-reduces of A) counted in tp_layer: the
             # tokens gathered (AG fwd, RS bwd; not re-gathered), the chosen experts (int64, AG)
             # and the gates (AG fwd, RS bwd, compute dtype), the per-token sums scattered back (RS
@@ -106,14 +105,14 @@ class Traffic:
         """Rank 0's collectives in one optimizer step, by mesh dimension as the runtime's
         communication ledger names them: ``{dim: {"count": calls, "bytes": sent}}``, bytes
         in ``meshfold/ring.py``'s ring convention (FACTORS, as ``comm.py`` counts), one count per collective call
-        or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or with zbv,
-        also the last stage). Not counted (as the runtime's ledger does not count them:
+        or point-to-point send. Rank 0 is pipeline stage 0 (and, at pp = 1 or where the
+        schedule lays the last stage there, zbv's V, also the last stage). Not counted (as the runtime's ledger does not count them:
         ``dim=None`` in comm.py): the step's control scalars (token count, loss sum, gradient norm)."""
         w = self.w
         pb, gb, _, act = DTYPE_BYTES[w.dtype]
         tp, pp, cp = L.tp, L.pp, L.cp
-        chunks = chunks_per_rank(L.pp_schedule, L.pp_virtual_stages) if pp > 1 else 1
-        last_on_rank0 = pp == 1 or L.pp_schedule == "zbv"
+        chunks = L.schedule.chunks_per_rank(L.pp_virtual_stages) if pp > 1 else 1
+        last_on_rank0 = self.stage_kinds(L)[1] == 0
         layers0 = stage_layers[0]  # all of rank 0's chunks
         out: dict[str, list] = {}
 
@@ -148,7 +147,7 @@ class Traffic:
             if n_rep > 1:
                 add("dp", modules, RING["all_reduce"](n_rep) * (P0 - E0) * wr / n_shard)
         elif n_all > 1:
-            # under pp each of the rank's chunks has its own bucketed reducer (parallel/data.py);
+            # under pp each of the rank's chunks has its own bucketed reducer (parallel/dp/replicate.py);
             # with ep > 1 the routed experts have reducers of their own over edp (and, ZeRO-1,
             # their own ShardedAdamW over edp), the rest goes over dp x cp
             E0, edp = (moe0 * T.params.expert_p, n_all // L.ep) if L.ep > 1 else (0.0, 1)
@@ -170,16 +169,14 @@ class Traffic:
                     sizes = None if every is None else [e for e, _ in every]
                 if sizes is not None:
                     calls = ddp_buckets([e * gb for e in sizes])
-            elif L.pp_schedule != "zbv" and moe_sizes is None:
-                # GradReducer: greedy per parameter
+            elif (pp == 1 or not last_on_rank0) and moe_sizes is None:
+                # GradReducer: greedy per parameter, over each chunk of rank 0 (the first
+                # stage's; a rank 0 holding the last stage too is estimated, as above)
                 if pp == 1:
                     shapes = [(m.n_layers, True, True)]
-                elif L.pp_schedule == "interleaved":
-                    split = self.stage_split(L)
-                    shapes = [(split[stage_of(L.pp_schedule, pp, 0, c)], c == 0, False)
-                              for c in range(L.pp_virtual_stages)]
                 else:
-                    shapes = [(layers0, True, False)]
+                    split = self.stage_split(L)
+                    shapes = [(split[L.schedule.stage_of(pp, 0, c)], c == 0, False) for c in range(chunks)]
                 sizes = [chunk_param_sizes(m, tp, n, first, last) for n, first, last in shapes]
                 if all(x is not None for x in sizes):
                     calls = sum(reducer_buckets([e * pb for e in x]) for x in sizes)
@@ -193,7 +190,7 @@ class Traffic:
                 add("dp", 1 if flat else buckets(P0 * zb), RING["all_gather"](n_shard) * (P0 - E0) * zb)
                 if E0 and edp > 1:
                     add("dp", 1, RING["all_gather"](edp) * E0 * zb)
-        # tensor parallel: per layer, around the layers, loss (parallel/tensor.py, loss.py)
+        # tensor parallel: per layer, around the layers, loss (parallel/tp/, loss.py)
         if tp > 1:
             grad = tp_grad_bytes(w.dtype)
             moe_layers0 = stages[0].get(True, 0)
@@ -207,16 +204,15 @@ class Traffic:
         # pipeline: activations to the next stage, gradients to the previous one, per
         # micro-batch and chunk; then the loss and the bubble statistics over pp
         if pp > 1:
-            if L.pp_schedule == "zbv":
-                sends = 2  # stage 0 sends activations, stage 2p-1 (the last) gradients
-            else:
-                sends = 2 * chunks - 1  # every chunk sends forward; all but stage 0 backward
+            # (every chunk sends forward, all but stage 0 backward; under zbv's V stage 0
+            # sends activations and stage 2p-1, the last, gradients)
+            sends = L.schedule.sends_per_microbatch(pp, L.virtual, 0)
             add("pp", n_micro * sends, n_micro * sends * T.traffic.p2p_bytes)
             # one all-gather of [loss sum, busy, start, end] (float64) per pp rank
             add("pp", 1, RING["all_gather"](pp) * 32 * pp)
             # the embedding's gradient, exchanged with the last stage's copy (multi-token prediction)
             add("pp", mtp.embedding_exchanges(w.model, last_on_rank0), T.params.emb * gb)
-        # context parallel (parallel/context.py): ring hops, or Ulysses' all-to-alls, per
+        # context parallel (parallel/cp/): ring hops, or Ulysses' all-to-alls, per
         # layer; the ranks' positions/doc ids once per micro-batch and chunk; the work counter per step
         if cp > 1:
             # the collectives recompute issues again: the block's forward ones (full, op), or the

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from meshfold.layout import ParallelConfig
 from meshfold.models.config import ModelConfig
+from meshfold.schedules import Schedule, get_schedule
+
+# The schedule a layout without pipeline stages (pp = 1) names: the runtime's default.
+DEFAULT_SCHEDULE = ParallelConfig.pp_schedule
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class Layout:
     tp: int = 1
     sp: bool = False
     pp: int = 1
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = DEFAULT_SCHEDULE
     pp_virtual_stages: int = 1
     cp: int = 1
     cp_mode: str = "ring"  # ring | ulysses | hybrid
@@ -63,6 +67,16 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def schedule(self) -> Schedule:
+        """The registered pipeline schedule ``pp_schedule`` names (``meshfold/schedules``)."""
+        return get_schedule(self.pp_schedule)
+
+    @property
+    def virtual(self) -> int:
+        """``pp_virtual_stages`` as the schedule reads it (1 where it has no virtual stages)."""
+        return self.schedule.virtual_of(self.pp_virtual_stages)
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // self.dp // self.micro_batch

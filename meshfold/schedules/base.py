@@ -70,6 +70,9 @@ class Schedule:
     # whether the model's last stage may hold a copy of a first-stage weight (a tied
     # embedding copy whose gradient the executor sums with the first stage's)
     runs_stage_weight_copies = True
+    # whether a layout search may leave it out: another schedule always does at least as
+    # well (gpipe: 1F1B's time with more memory); a brute-force search still prices it
+    dominated = False
 
     def __repr__(self) -> str:
         return f"<schedule {self.name}>"
@@ -178,6 +181,40 @@ class Schedule:
     def priced(self, pp: int, m: int) -> bool:
         """Whether a planner search prices this schedule at this size (all but zbv: always)."""
         return True
+
+    def search_virtuals(self, pp: int, n_micro: int, n_layers: int) -> tuple[int, ...]:
+        """The ``pp_virtual_stages`` a planner search tries this schedule with, for ``pp``
+        ranks, ``n_micro`` micro-batches and ``n_layers`` blocks (empty: not searched)."""
+        return (1,)
+
+    # ------------------------------------------------------------------ paths
+
+    def priced_as_paths(self, own_links: bool) -> bool:
+        """Whether the planner prices a step as per-micro-batch paths over the pp links
+        (``skippipe/paths.py``, each link at its own rate) instead of ``pipeline_time``;
+        ``own_links``: the layout gives some links a rate of their own (``parallel.pp_links``)."""
+        return False
+
+    def path_options(self, p) -> tuple[float, bool]:
+        """(share of stages a micro-batch may skip, whether it may visit them out of order)
+        for the path planner, from ``p`` (``[parallel]`` or a planner layout): every stage, in order."""
+        return 0.0, False
+
+    # ------------------------------------------------------------------ traffic
+
+    def sends_per_microbatch(self, pp: int, virtual: int, rank: int) -> int:
+        """Point-to-point sends of pp rank ``rank`` per micro-batch: each of its chunks sends
+        its activations to the next stage and its input gradient to the one before, where
+        that stage sits on another rank."""
+        chunks = self.chunks_per_rank(virtual)
+        n_stages = pp * chunks
+        sends = 0
+        for c in range(chunks):
+            s = self.stage_of(pp, rank, c)
+            for other in (s + 1, s - 1):
+                if 0 <= other < n_stages and self.rank_chunk_of_stage(pp, other)[0] != rank:
+                    sends += 1
+        return sends
 
     # ------------------------------------------------------------------ memory
 

@@ -90,6 +90,11 @@ class Interleaved(Schedule):
             return f"interleaved needs a multiple of pp = {pp} micro-batches, got {m}"
         return super().microbatch_problem(pp, m)
 
+    def search_virtuals(self, pp: int, n_micro: int, n_layers: int) -> tuple[int, ...]:
+        """2 or 4 chunks per rank, where every chunk holds a block and the micro-batches
+        come in groups of pp."""
+        return tuple(v for v in (2, 4) if pp * v <= n_layers and n_micro % pp == 0)
+
     def check_model(self, p, m) -> None:
         if p.pp_virtual_stages < 2:
             raise ConfigError("parallel.pp_schedule = interleaved needs parallel.pp_virtual_stages >= 2 "

@@ -26,3 +26,8 @@ class OneFOneB(Schedule):
 
     def held_counts_of_rank(self, pp: int, virtual: int, m: int, rank: int) -> tuple[tuple[int, ...], ...]:
         return ((min(m, pp - rank),),)
+
+    def priced_as_paths(self, own_links: bool) -> bool:
+        """With links of their own: 1F1B's orders are the path planner's with every stage in
+        order, so it prices each link on its own."""
+        return own_links

@@ -248,6 +248,11 @@ class ZeroBubbleV(Schedule):
         """Whether a search prices zbv at this size (see ``ZBV_MAX_PRICED``)."""
         return pp * m <= ZBV_MAX_PRICED
 
+    def search_virtuals(self, pp: int, n_micro: int, n_layers: int) -> tuple[int, ...]:
+        """Priced by replaying its order: only where every chunk holds a block and the
+        replay is affordable (``priced``)."""
+        return (1,) if 2 * pp <= n_layers and self.priced(pp, n_micro) else ()
+
     def inflight_microbatches(self, pp: int, m: int, v: int) -> float:
         """Counted on the order the executor runs."""
         return 1.0 if pp == 1 else self._inflight(pp, m)

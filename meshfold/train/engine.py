@@ -8,7 +8,7 @@ the MoE auxiliary terms scaled the same way, autocast and the document mask of t
 forward, the one micro-batch splitter (``data/micro.py``), the gradient-norm clip and the
 unsharded ``full_state``. ``LocalEngine`` runs the micro-batches one after the other on
 this rank's model; ``PipelineEngine`` hands the same forward, loss and auxiliary terms to
-the pipeline executor (``parallel/pipeline.py::Pipeline``), which runs the schedule.
+the pipeline executor (``parallel/pp/executor.py::Pipeline``), which runs the schedule.
 
 The trainer counts the global tokens (one all-reduce), cuts the batch with
 ``engine.micro_batches(batch)`` and calls ``engine.step(micro, global_tokens, step)``
@@ -227,7 +227,7 @@ class LocalEngine(StepEngine):
 
     def activation_counter(self, first: bool):
         """Count the bytes autograd saves for backward on the first micro-batch of a step
-        (the honest activation-memory figure on CPU; see train/memory.py). Off under
+        (the honest activation-memory figure on CPU; see meshfold/memory.py). Off under
         torch.compile, whose graphs the counting hooks would break."""
         if not first or self.cfg.train.compile:
             return contextlib.nullcontext()

@@ -18,7 +18,7 @@ Built before the model:
 ``forward_inputs(mb) -> dict``        extra keyword inputs of the model's forward
 ``touches_master_weights: bool``      the feature reads or writes the fp32 parameters
                                       between steps or replaces the optimizer: ZeRO-1 keeps
-                                      its fp32 gather (``parallel/optim.py``)
+                                      its fp32 gather (``optim/sharded.py``)
 ``world_collectives: bool``           False: the feature promises no collective over all
                                       ranks, so the trainer turns its straggler check off
 ``holds_run_lock``, ``checks_resume``, ``writes_run_files`` (bool): the run directory's

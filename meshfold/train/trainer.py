@@ -37,7 +37,7 @@ from meshfold.data.prepared import check_verified
 from meshfold.device import resolve_device, resolve_dtypes
 from meshfold.mesh import ParallelDims, build_mesh
 from meshfold.models.llama import Transformer
-from meshfold.models.presets import flops_per_token
+from meshfold.models.counts import flops_per_token
 from meshfold.parallel.parallelize import parallelize
 from meshfold.parallel.cp.batch import shard_for_context_parallel
 from meshfold.parallel.dp.plan import uses_ddp, uses_grad_reducer
@@ -167,7 +167,7 @@ class Trainer:
         """This rank's model (or pipeline stages) and the step engine that runs it."""
         torch.manual_seed(self.cfg.train.seed)
         cfg, dims = self.cfg, self.dims
-        if cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pipeline.py
+        if cfg.parallel.pp > 1:  # only this rank's stage(s): meshfold/parallel/pp/
             pipe = Pipeline(cfg, dims, self.device, self.param_dtype, self.autocast_dtype or self.param_dtype,
                             announce=self.announce_split)
             return PipelineEngine(pipe, cfg, dims, self.device, self.autocast_dtype, self.loss_fn, self.use_doc_mask,
@@ -183,7 +183,7 @@ class Trainer:
     def build_optimizer(self, device_type: str) -> torch.optim.Optimizer:
         """AdamW, ZeRO-1 sharded over dp_shard_cp where ``parallel.zero = 1`` shards it.
         Under bf16 compute ZeRO-1 gathers bf16 parameters straight into the step's compute
-        weights (``parallel/optim.py::ShardedAdamW``), except where a feature reads or writes
+        weights (``optim/sharded.py::ShardedAdamW``), except where a feature reads or writes
         the fp32 parameters between steps or replaces the optimizer (``touches_master_weights``:
         low-communication methods, 1-bit Adam, live recovery): those keep the fp32 gather."""
         cfg, t = self.cfg, self.cfg.train

@@ -13,7 +13,7 @@ and a decoupled RoPE part (``mla_rope_dim``):
 What a kv cache or context parallel moves per token is ``latent`` = [RMSNorm(c) ; RoPE(k_r)]
 (kv_rank + rope_dim values), not the expanded keys and values: ``forward`` is split into
 ``query``, ``latent``, ``expand`` (the latent -> per-head k, v) and ``attend``, so context
-parallel can override ``attend`` from outside (parallel/context.py). ``build_attention`` is the
+parallel can override ``attend`` from outside (parallel/cp/mla.py). ``build_attention`` is the
 registry's builder (``models/registry.py`` ``AttentionKind``).
 
 RoPE rotates adjacent feature pairs (as meshfold's ``apply_rotary`` does and as DeepSeek's

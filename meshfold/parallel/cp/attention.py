@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshfold.comm import all_gather_into_tensor
 from meshfold.models.attention_ops import document_attention
-from meshfold.models.moe import has_values
+from meshfold.models.moe_experts import has_values
 from meshfold.parallel.cp.batch import default_members
 from meshfold.parallel.cp.groups import ContextParallelPlan
 from meshfold.parallel.cp.ring import RingLayout, ring_attention

@@ -1,4 +1,4 @@
-"""Context parallel for multi-head latent attention (``models/mla.py``), registered in
+"""Context parallel for multi-head latent attention (``models/deepseek/mla.py``), registered in
 ``parallel/cp/plan.py``'s ``ATTENTION_ADAPTERS`` under ``"mla"``: on a pure ring the
 per-token latent (kv_rank + rope values) travels instead of the expanded keys and values,
 each step expanding it locally; Ulysses and hybrid move the expanded heads."""
@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from meshfold.models.mla import MLAttention
+from meshfold.models.deepseek.mla import MLAttention
 from meshfold.parallel.cp.groups import ContextParallelPlan
 
 
@@ -20,7 +20,7 @@ def send_latent_on_ring(attention: MLAttention, plan: ContextParallelPlan) -> No
 
 
 class LatentPayload:
-    """What travels on the ring for latent attention (``models/mla.py``): the per-token
+    """What travels on the ring for latent attention (``models/deepseek/mla.py``): the per-token
     latent [b, s, kv_rank + rope] (the normed compressed kv and the RoPE'd shared key),
     expanded into per-head k and v by ``expand`` at every ring step, forward and backward.
     Its gradient travels back the same way; ``expand``'s parameters (``wkv_b``) get theirs

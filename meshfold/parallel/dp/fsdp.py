@@ -17,7 +17,7 @@ from meshfold import comm
 from meshfold.comm import ledger
 from meshfold.device import resolved_dtype_name
 from meshfold.mesh import ParallelDims
-from meshfold.models.moe import GroupedExperts
+from meshfold.models.moe_experts import GroupedExperts
 from meshfold.parallel.facts.sizes import expert_shard_dim
 
 

@@ -21,7 +21,7 @@ zero   memory per rank (model states)  communication per step               mech
 Expert parallel with zero 0/1 (``parallel/ep/plan.py``): the routed experts, different on
 each ep rank, are averaged over edp (the ranks holding the same experts) by a
 ``GradReducer`` of their own, and ZeRO-1 shards their Adam state there
-(``parallel/optim.py::ExpertSplitAdamW``); the rest is averaged over dp_cp as above.
+(``optim/expert_split.py::ExpertSplitAdamW``); the rest is averaged over dp_cp as above.
 
 Every data-parallel reduction happens once per optimizer step, in the last micro-batch's
 backward (see ``LocalEngine.grad_sync`` in train/engine.py and the pipeline's per-chunk

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfold.comm import all_to_all_single
-from meshfold.models.moe import (CapacitySlots, balanced_counts, combine, count_rows, fixed_groups, gather_rows,
-                                  read_counts, scatter_add_rows)
+from meshfold.models.moe import CapacitySlots, balanced_counts, combine
+from meshfold.models.moe_experts import count_rows, fixed_groups, gather_rows, read_counts, scatter_add_rows
 from meshfold.parallel.tp.collectives import TensorParallelGroup, _on_wire, wire_dtype
 
 

@@ -16,7 +16,7 @@ neighbouring dp_shard/cp ranks:
   whole on every edp rank, marked ``reduce_over = edp mesh``: the data layer averages their
   gradients over edp only (a ``GradReducer`` of their own, ``parallel/dp/replicate.py``) while the
   dense parameters are averaged over dp_cp, and ZeRO-1 shards their Adam state over edp
-  (``parallel/optim.py::ExpertSplitAdamW``);
+  (``optim/expert_split.py::ExpertSplitAdamW``);
 * tokens go to their experts with an all-to-all of variable split sizes and come back with
   the reverse all-to-all (``AllToAllDispatcher``); each rank runs its experts grouped. Under a
   capacity each expert's slots are padded to capacity: equal splits, no host read;

@@ -1,4 +1,4 @@
-"""Multi-head latent attention's layout rules (``models/mla.py``), torch-free: registered in
+"""Multi-head latent attention's layout rules (``models/deepseek/mla.py``), torch-free: registered in
 ``facts/attention.py``'s ``ATTENTION_LAYOUTS`` under ``"mla"``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What multi-token prediction (``models/mtp.py``) asks of a layout, torch-free: its depths
+"""What multi-token prediction (``models/deepseek/mtp.py``) asks of a layout, torch-free: its depths
 shift whole sequences by k tokens. ``parallel/config.py`` runs ``check`` with the other
 model parts' layout checks."""
 

@@ -103,7 +103,7 @@ class Pipeline:
         self.chunks = chunks  # checkpoints save each chunk under the full model's names
         self.model = PipelineModel(chunks)
         # Without FSDP, data-parallel gradients are averaged by each chunk's GradReducer
-        # (parallel/data.py; DDP cannot follow interleaved forwards and backwards), armed
+        # (parallel/dp/replicate.py; DDP cannot follow interleaved forwards and backwards), armed
         # for the chunk's last backward action so its buckets go out while other chunks and
         # micro-batches still compute; with FSDP the chunk syncs only in that action.
         self.reducers = [grad_reducers(c) for c in chunks]

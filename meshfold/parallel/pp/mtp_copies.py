@@ -1,5 +1,5 @@
 """Multi-token prediction's stage copy: its depths embed the shifted tokens on the last
-stage (``models/mtp.py``), so with pp > 1 that stage keeps a copy of the first stage's
+stage (``models/deepseek/mtp.py``), so with pp > 1 that stage keeps a copy of the first stage's
 embedding; the executor sums the two copies' gradients (``executor.py``,
 ``sum_weight_copy_grads``). Registered in ``stage_modules.WEIGHT_COPIES``."""
 

@@ -1,4 +1,4 @@
-"""Tensor parallel for multi-head latent attention (``models/mla.py``), registered in
+"""Tensor parallel for multi-head latent attention (``models/deepseek/mla.py``), registered in
 ``parallel/tp/plan.py``'s ``ATTENTION_PLANS`` under ``"mla"``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from meshfold.models.mla import MLAttention
+from meshfold.models.deepseek.mla import MLAttention
 from meshfold.parallel.tp.collectives import TensorParallelGroup, column_linears, local, wire_dtype
 from meshfold.parallel.tp.placement import distribute, parallelize_norm, swap_class
 

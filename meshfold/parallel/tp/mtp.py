@@ -1,4 +1,4 @@
-"""Tensor parallel for multi-token prediction's depths (``models/mtp.py``) around their
+"""Tensor parallel for multi-token prediction's depths (``models/deepseek/mtp.py``) around their
 blocks, registered in ``parallel/tp/plan.py``'s ``EXTRA_HEAD_PLANS``: the depths run
 without sp (``facts/mtp.py``), so their inputs are whole on every rank; the block is
 planned like the model's (``Transformer.blocks()`` lists it), the norms and ``eh_proj``
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate
 
-from meshfold.models.mtp import MTPModule
+from meshfold.models.deepseek.mtp import MTPModule
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 from meshfold.parallel.tp.layers import ReplicatedLinear
 from meshfold.parallel.tp.placement import distribute, parallelize_norm, swap_class

@@ -62,7 +62,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from meshfold.mesh import ParallelDims
 from meshfold.models.llama import Attention, FeedForward, Transformer
-from meshfold.models.mtp import MTPModule
+from meshfold.models.deepseek.mtp import MTPModule
 from meshfold.parallel.tp import mla, mtp
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 from meshfold.parallel.tp.layers import (SequenceParallelPositionEmbedding, TensorParallelAttention,

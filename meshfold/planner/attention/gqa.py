@@ -1,5 +1,5 @@
 """Multi-head and grouped-query attention's planner terms (``models/llama.py``'s
-``Attention`` under ``parallel/tensor.py``): wq, wk, wv, wo; kv heads replicated over tp
+``Attention`` under ``parallel/tp/plan.py``): wq, wk, wv, wo; kv heads replicated over tp
 ranks when tp does not divide them."""
 
 from __future__ import annotations

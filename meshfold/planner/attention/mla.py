@@ -1,6 +1,6 @@
-"""Multi-head latent attention's planner terms (``models/mla.py``; under tp
-``parallel/tensor.py``'s ``TensorParallelMLAttention``, under cp the latent ring of
-``parallel/context.py``): q full-rank or through a low-rank latent, k and v expanded per
+"""Multi-head latent attention's planner terms (``models/deepseek/mla.py``; under tp
+``parallel/tp/mla.py``'s ``TensorParallelMLAttention``, under cp the latent ring of
+``parallel/cp/mla.py``): q full-rank or through a low-rank latent, k and v expanded per
 head from one kv latent (nope + rope wide q/k heads, v_dim wide v heads)."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class LatentAttention(AttentionTerms):
         return m.n_heads * m.mla_v_dim
 
     def ring_hop(self, m, act, tokens, kv_heads, u, R, rate):
-        """Pure ring: the latent travels, kv_rank + rope values a token (parallel/context.py),
+        """Pure ring: the latent travels, kv_rank + rope values a token (parallel/cp/mla.py),
         each step expanding it with wkv_b: R - 1 more expansions forward, R re-run plus their
         two gradient GEMMs backward."""
         if u != 1:

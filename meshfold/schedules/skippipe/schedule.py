@@ -47,6 +47,16 @@ class SkipPipe(OneFOneB):
         if (p.pp_skip or p.pp_reorder) and not chosen:
             raise ConfigError(f'parallel.pp_skip / pp_reorder need parallel.pp_schedule = "{NAME}"')
 
+    def search_virtuals(self, pp: int, n_micro: int, n_layers: int) -> tuple[int, ...]:
+        """Not searched: its paths follow per-run stage and link rates the search does not vary."""
+        return ()
+
+    def priced_as_paths(self, own_links: bool) -> bool:
+        return True
+
+    def path_options(self, p) -> tuple[float, bool]:
+        return float(p.pp_skip), bool(p.pp_reorder)
+
     def run_orders(self, pp: int, virtual: int, m: int, facts: RunFacts) -> Orders:
         return self.run_paths_orders(m, facts)[1]
 
@@ -54,7 +64,7 @@ class SkipPipe(OneFOneB):
         """(paths, orders) of ``m`` micro-batches on the planned paths."""
         stage_s, link_s = run_tables(facts)
         p = facts.parallel
-        return plan_orders(p.pp, m, float(p.pp_skip), bool(p.pp_reorder), stage_s, link_s, facts.feasible)
+        return plan_orders(p.pp, m, *self.path_options(p), stage_s, link_s, facts.feasible)
 
     def theoretical_bubble(self, pp: int, virtual: int, m: int) -> float:
         """The unit-cost simulation of the unplanned (1F1B) orders."""
