@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 from meshfold.errors import ConfigError
-from meshfold.schedules import get_schedule  # stdlib only: no start-up cost
+from meshfold.schedules import get_schedule, schedule_names  # stdlib only: no start-up cost
 from meshfold.schedules.simulate import simulate
 
 # name -> module providing add_parser(subparsers) and run(args)
@@ -241,7 +241,7 @@ def add_timeline_parser(sub) -> None:
     p.add_argument("run_dir", nargs="?", help="run directory of a pipeline-parallel training run")
     p.add_argument("--step", type=int, default=0, help="which logged step (default: the last)")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plots/timeline-step-N.png)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zbv"),
+    p.add_argument("--schedule", choices=schedule_names(),
                    help="draw a schedule's unit-cost simulation instead of a run")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)

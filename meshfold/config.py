@@ -30,6 +30,7 @@ from meshfold import layout, live_config
 from meshfold.data import config as data_config
 from meshfold.data.config import DataConfig
 from meshfold.data.micro import micro_batch_count
+from meshfold.schedules import get_schedule
 from meshfold.errors import ConfigError, divisors
 from meshfold.layout import ParallelConfig
 from meshfold.lowcomm import config as lowcomm_config
@@ -290,12 +291,12 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 def validate_train_layout(t: TrainConfig, p: ParallelConfig) -> None:
     """Trainer options that only some ZeRO stages and layouts support."""
-    if p.pp > 1 and p.pp_schedule == "zbv" and t.recompute in ("full", "op"):
-        # torch's checkpoint recomputes a block once per autograd pass that reaches it, and zbv
-        # runs the input-gradient pass and the weight-gradient pass(es) apart: every block
-        # would be recomputed (with its collectives) in each
+    if p.pp > 1 and get_schedule(p.pp_schedule).splits_backward and t.recompute in ("full", "op"):
+        # torch's checkpoint recomputes a block once per autograd pass that reaches it, and a
+        # split backward runs the input-gradient pass and the weight-gradient pass(es) apart:
+        # every block would be recomputed (with its collectives) in each
         raise ConfigError(
-            f"parallel.pp_schedule = zbv with train.recompute = {t.recompute} recomputes every block again "
+            f"parallel.pp_schedule = {p.pp_schedule} with train.recompute = {t.recompute} recomputes every block again "
             "in the weight-gradient pass (the input- and weight-gradient passes are separate autograd "
             "passes); use train.recompute = selective or none with zbv, or pp_schedule = interleaved"
         )
@@ -329,8 +330,8 @@ def validate_batch(t: TrainConfig, p: ParallelConfig) -> None:
                 f"parallel.pp_microbatches = {n_micro} does not divide the {local} sequences per "
                 f"data-parallel rank; choose one of {divisors(local)}"
             )
-        if p.pp_schedule == "interleaved" and n_micro % p.pp:
+        if get_schedule(p.pp_schedule).microbatch_problem(p.pp, n_micro):  # (interleaved: groups of pp)
             raise ConfigError(
-                f"parallel.pp_microbatches = {n_micro}: pp_schedule = interleaved needs a multiple of "
+                f"parallel.pp_microbatches = {n_micro}: pp_schedule = {p.pp_schedule} needs a multiple of "
                 f"parallel.pp = {p.pp} micro-batches"
             )
