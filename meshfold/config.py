@@ -45,7 +45,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LowCommConfig", "ModelConfig", "ParallelConfig",
-           "TrainConfig", "dump_toml", "from_dict", "load_config", "parse_override", "validate"]
+           "TrainConfig", "dump_toml", "from_dict", "load_config", "model_keys", "parse_override", "validate"]
 
 
 @dataclass
@@ -247,6 +247,14 @@ def _model_note(model: dict, path: Path | None, dropped: list[str]) -> str:
         note += (f"; {path}'s own [model] keys ({', '.join(dropped)}) belong to another shape and are not used "
                  f"(set one with --set model.KEY=VALUE to override the preset)")
     return note
+
+def model_keys(m: ModelConfig) -> dict[str, Any]:
+    """The [model] keys that give ``m`` back under ``load_config``'s rule: its preset (if
+    any) and the keys that differ from it (or from the defaults)."""
+    base = ModelConfig(**preset_values(m.preset)) if m.preset else ModelConfig()
+    keys = {k: v for k, v in dataclasses.asdict(m).items() if k != "preset" and v != getattr(base, k)}
+    return {"preset": m.preset, **keys} if m.preset else keys
+
 
 def dump_toml(cfg: Config) -> str:
     return tomli_w.dumps(cfg.to_dict())
