@@ -121,6 +121,7 @@ def write_plan(out: str, config: str, overrides: list[str], cfg: Config, best: E
     head = (f"# meshfold plan {config}{''.join(f' --set {s}' for s in overrides)} --cluster {cluster_spec}\n"
             f"# {best.layout.short()}: predicted {best.step_time_s:.4g} s/step, peak {_gib(best.peak_mem_bytes)} GiB "
             f"per device on {world} devices; run it on {world} processes, e.g. meshfold train {out} --nproc {world}\n")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(head + tomli_w.dumps(data))
 
 
