@@ -46,7 +46,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LowCommConfig", "ModelConfig", "ParallelConfig",
-           "TrainConfig", "dump_toml", "from_dict", "load_config", "parse_override", "validate"]
+           "TrainConfig", "dump_toml", "from_dict", "load_config", "model_keys", "parse_override", "validate"]
 
 
 @dataclass
@@ -126,6 +126,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     lowcomm: LowCommConfig = field(default_factory=LowCommConfig)
+    # How [model] was resolved from a preset (``load_config``), for the command line to print;
+    # not a section: never dumped.
+    model_note: str = field(default="", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -204,6 +207,11 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """A TOML file, then ``--set`` overrides. ``model.preset`` is a whole shape (README,
+    "Using it"): the preset's values, then only the model keys set on purpose next to it or
+    after it. A preset in the file takes the file's own [model] keys on top; a preset given
+    with ``--set`` replaces the file's [model] (its keys describe another shape and are
+    dropped, said in ``Config.model_note``) and takes only the ``--set`` model keys on top."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -213,10 +221,40 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    file_model = dict(data.get("model", {})) if isinstance(data.get("model"), dict) else {}
+    set_model: dict[str, Any] = {}
     for text in overrides:
         section, key, value = parse_override(text)
         data.setdefault(section, {})[key] = value
-    return from_dict(data)
+        if section == "model":
+            set_model[key] = value
+    dropped: list[str] = []
+    if set_model.get("preset") and isinstance(data.get("model"), dict):
+        dropped = sorted(k for k in file_model if k != "preset")
+        data["model"] = dict(set_model)  # the --set preset, then the --set keys only
+    cfg = from_dict(data)
+    cfg.model_note = _model_note(data.get("model", {}), path, dropped)
+    return cfg
+
+
+def _model_note(model: dict, path: Path | None, dropped: list[str]) -> str:
+    """One line on how a preset was resolved: its overrides and the file keys it replaced."""
+    name = model.get("preset", "") if isinstance(model, dict) else ""
+    if not name:
+        return ""
+    overrides = [f"{k}={model[k]!r}" for k in model if k != "preset"]
+    note = f"model.preset = {name!r}" + (f" with {', '.join(overrides)}" if overrides else " as published")
+    if dropped:
+        note += (f"; {path}'s own [model] keys ({', '.join(dropped)}) belong to another shape and are not used "
+                 f"(set one with --set model.KEY=VALUE to override the preset)")
+    return note
+
+def model_keys(m: ModelConfig) -> dict[str, Any]:
+    """The [model] keys that give ``m`` back under ``load_config``'s rule: its preset (if
+    any) and the keys that differ from it (or from the defaults)."""
+    base = ModelConfig(**preset_values(m.preset)) if m.preset else ModelConfig()
+    keys = {k: v for k, v in dataclasses.asdict(m).items() if k != "preset" and v != getattr(base, k)}
+    return {"preset": m.preset, **keys} if m.preset else keys
 
 
 def dump_toml(cfg: Config) -> str:

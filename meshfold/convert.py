@@ -96,6 +96,7 @@ def _write_checkpoint_files(state, m: ModelConfig, out: Path, tmp: Path, source:
         shutil.copyfile(source_dir / "config.json", tmp / SOURCE_CONFIG)  # token ids etc. for export
     cfg = Config(model=m)
     cfg.train.init_from = str(out)
+    cfg.train.run_dir = f"{out}-train"  # its own run directory, beside the weights (never runs/debug)
     if "tokenizer.json" in copied:
         cfg.data.tokenizer = str(out / "tokenizer.json")
     note = (f"# meshfold [model] of {source}; train with: meshfold train {out / 'config.toml'}\n"
