@@ -5,7 +5,6 @@ runs as written."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -69,11 +68,9 @@ def test_model_keys_give_the_model_back():
 # ---------------------------------------------------------------------------- memory before any process starts
 
 
-def test_a_shape_too_large_for_the_host_is_refused_in_seconds_with_one_line(tmp_path):
-    start = time.perf_counter()
+def test_a_shape_too_large_for_the_host_is_refused_before_the_build_with_one_line(tmp_path):
     proc = meshfold("train", "configs/debug.toml", "--set", "model.preset=llama3-70b", "--set", "train.steps=1",
                     "--set", f"train.run_dir={tmp_path / 'run'}", "--set", "train.device=cpu")
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
@@ -81,7 +78,6 @@ def test_a_shape_too_large_for_the_host_is_refused_in_seconds_with_one_line(tmp_
     assert "GiB on the host at peak, and this host has " in lines[0] and lines[0].endswith("(--force to start anyway)")
     assert "no layout of 1 process fits" in lines[0]
     assert not (tmp_path / "run").exists()  # nothing was built
-    assert elapsed < 60, elapsed  # the planner, not the build (a loaded 2-core machine: generous)
 
 
 def test_force_is_accepted():

@@ -93,8 +93,11 @@ def check_fit(cfg: Config, world: int, local: int, config_path: str, have: float
     layout = layout_from_config(cfg, world)
     share = 1 if gpu else max(1, local)  # CPU ranks share the host's memory
 
+    build_only = cfg.train.steps == 0  # train.steps = 0 builds the sharded model and exits: parameters only
+
     def need(L: Layout) -> float:
-        return cm.estimate(L, detail=False).peak_mem_bytes * share
+        est = cm.estimate(L, detail=False)
+        return (est.param_bytes if build_only else est.peak_mem_bytes) * share
 
     have = available_bytes(gpu) if have is None else have
     fit = Fit(model_label(cfg), world, gpu, need(layout), have)
