@@ -475,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{f:24s} {_gib(rt[f]):>12s} {_gib(pl[f]):>12s}")
     if len(rt["ranks"]) > 1:
         for r, v in rt["ranks"].items():
-            print(f"{'rank ' + r + ' (pp rank ' + str(v['pp_rank']) + ')':24s}")
+            print(f"rank {r} (pp rank {v['pp_rank']})")
             for f in FIELDS:
                 print(f"  {f:22s} {_gib(v[f]):>12s} {_gib(pl['ranks'][r][f]):>12s}")
     print(f"{'collectives per step':24s} {'runtime count':>14s} {'runtime GiB':>12s} {'planner count':>14s} "
