@@ -19,7 +19,7 @@ from meshfold.mesh import ParallelDims
 from meshfold.optim.adamw import adamw_kwargs
 from meshfold.optim.muon.exchange import OwnerPlan, local_of
 from meshfold.optim.muon.newton_schulz import DEFAULT_COEFFICIENTS, update_scale
-from meshfold.optim.state import FlattenedState
+from meshfold.optim.state import CheckpointStateError, FlattenedState, ParamNames
 from meshfold.parallel.compute_weights import ComputeWeights
 from meshfold.parallel.dp.plan import unwrap
 
@@ -78,6 +78,16 @@ class Muon(FlattenedState, torch.optim.Optimizer):
         if getattr(self, "adamw", None) is not None:
             self.adamw.state = self.state
             self.adamw.param_groups = self.param_groups[1:]
+
+    def checkpoint_template(self, model: ParamNames, saved: set[str]) -> dict:
+        """As ``FlattenedState``'s, refusing in one line a checkpoint another optimizer wrote
+        (``train.init_from`` starts from its parameters alone)."""
+        params = self.param_groups[0]["params"]
+        if params and f"state.{model[params[0]]}.momentum_buffer" not in saved:
+            raise CheckpointStateError(
+                f"the checkpoint has no Muon momentum for {model[params[0]]} (another train.optimizer wrote it); "
+                "resume with that optimizer, or start from its parameters with train.init_from")
+        return super().checkpoint_template(model, saved)
 
     @torch.no_grad()
     def step(self, closure=None):
