@@ -70,6 +70,15 @@ class TrainConfig:
     recompute_every: int = 1  # full recompute on every k-th block
     compile: bool = False
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
+    optimizer: str = "adamw"  # adamw | muon (optim/registry.py; docs/optimizers.md)
+    muon_lr: float = 0.0  # Muon's matrices; 0 = train.lr (the default scale matches AdamW's update RMS)
+    muon_weight_decay: float = -1.0  # -1 = train.weight_decay
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    muon_dtype: str = "auto"  # Newton-Schulz compute dtype: auto (float64 when the run is, else bfloat16)
+    muon_scale: str = "match_rms_adamw"  # match_rms_adamw (0.2 sqrt(max(a, b))) | shape | none
     offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
     reduce_dtype: str = "float32"  # gradient reduction dtype under bf16: float32 | bfloat16
     peak_tflops: float = 0.0  # one device's dense peak for MFU; 0 = the table by device name (train/metrics.py)
@@ -107,6 +116,9 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "recompute": ("none", "selective", "op", "full"),
     "resume": ("auto", "never"),
     "fused_optimizer": ("auto", "fused", "foreach", "none"),
+    "optimizer": ("adamw", "muon"),
+    "muon_dtype": ("auto", "bfloat16", "float32", "float64"),
+    "muon_scale": ("match_rms_adamw", "shape", "none"),
     "offload": ("none", "optimizer", "params"),
     "reduce_dtype": ("float32", "bfloat16"),
 }
@@ -312,9 +324,23 @@ def validate_train(t: TrainConfig) -> None:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.log_every < 1:
         raise ConfigError(f"train.log_every must be >= 1, got {t.log_every}")
+    validate_muon(t)
     if t.init_from and Path(t.init_from).expanduser().resolve() == (Path(t.run_dir).expanduser().resolve()):
         raise ConfigError(f"train.init_from = {t.init_from!r} is train.run_dir itself; give a checkpoint folder "
                           f"(e.g. {t.init_from}/checkpoints/step-N)")
+
+
+def validate_muon(t: TrainConfig) -> None:
+    """Muon's keys (read whatever train.optimizer is: a typo should not wait for a switch)."""
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
+    if t.muon_ns_steps < 1:
+        raise ConfigError(f"train.muon_ns_steps must be >= 1, got {t.muon_ns_steps}")
+    if t.muon_lr < 0:
+        raise ConfigError(f"train.muon_lr must be >= 0 (0 = train.lr), got {t.muon_lr}")
+    coefficients = t.muon_ns_coefficients
+    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
+        raise ConfigError(f"train.muon_ns_coefficients must be three finite numbers (a, b, c), got {coefficients}")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
