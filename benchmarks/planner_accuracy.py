@@ -1,10 +1,13 @@
 """The planner's accuracy: published GPU results, and measured runs on this machine.
 
 Default (no GPU, a second): every published row the cost model is checked against —
-Megatron-LM 2021 on A100s (Tables 1 and 2) and torchtitan's Llama 3.1 runs on H100s
-(8B FSDP on 8 and 128 GPUs, 70B FSDP x TP on 256), each priced as the job ran
-(``meshfold/planner/published.py``) — published vs predicted, the error of each row, and
-the mean and max absolute error per device generation.
+Megatron-LM 2021 on A100s (Tables 1 and 2), Korthikanti et al. 2022 Table 5 on A100s (22B,
+175B, 530B, 1T; full recompute and selective + sequence parallel: held out, never fitted
+on) and torchtitan's Llama 3.1 runs on H100s (8B FSDP on 8 and 128 GPUs, 70B FSDP x TP on
+256), each priced as the job ran (``meshfold/planner/published.py``: sources and how each
+job ran) — published vs predicted, the error of each row, the mean and max absolute error
+per table and per device generation, and Korthikanti's full/selective step-time ratio per
+model, published vs predicted.
 
     .venv/bin/python benchmarks/planner_accuracy.py [--json]
 
@@ -98,7 +101,7 @@ def spearman(a, b) -> float:
 
 
 def published_main(as_json: bool) -> int:
-    from meshfold.planner.published import predict, rows
+    from meshfold.planner.published import KORTHIKANTI, MEGATRON, TORCHTITAN, predict, rows
 
     results = [predict(r) for r in rows()]
     if as_json:
@@ -108,14 +111,35 @@ def published_main(as_json: bool) -> int:
     for r in results:
         bound = f"{100 * r['bound']:.0f}%" if r["bound"] else "-"
         flag = "" if not r["bound"] or abs(r["error"]) <= r["bound"] else "  OUT"
-        print(f"{r['name']:44s} {r['device']:17s} {r['unit']:13s} {r['published']:10.1f} {r['predicted']:10.1f} "
+        nd = 2 if r["unit"] == "s/step" else 1
+        print(f"{r['name']:44s} {r['device']:17s} {r['unit']:13s} {r['published']:10.{nd}f} {r['predicted']:10.{nd}f} "
               f"{100 * r['error']:+7.1f}%  {bound}{flag}")
-    for gen, devices in (("A100", ("a100-dgx",)), ("H100", ("h100-grand-teton",)), ("all", None)):
+    groups = {  # per table; Korthikanti's Table 5 as two: full recompute and selective + sp
+        "Megatron 2021 Tables 1-2 (A100)": lambda r: r["source"] == MEGATRON,
+        "Korthikanti 2022 Table 5, full (A100)": lambda r: r["source"] == KORTHIKANTI and "full" in r["name"],
+        "Korthikanti 2022 Table 5, selective + sp (A100)": lambda r: r["source"] == KORTHIKANTI
+        and "selective" in r["name"],
+        "torchtitan (H100)": lambda r: r["source"] == TORCHTITAN,
+        "A100": lambda r: r["device"] == "a100-dgx",
+        "H100": lambda r: r["device"] == "h100-grand-teton",
+        "all": lambda r: True,
+    }
+    for group, member in groups.items():
         for checked in (True, False):
-            errs = [abs(r["error"]) for r in results if (devices is None or r["device"] in devices)
-                    and (r["bound"] is not None or not checked)]
-            print(f"{gen}{' (bounded rows)' if checked else ' (all rows)'}: {len(errs)} rows, "
-                  f"mean |error| {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%")
+            errs = [abs(r["error"]) for r in results if member(r) and (r["bound"] is not None or not checked)]
+            if errs:
+                print(f"{group}{' (bounded rows)' if checked else ' (all rows)'}: {len(errs)} rows, "
+                      f"mean |error| {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%")
+    # full / selective step-time ratio per model, published vs predicted (the recompute's price)
+    by_size: dict = {}
+    for r in results:
+        if r["source"] == KORTHIKANTI:
+            by_size.setdefault(r["name"].split()[0], {})["full" if "full" in r["name"] else "sel"] = r
+    for size, pair in by_size.items():
+        pub = pair["full"]["published"] / pair["sel"]["published"]
+        pred = pair["full"]["predicted"] / pair["sel"]["predicted"]
+        print(f"Korthikanti {size}: full/selective step time published {pub:.3f}, predicted {pred:.3f} "
+              f"({100 * (pred / pub - 1):+.1f}%)")
     for r in results:
         if r["source"].startswith("torchtitan"):
             est = r["estimate"]

@@ -73,11 +73,18 @@ class Device:
     # Streaming multiprocessors (AMD: compute units): a GEMM's tiles run in waves of this
     # many, and a partial last wave leaves the rest idle (wave quantization). 0 = ignore.
     sms: int = 0
+    # Compute/communication contention: a collective running beside compute takes SMs and
+    # HBM bandwidth from it, so the compute it overlaps runs this fraction slower for as
+    # long as they overlap (published overlap measurements, docs/planner.md "Contention";
+    # 0 = none, e.g. a calibrated CPU cluster, whose measured rates already include it).
+    overlap_slowdown: float = 0.0
 
 
 # Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
-_A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63)  # MAMF; FlashAttention-2 paper
-_H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.35)  # MAMF; FA2 on H100 (FA3 paper)
+_A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63,  # MAMF; FlashAttention-2 paper
+             overlap_slowdown=0.2)  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
+_H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.35,  # MAMF; FA2 on H100 (FA3 paper)
+             overlap_slowdown=0.2)
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, sms=108, **_A100),
     "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, sms=108, **_A100),

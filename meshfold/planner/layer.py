@@ -103,6 +103,8 @@ class LayerCosts:
         tp_bytes = act * tokens * h
         call = c.collective_overhead_us * 1e-6  # software cost of issuing one collective
         tp_ar = self.ct("all_reduce", tp_bytes, tp, 1) + (call if tp > 1 else 0.0)
+        # the block's exit collective (the MLP's all-reduce; sp: its reduce-scatter, half the bytes)
+        tp_exit = (tp_ar + (call if tp > 1 else 0.0)) / 2 if sp else tp_ar
         # Context parallel (parallel/cp/) over u Ulysses ranks (stride tp) inside R =
         # cp / u ring members (stride u tp): ring u = 1, Ulysses u = cp, hybrid cp_ulysses.
         # Ulysses: 4 all-to-alls (q, k, v, out) forward, 4 backward (kv heads repeated up to u
@@ -175,12 +177,17 @@ class LayerCosts:
             fwd_c = sum(gemms) + attn_f
             fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
             if recompute == "full":
-                rec = fwd
+                # torch's non-reentrant checkpoint stops once every tensor the backward saved
+                # is recomputed: the block's last linear's input, so its GEMM and the exit
+                # collective after it (all-reduce; sp: reduce-scatter) are not re-run, as the
+                # runtime's counts have it (traffic.tp_counts); a dropout after the MLP
+                # (Megatron's jobs) saves its mask at the very end: the whole forward re-runs
+                rec = fwd if w.dropout else fwd - gemms[-1] - tp_exit
             elif recompute == "op":
                 # torchtitan's op policy: every op recomputed but every other matmul (it
                 # saves the 1st, 3rd, ...) and the attention kernel; the block's tp and
-                # cp communication is re-run (meshfold's collectives are not kept)
-                rec = sum(gemms[1::2]) + ew_f - ew_attn * scale + 2 * tp_ar + cp_fwd
+                # cp communication is re-run as under full (meshfold's collectives are not kept)
+                rec = sum(gemms[1::2]) + ew_f - ew_attn * scale + 2 * tp_ar - tp_exit + cp_fwd
             elif recompute == "selective":  # the attention core and its softmax, with its cp communication
                 rec = attn_f + ew_attn * scale + cp_sel
             else:

@@ -102,26 +102,37 @@ class StepTime:
             per_call = (c.collective_overhead_us + c.fsdp_overhead_us) * 1e-6
             red_calls = modules * (2 if n_rep > 1 else 1)
 
-            # What cannot hide: the root module's collectives (the embedding, and at pp = 1
-            # the output layer and final norm: the largest module) are the first gather of
-            # a forward and of a backward, and the last reduce-scatter, with no compute
-            # beside them; at least one block's share otherwise.
+            # What cannot hide, in the runtime's issue order (FSDP2, reshard_after_forward,
+            # one module prefetched ahead): a forward's first gathers, the root module's (the
+            # embedding, and at pp = 1 the output layer and final norm) and the first block's,
+            # with nothing computing beside them; a backward's first, the root's again (at
+            # least one block's); the last reduce-scatters, the last block's and the root's.
+            # The rest hides behind the compute of the module before it.
             m = w.model
             root = T.params.emb * (2 if (L.pp == 1 and not m.tie_embeddings) else 1) + T.params.final_norm
-            share = max(1.0 / modules, min(1.0, root / max(Pmax, 1.0)))
+            block = max(Pmax - root, 0.0) / max(1, stage_layers[0])
+            share = max(1.0 / modules, min(1.0, root / max(Pmax, 1.0)))  # the backward's first gather
+            first = max(share, min(1.0, (root + block) / max(Pmax, 1.0)))  # the forward's first two
+            slow = c.device.overlap_slowdown
 
-            def exposed(t: float, window: float) -> float:
-                return max(t - c.overlap * window, t * share)
+            def exposed(t: float, window: float, floor: float) -> float:
+                """Seconds ``t`` of traffic costs beside ``window`` of compute: what does not
+                hide (at least ``floor``), and the contention of what does (the compute it
+                overlaps slowed by ``overlap_slowdown``)."""
+                shown = max(t - c.overlap * window, floor)
+                return shown + slow * (t - shown)
 
             if L.zero == 3:  # gathers in every micro-batch's forward and backward; the
                 # reduction joins them in the last micro-batch's backward
-                t_g = 2 * t_ag
-                comm_t = (n_micro - 1) * exposed(t_g, t_f + t_b) + exposed(t_g + t_red, t_f + t_b)
+                fwd_g = exposed(t_ag, t_f, t_ag * first)
+                comm_t = ((n_micro - 1) * (fwd_g + exposed(t_ag, t_b, t_ag * share))
+                          + fwd_g + exposed(t_ag + t_red, t_b, (t_ag + t_red) * share))
                 calls = n_micro * 2 * modules + red_calls
             elif n_micro == 1:  # ZeRO-2, one micro-batch: gather and reduce in one pass
-                comm_t, calls = exposed(t_ag + t_red, t_f + t_b), modules + red_calls
+                comm_t, calls = exposed(t_ag + t_red, t_f + t_b, (t_ag + t_red) * share), modules + red_calls
             else:  # ZeRO-2: gathered in the first forward and kept; reduced in the last backward
-                comm_t, calls = exposed(t_ag, t_f) + exposed(t_red, t_b), modules + red_calls
+                comm_t, calls = exposed(t_ag, t_f, t_ag * first) + exposed(t_red, t_b, t_red * share), \
+                    modules + red_calls
             dp_exposed = comm_t + calls * per_call
         elif n_all > 1:
             # DDP / manual buckets: all-reduce of the gradients in 25 MB buckets during the
@@ -142,5 +153,8 @@ class StepTime:
                     t_z1 += self.ct("all_gather", Emax * zb, edp, tp * L.ep)
                     calls += 1
             last_bucket = t_ar * min(1.0, BUCKET_BYTES / max(Pmax * gb, 1.0))
-            dp_exposed = max(t_ar - c.overlap * t_b / v, last_bucket) + t_z1 + calls * c.collective_overhead_us * 1e-6
+            shown = max(t_ar - c.overlap * t_b / v, last_bucket)
+            # (the hidden buckets slow the backward they overlap: contention, as for FSDP's)
+            dp_exposed = (shown + c.device.overlap_slowdown * (t_ar - shown) + t_z1
+                          + calls * c.collective_overhead_us * 1e-6)
         return dp_exposed
