@@ -38,6 +38,7 @@ from meshfold.models import config as model_config
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import preset_values
 from meshfold.parallel import config as parallel_config
+from meshfold.parallel.fp8 import config as fp8_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +69,8 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
     recompute_every: int = 1  # full recompute on every k-th block
     compile: bool = False
+    fp8: str = "none"  # none | tensorwise | rowwise | rowwise_with_gw_hp | mxfp8 (parallel/fp8/, docs/fp8.md)
+    fp8_all_gather: bool = False  # FSDP2 gathers weights in fp8 (tensorwise only)
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
     offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
     reduce_dtype: str = "float32"  # gradient reduction dtype under bf16: float32 | bfloat16
@@ -106,6 +109,7 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "fused_optimizer": ("auto", "fused", "foreach", "none"),
     "offload": ("none", "optimizer", "params"),
     "reduce_dtype": ("float32", "bfloat16"),
+    "fp8": fp8_config.RECIPES,
 }
 
 # (section, key) -> allowed values; each section owns its own table.
@@ -238,6 +242,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     parallel_config.validate(cfg)
     data_config.validate(cfg)
     validate_train(cfg.train)
+    fp8_config.validate(cfg)
     live_config.validate(cfg)
     if world_size is not None:
         validate_world(cfg, world_size)
