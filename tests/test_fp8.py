@@ -130,3 +130,22 @@ def test_checkpoints_stay_in_master_dtype(tmp_path):
     tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
     assert tensors and all(v.dtype == torch.bfloat16 for v in tensors.values())
     assert json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize("recipe, gemm, error", [
+    ("tensorwise", "float8_e4m3fn", None),
+    ("mxfp8", "float8_e4m3fn", "mx GEMMs need compute capability sm100"),
+])
+def test_cuda_dry_run_records_fp8_gemms(tmp_path, capsys, recipe, gemm, error):
+    """The fake-CUDA step (an H100): block linears' GEMMs in float8, the output layer's in
+    bf16; MXFP8 refused in one line (Blackwell only)."""
+    argv = ["dry-run", "configs/debug.toml", "--world", "2", "--device", "cuda", "--json",
+            "--set", f"train.fp8={recipe}", "--set", "train.dtype=bfloat16", "--set", "parallel.zero=3"]
+    code = main(argv)
+    g = json.loads(capsys.readouterr().out)["gpu"]
+    assert g["gemms"][gemm] > 0 and g["gemms"]["bfloat16"] > 0
+    if error is None:
+        assert code == 0 and g["errors"] == []
+        assert g["gemms"]["bfloat16"] == 3  # the output layer: forward, input and weight gradients
+    else:
+        assert code == 1 and [e for e in g["errors"] if error in e] == [g["errors"][0]] and len(g["errors"]) == 1
