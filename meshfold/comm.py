@@ -421,12 +421,24 @@ def all_reduce(t: torch.Tensor, group, dim: str, op: str = "sum", async_op: bool
         return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
 
 
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu") if hasattr(torch, n))
+
+
+def gloo_bytes(t: torch.Tensor, group) -> torch.Tensor:
+    """gloo has no float8 dtypes: a float8 tensor travels as the same bytes viewed as uint8.
+    Only on gloo: NCCL has the dtypes (and the observer sees the float8 tensor either way)."""
+    if t.dtype in _FLOAT8 and _group_device_type(group) == "cpu":
+        return t.view(torch.uint8)
+    return t
+
+
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, async_op: bool = False):
     """Concatenate every rank's ``t`` along dim 0 into ``out``."""
     check_tensors([out, t], group, "all_gather")
     ledger().record(dim, "all_gather", _nbytes(out), _size(group))
     with _TIMER.call("all_gather_into_tensor", group, async_op), _observed("all_gather", [t, out], group, dim):
-        return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(gloo_bytes(out, group), gloo_bytes(t, group), group=group,
+                                           async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, op: str = "sum",

@@ -39,6 +39,7 @@ from meshfold.models import config as model_config
 from meshfold.models.config import ModelConfig
 from meshfold.models.presets import preset_values
 from meshfold.parallel import config as parallel_config
+from meshfold.parallel.fp8 import config as fp8_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,6 +70,8 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
     recompute_every: int = 1  # full recompute on every k-th block
     compile: bool = False
+    fp8: str = "none"  # none | tensorwise | rowwise | rowwise_with_gw_hp | mxfp8 (parallel/fp8/, docs/fp8.md)
+    fp8_all_gather: bool = False  # FSDP2 gathers weights in fp8 (tensorwise only)
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
     optimizer: str = "adamw"  # adamw | muon (optim/registry.py; docs/optimizers.md)
     muon_lr: float = 0.0  # Muon's matrices; 0 = train.lr (the default scale matches AdamW's update RMS)
@@ -121,6 +124,7 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "muon_scale": ("match_rms_adamw", "shape", "none"),
     "offload": ("none", "optimizer", "params"),
     "reduce_dtype": ("float32", "bfloat16"),
+    "fp8": fp8_config.RECIPES,
 }
 
 # (section, key) -> allowed values; each section owns its own table.
@@ -291,6 +295,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     parallel_config.validate(cfg)
     data_config.validate(cfg)
     validate_train(cfg.train)
+    fp8_config.validate(cfg)
     live_config.validate(cfg)
     if world_size is not None:
         validate_world(cfg, world_size)

@@ -32,6 +32,11 @@ On those it records:
   through ``comm.py`` (which names the dimension; control scalars, ``dim=None``, are left
   out), torch's own (FSDP2, DDP, DTensor redistribution) as the c10d operations reach the
   fake process group, named by the group's mesh dimension;
+- **gemms**: every matrix multiply by its inputs' dtype (``{dtype: calls}`` per step); an
+  fp8 training tensor (torchao's ``Float8TrainingTensor``, ``MXTensor``) by the dtype its
+  data is stored in, so the block linears of an fp8 run show as float8. An fp8 GEMM the
+  device cannot run is an error: float8 below sm89, MX formats below sm100 (``CAPABILITY``:
+  the H100 the attention rules assume), a dimension not a multiple of 16;
 - **errors**: a host tensor in a device computation (a host scalar is allowed, as CUDA
   allows it) or in a collective, with the place it came from.
 
@@ -63,6 +68,13 @@ MASKED_QUERY_TILE = 256
 _PKG = os.path.dirname(os.path.abspath(__file__))
 _SELF = os.path.abspath(__file__)
 _aten = torch.ops.aten
+
+# The matrix multiplies ``gemms`` counts (the linears' and the experts' grouped GEMMs).
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm")
+
+# The device the dry-run stands for (an H100: sm90), and what its fp8 GEMMs need.
+CAPABILITY = (9, 0)
+FP8_CAPABILITY = {"float8": (8, 9), "mx": (10, 0)}
 
 # --------------------------------------------------------------------------- where
 
@@ -209,6 +221,7 @@ class GpuRecorder(TorchDispatchMode):
         self.syncs: Counter = Counter()
         self.in_layer: set[str] = set()
         self.attention: Counter = Counter()
+        self.gemms: Counter = Counter()  # input dtype name -> matrix multiplies
         self.wire: dict[str, set] = defaultdict(set)
         self.wire_places: dict[str, str] = {}  # "dim dtype" -> "op from place" of the first such call
         self.wire_sources: dict[str, set] = defaultdict(set)  # "dim dtype" -> every "op from place"
@@ -258,8 +271,8 @@ class GpuRecorder(TorchDispatchMode):
 
     def pop_step(self) -> dict:
         """This step's syncs ({where: count}) and attention calls; then a new step."""
-        out = {"syncs": dict(self.syncs), "attention": dict(self.attention)}
-        self.syncs, self.attention = Counter(), Counter()
+        out = {"syncs": dict(self.syncs), "attention": dict(self.attention), "gemms": dict(self.gemms)}
+        self.syncs, self.attention, self.gemms = Counter(), Counter(), Counter()
         return out
 
     def sync(self, what: str) -> None:
@@ -324,6 +337,10 @@ class GpuRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _aten(self, func, name, args, kwargs):
+        if name in _GEMMS:
+            a = args[1] if name in ("addmm", "baddbmm") else args[0]
+            self.gemms[_dtype_name(_stored_dtype(a))] += 1
+            self._fp8_gemm(name, [t for t in args[:3] if isinstance(t, torch.Tensor)])
         if name == "_scaled_dot_product_flash_attention_for_cpu" and not self._naming:
             q = args[0]
             masked = kwargs.get("attn_mask") is not None or (len(args) > 5 and args[5] is not None)
@@ -378,6 +395,21 @@ class GpuRecorder(TorchDispatchMode):
                 return True, func(args[0], fixed, *args[2:], **kwargs)
         return False, None
 
+    def _fp8_gemm(self, name: str, operands: list) -> None:
+        """One-line refusals of an fp8 GEMM this device cannot run."""
+        fp8 = [t for t in operands if _stored_dtype(t) != t.dtype]
+        if not fp8:
+            return
+        kind = "mx" if any(getattr(t, "qdata", None) is not None for t in fp8) else "float8"
+        need = FP8_CAPABILITY[kind]
+        if CAPABILITY < need:
+            self.error(f"{kind} GEMMs need compute capability sm{need[0]}{need[1]}; the device is "
+                       f"sm{CAPABILITY[0]}{CAPABILITY[1]} (train.fp8: MXFP8 on Blackwell, the others from Ada/Hopper)")
+        dims = sorted({d for t in fp8 for d in t.shape[-2:] if d % 16})
+        if dims:
+            self.error(f"{kind} GEMM ({name}) at {where()} with dimensions {dims} not a multiple of 16: "
+                       "the fp8 kernels refuse it (keep that linear in bf16)")
+
     def _collective(self, name, args, kwargs) -> None:
         tensors = list(_tensors(args, kwargs))
         for t in tensors:
@@ -422,6 +454,15 @@ def _enclosing(frame, name: str):
             found = frame
         frame, depth = frame.f_back, depth + 1
     return found
+
+
+def _stored_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor's data is stored in: an fp8 training tensor's (torchao keeps it in
+    ``_data``, an MX tensor in ``qdata``) rather than the high-precision dtype it stands for."""
+    inner = getattr(t, "_data", None)
+    if inner is None:
+        inner = getattr(t, "qdata", None)
+    return inner.dtype if isinstance(inner, torch.Tensor) else t.dtype
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -532,6 +573,7 @@ def summary(per_rank: dict) -> dict:
         attention.update(g["attention"])
         errors += [e if len(per_rank) == 1 else f"rank {rank}: {e}" for e in g["errors"]]
     syncs = first["syncs"]
+    gemms = Counter(first.get("gemms", {}))
     blocks_in = Counter()
     for g in per_rank.values():
         blocks_in.update(g.get("block_inputs", {}))
@@ -539,6 +581,7 @@ def summary(per_rank: dict) -> dict:
             "block_inputs": dict(sorted(blocks_in.items())),
             "host_syncs": [{"where": w, "count": c} for w, c in sorted(syncs.items(), key=lambda x: -x[1])],
             "attention": dict(sorted(attention.items())),
+            "gemms": dict(sorted(gemms.items())),  # rank 0's, per step
             "wire_dtypes": {d: sorted(v) for d, v in sorted(wire.items())},
             "errors": errors}
 

@@ -12,6 +12,7 @@ from meshfold.mesh import ParallelDims
 from meshfold.parallel.cp.plan import apply_context_parallel
 from meshfold.parallel.dp.plan import apply_data_parallel, uses_fsdp
 from meshfold.parallel.ep.plan import apply_expert_parallel
+from meshfold.parallel.fp8.convert import apply_fp8
 from meshfold.parallel.materialize import is_meta, materialize
 from meshfold.parallel.recompute import apply_compile, apply_recompute
 from meshfold.parallel.tp.plan import parallelize_tensor
@@ -29,6 +30,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     def init(m: nn.Module) -> nn.Module:
         return materialize(m, cfg.model, cfg.train.seed, device or torch.device("cpu")) if meta else m
 
+    apply_fp8(model, cfg.train, device)  # fp8 linears first: tp and FSDP2 shard the converted modules
     if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
 
         parallelize_tensor(model, dims, cfg)

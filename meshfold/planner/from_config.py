@@ -14,14 +14,16 @@ from meshfold.planner.workload import DEFAULT_SCHEDULE
 def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     """The model and batch of a config, with the numerics the run would use: ``bfloat16``
     (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs, fused
-    memory-bound kernels under ``train.compile``."""
+    memory-bound kernels under ``train.compile``, fp8 GEMMs (at the device's ``fp8_tflops``,
+    plus their casts) under ``train.fp8``."""
     dtype = cfg.train.dtype
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     dtype = {"bfloat16": "bf16-amp"}.get(dtype, dtype)
     # ``train.compile`` compiles each block: inductor fuses its memory-bound ops
     kernels = "fused" if cfg.train.compile else "eager"
-    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels)
+    return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels,
+                    fp8=cfg.train.fp8 != "none")
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:

@@ -1,0 +1,63 @@
+"""The model's linears to torchao's float8 / MXFP8 training linears, in place, before tensor
+and data parallel see them (``parallelize`` calls ``apply_fp8`` first of all). Works on a
+``meta`` model: only the modules' classes and their weights' wrappers change, names and
+shapes stay, so materialisation, FSDP2 and checkpoints see the same parameters in the
+master dtype; only the GEMMs (and, with ``fp8_all_gather``, FSDP2's weight gathers) are fp8.
+
+torchao is imported here only, when a run asks for fp8 (the optional ``fp8`` extra)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshfold.parallel.fp8.config import converts
+
+
+def _cast_to_autocast_dtype(module: nn.Module, args: tuple):
+    """torchao's ``Float8Linear`` casts its input to CUDA's autocast dtype only; under CPU
+    autocast the input would stay fp32 while the gradients arrive in bf16. (A no-op on CUDA.)"""
+    x = args[0]
+    kind = x.device.type
+    if kind != "cuda" and torch.is_autocast_enabled(kind):
+        return (x.to(torch.get_autocast_dtype(kind)), *args[1:])
+    return None
+
+
+def _linear_filter(recipe: str):
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and converts(recipe, fqn, module.in_features, module.out_features)
+    return keep
+
+
+def _float8_linears(model: nn.Module, recipe: str, all_gather: bool) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if all_gather
+              else Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(model, config=config, module_filter_fn=_linear_filter(recipe))
+    for module in model.modules():
+        if isinstance(module, Float8Linear):
+            module.register_forward_pre_hook(_cast_to_autocast_dtype)
+
+
+def _mxfp8_linears(model: nn.Module, device_type: str) -> None:
+    """Weights wrapped so that ``F.linear`` runs as MXFP8 (blocks of 32, e8m0 scales): the
+    Blackwell kernels on CUDA, torchao's emulation elsewhere (the same numerics, slowly)."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    recipe = MXFP8TrainingRecipe.MXFP8_RCEIL if device_type == "cuda" else MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(recipe), filter_fn=_linear_filter("mxfp8"))
+
+
+def apply_fp8(model: nn.Module, train, device: torch.device | None = None) -> nn.Module:
+    """Convert ``model``'s linears for ``train.fp8`` (``"none"``: unchanged)."""
+    if train.fp8 == "none":
+        return model
+    if train.fp8 == "mxfp8":
+        _mxfp8_linears(model, device.type if device is not None else "cpu")
+    else:
+        _float8_linears(model, train.fp8, train.fp8_all_gather)
+    return model
