@@ -9,7 +9,7 @@ from pathlib import Path
 from meshfold.config import Config, load_config, validate
 from meshfold.errors import ConfigError
 from meshfold.parallel.pp.timeline_plot import draw_timeline
-from meshfold.planner.cluster import GiB, Cluster, load_cluster
+from meshfold.planner.cluster import GiB, Cluster, load_cluster, presets_help
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.planner import from_config
 from meshfold.planner.from_config import layout_from_config
@@ -49,11 +49,13 @@ def _entry(e: Estimate, global_batch: int) -> dict:
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="search parallel layouts for a model and batch on a cluster")
     p.add_argument("config", help="TOML config ([model], [train].global_batch); ignored with --check")
-    p.add_argument("--cluster", required=True, help="preset (a100, h100, h200, frontier, cpu; NAME:DEVICES) or TOML")
+    p.add_argument("--cluster", required=True, help=f"the cluster to plan for: {presets_help()}")
     p.add_argument("--devices", type=int, default=None, help="use this many devices of the cluster")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--top", type=int, default=10, help="layouts to list, fastest first (default 10)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (the ranked layouts with their breakdowns) instead of the table")
     p.add_argument("--out", default=None, help="write the winner as a runnable TOML [parallel]/[train] section")
     p.add_argument("--max-tp", type=int, default=0, help="limit tensor parallel degree (0 = any)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
@@ -158,11 +160,12 @@ def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
 
 def add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict one layout (the config's [parallel]) in detail")
-    p.add_argument("config")
-    p.add_argument("--cluster", required=True)
-    p.add_argument("--devices", type=int, default=None)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("config", help="TOML config whose [model], [train] and [parallel] are predicted")
+    p.add_argument("--cluster", required=True, help=f"the cluster to predict on: {presets_help()}")
+    p.add_argument("--devices", type=int, default=None, help="use this many devices of the cluster")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (times, memory, collectives, events)")
     p.add_argument("--png", default=None, help="write the pipeline timeline as a PNG here")
     f = p.add_argument_group("failures (docs/resilience.md): expected goodput with and without train.live_recovery")
     f.add_argument("--mtbf-node-h", type=float, default=None, help="mean time between failures of one node, hours")
