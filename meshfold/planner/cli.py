@@ -115,6 +115,7 @@ def _run_measurements(run_dir: Path, stat: str = "median") -> dict:
     pick = min if stat == "min" else statistics.median
     return {"step_time_s": pick(r["step_time_s"] for r in steady),
             "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in records),
+            "process_base_bytes": records[0].get("process_base_bytes"),  # None: a run from before it was logged
             "comm_bytes": {d: statistics.median((r.get("comm_bytes") or {}).get(d, 0) for r in steady) for d in dims},
             "steps": len(records)}
 
@@ -136,6 +137,7 @@ def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
     out = {"layout": layout.short(),
            "step_time_s": {"predicted": est.step_time_s, "measured": meas["step_time_s"]},
            "peak_mem_bytes": {"predicted": est.peak_mem_bytes, "measured": meas["peak_mem_bytes"]},
+           "peak_mem_split": _memory_split(est, meas),
            "comm_bytes": {d: {"predicted": est.comm_bytes.get(d, 0.0), "measured": meas["comm_bytes"].get(d, 0)}
                           for d in sorted(set(est.comm_bytes) | set(meas["comm_bytes"]))},
            "breakdown": {"time_s": est.time, "memory_bytes": est.memory}}
@@ -150,9 +152,28 @@ def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
 
     line("step_time_s", est.step_time_s, meas["step_time_s"])
     line("peak_mem_bytes", est.peak_mem_bytes, meas["peak_mem_bytes"])
+    split = out["peak_mem_split"]
+    if split["model"]["measured"] is not None:
+        line("  of it model", split["model"]["predicted"], split["model"]["measured"])
+        line("  of it process", split["process"]["predicted"], split["process"]["measured"])
+    mib = lambda x: "?" if x is None else f"{x / 2**20:,.0f} MiB"  # noqa: E731
+    print(f"peak memory: model {mib(split['model']['predicted'])} predicted / {mib(split['model']['measured'])} "
+          f"measured; process overhead {mib(split['process']['measured'])} (the planner reserves "
+          f"{mib(split['process']['predicted'])}: device.reserved_gib)")
     for d, v in out["comm_bytes"].items():
         line(f"comm_bytes.{d}", v["predicted"], v["measured"])
     return 0
+
+
+def _memory_split(est: Estimate, meas: dict) -> dict:
+    """Peak memory as what the planner models (parameters, gradients, optimizer state,
+    activations: its peak less ``reserved``) and what the process holds beyond it (the
+    planner's ``reserved``; measured: the process before its model was built)."""
+    reserved = est.memory.get("reserved", 0.0)
+    base = meas.get("process_base_bytes")
+    return {"model": {"predicted": est.peak_mem_bytes - reserved,
+                      "measured": None if base is None else meas["peak_mem_bytes"] - base},
+            "process": {"predicted": reserved, "measured": base}}
 
 
 # --------------------------------------------------------------------------- simulate

@@ -103,6 +103,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def process_base_bytes(device: torch.device) -> int:
+    """What the process holds before the model is built (the interpreter, torch, the process
+    groups, the data): on CPU the resident set now, the part of ``peak_mem_bytes`` the
+    planner does not model (``meshfold plan --check`` subtracts it); on a GPU 0, as
+    ``peak_mem_bytes`` counts the allocator's tensors only."""
+    if device.type == "cuda":
+        return 0
+    try:
+        with open("/proc/self/statm") as f:  # Linux: pages
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
 def _percent(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.2f}%"
 
