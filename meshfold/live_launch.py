@@ -105,7 +105,7 @@ def _replica_agent(env: dict, nproc: int, argv: list[str], max_restarts: int) ->
     # This agent tells the quorum server it is alive, so the group is waited for while it restarts.
     agent = QuorumClient(os.environ[live.ENV_QUORUM], int(env[live.ENV_REPLICA]), agent=True)
     try:
-        code = launch_local(nproc, argv, max_restarts)
+        code = launch_local(nproc, argv, max_restarts, group=f"replica group {env[live.ENV_REPLICA]}")
     finally:
         agent.close()
     sys.exit(code)

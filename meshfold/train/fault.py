@@ -123,6 +123,7 @@ class FaultMonitor:
         self.every = t.straggler_every
         self.margin = t.straggler_margin
         self.timeout_s = t.collective_timeout_s
+        self.live = t.live_recovery  # a lost peer restarts its replica group, not the job
         self.broken = False  # set when a collective timed out or a peer was lost: no group teardown at close
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
@@ -304,15 +305,15 @@ class FaultMonitor:
         return CollectiveTimeoutError(
             f"rank {self.rank}: a collective did not finish within train.collective_timeout_s = "
             f"{self.timeout_s:g} s at step {self.progress.step + 1}: {what}. Not responding: {missing}. "
-            f"Ending the job (backend said: {str(err).splitlines()[0][:200]})"
+            f"Ending the job (backend said: {_first_line(err)})"
         )
 
     def peer_lost(self, err: BaseException) -> "PeerLostError":
         self.broken = True
         return PeerLostError(
             f"rank {self.rank}: lost the connection to a peer (it crashed or was killed) at step "
-            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker so the job can restart from "
-            f"the last checkpoint (backend said: {str(err).splitlines()[0][:200]})"
+            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker: {after_worker_loss(self.live)} "
+            f"(backend said: {_first_line(err)})"
         )
 
     def _watch(self) -> None:
@@ -332,6 +333,28 @@ class FaultMonitor:
             if not self.broken:
                 dist.destroy_process_group(self._probe_group)
             self._probe_group = None
+
+
+def after_worker_loss(live: bool) -> str:
+    """What happens once this worker ends, from the launcher's restart count and limit
+    (torchrun's agent sets both in every worker's environment)."""
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if done < allowed and live:
+        return (f"its replica group's agent restarts the group (restart {done + 1} of {allowed}), which rejoins "
+                "the running groups from a peer; the others train on")
+    if done < allowed:
+        return f"the launcher restarts all workers from the last checkpoint (restart {done + 1} of {allowed})"
+    if live:
+        return f"this replica group has no restart left ({allowed} used); the other groups train on without it"
+    return (f"no restart left (--max-restarts {allowed}); run the same command again to resume from the last "
+            "checkpoint")
+
+
+def _first_line(err: BaseException, limit: int = 400) -> str:
+    """The backend's first line, whole (a long one cut at a word, never mid-word)."""
+    line = (str(err).splitlines() or [type(err).__name__])[0].strip()
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _innermost_outside_torch(tb) -> str:
