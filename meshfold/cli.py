@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -49,8 +50,26 @@ SUBCOMMANDS = {
 
 
 def _fail(message: str) -> int:
-    print(f"meshfold: error: {message}", file=sys.stderr)
+    line = f"meshfold: error: {message}"
+    if os.environ.get("RANK", "0") == "0":  # under a launcher every rank finds the same error: say it once
+        print(line, file=sys.stderr)
+    tell_launcher(line)
     return 2
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun (or ``--nproc``), leave this worker's one line in the error file its
+    agent reads: torchrun's failure report then names it as the root cause instead of "To
+    enable traceback see ..." (the report itself, and the exit code, are torchrun's)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,  # torchelastic's format
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the line is on stderr already
 
 
 # --------------------------------------------------------------------------- train
@@ -162,6 +181,7 @@ def run_train(args) -> int:
     except ConfigError as err:
         if rank == 0:  # every rank hits the same configuration error: say it once
             print(f"meshfold: error: {err}", file=sys.stderr)
+        tell_launcher(f"meshfold: error: {err}")  # torchrun's report names it as the root cause
         return 2
     except (RunDirError, CheckpointError) as err:  # one line: the path and the cause
         if rank == 0 or "rank 0 refused" not in str(err):
@@ -174,6 +194,7 @@ def run_train(args) -> int:
         log = _error_log(Path(cfg.train.run_dir), rank)
         where = f"traceback in {log}" if log is not None else "no traceback file: the run directory is unwritable"
         print(f"meshfold: rank {rank}: {type(err).__name__}: {err} ({where})", file=sys.stderr)
+        tell_launcher(f"meshfold: rank {rank}: {type(err).__name__}: {err} ({where})")
         return 1
     finally:
         stop.uninstall()
