@@ -62,10 +62,17 @@ def device_peak_flops(device: torch.device, peak_tflops: float = 0.0) -> float |
 
 def model_flops_utilization(flops_per_s: float, peak_flops: float | None, devices: int) -> float | None:
     """MFU, None without a known peak. Never above 1: a measured CPU peak can read low on a
-    busy machine, and a value above 100 % would be a wrong one (clamped with one warning)."""
+    busy machine (processes sharing its cores, as the netlab's nodes do), and a value above
+    100 % would be a wrong one: with this process's measured peak it is unknown (None, "n/a",
+    one warning), with a given one clamped to 1 (one warning)."""
     if not peak_flops:
         return None
     mfu = flops_per_s / (peak_flops * devices)
+    if mfu > 1.0 and _CPU_PEAK is not None and peak_flops == _CPU_PEAK:
+        _warn_once("mfu>1", f"MFU measured {100 * mfu:.0f}% > 100% against this CPU's measured peak "
+                            f"({peak_flops / 1e12:.3g} TFLOP/s, probed while other processes shared its cores): "
+                            "reported as n/a; set train.peak_tflops")
+        return None
     if mfu > 1.0:
         _warn_once("mfu>1", f"MFU measured {100 * mfu:.0f}% > 100%: the device peak "
                             f"({peak_flops / 1e12:.3g} TFLOP/s) is too low (a busy CPU during the peak probe?); "
