@@ -123,7 +123,7 @@ class FaultMonitor:
         self.every = t.straggler_every
         self.margin = t.straggler_margin
         self.timeout_s = t.collective_timeout_s
-        self.live = t.live_recovery  # a lost peer restarts its replica group, not the job
+        self.live = getattr(t, "live_recovery", False)  # a lost peer restarts its replica group, not the job
         self.broken = False  # set when a collective timed out or a peer was lost: no group teardown at close
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
