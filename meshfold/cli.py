@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from meshfold.errors import ConfigError, did_you_mean
-from meshfold.schedules import get_schedule  # stdlib only: no start-up cost
+from meshfold.schedules import get_schedule, schedule_names  # stdlib only: no start-up cost
 from meshfold.schedules.simulate import simulate
-
 
 
 class Subcommand(NamedTuple):
@@ -121,6 +120,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc: restart all workers this many times after a failure (with "
                         "train.live_recovery: each replica group's own, default 3)")
+    p.add_argument("--force", action="store_true",
+                   help="start even where the planner's memory estimate says the layout does not fit")
 
 
 def run_train(args) -> int:
@@ -130,6 +131,9 @@ def run_train(args) -> int:
                                  shutdown_distributed, under_torchrun)
 
     cfg = load_config(args.config, args.set)
+    checked = FIT_CHECKED in os.environ  # a worker of --nproc: its launcher said it all
+    if cfg.model_note and not checked and os.environ.get("RANK", "0") == "0":
+        print(f"meshfold: {cfg.model_note}", flush=True)
     policy = launch_policy(cfg)  # e.g. live recovery: one replica group's inner layout
     cfg = policy.worker_config(cfg)
     if args.nproc is not None and not under_torchrun():
@@ -138,20 +142,33 @@ def run_train(args) -> int:
         if args.max_restarts < 0:
             return _fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
         validate(cfg, args.nproc)  # one line now, before any process starts
+        if not fits_memory(cfg, args.nproc, args.nproc, args):
+            return 2
+        checked = True
         argv = ["train", args.config] + [x for s in args.set for x in ("--set", s)]
+        os.environ[FIT_CHECKED] = "1"  # the workers inherit it: checked once, here
         try:
             code = policy.launch(args.nproc, argv, cfg, args.max_restarts)  # e.g. one agent per replica group
+            if code is None and (args.nproc > 1 or args.max_restarts):
+                code = launch_local(args.nproc, argv, args.max_restarts)
         except RunDirError as err:  # a busy or unusable run directory: one line
             return _fail(str(err))
+        finally:
+            os.environ.pop(FIT_CHECKED, None)
         if code is not None:
             return code
-        if args.nproc > 1 or args.max_restarts:
-            return launch_local(args.nproc, argv, args.max_restarts)
     refusal = policy.refusal(cfg, env_world_size())
     if refusal is not None:
         return _fail(refusal)
     world = env_world_size()
     validate(cfg, world)
+    if not checked:
+        # Under a launcher of its own (torchrun), ranks cannot agree on a refusal before
+        # they meet: rank 0 says the estimate and the run goes on.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if not fits_memory(cfg, world, local, args, refuse=not under_torchrun(),
+                           quiet=int(os.environ.get("RANK", "0")) != 0):
+            return 2
     die_with_parent()  # a worker of a launcher (--nproc, torchrun) never outlives it
     rank = int(os.environ.get("RANK", "0"))
     stop = StopRequest(rank).install()  # SIGTERM / SIGINT / SIGUSR1: finish the step, checkpoint, stop
@@ -199,6 +216,32 @@ def run_train(args) -> int:
     finally:
         stop.uninstall()
         shutdown_distributed(clean)
+
+
+# Set for the workers of ``--nproc``: their launcher checked the memory estimate.
+FIT_CHECKED = "MESHFOLD_FIT_CHECKED"
+
+
+def fits_memory(cfg, world: int, local: int, args, refuse: bool = True, quiet: bool = False) -> bool:
+    """The planner's peak for this layout here, said before the build (``building ...``);
+    False (after one line) where it cannot fit and neither ``--force`` nor a foreign
+    launcher says go on."""
+    from meshfold.planner.fit import check_fit
+
+    try:
+        fit = check_fit(cfg, world, local, args.config)
+    except (ConfigError, ValueError, KeyError, NotImplementedError) as err:  # a layout the planner cannot price
+        if not quiet:
+            print(f"meshfold: no memory estimate for this layout ({err}); starting without one", flush=True)
+        return True
+    if fit.fits or args.force or not refuse:
+        if not quiet:
+            print(f"meshfold: {fit.building_line()}", flush=True)
+            if not fit.fits:
+                print(f"meshfold: warning: this may not fit: {fit.refusal()}", file=sys.stderr, flush=True)
+        return True
+    _fail(fit.refusal())
+    return False
 
 
 def _error_log(run_dir: Path, rank: int) -> Path | None:
@@ -281,7 +324,7 @@ def add_timeline_parser(sub) -> None:
     p.add_argument("run_dir", nargs="?", help="run directory of a pipeline-parallel training run")
     p.add_argument("--step", type=int, default=0, help="which logged step (default: the last)")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plots/timeline-step-N.png)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zbv"),
+    p.add_argument("--schedule", choices=schedule_names(),
                    help="draw a schedule's unit-cost simulation instead of a run")
     p.add_argument("--pp", type=int, default=4, help="with --schedule: pipeline stages (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="with --schedule: micro-batches per step (default 8)")

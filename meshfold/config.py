@@ -30,6 +30,7 @@ from meshfold import layout, live_config
 from meshfold.data import config as data_config
 from meshfold.data.config import DataConfig
 from meshfold.data.micro import micro_batch_count
+from meshfold.schedules import get_schedule
 from meshfold.errors import ConfigError, divisors
 from meshfold.layout import ParallelConfig
 from meshfold.lowcomm import config as lowcomm_config
@@ -45,7 +46,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LowCommConfig", "ModelConfig", "ParallelConfig",
-           "TrainConfig", "dump_toml", "from_dict", "load_config", "parse_override", "validate"]
+           "TrainConfig", "dump_toml", "from_dict", "load_config", "model_keys", "parse_override", "validate"]
 
 
 @dataclass
@@ -69,6 +70,15 @@ class TrainConfig:
     recompute_every: int = 1  # full recompute on every k-th block
     compile: bool = False
     fused_optimizer: str = "auto"  # auto | fused | foreach | none
+    optimizer: str = "adamw"  # adamw | muon (optim/registry.py; docs/optimizers.md)
+    muon_lr: float = 0.0  # Muon's matrices; 0 = train.lr (the default scale matches AdamW's update RMS)
+    muon_weight_decay: float = -1.0  # -1 = train.weight_decay
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    muon_dtype: str = "auto"  # Newton-Schulz compute dtype: auto (float64 when the run is, else bfloat16)
+    muon_scale: str = "match_rms_adamw"  # match_rms_adamw (0.2 sqrt(max(a, b))) | shape | none
     offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
     reduce_dtype: str = "float32"  # gradient reduction dtype under bf16: float32 | bfloat16
     peak_tflops: float = 0.0  # one device's dense peak for MFU; 0 = the table by device name (train/metrics.py)
@@ -88,6 +98,8 @@ class TrainConfig:
     eval_batches: int = 4
     live_recovery: bool = False  # replica groups drop out and rejoin without stopping the job (docs/resilience.md)
     live_rejoin_wait_s: float = 0.0  # at a step boundary, wait this long for a replica being restarted
+    live_heartbeat_timeout_s: float = 5.0  # a replica silent this long is dropped (hung, stopped, lost)
+    live_join_timeout_s: float = 30.0  # the lighthouse waits this long for heartbeating stragglers
 
 
 SECTIONS: dict[str, type] = {
@@ -104,6 +116,9 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "recompute": ("none", "selective", "op", "full"),
     "resume": ("auto", "never"),
     "fused_optimizer": ("auto", "fused", "foreach", "none"),
+    "optimizer": ("adamw", "muon"),
+    "muon_dtype": ("auto", "bfloat16", "float32", "float64"),
+    "muon_scale": ("match_rms_adamw", "shape", "none"),
     "offload": ("none", "optimizer", "params"),
     "reduce_dtype": ("float32", "bfloat16"),
 }
@@ -125,6 +140,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     lowcomm: LowCommConfig = field(default_factory=LowCommConfig)
+    # How [model] was resolved from a preset (``load_config``), for the command line to print;
+    # not a section: never dumped.
+    model_note: str = field(default="", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -203,6 +221,11 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """A TOML file, then ``--set`` overrides. ``model.preset`` is a whole shape (README,
+    "Using it"): the preset's values, then only the model keys set on purpose next to it or
+    after it. A preset in the file takes the file's own [model] keys on top; a preset given
+    with ``--set`` replaces the file's [model] (its keys describe another shape and are
+    dropped, said in ``Config.model_note``) and takes only the ``--set`` model keys on top."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -212,10 +235,40 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    file_model = dict(data.get("model", {})) if isinstance(data.get("model"), dict) else {}
+    set_model: dict[str, Any] = {}
     for text in overrides:
         section, key, value = parse_override(text)
         data.setdefault(section, {})[key] = value
-    return from_dict(data)
+        if section == "model":
+            set_model[key] = value
+    dropped: list[str] = []
+    if set_model.get("preset") and isinstance(data.get("model"), dict):
+        dropped = sorted(k for k in file_model if k != "preset")
+        data["model"] = dict(set_model)  # the --set preset, then the --set keys only
+    cfg = from_dict(data)
+    cfg.model_note = _model_note(data.get("model", {}), path, dropped)
+    return cfg
+
+
+def _model_note(model: dict, path: Path | None, dropped: list[str]) -> str:
+    """One line on how a preset was resolved: its overrides and the file keys it replaced."""
+    name = model.get("preset", "") if isinstance(model, dict) else ""
+    if not name:
+        return ""
+    overrides = [f"{k}={model[k]!r}" for k in model if k != "preset"]
+    note = f"model.preset = {name!r}" + (f" with {', '.join(overrides)}" if overrides else " as published")
+    if dropped:
+        note += (f"; {path}'s own [model] keys ({', '.join(dropped)}) belong to another shape and are not used "
+                 f"(set one with --set model.KEY=VALUE to override the preset)")
+    return note
+
+def model_keys(m: ModelConfig) -> dict[str, Any]:
+    """The [model] keys that give ``m`` back under ``load_config``'s rule: its preset (if
+    any) and the keys that differ from it (or from the defaults)."""
+    base = ModelConfig(**preset_values(m.preset)) if m.preset else ModelConfig()
+    keys = {k: v for k, v in dataclasses.asdict(m).items() if k != "preset" and v != getattr(base, k)}
+    return {"preset": m.preset, **keys} if m.preset else keys
 
 
 def dump_toml(cfg: Config) -> str:
@@ -271,9 +324,23 @@ def validate_train(t: TrainConfig) -> None:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.log_every < 1:
         raise ConfigError(f"train.log_every must be >= 1, got {t.log_every}")
+    validate_muon(t)
     if t.init_from and Path(t.init_from).expanduser().resolve() == (Path(t.run_dir).expanduser().resolve()):
         raise ConfigError(f"train.init_from = {t.init_from!r} is train.run_dir itself; give a checkpoint folder "
                           f"(e.g. {t.init_from}/checkpoints/step-N)")
+
+
+def validate_muon(t: TrainConfig) -> None:
+    """Muon's keys (read whatever train.optimizer is: a typo should not wait for a switch)."""
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
+    if t.muon_ns_steps < 1:
+        raise ConfigError(f"train.muon_ns_steps must be >= 1, got {t.muon_ns_steps}")
+    if t.muon_lr < 0:
+        raise ConfigError(f"train.muon_lr must be >= 0 (0 = train.lr), got {t.muon_lr}")
+    coefficients = t.muon_ns_coefficients
+    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
+        raise ConfigError(f"train.muon_ns_coefficients must be three finite numbers (a, b, c), got {coefficients}")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
@@ -290,12 +357,12 @@ def validate_world(cfg: Config, world_size: int) -> None:
 
 def validate_train_layout(t: TrainConfig, p: ParallelConfig) -> None:
     """Trainer options that only some ZeRO stages and layouts support."""
-    if p.pp > 1 and p.pp_schedule == "zbv" and t.recompute in ("full", "op"):
-        # torch's checkpoint recomputes a block once per autograd pass that reaches it, and zbv
-        # runs the input-gradient pass and the weight-gradient pass(es) apart: every block
-        # would be recomputed (with its collectives) in each
+    if p.pp > 1 and get_schedule(p.pp_schedule).splits_backward and t.recompute in ("full", "op"):
+        # torch's checkpoint recomputes a block once per autograd pass that reaches it, and a
+        # split backward runs the input-gradient pass and the weight-gradient pass(es) apart:
+        # every block would be recomputed (with its collectives) in each
         raise ConfigError(
-            f"parallel.pp_schedule = zbv with train.recompute = {t.recompute} recomputes every block again "
+            f"parallel.pp_schedule = {p.pp_schedule} with train.recompute = {t.recompute} recomputes every block again "
             "in the weight-gradient pass (the input- and weight-gradient passes are separate autograd "
             "passes); use train.recompute = selective or none with zbv, or pp_schedule = interleaved"
         )
@@ -329,8 +396,8 @@ def validate_batch(t: TrainConfig, p: ParallelConfig) -> None:
                 f"parallel.pp_microbatches = {n_micro} does not divide the {local} sequences per "
                 f"data-parallel rank; choose one of {divisors(local)}"
             )
-        if p.pp_schedule == "interleaved" and n_micro % p.pp:
+        if get_schedule(p.pp_schedule).microbatch_problem(p.pp, n_micro):  # (interleaved: groups of pp)
             raise ConfigError(
-                f"parallel.pp_microbatches = {n_micro}: pp_schedule = interleaved needs a multiple of "
+                f"parallel.pp_microbatches = {n_micro}: pp_schedule = {p.pp_schedule} needs a multiple of "
                 f"parallel.pp = {p.pp} micro-batches"
             )

@@ -96,6 +96,7 @@ def _write_checkpoint_files(state, m: ModelConfig, out: Path, tmp: Path, source:
         shutil.copyfile(source_dir / "config.json", tmp / SOURCE_CONFIG)  # token ids etc. for export
     cfg = Config(model=m)
     cfg.train.init_from = str(out)
+    cfg.train.run_dir = f"{out}-train"  # its own run directory, beside the weights (never runs/debug)
     if "tokenizer.json" in copied:
         cfg.data.tokenizer = str(out / "tokenizer.json")
     note = (f"# meshfold [model] of {source}; train with: meshfold train {out / 'config.toml'}\n"
@@ -303,6 +304,22 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None):
 CHECK_TOLERANCE = 1e-4
 
 
+def _transformers_model(transformers, hf_dir: Path, **kwargs):
+    """transformers' model of a folder: by its auto class, or for a ``model_type`` transformers
+    does not know (Kimi K2's ``kimi_k2``, DeepSeek-V3's architecture) by the architecture class
+    the family's adapter names, its config read as that class's own type (transformers picks
+    its weight-name conversions by ``model_type``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type", "llama")
+    if model_type in CONFIG_MAPPING:
+        return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
+    cls = getattr(transformers, ARCHITECTURES[model_type])
+    config = cls.config_class.from_pretrained(hf_dir)
+    config.model_type = cls.config_class.model_type
+    return cls.from_pretrained(hf_dir, config=config, **kwargs)
+
+
 def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict:
     """Largest absolute logit difference between ``transformers`` and meshfold's import of
     ``hf_dir`` on the same random tokens, both in float32."""
@@ -321,13 +338,13 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
     ours.eval()
     del state
     fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **fp32).eval()
+    theirs = _transformers_model(transformers, hf_dir, **fp32).eval()
     seq = min(seq, m.seq_len)
     tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     return {"max_abs_diff": diff, "tolerance": CHECK_TOLERANCE, "ok": diff <= CHECK_TOLERANCE,
-            "model_type": theirs.config.model_type, "tokens": [batch, seq], "dtype": "float32"}
+            "model_type": json.loads((hf_dir / "config.json").read_text()).get("model_type", "llama"), "tokens": [batch, seq], "dtype": "float32"}
 
 
 # --------------------------------------------------------------------------- CLI

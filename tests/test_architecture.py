@@ -33,6 +33,7 @@ LOCAL_IMPORTS_ALLOWED = {
     ("meshfold.cli", "meshfold.train.plot"): "start-up time",
     ("meshfold.cli", "meshfold.data.cost_calibration"): "start-up time",
     ("meshfold.cli", "meshfold.device"): "start-up time",
+    ("meshfold.cli", "meshfold.planner.fit"): "start-up time",
     ("meshfold.cli", "meshfold.parallel.pp.timeline_plot"): "start-up time",
 }
 

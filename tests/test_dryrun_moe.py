@@ -224,10 +224,10 @@ def test_moe_preset_at_1024_ranks(tmp_path):
 
 def test_deepseek_v3_layout_at_2048_ranks(tmp_path):
     # DeepSeek-V3 in its own layout: pp 16, ep 64 over ZeRO-1 data parallel (dp 128, edp 2), no tp,
-    # full recompute (docs/moe.md). The 4 distinct pipeline ranks are simulated. The planner models
-    # the rank with the most model-state bytes (here rank 0: embedding and the dense layers' fp32
-    # gradients; a rank of MoE layers holds more expert state, sharded over only 2 ranks): its
-    # states equal that rank's; GradReducer's buckets of the latent-attention / MoE chunk are
+    # full recompute (docs/moe.md). The 4 distinct pipeline ranks are simulated, and the planner
+    # prices each of them (rank 0: the embedding and the dense layers' fp32 gradients; a rank of
+    # MoE layers holds more expert state, sharded over only 2 ranks): the states agree rank by
+    # rank and so do their maxima; GradReducer's buckets of the latent-attention / MoE chunk are
     # counted exactly, so every collective's calls agree and their bytes within rounding.
     out = subprocess.run([sys.executable, "-m", "meshfold", "dry-run", "configs/llama3-8b.toml", "--world", "2048",
                           "--json", "--set", "model.preset=deepseek-v3", "--set", "parallel.pp=16",
@@ -238,12 +238,15 @@ def test_deepseek_v3_layout_at_2048_ranks(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     rt, pl = report["runtime"], report["planner"]
-    assert sorted(rt["ranks"], key=int) == ["0", "128", "256", "1920"]
+    assert sorted(rt["ranks"], key=int) == sorted(pl["ranks"], key=int) == ["0", "128", "256", "1920"]
     fields = ("param_bytes", "grad_bytes", "optimizer_bytes")
-    fullest = max(rt["ranks"].values(), key=lambda r: sum(r[f] for f in fields))
-    for field in fields:
-        assert pl[field] == pytest.approx(fullest[field], rel=0.02), (field, fullest, pl)
-    assert rt["ranks"]["256"]["optimizer_bytes"] > 3 * fullest["optimizer_bytes"]  # experts over edp = 2 only
+    for r, mine in rt["ranks"].items():
+        for field in fields:
+            assert pl["ranks"][r][field] == pytest.approx(mine[field], rel=0.02), (r, field, mine, pl["ranks"][r])
+        assert pl["ranks"][r]["activation_bytes"] == pytest.approx(mine["activation_bytes"], rel=0.10), r
+    for field in fields:  # the most over the same ranks on both sides (before: 1.34 vs 0.41 GiB parameters)
+        assert pl[field] == pytest.approx(rt[field], rel=0.02), (field, rt, pl)
+    assert rt["ranks"]["256"]["optimizer_bytes"] > 3 * rt["ranks"]["0"]["optimizer_bytes"]  # experts over edp = 2 only
     assert pl["activation_bytes"] == pytest.approx(rt["activation_bytes"], rel=0.10)
     assert {d: x["count"] for d, x in pl["collectives"].items()} == {d: x["count"] for d, x in rt["collectives"].items()}
     for dim in ("dp", "ep", "pp"):
@@ -294,27 +297,34 @@ def test_latent_attention_under_cp_agrees_with_planner(tmp_path):
         assert pl["collectives"]["cp"]["bytes"] == pytest.approx(rt["collectives"]["cp"]["bytes"], rel=0.02), parallel
 
 
-def test_report_states_are_one_ranks_on_both_sides():
-    # The first two blocks dense, the last two MoE (ep 2 over ZeRO-1: experts sharded over 2 ranks,
-    # dense state over 4): the two pipeline ranks hold different states. The report's model states
-    # are one rank's on both sides (the fullest, as the planner prices it), never maxima taken per
-    # field over different ranks; every simulated rank is listed with its own.
+def test_report_sets_both_sides_for_the_same_ranks():
+    # pp rank 0 holds the embedding and two dense blocks, pp rank 1 two MoE blocks and the output
+    # (ep 2 over ZeRO-1: the experts' states sharded over 2 ranks, the rest over 4): rank 0 holds
+    # the most gradients and activations, rank 1 the most parameters and optimizer state. Every
+    # simulated rank is reported on both sides (the planner's terms for its pipeline rank); each
+    # side's top-level terms are the most over those same ranks, so like is compared with like
+    # although no one rank holds the most of everything.
     from meshfold.config import from_dict
-    from meshfold.dryrun import STATES, dry_run
+    from meshfold.dryrun import FIELDS, STATES, dry_run
 
     cfg = tiny_config("/nonexistent", parallel={"pp": 2, "dp_shard": 4, "ep": 2, "zero": 1, "pp_microbatches": 2},
                       train={"steps": 1, "micro_batch": 0, "dtype": "bfloat16"})
-    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, "n_layers": 4, **MOE, "moe_ffn_dim": 64,
-                         "moe_first_dense": 2})
+    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, "n_layers": 4, "ffn_dim": 80, **MOE,
+                         "moe_ffn_dim": 16, "moe_first_dense": 2})
     out = dry_run(from_dict(cfg), 8, cluster="h100")
     rt, pl = out["runtime"], out["planner"]
-    ranks = rt["ranks"]
-    assert sorted(ranks, key=int) == ["0", "4"] and ranks["0"]["pp_rank"] == 0 and ranks["4"]["pp_rank"] == 1
-    assert ranks["0"]["optimizer_bytes"] != ranks["4"]["optimizer_bytes"]
-    fullest = ranks[str(rt["rank"])]
-    assert fullest == max(ranks.values(), key=lambda r: sum(r[f] for f in STATES))
+    assert sorted(rt["ranks"], key=int) == sorted(pl["ranks"], key=int) == ["0", "4"]
+    for r, pp_rank in (("0", 0), ("4", 1)):
+        mine, priced = rt["ranks"][r], pl["ranks"][r]
+        assert mine["pp_rank"] == priced["pp_rank"] == pp_rank
+        for field in STATES:
+            assert priced[field] == pytest.approx(mine[field], rel=0.02), (r, field, mine, priced)
+        assert priced["activation_bytes"] == pytest.approx(mine["activation_bytes"], rel=0.10), (r, mine, priced)
+    for side in (rt, pl):
+        for field in FIELDS:
+            assert side[field] == max(v[field] for v in side["ranks"].values()), field
+        assert side["grad_bytes"] == side["ranks"]["0"]["grad_bytes"] > side["ranks"]["4"]["grad_bytes"]
+        assert side["optimizer_bytes"] == side["ranks"]["4"]["optimizer_bytes"] > side["ranks"]["0"]["optimizer_bytes"]
     for field in STATES:
-        assert rt[field] == fullest[field]
         assert pl[field] == pytest.approx(rt[field], rel=0.02), (field, rt, pl)
-    assert rt["activation_bytes"] == max(r["activation_bytes"] for r in ranks.values())
     assert pl["activation_bytes"] == pytest.approx(rt["activation_bytes"], rel=0.10)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshfold.cli import main
-from meshfold.config import from_dict
+from meshfold.config import from_dict, load_config
 from meshfold.convert import load_model, read_checkpoint_model
 from meshfold.testing import tiny_config
 
@@ -80,6 +80,7 @@ def test_training_starts_from_import(tmp_path):
     hf, folder = _hf_model(tmp_path, tied=False)
     imported = tmp_path / "imported"
     main(["convert", "import", str(folder), str(imported)])
+    assert load_config(imported / "config.toml").train.run_dir == f"{imported}-train"  # its own, not runs/debug
     state, m = read_checkpoint_model(imported)
     cfg = tiny_config(str(tmp_path / "run"), train={"steps": 2, "init_from": str(imported)})
     cfg["model"].update(ffn_dim=m.ffn_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps)

@@ -159,7 +159,7 @@ def test_convert_check_fails_on_a_wrong_conversion(tmp_path, capsys, monkeypatch
     import meshfold.models.hf as hf
 
     hf_model(tmp_path / "hf", "llama3.1", dtype=torch.float32)
-    monkeypatch.setattr(hf, "_from_hf_rope", lambda w, heads: w)  # forget the q/k row permutation
+    monkeypatch.setattr(hf, "_from_hf_rope", lambda w, heads, turned: w)  # forget the q/k row permutation
     assert main(["convert", "check", str(tmp_path / "hf"), "--json"]) == 1
     result = json.loads(capsys.readouterr().out)
     assert result["max_abs_diff"] > 1e-3 and result["ok"] is False

@@ -26,15 +26,16 @@ Which ranks: ranks that differ only in their tensor, data or context coordinate 
 pieces of the same stage of the same size (torch.chunk gives the first coordinates the
 larger piece when a dimension does not divide), and send the same collectives; only the
 pipeline stage changes what a rank holds. So rank ``s * N / pp`` (coordinate 0 on every
-other dimension) is simulated for every stage ``s``, and the report takes the maximum over
-them; N ranks never need to exist.
+other dimension) is simulated for each pipeline rank ``s`` of a distinct shape; N ranks never need to exist.
 
 MoE layers route as a perfectly balanced router would (the planner's assumption): fake
 tensors carry no routing, so the counts the dispatch needs come from one seam
 (``models/moe.py``: ``count_rows`` / ``read_counts``) that gives the balanced counts for
 tensors without values and is exactly ``bincount`` / ``tolist`` otherwise.
 
-Next to it, the planner's prediction for the same layout (``planner/cost.py``). Both are
+Next to each simulated rank, the planner's terms for its pipeline rank
+(``CostModel.rank_footprints``); each side's ``runtime`` / ``planner`` values are the
+largest of each term over the same simulated ranks, and both sides' collectives rank 0's. Both are
 for the target's numerics: ``train.dtype = auto`` is resolved for ``--cluster`` (bfloat16 on
 a GPU cluster) before the simulation, which itself runs on this CPU. docs/memory.md says
 what each side counts and how closely they agree.
@@ -255,15 +256,19 @@ def _measure(trainer: Trainer, observer: StepObserver, gpu) -> dict:
 def planner_prediction(cfg: Config, world: int, cluster_spec: str) -> dict:
     """The planner's prediction for this layout (``Estimate.footprint``: per-rank memory,
     max over stages, and rank 0's collectives with call counts), plus its step time and
-    peak. Attention is priced as the fused kernel (no s x s scores) that the runtime runs
-    on both CPU (``_scaled_dot_product_flash_attention_for_cpu``) and GPU."""
+    peak, and ``pp_ranks``: each pipeline rank's own model states and activations
+    (``CostModel.rank_footprints``), in pp coordinate order. Attention is priced as the
+    fused kernel (no s x s scores) that the runtime runs on both CPU
+    (``_scaled_dot_product_flash_attention_for_cpu``) and GPU."""
     cluster = load_cluster(cluster_spec, devices=world)
     workload = dataclasses.replace(workload_from_config(cfg, cluster), flash=True)
-    est = CostModel(workload, cluster).estimate(layout_from_config(cfg, world))
+    model, layout = CostModel(workload, cluster), layout_from_config(cfg, world)
+    est = model.estimate(layout)
     out = {k: int(round(v)) for k, v in est.footprint().items() if k != "collectives"}
     out["collectives"] = {d: {"count": x["count"], "bytes": int(round(x["bytes"]))}
                           for d, x in est.collectives.items()}
     out["step_time_s"], out["peak_mem_bytes"] = est.step_time_s, int(est.peak_mem_bytes)
+    out["pp_ranks"] = [{k: int(round(v)) for k, v in rank.items()} for rank in model.rank_footprints(layout)]
     return out
 
 
@@ -408,19 +413,23 @@ def dry_run_many(cases: list[tuple[Config, int]], cluster: str = "h100", device:
 
 def _report(cfg: Config, world: int, cluster: str, per_rank: dict, start: float, device: str) -> dict:
     gpu = {"gpu": gpucheck.summary({r: v["gpu"] for r, v in per_rank.items()})} if device == "cuda" else {}
-    # The planner prices one rank's model states, the fullest (the most parameter, gradient and
-    # optimizer bytes together), activations at their most over ranks and rank 0's collectives:
-    # the runtime's are taken for the same ranks.
-    fullest = max(per_rank, key=lambda r: (sum(per_rank[r][f] for f in STATES), -r))
-    runtime = {f: per_rank[fullest][f] for f in STATES}
-    runtime["activation_bytes"] = max(v["activation_bytes"] for v in per_rank.values())
-    runtime["collectives"] = per_rank[0]["collectives"]
-    runtime["rank"] = fullest
-    runtime["ranks"] = {str(r): v for r, v in per_rank.items()}
+    # Both sides for the same ranks: each simulated rank's measurement beside the planner's
+    # terms for its pipeline rank, and on each side the most of each term over those ranks
+    # (like for like, whichever rank holds it); collectives are rank 0's on both sides.
+    planner = planner_prediction(cfg, world, cluster)
+    by_pp = planner.pop("pp_ranks")
+    measured = {str(r): v for r, v in per_rank.items()}
+    priced = {r: {**by_pp[v["pp_rank"]], "pp_rank": v["pp_rank"]} for r, v in measured.items()}
+    runtime = {**_most(measured), "collectives": per_rank[0]["collectives"], "ranks": measured}
+    planner.update(_most(priced), ranks=priced)
     layout = dataclasses.asdict(layout_from_config(cfg, world))
-    return {"world": world, "layout": layout, "runtime": runtime,
-            "planner": planner_prediction(cfg, world, cluster), **gpu,
+    return {"world": world, "layout": layout, "runtime": runtime, "planner": planner, **gpu,
             "seconds": round(time.perf_counter() - start, 2)}
+
+
+def _most(ranks: dict) -> dict:
+    """Each of ``FIELDS``' largest value over ``ranks`` (``{rank: {field: bytes}}``)."""
+    return {f: max(v[f] for v in ranks.values()) for f in FIELDS}
 
 
 # --------------------------------------------------------------------------- cli
@@ -448,14 +457,14 @@ def run(args: argparse.Namespace) -> int:
     rt, pl = out["runtime"], out["planner"]
     print(f"dry-run: {args.world} ranks, layout {out['layout']}; simulated ranks {list(rt['ranks'])} "
           f"in {out['seconds']} s")
-    print(f"{'GiB':24s} {'runtime':>12s} {'planner':>12s}   (states: the fullest rank, {rt['rank']}; "
-          f"activations: the most over ranks)")
+    print(f"{'GiB, most over the ranks':24s} {'runtime':>12s} {'planner':>12s}")
     for f in FIELDS:
         print(f"{f:24s} {_gib(rt[f]):>12s} {_gib(pl[f]):>12s}")
     if len(rt["ranks"]) > 1:
-        print(f"{'runtime per rank, GiB':24s} " + " ".join(f"{'rank ' + r:>12s}" for r in rt["ranks"]))
-        for f in FIELDS:
-            print(f"{f:24s} " + " ".join(f"{_gib(v[f]):>12s}" for v in rt["ranks"].values()))
+        for r, v in rt["ranks"].items():
+            print(f"rank {r} (pp rank {v['pp_rank']})")
+            for f in FIELDS:
+                print(f"  {f:22s} {_gib(v[f]):>12s} {_gib(pl['ranks'][r][f]):>12s}")
     print(f"{'collectives per step':24s} {'runtime count':>14s} {'runtime GiB':>12s} {'planner count':>14s} "
           f"{'planner GiB':>12s}")
     for d in sorted(set(rt["collectives"]) | set(pl["collectives"])):

@@ -56,6 +56,7 @@ class CommonKeys:
     rope_beta_fast: float = 32.0  # yarn
     rope_beta_slow: float = 1.0  # yarn
     rope_attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = 0.1 ln(factor) + 1
+    rope_fraction: float = 1.0  # share of each head's features RoPE turns, the leading ones (partial RoPE: GLM)
 
     @property
     def kv_heads(self) -> int:
@@ -130,6 +131,8 @@ def validate(m: ModelConfig) -> None:
             f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
             f"n_kv_heads could be one of {divisors(m.n_heads)}"
         )
+    if not 0.0 < m.rope_fraction <= 1.0:
+        raise ConfigError(f"model.rope_fraction = {m.rope_fraction} must be in (0, 1] (the share of each head RoPE turns)")
     registry.attention_of(m).check(m)  # its own keys, and RoPE's even width
     if m.rope_scaling != "none":
         if m.pos != "rope":

@@ -119,8 +119,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"convert: rope_type {rope_type!r} is not supported; meshfold has "
                           f"{', '.join(ROPE_TYPES)}")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"convert: partial_rotary_factor {rope['partial_rotary_factor']} is not supported "
+    fraction = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if fraction != 1.0 and not adapter.partial_rope:
+        raise ConfigError(f"convert: partial_rotary_factor {fraction} is not supported for {model_type} "
                           f"(meshfold rotates the whole head)")
     seq_len = hf.get("max_position_embeddings", 2048)
     scaling: dict = {"rope_scaling": ROPE_TYPES[rope_type]}
@@ -152,7 +153,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], seq_len=seq_len, max_position=seq_len, norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attn_head_dim=head_dim if head_dim != dim // heads else 0, **scaling,
+        attn_head_dim=head_dim if head_dim != dim // heads else 0, rope_fraction=fraction, **scaling,
     )
     return ModelConfig(**{**keys, **family_keys})
 
@@ -170,6 +171,9 @@ def hf_family(m: ModelConfig, arch: str | None = None) -> str:
         raise ConfigError("convert export: only models with rmsnorm, swiglu and rope map to a Hugging Face "
                           "Llama/Mistral/Qwen/Mixtral/DeepSeek model")
     adapter, _ = adapter_of_model(m)
+    if m.rope_fraction != 1.0 and not adapter.partial_rope:
+        raise ConfigError(f"convert export: model.rope_fraction = {m.rope_fraction} (partial RoPE) has no "
+                          f"equivalent in this model's Hugging Face family")
     return adapter.export_type(m, arch)
 
 
@@ -205,6 +209,8 @@ def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = 
         "rope_theta": m.rope_theta, "rope_scaling": rope_scaling, "tie_word_embeddings": m.tie_embeddings,
         "hidden_act": "silu", "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if m.rope_fraction != 1.0:  # (transformers 5 moves it into rope_parameters)
+        out["partial_rotary_factor"] = m.rope_fraction
     adapter_of_type(family).write_config(m, family, out)
     return out
 
@@ -212,17 +218,20 @@ def hf_config_from_model(m: ModelConfig, dtype: torch.dtype, arch: str | None = 
 # --------------------------------------------------------------------------- weights
 
 
-def _to_hf_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of q/k from adjacent-pair rotation (meshfold) to half-split rotation (HF)."""
-    rows = w.shape[0]
-    d = rows // heads
-    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:])
+def _to_hf_rope(w: torch.Tensor, heads: int, turned: int) -> torch.Tensor:
+    """Rows of q/k from adjacent-pair rotation (meshfold) to half-split rotation (HF), over the
+    leading ``turned`` features of each head (partial RoPE: the rest stay in place)."""
+    rows, rest = w.shape[0], w.shape[1:]
+    per_head = w.reshape(heads, rows // heads, *rest)
+    pairs = per_head[:, :turned].reshape(heads, turned // 2, 2, *rest).transpose(1, 2).reshape(heads, turned, *rest)
+    return torch.cat([pairs, per_head[:, turned:]], dim=1).reshape(rows, *rest)
 
 
-def _from_hf_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    rows = w.shape[0]
-    d = rows // heads
-    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:])
+def _from_hf_rope(w: torch.Tensor, heads: int, turned: int) -> torch.Tensor:
+    rows, rest = w.shape[0], w.shape[1:]
+    per_head = w.reshape(heads, rows // heads, *rest)
+    halves = per_head[:, :turned].reshape(heads, 2, turned // 2, *rest).transpose(1, 2).reshape(heads, turned, *rest)
+    return torch.cat([halves, per_head[:, turned:]], dim=1).reshape(rows, *rest)
 
 
 FUSED_EXPERTS = ("feed_forward.experts.w13", "feed_forward.experts.w1", "feed_forward.experts.w3")
@@ -277,7 +286,7 @@ def to_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Ten
             raise ConfigError(f"convert export: no Hugging Face name for {name}")
         heads = adapter.rotated_heads(rest, m)
         if heads is not None:
-            value = _to_hf_rope(value, heads)
+            value = _to_hf_rope(value, heads, m.rope_dim)
         out[prefix + adapter.hf_layer_name(names[rest], m)] = value
     out.update(adapter.extra_to_hf(state, m))
     return {k: v.contiguous() for k, v in out.items()}
@@ -340,7 +349,7 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         mine = per_layer[rest]
         heads = adapter.rotated_heads(mine, m)
         if heads is not None:
-            value = _from_hf_rope(value, heads)
+            value = _from_hf_rope(value, heads, m.rope_dim)
         out[adapter.block_prefix(int(layer), m) + mine] = value
     for (layer, mine), per_expert in experts.items():
         if sorted(per_expert) != list(range(m.moe_experts)):

@@ -56,6 +56,7 @@ class HFAdapter:
     architectures: dict[str, str] = {}  # model_type -> architectures[0] (read and written)
     norm, mlp = "rmsnorm", "swiglu"  # the [model] norm and mlp of the family's Hugging Face models
     layer_names: dict[str, str] = {}  # per-layer meshfold name -> HF name, beyond models/hf.py's LAYER_NAMES
+    partial_rope = False  # its HF models may turn only a head's leading features (partial_rotary_factor)
 
     def natural_type(self, m) -> str | None:
         """The ``model_type`` a model exports as when it is this family's, else None."""

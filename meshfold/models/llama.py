@@ -169,6 +169,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return _Rotary.apply(x, cos, sin)
 
 
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the leading 2 * cos.shape[-1] features of each head, the rest passed through
+    (partial RoPE, ``model.rope_fraction``); the whole head when the tables cover it."""
+    turned = 2 * cos.shape[-1]
+    if turned == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
+
+
 def document_causal_mask(doc_ids_q: torch.Tensor, doc_ids_k: torch.Tensor, pos_q: torch.Tensor,
                          pos_k: torch.Tensor) -> torch.Tensor:
     """Boolean [batch, 1, q, k] mask: key visible if earlier-or-equal and in the same document."""
@@ -259,7 +268,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = rope
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
         return out.reshape(bsz, seq, -1)
 

@@ -6,6 +6,8 @@ checkpoint state (``state.py``'s protocol), looked up by name in ``registry.py``
 - ``zero_one.py``      ZeRO-1 through torch's ``ZeroRedundancyOptimizer`` (plain parameters)
 - ``sharded.py``       ZeRO-1 as Megatron's distributed optimizer (``ShardedAdamW``, bf16 compute)
 - ``expert_split.py``  ZeRO-1 with expert parallel: dense and expert state sharded apart
+- ``muon/``           Muon (orthogonalised momentum) for hidden matrices, AdamW for the
+                       rest; owner-computes on every layout (docs/optimizers.md)
 - ``offload.py``       Adam state and fp32 masters in host memory
 - ``zero_state.py``    ZeRO-1 state as checkpoint boxes (any layout reads them)
 - ``state.py``         the checkpoint protocol every optimizer implements

@@ -14,6 +14,7 @@ from torch import nn
 
 from meshfold.mesh import ParallelDims
 from meshfold.optim.adamw import build_adamw
+from meshfold.optim.muon.optimizer import build_muon
 from meshfold.parallel.compute_weights import ComputeWeights
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
@@ -23,6 +24,7 @@ Builder = Callable[..., torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, Builder] = {
     "adamw": build_adamw,
+    "muon": build_muon,
 }
 
 DEFAULT = "adamw"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from meshfold.config import Config, load_config, validate
+import tomli_w
+
+from meshfold.config import Config, load_config, model_keys, parse_override, validate
 from meshfold.errors import ConfigError
 from meshfold.parallel.pp.timeline_plot import draw_timeline
 from meshfold.planner.cluster import GiB, Cluster, load_cluster, presets_help
@@ -17,6 +20,11 @@ from meshfold.planner.search import explain, search
 from meshfold.planner.goodput import FailureModel, failures_line, goodput
 from meshfold.planner.simulate import result_json, simulate
 from meshfold.schedules.simulate import makespan
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 def workload_from_config(cfg: Config, cluster: Cluster) -> Workload:
@@ -56,7 +64,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts to list, fastest first (default 10)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (the ranked layouts with their breakdowns) instead of the table")
-    p.add_argument("--out", default=None, help="write the winner as a runnable TOML [parallel]/[train] section")
+    p.add_argument("--out", default=None, help="write a complete config that runs the winner (meshfold train FILE)")
     p.add_argument("--max-tp", type=int, default=0, help="limit tensor parallel degree (0 = any)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
                    help="compare a finished run's measurements with the prediction for its layout")
@@ -77,9 +85,7 @@ def run_plan(args) -> int:
     ranked = res.ranked[: args.top]
     why = explain(ranked[0], ranked[1] if len(ranked) > 1 else None)
     if args.out:
-        Path(args.out).write_text(f"# meshfold plan: {ranked[0].layout.short()} on {cluster.name} "
-                                  f"({cluster.world_size} devices), predicted {ranked[0].step_time_s:.4g} s/step\n"
-                                  + ranked[0].layout.to_toml(w.global_batch))
+        write_plan(args.out, args.config, args.set, cfg, ranked[0], cluster, args.cluster)
     if args.json:
         print(json.dumps({"cluster": cluster.name, "devices": cluster.world_size, "any_fits": res.any_fits,
                           "search": {"structures": res.structures, "visited": res.visited,
@@ -99,6 +105,26 @@ def run_plan(args) -> int:
     print("winner as config:" if not args.out else f"winner written to {args.out}:")
     print(ranked[0].layout.to_toml(w.global_batch))
     return 0
+
+
+def write_plan(out: str, config: str, overrides: list[str], cfg: Config, best: Estimate, cluster: Cluster,
+               cluster_spec: str) -> None:
+    """A complete config that ``meshfold train`` runs as planned: the input config (with its
+    ``--set`` overrides) and [model] as resolved, the plan's [parallel] and [train] keys."""
+    data = tomllib.loads(Path(config).read_text()) if config else {}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        data.setdefault(section, {})[key] = value
+    if cfg.model.preset:  # the shape planned, as the preset and its overrides (load_config's rule)
+        data["model"] = model_keys(cfg.model)
+    for section, values in best.layout.config_values(cfg.train.global_batch).items():
+        data.setdefault(section, {}).update(values)
+    world = cluster.world_size
+    head = (f"# meshfold plan {config}{''.join(f' --set {s}' for s in overrides)} --cluster {cluster_spec}\n"
+            f"# {best.layout.short()}: predicted {best.step_time_s:.4g} s/step, peak {_gib(best.peak_mem_bytes)} GiB "
+            f"per device on {world} devices; run it on {world} processes, e.g. meshfold train {out} --nproc {world}\n")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(head + tomli_w.dumps(data))
 
 
 def _run_measurements(run_dir: Path, stat: str = "median") -> dict:

@@ -47,6 +47,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def on_gpu(device: str) -> bool:
+    """Whether ``train.device`` (cpu | cuda | auto) runs on a GPU here."""
+    return device == "cuda" or (device == "auto" and _cuda_available())
+
+
 def footprint(cfg: Config, world: int, device: str | None = None) -> dict:
     """The planner's prediction for the layout in ``cfg.parallel`` on ``world`` ranks, in
     the terms ``meshfold dry-run`` reports for the runtime: per rank (max over ranks)
@@ -55,8 +60,7 @@ def footprint(cfg: Config, world: int, device: str | None = None) -> dict:
     ``CostModel.collectives``; docs/planner.md defines every count). ``device`` (cpu |
     cuda) decides the numerics as the trainer would; default ``cfg.train.device``. Memory
     and collectives do not depend on the cluster's speeds."""
-    device = device or cfg.train.device
-    on_gpu = device == "cuda" or (device == "auto" and _cuda_available())
-    cluster = load_cluster("h100" if on_gpu else "cpu", devices=world)
-    est = CostModel(workload_from_config(cfg, on_gpu), cluster).estimate(layout_from_config(cfg, world))
+    gpu = on_gpu(device or cfg.train.device)
+    cluster = load_cluster("h100" if gpu else "cpu", devices=world)
+    est = CostModel(workload_from_config(cfg, gpu), cluster).estimate(layout_from_config(cfg, world))
     return est.footprint()

@@ -40,9 +40,9 @@ class Memory:
     def _memory(self, L: Layout, T: LayerTerms, stage_params: list, stage_layers: list, last_rank: int, n_micro: int,
                 v: int):
         """The fullest device's bytes: (model states, memory by kind, peak, activation bytes)."""
-        w, c, m, tp, pp, cp, b = self.w, self.c, self.w.model, L.tp, L.pp, L.cp, L.micro_batch
+        w, c, tp, pp, cp = self.w, self.c, L.tp, L.pp, L.cp
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
-        V, h = m.vocab_size, m.dim
+        V = w.model.vocab_size
         Pmax = max(stage_params)
         max_block = max(k.params for k in T.kinds.values())
         n_shard, n_all = L.dp_shard * cp, L.dp * cp
@@ -63,25 +63,9 @@ class Memory:
         gathered = (Pmax * wg if L.zero == 2 else 2 * max_block * wg) if fsdp else (act * Pmax if amp else 0.0)
         full = L.recompute == "full"
         tokens = T.tokens
-        stage_kinds = self.stage_kinds(L)[0]
-        # bf16 compute weights in every layout (FSDP2's gathers or the step's compute copies):
-        # the blocks take bf16 inputs, and the projections share one bf16 norm output
-        per_layer = dict(T.acts.act_kinds)
-        if amp and L.recompute not in ("full", "op"):
-            per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
-        stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
-        # what the loss keeps for backward: the logits as they came (parallel/loss.py's
-        # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
-        # labels; with amp also the final norm (8h + 4; sequence-sharded under sp)
-        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens / (tp if L.sp else 1) if amp else 0.0)
-        saved_logits = mtp.saved_logits(m, saved_logits, act, amp, tokens)  # and the heads after the trunk
         logits_here = pp == 1 or last_rank == 0  # zbv's V puts the last stage on rank 0 too
-        if pp == 1:
-            acts = sum(per_layer[k] * n for k, n in stage_kinds[0].items()) + stage_in
-            held, held_logits = [acts], [acts + saved_logits]
-        else:  # every rank's chunks, each held from its forward to its backward in the rank's order
-            held, held_logits = self._held(L, per_layer, stage_in, saved_logits, n_micro)
-            acts = max(held)
+        held, held_logits = self._rank_activations(L, T, n_micro)
+        acts = max(held)
         self._acts_cache[self._acts_key(L, n_micro)] = acts
         # the recompute working set while one block is recomputed and run backward: under full,
         # all of its activations; under op, what the policy did not keep
@@ -115,11 +99,66 @@ class Memory:
                            + max(logits, recompute))
         return states, memory, peak_mem, activation_bytes
 
+    def _rank_activations(self, L: Layout, T: LayerTerms, n_micro: int) -> tuple[list, list]:
+        """Per pipeline rank, the most activation bytes it holds at once, without and with the
+        last stage's saved logits (``_held``; at pp = 1 the one rank's blocks)."""
+        w, m, tp, cp, b = self.w, self.w.model, L.tp, L.cp, L.micro_batch
+        act = DTYPE_BYTES[w.dtype][3]
+        V, h = m.vocab_size, m.dim
+        amp = w.dtype == "bf16-amp"
+        tokens = T.tokens
+        # bf16 compute weights in every layout (FSDP2's gathers or the step's compute copies):
+        # the blocks take bf16 inputs, and the projections share one bf16 norm output
+        per_layer = dict(T.acts.act_kinds)
+        if amp and L.recompute not in ("full", "op"):
+            per_layer = {k: x - autocast_input_copies(m, w.s // cp, b, act, tp, L.sp) for k, x in per_layer.items()}
+        stage_in = 0.0 if amp else act * tokens * h  # (amp: layer 0's norm input, counted there)
+        # what the loss keeps for backward: the logits as they came (parallel/loss.py's
+        # chunked cross-entropy recomputes each chunk's softmax in backward) and the int64
+        # labels; with amp also the final norm (8h + 4; sequence-sharded under sp)
+        saved_logits = (act * V / tp + 8) * tokens + ((8 * h + 4) * tokens / (tp if L.sp else 1) if amp else 0.0)
+        saved_logits = mtp.saved_logits(m, saved_logits, act, amp, tokens)  # and the heads after the trunk
+        if L.pp == 1:
+            acts = sum(per_layer[k] * n for k, n in self.stage_kinds(L)[0][0].items()) + stage_in
+            return [acts], [acts + saved_logits]
+        # every rank's chunks, each held from its forward to its backward in the rank's order
+        return self._held(L, per_layer, stage_in, saved_logits, n_micro)
+
+    def rank_footprints(self, L: Layout) -> list[dict]:
+        """Per pipeline rank (pp coordinate order), the footprint ``Estimate.footprint`` gives
+        for the fullest: its parameter, gradient and optimizer bytes (``_model_states``; at
+        the rank's own fullest moment on multi-chunk pipelines) and activation bytes (with
+        the saved logits where it holds the last stage). ``meshfold dry-run`` sets them
+        beside the ranks it simulates; the search never asks."""
+        n_micro = self.w.global_batch // L.dp // L.micro_batch
+        T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
+                             L.ep_overlap_chunks)
+        stages, last_rank = self.stage_kinds(L)
+        stage_params = self._stage_base(T, stages, last_rank, L.pp)[2]
+        _, zero, accumulate, moe_layers = self._top_states(L, T, stage_params, n_micro)
+        grad_share = [1.0] * L.pp
+        if accumulate and zero >= 2 and L.pp > 1 and L.schedule.chunks_per_rank(L.pp_virtual_stages) > 1:
+            held, whole = self._rank_grads(L, T, n_micro, L.dp_shard * L.cp)
+            grad_share = [x / max(y, 1e-30) for x, y in zip(held, whole)]
+        activations = self._rank_activations(L, T, n_micro)[1]
+        out = []
+        for P, n, share, acts in zip(stage_params, moe_layers, grad_share, activations):
+            states = self._model_states(L, T, P, n, zero, accumulate)
+            out.append({"param_bytes": states["params"], "grad_bytes": states["grads"] * share,
+                        "optimizer_bytes": states["optimizer"], "activation_bytes": acts})
+        return out
+
     def _grad_share(self, L: Layout, T: LayerTerms, n_micro: int, n_shard: int) -> float:
         """The gradients the fullest pp rank holds at its fullest moment
         (``Schedule.rank_grad_moments``: chunks still accumulating whole, chunks already
         reduced as their 1/n_shard share, chunks not yet in backward nothing), as a
         fraction of the largest rank's unsharded gradients."""
+        held, whole = self._rank_grads(L, T, n_micro, n_shard)
+        return max(held) / max(max(whole), 1e-30)
+
+    def _rank_grads(self, L: Layout, T: LayerTerms, n_micro: int, n_shard: int) -> tuple[list, list]:
+        """Per pp rank, the gradient parameters it holds at its fullest moment (see
+        ``_grad_share``) and its parameters unsharded. Cached: the search asks often."""
         sched, v = L.schedule, L.virtual
         key = ("grads", L.tp, L.ep, L.pp, L.pp_schedule, v, tuple(L.pp_split), n_micro, n_shard)  # (params: tp, ep)
         hit = self._held_cache.get(key)
@@ -135,13 +174,13 @@ class Memory:
                     p += sum(kinds[k].params for k in self.mtp_kinds)
                 params.append(p)
             weight = (0.0, 1.0, 1.0 / max(1, n_shard))
-            held = whole = 0.0
+            held, whole = [], []
             for rank in range(L.pp):
                 mine = [params[sched.stage_of(L.pp, rank, c)] for c in range(sched.chunks_per_rank(v))]
-                whole = max(whole, sum(mine))
-                held = max(held, max(sum(p * weight[s] for p, s in zip(mine, moment))
-                                     for moment in sched.rank_grad_moments(L.pp, v, n_micro, rank)))
-            hit = self._held_cache[key] = held / max(whole, 1e-30)
+                whole.append(sum(mine))
+                held.append(max(sum(p * weight[s] for p, s in zip(mine, moment))
+                                for moment in sched.rank_grad_moments(L.pp, v, n_micro, rank)))
+            hit = self._held_cache[key] = (held, whole)
         return hit
 
     def _held(self, L: Layout, per_layer: dict, stage_in: float, saved_logits: float,

@@ -92,25 +92,32 @@ class Layout:
                               pp_split=list(self.pp_split), pp_skip=self.pp_skip,
                               pp_reorder=self.pp_reorder, pp_links=[list(x) for x in self.pp_links])
 
-    def to_toml(self, global_batch: int) -> str:
+    def config_values(self, global_batch: int) -> dict[str, dict]:
+        """The layout as config keys: the whole ``[parallel]`` it sets and its ``[train]`` keys."""
         p = self.parallel_config(global_batch)
-        lines = ["[parallel]"]
         keys = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp", "pp_schedule", "pp_microbatches",
                 "pp_virtual_stages", "cp", "cp_mode", "ep") + (("pp_split",) if self.pp_split else ())
-        for key in keys + (("ep_overlap_chunks",) if self.ep > 1 and self.ep_overlap_chunks > 1 else ()):
-            value = getattr(p, key)
+        keys += ("ep_overlap_chunks",) if self.ep > 1 and self.ep_overlap_chunks > 1 else ()
+        return {"parallel": {key: getattr(p, key) for key in keys},
+                "train": {"global_batch": global_batch, "micro_batch": self.micro_batch, "recompute": self.recompute}}
+
+    def to_toml(self, global_batch: int) -> str:
+        values = self.config_values(global_batch)
+        lines = ["[parallel]"]
+        for key, value in values["parallel"].items():
             lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value).replace(chr(39), chr(34))}")
-        lines += ["", "[train]", f"global_batch = {global_batch}",
-                  f"micro_batch = {self.micro_batch}", f'recompute = "{self.recompute}"']
+        t = values["train"]
+        lines += ["", "[train]", f"global_batch = {t['global_batch']}",
+                  f"micro_batch = {t['micro_batch']}", f'recompute = "{t["recompute"]}"']
         return "\n".join(lines) + "\n"
 
     def short(self) -> str:
         parts = [f"dp{self.dp_replicate}x{self.dp_shard}", f"z{self.zero}", f"tp{self.tp}" + ("sp" if self.sp else "")]
         if self.pp > 1:
-            v = f"v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
-            parts.append(f"pp{self.pp}{self.pp_schedule}{v}" + (f"split{list(self.pp_split)}" if self.pp_split else ""))
+            v = f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
+            parts.append(f"pp{self.pp} {self.pp_schedule}{v}" + (f" split{list(self.pp_split)}" if self.pp_split else ""))
         if self.cp > 1:
-            parts.append(f"cp{self.cp}{self.cp_mode}")
+            parts.append(f"cp{self.cp} {self.cp_mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f"c{self.ep_overlap_chunks}" if self.ep_overlap_chunks > 1 else ""))
         parts += [f"mb{self.micro_batch}", self.recompute]

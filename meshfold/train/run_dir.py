@@ -8,6 +8,10 @@ model; ``check_resume`` refuses both with one line naming the keys that differ a
 start a new run from those weights on purpose (``train.init_from``). What may change on
 resume (the layout, the process count, the learning-rate schedule, the global batch) is
 logged when it does (docs/checkpoints.md, "What is safe").
+
+A run directory holds one run: a new run (nothing to resume) on a directory that holds
+another run's metrics writes to a fresh numbered folder beside it (``beside``), so
+``meshfold plot`` and TensorBoard never draw two runs as one.
 """
 
 from __future__ import annotations
@@ -99,6 +103,30 @@ def prepare_run_dir(path: Path) -> Path:
         raise RunDirError(f"train.run_dir = {str(path)!r} is not writable (read-only or another user's); "
                           f"choose another train.run_dir")
     return path
+
+
+def holds_a_run(path: Path) -> bool:
+    """Whether ``path`` holds another run's metrics (its metrics.jsonl or TensorBoard events)."""
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return True
+    return any((path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def beside(path: Path) -> Path:
+    """The first free numbered folder next to ``path`` (``runs/debug-2``, ``-3``, ...),
+    created here so that two runs starting at once never pick the same one."""
+    n = 2
+    while True:
+        candidate = path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            n += 1
+        except OSError as err:
+            raise RunDirError(f"cannot create a new run directory beside {path}: {describe_os_error(err, candidate)}") \
+                from None
 
 
 # ---------------------------------------------------------------------------- the lock

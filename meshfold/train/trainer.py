@@ -50,8 +50,8 @@ from meshfold.data.tokenizer import tokenizer_sha256
 from meshfold.errors import ConfigError
 from meshfold.train.checkpoint import Checkpointer
 from meshfold.train.checkpoint_files import published
-from meshfold.train.run_dir import (RunDirError, RunLock, check_resume, explain_write_failure, prepare_run_dir,
-                                    read_record, run_record, write_record)
+from meshfold.train.run_dir import (RunDirError, RunLock, beside, check_resume, explain_write_failure, holds_a_run,
+                                    prepare_run_dir, read_record, run_record, write_record)
 from meshfold.train.stop import Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
@@ -331,18 +331,38 @@ class Trainer:
                 self.record = run_record(self.cfg, self.data_identity(), self.world)
                 if self.features.checks_resume:
                     self.resume_changes = self.check_record()
+                if self.features.holds_run_lock and not self.resumes() and holds_a_run(self.run_dir):
+                    self.move_to(beside(self.run_dir))  # one run per directory: never append to another's
+                    self.lock = RunLock(self.run_dir)
+                    self.lock.acquire()
             except (RunDirError, ConfigError) as err:
                 problem = (type(err).__name__, str(err))
             except Exception as err:  # noqa: BLE001 - the other ranks wait on this answer: never leave them hanging
                 problem = ("RunDirError", f"{self.run_dir}: {type(err).__name__}: {err}")
         if dist.is_initialized() and self.world > 1:
-            problem = comm.broadcast_object(problem)  # start-up, once
+            problem, run_dir = comm.broadcast_object((problem, str(self.run_dir)))  # start-up, once
+            if run_dir != str(self.run_dir):
+                self.move_to(Path(run_dir))
         if problem is not None:
             self.release_lock()
             kind, message = problem
             if self.rank != 0:
                 message = "rank 0 refused the run directory (see its line)"
             raise (ConfigError if kind == "ConfigError" else RunDirError)(message)
+
+    def resumes(self) -> bool:
+        """This run continues the run directory's checkpoints (``train.resume = auto``)."""
+        return self.cfg.train.resume == "auto" and bool(published(self.run_dir / "checkpoints"))
+
+    def move_to(self, run_dir: Path) -> None:
+        """Write this run to ``run_dir`` instead (rank 0 says where, once)."""
+        if self.rank == 0:
+            self.release_lock()
+            print(f"meshfold: {self.run_dir} holds another run's metrics and no checkpoint to resume; "
+                  f"this run writes to {run_dir}", file=sys.stderr, flush=True)
+        self.run_dir = run_dir
+        self.cfg.train.run_dir = str(run_dir)
+        self.checkpointer.root = run_dir / "checkpoints"
 
     def check_record(self) -> list[str]:
         """Rank 0: compare with the run directory's record (or, for a run directory from

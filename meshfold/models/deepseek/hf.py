@@ -1,4 +1,5 @@
-"""Hugging Face adapter of the DeepSeek family (``deepseek_v2``, ``deepseek_v3``).
+"""Hugging Face adapter of the DeepSeek family (``deepseek_v2``, ``deepseek_v3``, and Kimi K2's
+``kimi_k2``: DeepSeek-V3's architecture and tensors under its own ``model_type``).
 
 Multi-head latent attention rotates adjacent pairs like meshfold (``deepseek/mla.py``): its
 weights need no permutation. The router's ``e_score_correction_bias`` (V3) is the balancing
@@ -17,7 +18,9 @@ from meshfold.errors import ConfigError
 from meshfold.models import registry
 from meshfold.models.hf_adapter import HFAdapter, check_keys, rope_parameters
 
-ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "kimi_k2": "DeepseekV3ForCausalLM"}
+ALIASES = {"kimi_k2": "deepseek_v3"}  # model_type -> the DeepSeek version whose architecture it is
 MLA_NAMES = {
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -81,6 +84,7 @@ class DeepSeekAdapter(HFAdapter):
         return "deepseek_v3" if m.moe_router == "sigmoid" else "deepseek_v2"
 
     def config_keys(self, hf: dict, model_type: str) -> dict:
+        model_type = ALIASES.get(model_type, model_type)
         if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
             raise ConfigError("convert: DeepSeek with attention_bias or mlp_bias = true is not supported")
         keys = dict(attn_head_dim=0,  # DeepSeek's head_dim is the rope part
@@ -96,19 +100,20 @@ class DeepSeekAdapter(HFAdapter):
     def export_type(self, m, arch: str | None) -> str:
         natural = self.natural_type(m)
         family = arch or natural
-        if family != natural:
+        if ALIASES.get(family, family) != natural:
             raise ConfigError(f"convert export: this model exports as {ARCHITECTURES[natural]}, not "
                               f"{registry.hf_model_types().get(family, family)}")
         if not m.moe_experts:
             raise ConfigError(f"convert export: {ARCHITECTURES[family]} needs model.moe_experts > 0")
         need = dict(bias=False, qkv_bias=False, moe_capacity_factor=0.0, moe_every=1, moe_dense_layers=[],
                     qk_norm=False, attn_head_dim=0)
-        need.update(dict(moe_norm_topk=False, moe_bias_balance=False) if family == "deepseek_v2"
+        need.update(dict(moe_norm_topk=False, moe_bias_balance=False) if natural == "deepseek_v2"
                     else dict(moe_bias_balance=True))
         check_keys(m, need, ARCHITECTURES[family])
         return family
 
     def write_config(self, m, model_type: str, out: dict) -> None:
+        model_type = ALIASES.get(model_type, model_type)
         out.update(n_routed_experts=m.moe_experts, num_experts_per_tok=m.moe_topk, moe_intermediate_size=m.expert_dim,
                    n_shared_experts=m.moe_shared_experts, first_k_dense_replace=m.moe_first_dense, moe_layer_freq=1,
                    n_group=m.moe_groups or 1, topk_group=m.moe_topk_groups or 1,

@@ -24,9 +24,13 @@ def gqa_widths(cfg) -> tuple[int, int]:
 
 
 def gqa_rope_dim(cfg) -> int:
-    return cfg.head_dim
+    """The leading features of each head RoPE turns (all of them unless ``rope_fraction`` < 1)."""
+    return int(cfg.head_dim * cfg.rope_fraction)
 
 
 def check_gqa(m) -> None:
     if m.pos == "rope" and m.head_dim % 2:
         raise ConfigError(f"rotary embeddings need an even head dim; model.dim/model.n_heads = {m.head_dim}")
+    if m.pos == "rope" and gqa_rope_dim(m) % 2:
+        raise ConfigError(f"model.rope_fraction = {m.rope_fraction} turns {gqa_rope_dim(m)} of a head's "
+                          f"{m.head_dim} features; RoPE needs an even number")

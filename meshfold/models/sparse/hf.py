@@ -15,8 +15,8 @@ class SparseAdapter(HFAdapter):
     architectures = ARCHITECTURES
 
     def natural_type(self, m) -> str | None:
-        if not m.moe_experts or m.attention != "gqa":
-            return None
+        if not m.moe_experts or m.attention != "gqa" or m.moe_router != "softmax":
+            return None  # (Mixtral's and Qwen3-MoE's routers are softmax ones)
         return "qwen3_moe" if m.qk_norm else "mixtral"
 
     def config_keys(self, hf: dict, model_type: str) -> dict:

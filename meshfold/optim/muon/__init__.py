@@ -1,0 +1,8 @@
+"""Muon: Newton-Schulz-orthogonalised momentum for hidden matrices, AdamW for the rest
+(embeddings, output layer, norms, biases, routers), on every layout. docs/optimizers.md.
+
+- ``newton_schulz.py``  the orthogonalisation and the update scale (pure tensor math)
+- ``exchange.py``       owner-computes: which rank orthogonalises each matrix, and the
+                        all-to-alls that bring it the pieces and send them back
+- ``optimizer.py``      the optimizer (``Muon``), its parameter split and ``build_muon``
+"""
