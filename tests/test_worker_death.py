@@ -8,7 +8,9 @@ import pytest
 
 from meshfold.config import TrainConfig
 from meshfold.launch import RestartReporter
-from meshfold.train.fault import FaultMonitor, PeerLostError, after_worker_loss
+from meshfold.train import fault
+from meshfold.train.fault import FaultMonitor, PeerLostError, after_worker_loss, job_restart_note
+from meshfold.train.live import replica_restart_note
 from meshfold.train.progress import Progress
 
 GLOO = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41236; "
@@ -23,6 +25,8 @@ def _restarts(monkeypatch, done, allowed):
 @pytest.mark.parametrize("live", [False, True])
 def test_peer_lost_line_is_complete_and_says_what_happens(monkeypatch, live):
     _restarts(monkeypatch, 0, 3)
+    # what build_live does in a replica group's process
+    monkeypatch.setattr(fault, "_restart_note", replica_restart_note if live else job_restart_note)
     monitor = FaultMonitor(TrainConfig(live_recovery=live), rank=0, world=1, progress=Progress())
     err = monitor.peer_lost(RuntimeError(GLOO + "\nsecond line"))
     text = str(err)
@@ -38,12 +42,12 @@ def test_peer_lost_line_is_complete_and_says_what_happens(monkeypatch, live):
 
 def test_after_worker_loss_without_restarts_left(monkeypatch):
     _restarts(monkeypatch, 1, 1)
-    assert after_worker_loss(False) == ("no restart left (--max-restarts 1); run the same command again to "
-                                        "resume from the last checkpoint")
-    assert "the other groups train on without it" in after_worker_loss(True)
+    assert after_worker_loss() == ("no restart left (--max-restarts 1); run the same command again to "
+                                   "resume from the last checkpoint")
+    assert "the other groups train on without it" in replica_restart_note(1, 1)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")  # plain torchrun --max-restarts 0, or no launcher
-    assert after_worker_loss(False).startswith("no restart left (--max-restarts 0)")
+    assert after_worker_loss().startswith("no restart left (--max-restarts 0)")
 
 
 def _agent_logs(reporter, exitcode, local_rank, left, allowed):

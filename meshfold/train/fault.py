@@ -123,7 +123,6 @@ class FaultMonitor:
         self.every = t.straggler_every
         self.margin = t.straggler_margin
         self.timeout_s = t.collective_timeout_s
-        self.live = getattr(t, "live_recovery", False)  # a lost peer restarts its replica group, not the job
         self.broken = False  # set when a collective timed out or a peer was lost: no group teardown at close
         self.nonfinite_in_a_row = 0
         self.skipped_steps = 0
@@ -312,7 +311,7 @@ class FaultMonitor:
         self.broken = True
         return PeerLostError(
             f"rank {self.rank}: lost the connection to a peer (it crashed or was killed) at step "
-            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker: {after_worker_loss(self.live)} "
+            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker: {after_worker_loss()} "
             f"(backend said: {_first_line(err)})"
         )
 
@@ -335,20 +334,31 @@ class FaultMonitor:
             self._probe_group = None
 
 
-def after_worker_loss(live: bool) -> str:
+def job_restart_note(done: int, allowed: int) -> str:
+    """What follows a worker's end when its launcher restarts the whole job."""
+    if done < allowed:
+        return f"the launcher restarts all workers from the last checkpoint (restart {done + 1} of {allowed})"
+    return (f"no restart left (--max-restarts {allowed}); run the same command again to resume from the last "
+            "checkpoint")
+
+
+# A feature whose processes restart otherwise (live recovery: one replica group, healed from
+# a peer) puts its own note here when it is built (``set_restart_note``).
+_restart_note = job_restart_note
+
+
+def set_restart_note(note) -> None:
+    """``note(done, allowed) -> str``: what follows a worker's end, for this process's run."""
+    global _restart_note
+    _restart_note = note
+
+
+def after_worker_loss() -> str:
     """What happens once this worker ends, from the launcher's restart count and limit
     (torchrun's agent sets both in every worker's environment)."""
     done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if done < allowed and live:
-        return (f"its replica group's agent restarts the group (restart {done + 1} of {allowed}), which rejoins "
-                "the running groups from a peer; the others train on")
-    if done < allowed:
-        return f"the launcher restarts all workers from the last checkpoint (restart {done + 1} of {allowed})"
-    if live:
-        return f"this replica group has no restart left ({allowed} used); the other groups train on without it"
-    return (f"no restart left (--max-restarts {allowed}); run the same command again to resume from the last "
-            "checkpoint")
+    return _restart_note(done, allowed)
 
 
 def _first_line(err: BaseException, limit: int = 400) -> str:
