@@ -369,15 +369,6 @@ def calibrate_gpu(preset: str, out_path: str | Path) -> Cluster:
 # --------------------------------------------------------------------------- command
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure compute and alpha/beta with gloo processes; write a cluster file")
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--out", default=None, help="cluster TOML to write (default cluster-cpu-N.toml)")
-    p.add_argument("--gpu", default=None, metavar="PRESET",
-                   help="measure this machine's GPU instead (GEMM, HBM copy, fused attention) and write "
-                        "PRESET's cluster with the measured efficiencies (e.g. --gpu h100)")
-
-
 def run(args) -> int:
     if args.gpu:
         out = args.out or "cluster-gpu.toml"

@@ -1,5 +1,9 @@
 """``meshfold`` command line. Each subcommand lives in its own module with
-``add_parser(subparsers)`` and ``run(args) -> int``; add new ones to ``SUBCOMMANDS``."""
+``add_parser(subparsers)`` and ``run(args) -> int``; add new ones to ``SUBCOMMANDS``.
+
+Only the subcommand that runs is imported: ``meshfold --help`` lists the others from the
+table's one-line helps, and a subcommand whose module loads torch at import time declares
+its arguments in a light module (``Subcommand.arguments``), so its ``--help`` is fast too."""
 
 from __future__ import annotations
 
@@ -8,31 +12,63 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
-from meshfold.errors import ConfigError
+from meshfold.errors import ConfigError, did_you_mean
 from meshfold.schedules import get_schedule, schedule_names  # stdlib only: no start-up cost
 from meshfold.schedules.simulate import simulate
 
-# name -> module providing add_parser(subparsers) and run(args)
+
+class Subcommand(NamedTuple):
+    module: str  # provides run(args) and add_parser(subparsers) (or dicts of them by name)
+    help: str  # its line in `meshfold --help` (tests/test_cli_help.py: the same as add_parser's)
+    arguments: str = ""  # provides add_parser instead, where ``module`` imports torch (seconds)
+
+
 SUBCOMMANDS = {
-    "train": "meshfold.cli",
-    "plot": "meshfold.cli",
-    "timeline": "meshfold.cli",
-    "calibrate-cost": "meshfold.cli",
-    "prepare": "meshfold.data.prepare",
-    "convert": "meshfold.convert",
-    "plan": "meshfold.planner.cli", "simulate": "meshfold.planner.cli", "calibrate": "meshfold.calibration",
-    "netlab": "meshfold.netlab_cli",
-    "dry-run": "meshfold.dryrun",
-    "btm": "meshfold.btm",
+    "train": Subcommand("meshfold.cli", "train a model from a TOML config"),
+    "plot": Subcommand("meshfold.cli", "write PNG curves of a run's metrics"),
+    "timeline": Subcommand("meshfold.cli", "draw a pipeline schedule as a PNG (a run's measured step, or a schedule)"),
+    "calibrate-cost": Subcommand("meshfold.cli", "measure the document cost model W(l) = a l^2 + b l"),
+    "prepare": Subcommand("meshfold.data.prepare", "tokenise corpora once into a sharded, memory-mapped dataset"),
+    "convert": Subcommand("meshfold.convert", "Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3, Mixtral, Qwen3-MoE, "
+                                              "DeepSeek-V2/V3) <-> meshfold checkpoints"),
+    "plan": Subcommand("meshfold.planner.cli", "search parallel layouts for a model and batch on a cluster"),
+    "simulate": Subcommand("meshfold.planner.cli", "predict one layout (the config's [parallel]) in detail"),
+    "calibrate": Subcommand("meshfold.calibration", "measure compute and alpha/beta with gloo processes; write a "
+                                                    "cluster file", arguments="meshfold.cli_arguments"),
+    "netlab": Subcommand("meshfold.netlab_cli", "run over throttled links in network namespaces (root)"),
+    "dry-run": Subcommand("meshfold.dryrun", "build and step a layout for N ranks on this machine (fake ranks, "
+                                             "fake tensors): memory per rank and collectives, next to the planner's",
+                          arguments="meshfold.cli_arguments"),
+    "btm": Subcommand("meshfold.btm", "Branch-Train-Merge: branch a seed per domain, merge or ensemble the branches"),
 }
 
 
 def _fail(message: str) -> int:
-    print(f"meshfold: error: {message}", file=sys.stderr)
+    line = f"meshfold: error: {message}"
+    if os.environ.get("RANK", "0") == "0":  # under a launcher every rank finds the same error: say it once
+        print(line, file=sys.stderr)
+    tell_launcher(line)
     return 2
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun (or ``--nproc``), leave this worker's one line in the error file its
+    agent reads: torchrun's failure report then names it as the root cause instead of "To
+    enable traceback see ..." (the report itself, and the exit code, are torchrun's)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,  # torchelastic's format
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the line is on stderr already
 
 
 # --------------------------------------------------------------------------- train
@@ -162,6 +198,7 @@ def run_train(args) -> int:
     except ConfigError as err:
         if rank == 0:  # every rank hits the same configuration error: say it once
             print(f"meshfold: error: {err}", file=sys.stderr)
+        tell_launcher(f"meshfold: error: {err}")  # torchrun's report names it as the root cause
         return 2
     except (RunDirError, CheckpointError) as err:  # one line: the path and the cause
         if rank == 0 or "rank 0 refused" not in str(err):
@@ -174,6 +211,7 @@ def run_train(args) -> int:
         log = _error_log(Path(cfg.train.run_dir), rank)
         where = f"traceback in {log}" if log is not None else "no traceback file: the run directory is unwritable"
         print(f"meshfold: rank {rank}: {type(err).__name__}: {err} ({where})", file=sys.stderr)
+        tell_launcher(f"meshfold: rank {rank}: {type(err).__name__}: {err} ({where})")
         return 1
     finally:
         stop.uninstall()
@@ -229,7 +267,7 @@ def _error_log(run_dir: Path, rank: int) -> Path | None:
 
 def add_plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="write PNG curves of a run's metrics")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (its metrics.jsonl)")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
 
 
@@ -247,10 +285,11 @@ def run_plot(args) -> int:
 def add_calibrate_cost_parser(sub) -> None:
     p = sub.add_parser("calibrate-cost", help="measure the document cost model W(l) = a l^2 + b l")
     p.add_argument("config", help="TOML config (its [model] and train.dtype/device are measured)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
     p.add_argument("--lengths", default="", help="comma-separated document lengths (default: up to seq_len)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per length; the fastest counts (default 3)")
+    p.add_argument("--json", action="store_true", help="print the fit as one JSON object")
 
 
 def run_calibrate_cost(args) -> int:
@@ -287,8 +326,8 @@ def add_timeline_parser(sub) -> None:
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plots/timeline-step-N.png)")
     p.add_argument("--schedule", choices=schedule_names(),
                    help="draw a schedule's unit-cost simulation instead of a run")
-    p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--pp", type=int, default=4, help="with --schedule: pipeline stages (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="with --schedule: micro-batches per step (default 8)")
     p.add_argument("--virtual", type=int, default=2, help="chunks per rank for interleaved")
 
 
@@ -331,25 +370,47 @@ run = {"train": run_train, "plot": run_plot, "calibrate-cost": run_calibrate_cos
 # --------------------------------------------------------------------------- entry
 
 
+def _by_name(table, name: str):
+    return table[name] if isinstance(table, dict) else table
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser, or (``only``) just one subcommand's: a command then imports only
-    its own module, not every feature's (start-up time on a loaded machine)."""
+    """The full parser (every subcommand's arguments), or (``only``) one subcommand's in
+    full and the others as their help line: a command then imports only its own module,
+    not every feature's (start-up time on a loaded machine)."""
     parser = argparse.ArgumentParser(
         prog="meshfold", description="Train transformer LMs folded onto a device mesh; plan and simulate layouts.")
     sub = parser.add_subparsers(dest="command", required=True)
-    names = [only] if only in SUBCOMMANDS else list(SUBCOMMANDS)
-    for name in names:
-        module = importlib.import_module(SUBCOMMANDS[name])
-        adder = module.add_parser[name] if isinstance(module.add_parser, dict) else module.add_parser
-        adder(sub)
+    for name, command in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=command.help)
+            continue
+        module = importlib.import_module(command.arguments or command.module)
+        _by_name(module.add_parser, name)(sub)
     return parser
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser ``args`` went through (e.g. ``netlab train``'s)."""
+    while True:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or getattr(args, action.dest, None) not in action.choices:
+            return parser
+        parser = action.choices[getattr(args, action.dest)]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command])
-    runner = module.run[args.command] if isinstance(module.run, dict) else module.run
+    first = argv[0] if argv else ""
+    parser = build_parser(first if first in SUBCOMMANDS else "")
+    if first and not first.startswith("-") and first not in SUBCOMMANDS:
+        parser.error(f"unknown command {first!r}{did_you_mean(first, SUBCOMMANDS)}; choose one of "
+                     f"{', '.join(SUBCOMMANDS)}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the subcommand's usage, not the top-level one
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    module = importlib.import_module(SUBCOMMANDS[args.command].module)
+    runner = _by_name(module.run, args.command)
     try:
         return runner(args)
     except ConfigError as err:

@@ -358,17 +358,17 @@ def add_parser(sub) -> None:
     direction = p.add_subparsers(dest="direction", required=True)
     imp = direction.add_parser("import",
                                help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
-    imp.add_argument("hf_dir")
+    imp.add_argument("hf_dir", help="Hugging Face model folder (config.json, *.safetensors, tokenizer)")
     imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
     imp.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint meshfold wrote")
     imp.add_argument("--untie", action="store_true",
                      help="tied embeddings: give the output projection its own copy (for parallel.pp > 1)")
     exp = direction.add_parser("export", help="meshfold checkpoint (e.g. RUN_DIR/checkpoints/step-N) -> HF folder")
-    exp.add_argument("checkpoint")
-    exp.add_argument("out")
+    exp.add_argument("checkpoint", help="meshfold checkpoint folder, e.g. RUN_DIR/checkpoints/step-N")
+    exp.add_argument("out", help="Hugging Face folder to write")
     exp.add_argument("--overwrite", action="store_true", help="replace OUT if it is a folder meshfold exported")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
-    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GB (default 5)")
     exp.add_argument("--arch", choices=FAMILIES, default=None,
                      help="Hugging Face family to write (default: qwen3 with q/k norms, qwen2 with q/k/v biases, "
                           "else llama)")
@@ -376,11 +376,11 @@ def add_parser(sub) -> None:
                      help="tokenizer folder or tokenizer.json to copy (default: the checkpoint's own, or its "
                           "run's data.tokenizer)")
     chk = direction.add_parser("check", help="logits of transformers vs meshfold's import, fp32, same tokens")
-    chk.add_argument("hf_dir")
+    chk.add_argument("hf_dir", help="Hugging Face model folder to import and compare")
     chk.add_argument("--json", action="store_true", help="print one JSON object (key max_abs_diff)")
-    chk.add_argument("--batch", type=int, default=2)
+    chk.add_argument("--batch", type=int, default=2, help="sequences of random tokens to compare (default 2)")
     chk.add_argument("--seq", type=int, default=64, help="tokens per sequence (at most model.seq_len)")
-    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
 
 
 def run(args) -> int:

@@ -8,6 +8,7 @@ starts; the runtime raises it too for input it can only see later (a corpus, a c
 
 from __future__ import annotations
 
+import difflib
 import math
 
 
@@ -20,3 +21,9 @@ def divisors(n: int) -> list[int]:
     planner's search enumerates: pairs up to sqrt(n), it asks thousands of times)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices`` to a mistyped ``word``, or ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

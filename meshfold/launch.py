@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ __all__ = ["EXIT_STOPPED", "CheckpointError", "RunDirError", "Stopped", "StopReq
            "die_with_parent", "env_world_size", "init_distributed", "launch_local", "shutdown_distributed",
            "under_torchrun"]
 
+# torch's deprecation notices for the collectives meshfold's comm layer calls (the names
+# both gloo and NCCL take): rank 0 shows each once, the other ranks none (one line per run).
+TORCH_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 STOP_GRACE_S = 300  # seconds the workers get to finish the step and checkpoint after a signal
 PR_SET_PDEATHSIG = 1
 
@@ -61,6 +65,8 @@ def die_with_parent() -> None:
 def init_distributed(timeout_s: float = 600.0) -> None:
     if dist.is_initialized() or env_world_size() == 1:
         return
+    if int(os.environ.get("RANK", "0")) != 0:
+        warnings.filterwarnings("ignore", message=TORCH_DEPRECATIONS, category=FutureWarning)
     if comm.strict():  # MESHFOLD_STRICT=1: tagged p2p refused, as NCCL would mis-match it
         comm.install_strict_p2p_guard()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -94,12 +100,50 @@ def shutdown_distributed(clean: bool = True) -> None:
             dist.destroy_process_group()
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code."""
-    return _launch_local(nproc, argv, max_restarts)
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, group: str = "") -> int:
+    """Run ``python -m meshfold ARGV`` in ``nproc`` local processes; returns an exit code.
+    ``group``: what these processes are, for the restart line (live recovery: "replica group 1")."""
+    return _launch_local(nproc, argv, max_restarts, group)
 
 
-def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+def _died(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class RestartReporter(logging.Handler):
+    """torch's elastic agent logs the worker that failed first and the restarts left, at
+    levels meshfold hides with the rest of its chatter: say them as one line per restart."""
+
+    def __init__(self, nproc: int, group: str = ""):
+        super().__init__(logging.INFO)
+        self.nproc, self.group = nproc, group
+        self.first: tuple[int, int] | None = None  # (local rank, exit code) of the first failure
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message, args = str(record.msg), record.args or ()
+        if message.startswith("failed (exitcode:") and len(args) >= 2:
+            self.first = (args[1], args[0])
+        elif "will restart worker group" in message and len(args) >= 4:
+            left, allowed = int(args[2]), int(args[3])
+            print(self.line(allowed - left + 1, allowed), file=sys.stderr, flush=True)
+            self.first = None
+
+    def line(self, restart: int, allowed: int) -> str:
+        where = f"{self.group}: " if self.group else ""
+        who = f"rank {self.first[0]} died ({_died(self.first[1])})" if self.first else "a worker failed"
+        if self.group:  # live recovery: the group restarts alone and heals from a running one
+            return (f"meshfold: launcher: {where}{who}; restarting the group's {self.nproc} workers (restart "
+                    f"{restart} of {allowed}); they rejoin the running groups from a peer")
+        return (f"meshfold: launcher: {who}; restarting all {self.nproc} workers from the last checkpoint "
+                f"(restart {restart} of {allowed})")
+
+
+def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0, group: str = "") -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -107,6 +151,12 @@ def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):  # torch sets the children's levels itself
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    reporter = RestartReporter(nproc, group)
+    for name, level in (("torch.distributed.elastic.agent.server.api", logging.INFO),  # "will restart"
+                        ("torch.distributed.elastic.multiprocessing.api", logging.ERROR)):  # the first failure
+        log = logging.getLogger(name)
+        log.setLevel(level)
+        log.handlers, log.propagate = [reporter], False
     # One thread per worker unless the user says otherwise: N processes share the cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
@@ -124,12 +174,14 @@ def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         return EXIT_STOPPED
     except ChildFailedError as err:
         ranks = sorted(err.failures)
-        first = err.failures[ranks[0]]
         if all(f.exitcode == 2 for f in err.failures.values()):
             return 2  # a configuration error: rank 0 has already said it in one line
         if all(f.exitcode == EXIT_STOPPED for f in err.failures.values()):
             return EXIT_STOPPED  # stopped on a signal with a checkpoint: rank 0 said so
-        print(f"meshfold: {len(ranks)} of {nproc} processes failed (ranks {ranks}); first exit code "
-              f"{first.exitcode}", file=sys.stderr)
+        first_rank = min(ranks, key=lambda r: err.failures[r].timestamp)
+        where = f"{group}: " if group else ""
+        print(f"meshfold: {where}{len(ranks)} of {nproc} processes failed (ranks {ranks}); rank {first_rank} "
+              f"failed first ({_died(err.failures[first_rank].exitcode)}); no restart left (--max-restarts "
+              f"{max_restarts})", file=sys.stderr)
         return 1
     return 0

@@ -101,4 +101,4 @@ def _replica_agent(env: dict, nproc: int, argv: list[str], max_restarts: int) ->
     """One replica group's elastic agent (a forked child of ``launch_live``): it restarts its
     own workers, up to ``max_restarts`` times, and never the other groups'."""
     os.environ.update(env)
-    sys.exit(launch_local(nproc, argv, max_restarts))
+    sys.exit(launch_local(nproc, argv, max_restarts, group=f"replica group {env[live.ENV_REPLICA]}"))

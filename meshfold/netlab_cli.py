@@ -22,17 +22,19 @@ def add_parser(sub) -> None:
     p = sub.add_parser("netlab", help="run over throttled links in network namespaces (root)")
     cmd = p.add_subparsers(dest="netlab_command", required=True)
     probe = cmd.add_parser("probe", help="time a TCP transfer between two lab nodes")
-    probe.add_argument("--rate-mbit", type=float, default=20.0)
-    probe.add_argument("--mbytes", type=float, default=4.0)
+    probe.add_argument("--rate-mbit", type=float, default=20.0, help="link rate in Mbit/s (default 20)")
+    probe.add_argument("--mbytes", type=float, default=4.0, help="megabytes to send (default 4)")
     train = cmd.add_parser("train", help="meshfold train, one torchrun per namespace")
-    train.add_argument("config")
-    train.add_argument("--nodes", type=int, default=2)
-    train.add_argument("--nproc-per-node", type=int, default=1)
-    train.add_argument("--rate-mbit", type=float, default=20.0)
+    train.add_argument("config", help="TOML config, e.g. configs/debug.toml")
+    train.add_argument("--nodes", type=int, default=2, help="lab nodes (network namespaces), one torchrun each (default 2)")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="processes per node (default 1)")
+    train.add_argument("--rate-mbit", type=float, default=20.0,
+                       help="rate of every link between nodes in Mbit/s, tbf-shaped (default 20)")
     train.add_argument("--slow-link", action="append", default=[], metavar="A,B,MBIT",
                        help="shape traffic between nodes A and B to MBIT Mbit/s (repeatable)")
     train.add_argument("--timeout", type=float, default=0.0, help="seconds before the run is stopped (0 = none)")
-    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config key (repeatable)")
     cmd.add_parser("cleanup", help="remove namespaces left by labs whose process died")
 
 

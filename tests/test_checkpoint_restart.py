@@ -73,6 +73,8 @@ def test_sigkill_restart_resumes_with_same_losses(tmp_path):
     assert killed is not None, "the run finished before a worker could be killed"
     assert proc.returncode == 0, out
     assert "PeerLostError: rank 0: lost the connection to a peer (it crashed or was killed)" in out, out
+    assert "the launcher restarts all workers from the last checkpoint (restart 1 of 1)" in out, out
+    assert "restarting all 2 workers from the last checkpoint (restart 1 of 1)" in out, out  # the launcher's line
     assert "meshfold: checkpoint: resumed from" in out, out
 
     # The reference: the same config in one process, never interrupted.

@@ -48,6 +48,11 @@ def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int = 4, **env) -> tu
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The death messages say what happens under live recovery: the group restarts and rejoins.
+    replica = kill.split(":")[0]
+    assert f"meshfold: launcher: replica group {replica}: rank " in proc.stderr, proc.stderr[-3000:]
+    assert "(restart 1 of 3); they rejoin the running groups from a peer" in proc.stderr, proc.stderr[-3000:]
+    assert "restart from the last checkpoint" not in proc.stderr + proc.stdout
     records = [json.loads(x) for x in (Path(cfg["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     return records, [e for r in records for e in r.get("events", [])], took
 

@@ -435,19 +435,6 @@ def _most(ranks: dict) -> dict:
 # --------------------------------------------------------------------------- cli
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("dry-run", help="build and step a layout for N ranks on this machine (fake ranks, "
-                                       "fake tensors): memory per rank and collectives, next to the planner's")
-    p.add_argument("config")
-    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs) to simulate")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--cluster", default="h100", help="planner cluster preset or TOML (default h100)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: fake CUDA tensors; adds host syncs, attention kernels, wire dtypes and errors "
-                        "(docs/gpu.md); exit 1 when there are errors")
-    p.add_argument("--json", action="store_true")
-
-
 def _gib(x) -> str:
     return "-" if x is None else f"{x / 2**30:,.4f}"
 

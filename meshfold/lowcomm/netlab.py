@@ -223,6 +223,9 @@ class NetLab:
     def popen(self, i: int, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
         full_env = dict(os.environ if env is None else env)
         full_env["GLOO_SOCKET_IFNAME"] = self.ifname(i)  # gloo: use the shaped link, not lo
+        # c10d's C++ warns on every connection that a lab address has no hostname (a
+        # namespace resolves no names): noise every lab run; errors still print.
+        full_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         p = subprocess.Popen(self.exec_argv(i, argv), env=full_env, start_new_session=True, **kwargs)
         self.procs.append(p)
         return p
@@ -233,7 +236,7 @@ class NetLab:
     def torchrun_argv(self, i: int, nproc_per_node: int, module_args: list[str], port: int = 29400) -> list[str]:
         """torchrun with the c10d multi-node rendezvous hosted on node 0's lab address."""
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}",
-                f"--nproc-per-node={nproc_per_node}", f"--node-rank={i}", "--rdzv-backend=c10d",
+                f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",  # c10d assigns node ranks
                 f"--rdzv-endpoint={self.addr(0)}:{port}", f"--rdzv-id=netlab{self.tag}",
                 # node 0 hosts the store: hostname lookup inside a namespace would not say so
                 f"--rdzv-conf=is_host={1 if i == 0 else 0}",

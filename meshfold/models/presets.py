@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshfold.errors import ConfigError
+from meshfold.errors import ConfigError, did_you_mean
 from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 
@@ -15,7 +15,8 @@ PRESETS: dict[str, dict] = registry.presets()
 
 def preset_values(name: str) -> dict:
     if name not in PRESETS:
-        raise ConfigError(f"model.preset = {name!r} is not a shipped shape; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"model.preset = {name!r} is not a shipped shape{did_you_mean(name, PRESETS)}; "
+                          f"choose one of {', '.join(PRESETS)}")
     return dict(PRESETS[name], preset=name)
 
 

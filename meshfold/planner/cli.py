@@ -12,7 +12,7 @@ import tomli_w
 from meshfold.config import Config, load_config, model_keys, parse_override, validate
 from meshfold.errors import ConfigError
 from meshfold.parallel.pp.timeline_plot import draw_timeline
-from meshfold.planner.cluster import GiB, Cluster, load_cluster
+from meshfold.planner.cluster import GiB, Cluster, load_cluster, presets_help
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
 from meshfold.planner import from_config
 from meshfold.planner.from_config import layout_from_config
@@ -57,11 +57,13 @@ def _entry(e: Estimate, global_batch: int) -> dict:
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="search parallel layouts for a model and batch on a cluster")
     p.add_argument("config", help="TOML config ([model], [train].global_batch); ignored with --check")
-    p.add_argument("--cluster", required=True, help="preset (a100, h100, h200, frontier, cpu; NAME:DEVICES) or TOML")
+    p.add_argument("--cluster", required=True, help=f"the cluster to plan for: {presets_help()}")
     p.add_argument("--devices", type=int, default=None, help="use this many devices of the cluster")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--top", type=int, default=10, help="layouts to list, fastest first (default 10)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (the ranked layouts with their breakdowns) instead of the table")
     p.add_argument("--out", default=None, help="write a complete config that runs the winner (meshfold train FILE)")
     p.add_argument("--max-tp", type=int, default=0, help="limit tensor parallel degree (0 = any)")
     p.add_argument("--check", default=None, metavar="RUN_DIR",
@@ -139,6 +141,7 @@ def _run_measurements(run_dir: Path, stat: str = "median") -> dict:
     pick = min if stat == "min" else statistics.median
     return {"step_time_s": pick(r["step_time_s"] for r in steady),
             "peak_mem_bytes": max(r.get("peak_mem_bytes", 0) for r in records),
+            "process_base_bytes": records[0].get("process_base_bytes"),  # None: a run from before it was logged
             "comm_bytes": {d: statistics.median((r.get("comm_bytes") or {}).get(d, 0) for r in steady) for d in dims},
             "steps": len(records)}
 
@@ -160,6 +163,7 @@ def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
     out = {"layout": layout.short(),
            "step_time_s": {"predicted": est.step_time_s, "measured": meas["step_time_s"]},
            "peak_mem_bytes": {"predicted": est.peak_mem_bytes, "measured": meas["peak_mem_bytes"]},
+           "peak_mem_split": _memory_split(est, meas),
            "comm_bytes": {d: {"predicted": est.comm_bytes.get(d, 0.0), "measured": meas["comm_bytes"].get(d, 0)}
                           for d in sorted(set(est.comm_bytes) | set(meas["comm_bytes"]))},
            "breakdown": {"time_s": est.time, "memory_bytes": est.memory}}
@@ -174,9 +178,28 @@ def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
 
     line("step_time_s", est.step_time_s, meas["step_time_s"])
     line("peak_mem_bytes", est.peak_mem_bytes, meas["peak_mem_bytes"])
+    split = out["peak_mem_split"]
+    if split["model"]["measured"] is not None:
+        line("  of it model", split["model"]["predicted"], split["model"]["measured"])
+        line("  of it process", split["process"]["predicted"], split["process"]["measured"])
+    mib = lambda x: "?" if x is None else f"{x / 2**20:,.0f} MiB"  # noqa: E731
+    print(f"peak memory: model {mib(split['model']['predicted'])} predicted / {mib(split['model']['measured'])} "
+          f"measured; process overhead {mib(split['process']['measured'])} (the planner reserves "
+          f"{mib(split['process']['predicted'])}: device.reserved_gib)")
     for d, v in out["comm_bytes"].items():
         line(f"comm_bytes.{d}", v["predicted"], v["measured"])
     return 0
+
+
+def _memory_split(est: Estimate, meas: dict) -> dict:
+    """Peak memory as what the planner models (parameters, gradients, optimizer state,
+    activations: its peak less ``reserved``) and what the process holds beyond it (the
+    planner's ``reserved``; measured: the process before its model was built)."""
+    reserved = est.memory.get("reserved", 0.0)
+    base = meas.get("process_base_bytes")
+    return {"model": {"predicted": est.peak_mem_bytes - reserved,
+                      "measured": None if base is None else meas["peak_mem_bytes"] - base},
+            "process": {"predicted": reserved, "measured": base}}
 
 
 # --------------------------------------------------------------------------- simulate
@@ -184,11 +207,12 @@ def check_run(run_dir: str, cluster_spec: str, as_json: bool) -> int:
 
 def add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="predict one layout (the config's [parallel]) in detail")
-    p.add_argument("config")
-    p.add_argument("--cluster", required=True)
-    p.add_argument("--devices", type=int, default=None)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("config", help="TOML config whose [model], [train] and [parallel] are predicted")
+    p.add_argument("--cluster", required=True, help=f"the cluster to predict on: {presets_help()}")
+    p.add_argument("--devices", type=int, default=None, help="use this many devices of the cluster")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (times, memory, collectives, events)")
     p.add_argument("--png", default=None, help="write the pipeline timeline as a PNG here")
     f = p.add_argument_group("failures (docs/resilience.md): expected goodput with and without train.live_recovery")
     f.add_argument("--mtbf-node-h", type=float, default=None, help="mean time between failures of one node, hours")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshfold.errors import ConfigError
+from meshfold.errors import ConfigError, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -353,11 +353,17 @@ def cluster_from_dict(values: dict, name: str = "cluster", where: str = "cluster
     return Cluster(device=device, node_groups=tuple(groups), **merged)
 
 
+def presets_help() -> str:
+    """What ``--cluster`` takes, for its help and its error (one list, so they agree)."""
+    return (f"choose one of {', '.join(PRESETS)} (aliases {', '.join(PRESET_ALIASES)}), NAME:DEVICES for a "
+            f"device count (e.g. h100:64), or a cluster TOML file")
+
+
 def _preset_name(text: str, where: str) -> str:
     key = PRESET_ALIASES.get(text, text)
     if key not in PRESETS:
-        raise ConfigError(f"{where} = {text!r} is not a cluster preset; choose one of {', '.join(PRESETS)} "
-                          f"or give a TOML file")
+        raise ConfigError(f"{where} = {text!r} is not a cluster preset{did_you_mean(text, [*PRESETS, *PRESET_ALIASES])}; "
+                          f"{presets_help()}")
     return key
 
 
@@ -400,7 +406,11 @@ def load_cluster(spec: str | Path, nodes: int | None = None, devices: int | None
 def cluster_to_toml(c: Cluster) -> str:
     """The ``[cluster]`` table a file would need to describe ``c`` exactly."""
     d = c.device
+    # The device it derives from (every number below overrides it): its name says whether
+    # the cluster is a CPU host, which decides the numerics a plan assumes (float32 there).
+    base = d.name.removesuffix("-calibrated")
     lines = ["[cluster]", f'name = "{c.name}"', f"nodes = {c.nodes}", f"devices_per_node = {c.devices_per_node}",
+             *([f'device = "{base}"'] if base in DEVICES else []),
              f"peak_tflops = {d.peak_tflops!r}", f"memory_gib = {d.memory_gib!r}", f"hbm_GBps = {d.hbm_GBps!r}",
              f"matmul_eff = {d.matmul_eff!r}", f"matmul_half_width = {d.matmul_half_width!r}",
              f"reserved_gib = {d.reserved_gib!r}", f"layer_overhead_us = {d.layer_overhead_us!r}",

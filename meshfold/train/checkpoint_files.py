@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +31,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from meshfold.train.renamed_keys import joined_shape, old_keys
+
+# DCP warns on every save and load outside a process group that it assumes one process;
+# a single-process run (and convert, btm) means exactly that: one line per checkpoint of noise.
+warnings.filterwarnings("ignore", category=UserWarning,
+                        message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the "
+                                r"intent is to (save|load) in a single process")
 
 MANIFEST = "meshfold.json"
 DCP_JSON = "dcp_metadata.json"  # DCP's metadata as JSON: what loading reads (never the pickled .metadata)

@@ -304,15 +304,15 @@ class FaultMonitor:
         return CollectiveTimeoutError(
             f"rank {self.rank}: a collective did not finish within train.collective_timeout_s = "
             f"{self.timeout_s:g} s at step {self.progress.step + 1}: {what}. Not responding: {missing}. "
-            f"Ending the job (backend said: {str(err).splitlines()[0][:200]})"
+            f"Ending the job (backend said: {_first_line(err)})"
         )
 
     def peer_lost(self, err: BaseException) -> "PeerLostError":
         self.broken = True
         return PeerLostError(
             f"rank {self.rank}: lost the connection to a peer (it crashed or was killed) at step "
-            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker so the job can restart from "
-            f"the last checkpoint (backend said: {str(err).splitlines()[0][:200]})"
+            f"{self.progress.step + 1}: {self._describe(err)}. Ending this worker: {after_worker_loss()} "
+            f"(backend said: {_first_line(err)})"
         )
 
     def _watch(self) -> None:
@@ -332,6 +332,39 @@ class FaultMonitor:
             if not self.broken:
                 dist.destroy_process_group(self._probe_group)
             self._probe_group = None
+
+
+def job_restart_note(done: int, allowed: int) -> str:
+    """What follows a worker's end when its launcher restarts the whole job."""
+    if done < allowed:
+        return f"the launcher restarts all workers from the last checkpoint (restart {done + 1} of {allowed})"
+    return (f"no restart left (--max-restarts {allowed}); run the same command again to resume from the last "
+            "checkpoint")
+
+
+# A feature whose processes restart otherwise (live recovery: one replica group, healed from
+# a peer) puts its own note here when it is built (``set_restart_note``).
+_restart_note = job_restart_note
+
+
+def set_restart_note(note) -> None:
+    """``note(done, allowed) -> str``: what follows a worker's end, for this process's run."""
+    global _restart_note
+    _restart_note = note
+
+
+def after_worker_loss() -> str:
+    """What happens once this worker ends, from the launcher's restart count and limit
+    (torchrun's agent sets both in every worker's environment)."""
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return _restart_note(done, allowed)
+
+
+def _first_line(err: BaseException, limit: int = 400) -> str:
+    """The backend's first line, whole (a long one cut at a word, never mid-word)."""
+    line = (str(err).splitlines() or [type(err).__name__])[0].strip()
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _innermost_outside_torch(tb) -> str:

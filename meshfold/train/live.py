@@ -59,6 +59,7 @@ from meshfold import comm
 from meshfold.data.dataset import make_sampler
 from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
+from meshfold.train.fault import set_restart_note
 from meshfold.train.quorum import LighthouseLost, Membership
 
 if TYPE_CHECKING:
@@ -519,10 +520,19 @@ def _plain(sd: dict) -> dict:
     return json.loads(json.dumps(sd, default=lambda _: None))
 
 
+def replica_restart_note(done: int, allowed: int) -> str:
+    """What follows a worker's end under live recovery (``fault.after_worker_loss``)."""
+    if done < allowed:
+        return (f"its replica group's agent restarts the group (restart {done + 1} of {allowed}), which rejoins "
+                "the running groups from a peer; the others train on")
+    return f"this replica group has no restart left ({allowed} used); the other groups train on without it"
+
+
 def build_live(cfg: Config, parts) -> LiveReplicas | None:
     """The live-recovery feature of a replica group's process (registered in
     ``train/registry.py``), or None (not a live replica)."""
     env = replica_env()
     if not cfg.train.live_recovery or env is None:
         return None
+    set_restart_note(replica_restart_note)  # a lost peer restarts this replica group, not the job
     return LiveReplicas(cfg, env[0], env[1], parts.device, parts.data.train, parts.progress)

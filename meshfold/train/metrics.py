@@ -62,10 +62,17 @@ def device_peak_flops(device: torch.device, peak_tflops: float = 0.0) -> float |
 
 def model_flops_utilization(flops_per_s: float, peak_flops: float | None, devices: int) -> float | None:
     """MFU, None without a known peak. Never above 1: a measured CPU peak can read low on a
-    busy machine, and a value above 100 % would be a wrong one (clamped with one warning)."""
+    busy machine (processes sharing its cores, as the netlab's nodes do), and a value above
+    100 % would be a wrong one: with this process's measured peak it is unknown (None, "n/a",
+    one warning), with a given one clamped to 1 (one warning)."""
     if not peak_flops:
         return None
     mfu = flops_per_s / (peak_flops * devices)
+    if mfu > 1.0 and _CPU_PEAK is not None and peak_flops == _CPU_PEAK:
+        _warn_once("mfu>1", f"MFU measured {100 * mfu:.0f}% > 100% against this CPU's measured peak "
+                            f"({peak_flops / 1e12:.3g} TFLOP/s, probed while other processes shared its cores): "
+                            "reported as n/a; set train.peak_tflops")
+        return None
     if mfu > 1.0:
         _warn_once("mfu>1", f"MFU measured {100 * mfu:.0f}% > 100%: the device peak "
                             f"({peak_flops / 1e12:.3g} TFLOP/s) is too low (a busy CPU during the peak probe?); "
@@ -101,6 +108,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def process_base_bytes(device: torch.device) -> int:
+    """What the process holds before the model is built (the interpreter, torch, the process
+    groups, the data): on CPU the resident set now, the part of ``peak_mem_bytes`` the
+    planner does not model (``meshfold plan --check`` subtracts it); on a GPU 0, as
+    ``peak_mem_bytes`` counts the allocator's tensors only."""
+    if device.type == "cuda":
+        return 0
+    try:
+        with open("/proc/self/statm") as f:  # Linux: pages
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def _percent(x: float | None) -> str:

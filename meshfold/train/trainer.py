@@ -58,7 +58,8 @@ from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features, RunParts
 from meshfold.train.registry import FEATURES
 from meshfold.train.progress import Progress
-from meshfold.train.metrics import MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes
+from meshfold.train.metrics import (MetricsLogger, device_peak_flops, model_flops_utilization, peak_memory_bytes,
+                                    process_base_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Trainer:
         self.sampler = make_sampler(self.data.train, t.global_batch, t.seed)  # a mixture's draws by weight
 
         self.loss_fn = self.build_loss()
+        self.process_base_bytes = process_base_bytes(self.device)  # before the model: not what the planner models
         self.engine = self.build_engine()  # one step: LocalEngine, or PipelineEngine when parallel.pp > 1
         self.model, self.model_parts = self.engine.model, self.engine.parts
         self.pipeline = getattr(self.engine, "pipe", None)  # the pipeline executor (parallel.pp > 1)
@@ -490,6 +492,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": model_flops_utilization(self.flops_per_token * tokens_per_s, self.peak_flops, self.world),
             "peak_mem_bytes": peak_memory_bytes(self.device),
+            "process_base_bytes": self.process_base_bytes,
             "comm_bytes": self.ledger.pop_step(),
             "comm_bytes_total": {k: int(round(v)) for k, v in sorted(self.ledger.total.items())},
             **self.pop_step_metrics(),

@@ -6,6 +6,8 @@ parallel; the experts then over their own edp group). What each zero level means
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,7 +65,12 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, comm_hook=None, wire: torch.
     ``lowcomm/compress.py``: the feature that owns it passes it down, so this layer never
     imports it). ``wire``: see ``reduce_wire_dtype``."""
     group = dims.group("dp_cp")
-    ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=BUCKET_MB)
+    with warnings.catch_warnings():
+        # torch deprecates broadcast_buffers for forward_sync_buffers, whose False still syncs
+        # buffers at init (a broadcast meshfold does not want: each rank builds its own);
+        # torch's warning itself says to keep broadcast_buffers=False until init_sync_buffers exists.
+        warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated", category=FutureWarning)
+        ddp = DDP(model, process_group=group, broadcast_buffers=False, bucket_cap_mb=BUCKET_MB)
     if comm_hook is None:
         ddp.register_comm_hook(None, _counting_allreduce_hook(group, wire))
     else:
