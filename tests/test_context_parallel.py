@@ -346,3 +346,26 @@ def test_latent_attention_matches_one_process():
             assert max(res[i]["errors"]) < 1e-10, f"{case} rank {rank}: errors {res[i]['errors']}"
     assert [per_rank[0][i]["latent"] for i in range(len(cases))] == [True, True, False, False, False]
     assert [per_rank[0][i]["ulysses"] for i in range(len(cases))] == [1, 1, 4, 2, 2]
+
+
+def test_metadata_cache_forgets_a_batch_once_its_doc_ids_are_gone():
+    """The layers' shared metadata is keyed by the identity of the positions and doc-id
+    tensors. The default positions outlive every batch, and a freed doc-id tensor's id is
+    reused by a later batch's: the entry must end with either tensor, or a later batch
+    reads an earlier one's document layout (seen as a cp = 1 block-skipping run that went
+    wrong at its third step after unrelated tests had run in the same process)."""
+    import gc
+
+    from meshfold.parallel.cp.attention import _MetaCache
+    from meshfold.parallel.cp.groups import ContextParallelPlan
+
+    cache = _MetaCache(ContextParallelPlan(1, 1, False, 0, None, None, None))
+    positions = torch.arange(8).expand(2, 8)  # lives on, as the layer's default positions do
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)
+    first = cache.get(positions, docs)
+    assert torch.equal(first[0, 1], docs) and len(cache.entries) == 1
+    del docs, first
+    gc.collect()
+    assert not cache.entries  # gone with the doc ids, though the positions live
+    other = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]] * 2)
+    assert torch.equal(cache.get(positions, other)[0, 1], other)

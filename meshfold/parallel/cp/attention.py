@@ -49,7 +49,11 @@ class _MetaCache:
             # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
             members = parts.view(plan.ring, u, 2, *local.shape[1:]).permute(0, 2, 3, 1, 4).flatten(-2)
             entry = self.entries[key] = [members.contiguous(), None]
-            weakref.finalize(positions, self.entries.pop, key, None)  # (ids are reused once it is gone)
+            # An entry lives while both keyed tensors do: ids are reused once a tensor is gone, and
+            # the default positions outlive every batch, so the doc ids' death must end it too
+            for keyed in (positions, doc_ids):
+                if keyed is not None:
+                    weakref.finalize(keyed, self.entries.pop, key, None)
         self.current = entry
         return entry[0]
 
