@@ -75,3 +75,23 @@ def test_sharded_build_holds_the_one_process_values(tmp_path, world, parallel, m
     assert set(got) == set(ref)
     for name, value in ref.items():
         assert torch.equal(got[name], value), name
+
+
+def test_large_model_build_reports_progress_on_stderr(capsys):
+    """Above the threshold rank 0 says how far the fill is, one line per tenth, ending at
+    100 %; below it (every small run) the build is silent. The threshold is an argument."""
+    from meshfold.models.llama import Transformer
+    from meshfold.parallel.materialize import build_on_meta, materialize
+
+    def build(progress_above):
+        model = build_on_meta(lambda: Transformer(CFG), torch.float32)
+        return materialize(model, CFG, 0, torch.device("cpu"), progress_above=progress_above)
+
+    build(progress_above=10**9)
+    assert capsys.readouterr().err == ""
+    total = sum(p.numel() for p in build(progress_above=0).parameters())
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith(f"meshfold: materialising {total / 1e9:.2f} B parameters: ")
+                         for line in lines)
+    percents = [int(line.split(": ")[2].split(" %")[0]) for line in lines]
+    assert percents == sorted(set(percents)) and percents[-1] == 100 and len(percents) <= 10

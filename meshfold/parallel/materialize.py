@@ -14,13 +14,19 @@ coordinate's ``torch.chunk`` along d, in mesh order; a ``_StridedShard`` (FSDP2 
 dimension tensor/expert parallel already split) means the right-hand shardings were applied
 first (in mesh order among themselves), so it is applied last. The box's size is checked
 against the local tensor's.
+
+A large model (over ``PROGRESS_ABOVE_PARAMS`` parameters) takes minutes to fill on a CPU, so
+rank 0 says how far it is on stderr, every tenth of the parameters; small runs stay quiet.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch.distributed.tensor import DTensor, Shard
@@ -71,12 +77,39 @@ def local_box(shape: tuple[int, ...], dt: DTensor) -> tuple[tuple[int, ...], tup
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
+PROGRESS_ABOVE_PARAMS = 1_000_000_000
+
+
+class _Progress:
+    """Rank 0's ``materialising N B parameters: k0 %`` lines on stderr, one per tenth of
+    the model's (global) parameters filled, for models over ``above`` parameters."""
+
+    def __init__(self, model: nn.Module, above: int):
+        self.total = sum(p.numel() for p in model.parameters())  # global shapes, DTensor or not
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.on = rank0 and self.total > above
+        self.done, self.next_tenth, self.start = 0, 1, time.monotonic()
+
+    def add(self, numel: int) -> None:
+        if not self.on:
+            return
+        self.done += numel
+        tenth = self.done * 10 // self.total
+        if tenth >= self.next_tenth:
+            self.next_tenth = tenth + 1
+            print(f"meshfold: materialising {self.total / 1e9:.2f} B parameters: {tenth * 10} % "
+                  f"({time.monotonic() - self.start:.0f} s)", file=sys.stderr, flush=True)
+
+
 @torch.no_grad()
-def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> nn.Module:
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device,
+                progress_above: int = PROGRESS_ABOVE_PARAMS) -> nn.Module:
     """Allocate this rank's pieces on ``device`` and fill them with the initial values,
     generating only the tiles of each parameter that the piece overlaps
-    (``models/llama.py: fill_initial_``)."""
+    (``models/llama.py: fill_initial_``). Rank 0 reports progress on stderr when the model
+    has more than ``progress_above`` parameters."""
     model.to_empty(device=device)
+    progress = _Progress(model, progress_above)
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
         if isinstance(p, DTensor):
@@ -89,5 +122,6 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
             local, offset = p, (0,) * len(shape)
         # Tiles are generated on the host (one RNG every device agrees on) and copied in.
         fill_initial_(local, name, shape, offset, cfg, seed)
+        progress.add(p.numel())
     init_buffers(model, cfg)
     return model
