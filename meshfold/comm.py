@@ -432,13 +432,21 @@ def gloo_bytes(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def _tensor_collective(name: str, before: str):
+    """torch's one-tensor collective by its current name (torch 2.13 renamed
+    ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``*_single`` and warns on the old
+    names once per process), or the old name on a torch that predates it. Looked up at each
+    call, so a test's spy on ``torch.distributed`` sees it."""
+    return getattr(dist, name, None) or getattr(dist, before)
+
+
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, async_op: bool = False):
     """Concatenate every rank's ``t`` along dim 0 into ``out``."""
     check_tensors([out, t], group, "all_gather")
     ledger().record(dim, "all_gather", _nbytes(out), _size(group))
     with _TIMER.call("all_gather_into_tensor", group, async_op), _observed("all_gather", [t, out], group, dim):
-        return dist.all_gather_into_tensor(gloo_bytes(out, group), gloo_bytes(t, group), group=group,
-                                           async_op=async_op)
+        return _tensor_collective("all_gather_single", "all_gather_into_tensor")(
+            gloo_bytes(out, group), gloo_bytes(t, group), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, op: str = "sum",
@@ -446,7 +454,8 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, dim: str, o
     check_tensors([out, t], group, "reduce_scatter")
     ledger().record(dim, "reduce_scatter", _nbytes(t), _size(group))
     with _TIMER.call("reduce_scatter_tensor", group, async_op), _observed("reduce_scatter", [t, out], group, dim):
-        return dist.reduce_scatter_tensor(out, t, op=_OPS[op], group=group, async_op=async_op)
+        return _tensor_collective("reduce_scatter_single", "reduce_scatter_tensor")(
+            out, t, op=_OPS[op], group=group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group, dim: str,

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import uuid
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,6 @@ __all__ = ["EXIT_STOPPED", "CheckpointError", "RunDirError", "Stopped", "StopReq
 
 # torch's deprecation notices for the collectives meshfold's comm layer calls (the names
 # both gloo and NCCL take): rank 0 shows each once, the other ranks none (one line per run).
-TORCH_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 STOP_GRACE_S = 300  # seconds the workers get to finish the step and checkpoint after a signal
 PR_SET_PDEATHSIG = 1
 
@@ -65,8 +63,6 @@ def die_with_parent() -> None:
 def init_distributed(timeout_s: float = 600.0) -> None:
     if dist.is_initialized() or env_world_size() == 1:
         return
-    if int(os.environ.get("RANK", "0")) != 0:
-        warnings.filterwarnings("ignore", message=TORCH_DEPRECATIONS, category=FutureWarning)
     if comm.strict():  # MESHFOLD_STRICT=1: tagged p2p refused, as NCCL would mis-match it
         comm.install_strict_p2p_guard()
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "meshfold"
 
 # torch.distributed calls that move data between ranks or synchronise them.
 FORBIDDEN = {
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_coalesced", "reduce_scatter_single",
     "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
     "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv", "P2POp",

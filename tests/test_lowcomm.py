@@ -156,6 +156,7 @@ class _Spy:
     point-to-point goes out as one ``batch_isend_irecv``; each op in it is counted by kind."""
 
     COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                   "all_gather_single", "reduce_scatter_single",
                    "broadcast", "all_to_all", "all_to_all_single", "barrier", "reduce", "gather", "scatter",
                    "all_gather_object", "broadcast_object_list")
     P2P = ("send", "recv")

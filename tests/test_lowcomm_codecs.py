@@ -232,7 +232,8 @@ def _deflate_exchange(numel: int):
     x[: numel // 5] = 0.0  # a fifth of zeros (e.g. untouched embedding rows): compressible
     fixed = fp4_all_reduce_mean(x, None, dim=None)
     leaving = []  # bytes that leave this rank, from the buffers actually passed in
-    a2a, ag = dist.all_to_all_single, dist.all_gather_into_tensor
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # (comm.py)
+    a2a, ag = dist.all_to_all_single, getattr(dist, gather)
 
     def spy_a2a(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
         splits = input_split_sizes or [inp.numel() // n] * n
@@ -244,11 +245,13 @@ def _deflate_exchange(numel: int):
         leaving.append(inp.numel() * inp.element_size() * (n - 1))
         return ag(out, inp, group=group, **kw)
 
-    dist.all_to_all_single, dist.all_gather_into_tensor = spy_a2a, spy_ag
+    dist.all_to_all_single = spy_a2a
+    setattr(dist, gather, spy_ag)
     try:
         got, sent = fp4_deflate_all_reduce_mean(x, None)
     finally:
-        dist.all_to_all_single, dist.all_gather_into_tensor = a2a, ag
+        dist.all_to_all_single = a2a
+        setattr(dist, gather, ag)
     return {"fixed": fixed, "got": got, "sent": sent, "leaving": sum(leaving), "calls": len(leaving)}
 
 
