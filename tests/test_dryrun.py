@@ -147,3 +147,30 @@ def test_fresh_processes_answer_raise_or_report_a_dead_child():
         _in_fresh_processes(int, [("12",), ("not a number",)], 2)
     with pytest.raises(RuntimeError, match="died with exit code 3"):
         _in_fresh_processes(os._exit, [(3,)], 1)
+
+
+# train.optimizer = "muon": the owner-computes exchange (two all-to-alls per same-shape bucket
+# over dp_shard, tp or both) and one momentum per matrix, exactly as the runtime issues and holds them
+@pytest.mark.parametrize("world,parallel", [(2, {"dp_shard": 2, "zero": 3}), (2, {"tp": 2, "dp_shard": 1, "zero": 0}),
+                                            (4, {"tp": 2, "dp_shard": 2, "zero": 3}), (2, {"dp_shard": 2, "zero": 1})],
+                         ids=["fsdp2", "tp2", "tp2xfsdp2", "zero1-dp2"])
+def test_dry_run_agrees_with_planner_under_muon(world, parallel, tmp_path):
+    from meshfold.config import from_dict
+    from meshfold.dryrun import dry_run
+
+    cfg = tiny_config(str(tmp_path), parallel=parallel,
+                      train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16", "optimizer": "muon"})
+    cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512})
+    out = dry_run(from_dict(cfg), world, cluster="h100")
+    rt, pl = out["runtime"], out["planner"]
+    for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert pl[field] == rt[field], (field, rt, pl)
+    assert pl["collectives"] == rt["collectives"]
+
+
+def test_planner_newton_schulz_flops_are_the_runtime_formula():
+    from meshfold.optim.muon.newton_schulz import newton_schulz_flops
+    from meshfold.planner import optimizer
+
+    for rows, cols in ((64, 176), (176, 64), (32, 32)):
+        assert optimizer.newton_schulz_flops(rows, cols, 5) == newton_schulz_flops(rows, cols, 5)

@@ -56,12 +56,13 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def local_box(shape: tuple[int, ...], dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offset, size) of this rank's piece of a tensor of global ``shape`` under ``dt``'s mesh
-    and placements: each ``Shard(d)`` takes this mesh coordinate's ``torch.chunk`` range
-    along d."""
+def local_box(shape: tuple[int, ...], dt: DTensor,
+              coords: list[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, size) of this rank's piece (or, given mesh ``coords``, that rank's) of a tensor
+    of global ``shape`` under ``dt``'s mesh and placements: each ``Shard(d)`` takes the mesh
+    coordinate's ``torch.chunk`` range along d."""
     mesh, placements = dt.device_mesh, dt.placements
-    coords = mesh.get_coordinate()
+    coords = mesh.get_coordinate() if coords is None else coords
     strided = [isinstance(pl, _StridedShard) for pl in placements]
     # The right-hand (non-strided) shardings first, in mesh order (e.g. experts Shard(0) on
     # ep, then again on tp), then the strided FSDP one.

@@ -15,7 +15,7 @@ def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     """The model and batch of a config, with the numerics the run would use: ``bfloat16``
     (``auto`` on a GPU) is autocast over fp32 parameters, fused attention on GPUs, fused
     memory-bound kernels under ``train.compile``, fp8 GEMMs (at the device's ``fp8_tflops``,
-    plus their casts) under ``train.fp8``."""
+    plus their casts) under ``train.fp8``, and ``train.optimizer``."""
     dtype = cfg.train.dtype
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
@@ -23,7 +23,7 @@ def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     # ``train.compile`` compiles each block: inductor fuses its memory-bound ops
     kernels = "fused" if cfg.train.compile else "eager"
     return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels,
-                    fp8=cfg.train.fp8 != "none")
+                    fp8=cfg.train.fp8 != "none", optimizer=cfg.train.optimizer, muon_ns_steps=cfg.train.muon_ns_steps)
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:

@@ -300,7 +300,7 @@ class Memory:
                 sharded["params"] /= max(1, edp)
             for k in states:  # gradients held unsharded between micro-batches: not padded
                 states[k] += whole[k] if (k == "grads" and accumulate) else sharded[k]
-        return states
+        return self.optimizer.model_states(self, L, states, zero)  # (Muon: one momentum, no ZeRO-1)
 
     def _expert_padding(self, L: Layout) -> float:
         """The routed experts' bytes per rank (held, all-gathered, reduce-scattered) relative to

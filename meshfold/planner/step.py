@@ -56,6 +56,7 @@ class StepTime:
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
         opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.bw
+        opt_time += self.optimizer.step_time(self, L, stage_layers[0])  # (Muon: Newton-Schulz, its exchange)
         # bf16 compute from fp32 weights without FSDP's bf16 gathers (parallel/compute_weights.py):
         # every weight is cast to bf16 once a step (4 + 2 bytes); each micro-batch its bf16
         # gradient is cast back (2 + 4) and accumulated into the fp32 gradient (4 + 4 + 4)

@@ -183,7 +183,7 @@ class Traffic:
             add("dp", calls, RING["all_reduce"](n_all) * (P0 - E0) * gb)
             if E0 and edp > 1:
                 add("dp", expert_calls, RING["all_reduce"](edp) * E0 * gb)
-            if L.zero == 1 and n_shard > 1:
+            if L.zero == 1 and n_shard > 1 and self.optimizer.zero_one_shards:
                 # ShardedAdamW's flat segments in one call (bf16 under meshfold's bfloat16), or
                 # ZeroRedundancyOptimizer's buckets (counts.zero1_gather)
                 zb, flat = zero1_gather(w.dtype, tp, L.ep)
@@ -238,4 +238,6 @@ class Traffic:
             fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0)
             calls = fwd_calls + 2 * n + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
+        for dim, calls, sent in self.optimizer.collectives(self, L, layers0):  # (Muon's exchange)
+            add(dim, calls, sent)
         return {d: {"count": int(round(x[0])), "bytes": x[1]} for d, x in sorted(out.items())}

@@ -28,6 +28,8 @@ class Workload:
     # "fused" = hand-fused kernels (Megatron) or torch.compile's fusions.
     kernels: str = "eager"
     fp8: bool = False  # Float8 linears (torchao): GEMMs at the fp8 peak, plus their casts
+    optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
+    muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
 
     @property
     def s(self) -> int:

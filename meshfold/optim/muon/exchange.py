@@ -11,8 +11,9 @@ dp_replicate, DDP, ZeRO-1's dp) compute the same update side by side, exchanging
 Matrices of one shape and placements in one group form a bucket; its i-th matrix is owned
 by group rank i mod n. One uniform all-to-all brings every owner the pieces of its
 matrices (padded to the largest piece: FSDP2's uneven shards), the owner assembles and
-orthogonalises them as one batch, and a second all-to-all sends the pieces back. Each
-rank's piece boxes are gathered once at construction, so the step needs no host sync."""
+orthogonalises them as one batch, and a second all-to-all sends the pieces back. Every
+group rank's piece box follows from its mesh coordinates (computed here at construction,
+no communication), so the step needs no host sync."""
 
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ def matrix_mesh_dims(p: torch.Tensor) -> tuple[int, ...]:
     if not isinstance(p, DTensor):
         return ()
     return tuple(i for i, pl in enumerate(p.placements) if isinstance(pl, (Shard, _StridedShard)) and pl.dim >= p.ndim - 2)
+
+
+def group_boxes(p: DTensor, dims: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """Every rank's piece box ``(row, col, rows, cols)`` of ``p``'s matrices in the exchange
+    group over mesh dimensions ``dims``, in group-rank order (a flattened group's ranks run
+    row-major over its dimensions)."""
+    mesh = p.device_mesh
+    mine = list(mesh.get_coordinate())
+    out = []
+    for r in range(math.prod(mesh.size(i) for i in dims)):
+        coords = list(mine)
+        for i in reversed(dims):
+            r, coords[i] = divmod(r, mesh.size(i))
+        lo, size = local_box(tuple(p.shape), p, coords)
+        out.append((*lo[-2:], *size[-2:]))
+    return out
 
 
 class _Bucket:
@@ -79,30 +96,17 @@ class OwnerPlan:
                                     else mesh[names_]._flatten("muon_" + "_".join(names_)).get_group())
                 key = (gkey, shape, str(p.placements))
                 dim = LEDGER_DIM.get(names_[0], names_[0])
-                box = local_box(tuple(p.shape), p)
-                mine = (*box[0][-2:], *box[1][-2:])
+                boxes = group_boxes(p, dims)
             else:
-                key, gkey, dim, mine = (None, shape), None, None, (0, 0, *shape)
+                key, gkey, dim, boxes = (None, shape), None, None, [(0, 0, *shape)]
             bucket = self.buckets.get(key)
             if bucket is None:
                 bucket = self.buckets[key] = _Bucket(groups.get(gkey), dim, shape)
-                bucket.boxes = [mine]
+                bucket.boxes = boxes
             for j in range(math.prod(local_of(p).shape[:-2])):
                 bucket.entries.append((pi, j))
-        self._gather_boxes()
         self.owned = {self._name(b, i) for b in self.buckets.values() for i in b.owned()}
         self.orthogonalized: dict[str, int] = defaultdict(int)
-
-    def _gather_boxes(self) -> None:
-        """Every group rank's piece box per bucket: one object gather per group, at start-up."""
-        by_group: dict[int, list[_Bucket]] = defaultdict(list)
-        for b in self.buckets.values():
-            if b.group is not None:
-                by_group[id(b.group)].append(b)
-        for buckets in by_group.values():
-            every = comm.all_gather_object([b.boxes[0] for b in buckets], buckets[0].group)
-            for k, b in enumerate(buckets):
-                b.boxes = [rank_boxes[k] for rank_boxes in every]
 
     def _name(self, b: _Bucket, i: int) -> str:
         pi, j = b.entries[i]

@@ -1,0 +1,147 @@
+"""What ``train.optimizer`` adds to a step, per kind (``OPTIMIZERS``): AdamW's pass and states
+are ``StepTime``'s and ``Memory``'s own terms (it adds nothing); Muon (optim/muon/) adds its
+Newton-Schulz FLOPs on each matrix's owner, the owner-computes exchange (two all-to-alls per
+same-shape bucket over the dp_shard / tp group, as ``optim/muon/exchange.py`` issues them),
+keeps one momentum instead of Adam's two moments for its matrices, and leaves ZeRO-1's
+sharding off (every replica computes the whole update). docs/optimizers.md, "Cost".
+
+A new optimizer is a class with the methods of ``AdamWPricing`` and one line in
+``OPTIMIZERS``; ``CostModel`` asks ``optimizer_pricing(workload)``. Torch-free."""
+
+from __future__ import annotations
+
+import math
+
+from meshfold.models.config import ModelConfig
+from meshfold.planner.counts import DTYPE_BYTES, attention_params_local, chunk_param_sizes
+from meshfold.planner.workload import Layout, Workload
+from meshfold.ring import FACTORS as RING
+
+# Bytes per parameter of one Adam moment (Muon keeps one momentum in its place).
+MOMENT_BYTES = {"bf16": 4, "bf16-amp": 4, "float32": 4, "float64": 8}
+# Newton-Schulz GEMMs off the bf16 tensor cores (float32 / float64): this fraction of the peak.
+SLOW_GEMM = 1 / 16
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+    """FLOPs of one rows x cols matrix's orthogonalisation: per step X X^T, A A and (.) X on
+    the wide orientation (as ``optim/muon/newton_schulz.py``)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * 2 * (m * m * n + m * m * m + m * m * n)
+
+
+def block_matrices(m: ModelConfig, tp: int) -> list[tuple[int, int, int | None]] | None:
+    """One dense block's Muon matrices as (rows, cols, tp-sharded dimension or None), in the
+    tp plan's layout (parallel/tp/plan.py: wq, wk, wv, w1, w3 column-parallel, wo, w2 row-
+    parallel; wk, wv whole when tp does not divide the kv heads); None for models whose
+    tensors ``chunk_param_sizes`` does not know (MoE, latent attention)."""
+    if chunk_param_sizes(m, tp, 1, False, False) is None or m.attention != "gqa":
+        return None
+    h, q, kv = m.dim, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    kv_dim = 0 if m.kv_heads % tp == 0 else None
+    ffn = [(m.hidden_dim, h, 0), (h, m.hidden_dim, 1)] + ([(m.hidden_dim, h, 0)] if m.gated_mlp else [])
+    return [(q, h, 0), (kv, h, kv_dim), (kv, h, kv_dim), (h, q, 1)] + ffn
+
+
+def muon_params_local(m: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
+    """(Muon's matrix elements, all parameter elements) of the whole model on one tp rank:
+    the blocks' projections and experts vs also embeddings, output, norms, routers."""
+    h, V = m.dim, m.vocab_size
+    mats = 3 if m.gated_mlp else 2
+    muon = total = 0.0
+    for layer in range(m.n_layers + m.mtp_depth):
+        attention = attention_params_local(m, tp)
+        if m.is_moe_layer(layer):
+            ffn = (m.moe_experts * mats * h * m.expert_dim / ep + mats * h * m.moe_shared_experts * m.expert_dim) / tp
+            router = m.moe_experts * h
+        else:
+            ffn, router = mats * h * m.hidden_dim / tp, 0
+        muon += attention + ffn + (2 * h * h if layer >= m.n_layers else 0)
+        total += attention + ffn + router + 2 * h + (2 * h * h + 3 * h if layer >= m.n_layers else 0)
+    total += V * h / tp * (1 if m.tie_embeddings else 2) + h
+    return muon, total
+
+
+class AdamWPricing:
+    """AdamW: priced by ``StepTime`` and ``Memory`` themselves; nothing to add."""
+
+    zero_one_shards = True  # ZeRO-1 shards its states (optim/sharded.py)
+
+    def model_states(self, cost, L: Layout, states: dict, zero: int) -> dict:
+        """A rank's parameter, gradient and optimizer bytes as ``Memory`` counted them for AdamW."""
+        return states
+
+    def step_time(self, cost, L: Layout, layers: int) -> float:
+        return 0.0
+
+    def collectives(self, cost, L: Layout, layers: int) -> list[tuple[str, int, float]]:
+        return []
+
+
+class MuonPricing(AdamWPricing):
+    """Muon on the dense models whose matrices ``block_matrices`` lists (exchange and FLOPs
+    exact); elsewhere only its memory is priced."""
+
+    zero_one_shards = False  # every data-parallel replica holds and computes the whole update
+
+    def model_states(self, cost, L: Layout, states: dict, zero: int) -> dict:
+        w = cost.w
+        ob = DTYPE_BYTES[w.dtype][2]
+        muon, total = muon_params_local(w.model, L.tp, max(1, L.ep))
+        saved = min(1.0, muon / total) * MOMENT_BYTES[w.dtype] / ob  # one moment instead of two
+        whole = L.dp_shard * L.cp if zero == 1 else 1  # ZeRO-1's sharding off (bf16's fp32 values too)
+        params = states["params"] * (whole if w.dtype == "bf16-amp" else 1)
+        return {**states, "params": params, "optimizer": states["optimizer"] * whole * (1 - saved)}
+
+    def buckets(self, cost, L: Layout, layers: int) -> list[tuple[int, int, int, int, int]]:
+        """Rank 0's same-shape buckets over ``layers`` blocks: (rows, cols, matrices, group
+        size, group stride, largest piece in elements); group size 1 where the matrices are
+        whole here. (FSDP's group alone is ``tp`` ranks apart; with tp, one flattened group.)"""
+        mats = block_matrices(cost.w.model, L.tp)
+        if mats is None:
+            return []
+        fsdp = L.dp_shard * L.cp if L.zero >= 2 else 1
+        grouped: dict[tuple, int] = {}
+        for rows, cols, tp_dim in mats:
+            tp = L.tp if tp_dim is not None else 1
+            key = (rows, cols, tp_dim if tp > 1 else None)
+            grouped[key] = grouped.get(key, 0) + layers
+        out = []
+        for (rows, cols, tp_dim), k in grouped.items():
+            tp = L.tp if tp_dim is not None else 1
+            # FSDP2 shards dim 0 (after tp's own split of it): uneven pieces padded to the largest
+            r = rows // tp if tp_dim == 0 else rows
+            c = cols // tp if tp_dim == 1 else cols
+            out.append((rows, cols, k, fsdp * tp, L.tp if tp == 1 else 1, -(-r // fsdp) * c))
+        return out
+
+    def step_time(self, cost, L: Layout, layers: int) -> float:
+        w, c = cost.w, cost.c
+        fast = w.dtype in ("bf16", "bf16-amp")
+        rate = cost.peak * c.device.matmul_eff * (1.0 if fast else SLOW_GEMM)
+        pb = DTYPE_BYTES[w.dtype][0]
+        total = 0.0
+        for rows, cols, k, n, stride, piece in self.buckets(cost, L, layers):
+            total += math.ceil(k / n) * newton_schulz_flops(rows, cols, w.muon_ns_steps) / rate
+            if n > 1:
+                total += 2 * cost.ct("all_to_all", n * math.ceil(k / n) * piece * pb, n, stride)
+        return total
+
+    def collectives(self, cost, L: Layout, layers: int) -> list[tuple[str, int, float]]:
+        """Two all-to-alls per exchanged bucket, in the parameters' dtype, on the ledger's
+        dimension of the group's outermost mesh dimension (dp when FSDP shards, else tp)."""
+        pb = DTYPE_BYTES[cost.w.dtype][0]
+        dim = "dp" if L.zero >= 2 and L.dp_shard * L.cp > 1 else "tp"
+        out = []
+        for rows, cols, k, n, _, piece in self.buckets(cost, L, layers):
+            if n > 1:
+                out.append((dim, 2, 2 * RING["all_to_all"](n) * n * math.ceil(k / n) * piece * pb))
+        return out
+
+
+OPTIMIZERS = {"adamw": AdamWPricing(), "muon": MuonPricing()}
+
+
+def optimizer_pricing(w: Workload) -> AdamWPricing:
+    """The pricing of ``w.optimizer`` (``train.optimizer``)."""
+    return OPTIMIZERS[w.optimizer]
