@@ -82,9 +82,21 @@ DENSE = {"n_layers": 3, "ffn_dim": 45}
 MOE = {"moe_experts": 4, "moe_topk": 2}
 
 
+def _state_bytes(opt) -> tuple[int, int]:
+    """(Muon momentum, AdamW moment) bytes this rank holds (local pieces)."""
+    from meshfold.optim.muon.exchange import local_of
+
+    held = [0, 0]
+    for s in opt.state.values():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and v.dim():
+                held[k != "momentum_buffer"] += local_of(v).numel() * local_of(v).element_size()
+    return held[0], held[1]
+
+
 def _owner_counts(trainer_cfg):
     """Train, and return (rank 0's run, every matrix this rank orthogonalised that it does not
-    own, how often it orthogonalised each)."""
+    own, how often it orthogonalised each, how many it owns, its (momentum, AdamW) bytes)."""
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer
 
@@ -96,10 +108,11 @@ def _owner_counts(trainer_cfg):
     params, grads = trainer.full_state(), trainer.last_grads
     plan = getattr(trainer.optimizer, "plan", None)
     if plan is None:  # AdamW
-        return ({"losses": losses, "params": params, "grads": grads} if dist.get_rank() == 0 else None), [], {}, 0
+        return ({"losses": losses, "params": params, "grads": grads} if dist.get_rank() == 0 else None), [], {}, 0, \
+            (0, 0)
     foreign = sorted(set(plan.orthogonalized) - plan.owned)
     run = {"losses": losses, "params": params, "grads": grads} if dist.get_rank() == 0 else None
-    return run, foreign, dict(plan.orthogonalized), len(plan.owned)
+    return run, foreign, dict(plan.orthogonalized), len(plan.owned), _state_bytes(trainer.optimizer)
 
 
 def train_layouts(cfgs: list[dict]) -> list:
@@ -119,15 +132,34 @@ def _check(references, layouts, results):
     for (kind, parallel), per_rank in zip(layouts, zip(*results)):
         run = per_rank[0][0]
         assert_runs_match(references[kind], run, rtol=1e-12, atol=1e-14)
-        for rank, (_, foreign, counts, owned) in enumerate(per_rank):
+        for rank, (_, foreign, counts, owned, _) in enumerate(per_rank):
             assert not foreign, f"{parallel}: rank {rank} orthogonalised matrices it does not own: {foreign}"
             assert all(c == MUON["steps"] for c in counts.values()), (parallel, counts)
             assert len(counts) == owned, parallel
+        if parallel.get("zero") == 1:
+            _check_zero_one_states(references[kind], parallel, [r[4] for r in per_rank])
+
+
+def _check_zero_one_states(reference, parallel, held):
+    """ZeRO-1 (whole-parameter ownership): every momentum and AdamW moment element on exactly
+    one data-parallel rank of its tp piece (the ranks together hold one process's), and each
+    rank about 1/dp of the tp piece's momentum (whole matrices: within 10%)."""
+    from meshfold.optim.muon.optimizer import is_muon_matrix
+
+    dp, tp = parallel["dp_shard"], parallel.get("tp", 1)
+    muon = sum(v.numel() * v.element_size() for n, v in reference["params"].items() if is_muon_matrix(n, v))
+    adam = 2 * sum(v.numel() * v.element_size() for n, v in reference["params"].items() if not is_muon_matrix(n, v))
+    assert sum(m for m, _ in held) == muon, (parallel, held, muon)
+    if tp == 1:  # (under tp the norms' and embeddings' AdamW moments are whole on every tp rank)
+        assert sum(a for _, a in held) == adam, (parallel, held, adam)
+    for m, _ in held:
+        assert abs(m - muon / tp / dp) <= 0.1 * muon / tp / dp, (parallel, held, muon)
 
 
 @pytest.mark.parametrize("world,layouts", [
     pytest.param(2, [("dense", {"dp_shard": 2}), ("dense", {"tp": 2, "dp_shard": 1}),
-                     ("moe", {"dp_shard": 2, "ep": 2}), ("dense", {"pp": 2, "dp_shard": 1})], id="2-ranks"),
+                     ("moe", {"dp_shard": 2, "ep": 2}), ("dense", {"pp": 2, "dp_shard": 1}),
+                     ("dense", {"dp_shard": 2, "zero": 1})], id="2-ranks"),
     pytest.param(4, [("dense", {"dp_shard": 2, "tp": 2}), ("dense", {"dp_replicate": 2, "dp_shard": 2}),
                      ("dense", {"dp_shard": 2, "tp": 2, "zero": 1})], id="4-ranks"),
 ])
