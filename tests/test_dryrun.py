@@ -152,8 +152,9 @@ def test_fresh_processes_answer_raise_or_report_a_dead_child():
 # train.optimizer = "muon": the owner-computes exchange (two all-to-alls per same-shape bucket
 # over dp_shard, tp or both) and one momentum per matrix, exactly as the runtime issues and holds them
 @pytest.mark.parametrize("world,parallel", [(2, {"dp_shard": 2, "zero": 3}), (2, {"tp": 2, "dp_shard": 1, "zero": 0}),
-                                            (4, {"tp": 2, "dp_shard": 2, "zero": 3}), (2, {"dp_shard": 2, "zero": 1})],
-                         ids=["fsdp2", "tp2", "tp2xfsdp2", "zero1-dp2"])
+                                            (4, {"tp": 2, "dp_shard": 2, "zero": 3}), (2, {"dp_shard": 2, "zero": 1}),
+                                            (4, {"tp": 2, "dp_shard": 2, "zero": 1})],
+                         ids=["fsdp2", "tp2", "tp2xfsdp2", "zero1-dp2", "zero1-dp2xtp2"])
 def test_dry_run_agrees_with_planner_under_muon(world, parallel, tmp_path):
     from meshfold.config import from_dict
     from meshfold.dryrun import dry_run

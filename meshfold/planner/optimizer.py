@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from meshfold.models.config import ModelConfig
+from meshfold.optim.muon.ownership import assign_owners, gather_segment
 from meshfold.planner.counts import DTYPE_BYTES, attention_params_local, chunk_param_sizes
 from meshfold.planner.workload import Layout, Workload
 from meshfold.ring import FACTORS as RING
@@ -62,6 +63,24 @@ def muon_params_local(m: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
     return muon, total
 
 
+def zero_one_tensors(m: ModelConfig, tp: int) -> list[tuple[float, float, int | None]] | None:
+    """Every parameter of the whole model as (global elements, elements on one tp rank,
+    kind), in registration order, for the models ``chunk_param_sizes`` knows: kind None for
+    AdamW's, j for a block's j-th matrix of ``block_matrices``, -1 for another Muon matrix
+    (multi-token prediction's eh_proj). What ZeRO-1's whole-parameter ownership
+    (optim/muon/ownership.py) is computed from."""
+    whole, local = chunk_param_sizes(m, 1, m.n_layers, True, True), chunk_param_sizes(m, tp, m.n_layers, True, True)
+    if whole is None or local is None:
+        return None
+    mats = 3 if m.gated_mlp else 2
+    block = [None, 0, 1, 2, 3, None] + list(range(4, 4 + mats))  # norm, wq, wk, wv, wo, norm, w1, w2 (, w3)
+    kinds = [None] + block * m.n_layers + [None] + ([] if m.tie_embeddings else [None])
+    kinds += ([None, None, -1] + block + [None]) * m.mtp_depth  # enorm, hnorm, eh_proj, block, norm
+    if len(kinds) != len(whole):
+        return None
+    return list(zip(whole, local, kinds))
+
+
 class AdamWPricing:
     """AdamW: priced by ``StepTime`` and ``Memory`` themselves; nothing to add."""
 
@@ -80,34 +99,73 @@ class AdamWPricing:
 
 class MuonPricing(AdamWPricing):
     """Muon on the dense models whose matrices ``block_matrices`` lists (exchange and FLOPs
-    exact); elsewhere only its memory is priced."""
+    exact); elsewhere only its memory is priced. ZeRO-1 is whole-parameter ownership
+    (optim/muon/zero_one.py): exact where ``zero_one_tensors`` knows the model and pp = 1,
+    else the states' 1/n share."""
 
-    zero_one_shards = False  # every data-parallel replica holds and computes the whole update
+    zero_one_shards = False  # not AdamW's flat segments: its own gather (``collectives``)
 
     def model_states(self, cost, L: Layout, states: dict, zero: int) -> dict:
         w = cost.w
         ob = DTYPE_BYTES[w.dtype][2]
         muon, total = muon_params_local(w.model, L.tp, max(1, L.ep))
         saved = min(1.0, muon / total) * MOMENT_BYTES[w.dtype] / ob  # one moment instead of two
-        whole = L.dp_shard * L.cp if zero == 1 else 1  # ZeRO-1's sharding off (bf16's fp32 values too)
+        optimizer = states["optimizer"] * (1 - saved)
+        owned = self.zero_one_owned(cost, L) if zero == 1 else None
+        if owned is not None:  # the fullest rank's owned states: a matrix one momentum, the rest AdamW's
+            moment = MOMENT_BYTES[w.dtype]
+            optimizer = max(sum(lo * (ob if kind is None else ob - moment) for _, lo, kind in mine) for mine in owned)
+        # fp32 values are not sharded (bf16-amp's ZeRO-1 by AdamW's segments shards them)
+        whole = L.dp_shard * L.cp if zero == 1 else 1
         params = states["params"] * (whole if w.dtype == "bf16-amp" else 1)
-        return {**states, "params": params, "optimizer": states["optimizer"] * whole * (1 - saved)}
+        return {**states, "params": params, "optimizer": optimizer}
+
+    @staticmethod
+    def zero_one_owned(cost, L: Layout) -> list[list[tuple[float, float, int | None]]] | None:
+        """ZeRO-1's parameters of each dp_shard x cp rank (``assign_owners``), where known."""
+        n = L.dp_shard * L.cp
+        tensors = zero_one_tensors(cost.w.model, L.tp) if L.pp == 1 and max(1, L.ep) == 1 and n > 1 else None
+        if tensors is None:
+            return None
+        owners = assign_owners([g for g, _, _ in tensors], [kind is not None for _, _, kind in tensors], n)
+        return [[t for t, r in zip(tensors, owners) if r == k] for k in range(n)]
+
+    def zero_one_gather(self, cost, L: Layout) -> tuple[int, float]:
+        """ZeRO-1's all-gather of the owners' updated parameters, in their dtype: (group size,
+        bytes of its output); every rank's piece is the fullest rank's (the 1/n share where
+        ``zero_one_owned`` does not know the model)."""
+        n = L.dp_shard * L.cp
+        owned = self.zero_one_owned(cost, L)
+        if owned is None:
+            segment = muon_params_local(cost.w.model, L.tp, max(1, L.ep))[1] / L.pp / n
+        else:
+            segment = max(sum(lo for _, lo, _ in mine) for mine in owned)
+        return n, n * segment * DTYPE_BYTES[cost.w.dtype][0]
 
     def buckets(self, cost, L: Layout, layers: int) -> list[tuple[int, int, int, int, int]]:
         """Rank 0's same-shape buckets over ``layers`` blocks: (rows, cols, matrices, group
         size, group stride, largest piece in elements); group size 1 where the matrices are
-        whole here. (FSDP's group alone is ``tp`` ranks apart; with tp, one flattened group.)"""
+        whole here. (FSDP's group alone is ``tp`` ranks apart; with tp, one flattened group.)
+        Under ZeRO-1 the matrices rank 0 owns (``zero_one_owned``)."""
         mats = block_matrices(cost.w.model, L.tp)
         if mats is None:
             return []
         fsdp = L.dp_shard * L.cp if L.zero >= 2 else 1
+        counts = [layers] * len(mats)
+        owned = self.zero_one_owned(cost, L) if L.zero == 1 else None
+        if owned is not None:
+            counts = [sum(1 for *_, kind in owned[0] if kind == j) for j in range(len(mats))]
         grouped: dict[tuple, int] = {}
-        for rows, cols, tp_dim in mats:
+        for (rows, cols, tp_dim), count in zip(mats, counts):
             tp = L.tp if tp_dim is not None else 1
             key = (rows, cols, tp_dim if tp > 1 else None)
-            grouped[key] = grouped.get(key, 0) + layers
+            grouped[key] = grouped.get(key, 0) + count
         out = []
         for (rows, cols, tp_dim), k in grouped.items():
+            if not k:
+                continue
+            if not k:
+                continue
             tp = L.tp if tp_dim is not None else 1
             # FSDP2 shards dim 0 (after tp's own split of it): uneven pieces padded to the largest
             r = rows // tp if tp_dim == 0 else rows
@@ -136,6 +194,9 @@ class MuonPricing(AdamWPricing):
         for rows, cols, k, n, _, piece in self.buckets(cost, L, layers):
             if n > 1:
                 out.append((dim, 2, 2 * RING["all_to_all"](n) * n * math.ceil(k / n) * piece * pb))
+        if L.zero == 1 and L.dp_shard * L.cp > 1:
+            n, gathered = self.zero_one_gather(cost, L)
+            out.append(("dp", 1, RING["all_gather"](n) * gathered))
         return out
 
 
