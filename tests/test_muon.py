@@ -196,3 +196,29 @@ def test_resume_into_another_layout_is_bit_exact(tmp_path):
     with pytest.raises(Exception, match="no Muon momentum"):
         run_on(2, __import__("meshfold.testing", fromlist=["train_segment"]).train_segment,
                cfg_for(2, {"dp_shard": 2}, adam_dir), 4)
+
+
+def test_resume_between_fsdp_and_zero_one_is_bit_exact(tmp_path):
+    """3 steps on FSDP2 dp 2, then 2 on ZeRO-1 dp 2 (the momentum's FSDP2 pieces read back
+    as whole matrices by their owners): bit-exact against 5 uninterrupted ZeRO-1 steps; and
+    the other way round against 5 FSDP2 steps. Gradient clipping off: its norm sums the
+    squares per FSDP2 shard, then over ranks, so it rounds differently from the whole
+    gradients' sum; otherwise these layouts compute bit-identical steps (tp's do not: see
+    docs/optimizers.md, "Resume")."""
+    from meshfold.testing import train_chain
+
+    fsdp, zero_one = {"dp_shard": 2}, {"dp_shard": 2, "zero": 1}
+
+    def cfg_for(parallel, run_dir):
+        return tiny_config(str(run_dir), model=DENSE, parallel=parallel,
+                           train={**MUON, "checkpoint_every": 0, "grad_clip": 0.0})
+
+    for first, then in ((fsdp, zero_one), (zero_one, fsdp)):
+        name = "z1" if then is zero_one else "fsdp"
+        whole = run_on(2, train_collect, cfg_for(then, tmp_path / f"whole-{name}"))[0]
+        starts, losses, params = train_chain([(2, first, 3), (2, then, 5)],
+                                             lambda w, p, d=tmp_path / f"to-{name}": cfg_for(p, d))
+        assert starts == [0, 3]
+        assert losses == whole["losses"], name
+        for key, value in whole["params"].items():
+            assert torch.equal(params[key], value), (name, key)
