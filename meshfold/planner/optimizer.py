@@ -14,6 +14,8 @@ import math
 
 from meshfold.models.config import ModelConfig
 from meshfold.optim.muon.ownership import assign_owners, gather_segment
+from meshfold.parallel.facts.sizes import expert_shard_dim
+from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import DTYPE_BYTES, attention_params_local, chunk_param_sizes
 from meshfold.planner.workload import Layout, Workload
 from meshfold.ring import FACTORS as RING
@@ -42,6 +44,24 @@ def block_matrices(m: ModelConfig, tp: int) -> list[tuple[int, int, int | None]]
     kv_dim = 0 if m.kv_heads % tp == 0 else None
     ffn = [(m.hidden_dim, h, 0), (h, m.hidden_dim, 1)] + ([(m.hidden_dim, h, 0)] if m.gated_mlp else [])
     return [(q, h, 0), (kv, h, kv_dim), (kv, h, kv_dim), (h, q, 1)] + ffn
+
+
+def layer_matrices(m: ModelConfig, layer: int) -> list[tuple[int, int, int, bool]]:
+    """Block ``layer``'s Muon matrices without tp, as (rows, cols, matrices, routed expert
+    stack): the attention's projections (any kind: latent attention's down- and
+    up-projections too, ``gemms``), then a dense FFN, or an MoE layer's stacked experts
+    ([E, a, b]: E matrices; SwiGLU's fused w13) and shared experts (the router is AdamW's);
+    a multi-token prediction depth (layer >= n_layers) adds its eh_proj."""
+    h = m.dim
+    out = [(int(r), int(c), 1, False) for r, c in attention_terms(m).gemms(m, 1)]
+    gated = m.gated_mlp
+    if m.is_moe_layer(layer):
+        E, e, s = m.moe_experts, m.expert_dim, m.moe_shared_experts * m.expert_dim
+        out += [((2 if gated else 1) * e, h, E, True), (h, e, E, True)]
+        out += [(s, h, 1, False), (h, s, 1, False)] + ([(s, h, 1, False)] if gated else []) if s else []
+    else:
+        out += [(m.hidden_dim, h, 1, False), (h, m.hidden_dim, 1, False)] + ([(m.hidden_dim, h, 1, False)] if gated else [])
+    return out + ([(h, 2 * h, 1, False)] if layer >= m.n_layers else [])
 
 
 def muon_params_local(m: ModelConfig, tp: int, ep: int) -> tuple[float, float]:
@@ -149,7 +169,7 @@ class MuonPricing(AdamWPricing):
         Under ZeRO-1 the matrices rank 0 owns (``zero_one_owned``)."""
         mats = block_matrices(cost.w.model, L.tp)
         if mats is None:
-            return []
+            return self.untp_buckets(cost, L, layers) if L.tp == 1 else []
         fsdp = L.dp_shard * L.cp if L.zero >= 2 else 1
         counts = [layers] * len(mats)
         owned = self.zero_one_owned(cost, L) if L.zero == 1 else None
@@ -171,6 +191,40 @@ class MuonPricing(AdamWPricing):
             r = rows // tp if tp_dim == 0 else rows
             c = cols // tp if tp_dim == 1 else cols
             out.append((rows, cols, k, fsdp * tp, L.tp if tp == 1 else 1, -(-r // fsdp) * c))
+        return out
+
+    @staticmethod
+    def untp_buckets(cost, L: Layout, layers: int) -> list[tuple[int, int, int, int, int]]:
+        """``buckets`` without tp for any block (``layer_matrices``: MoE, latent attention,
+        multi-token prediction; the first ``layers`` blocks, and the depths where pp = 1).
+        FSDP2 shards a matrix's rows over dp_shard x cp (padded), and a stack of E_l experts
+        over its own group (edp with ep, else the same) on ``expert_shard_dim``'s dimension:
+        the stack's (whole matrices on the rank, ceil(E_l / n) of them: no exchange) or a
+        matrix dimension (an exchange, a bucket of its own). ZeRO-0/1: every matrix whole."""
+        m = cost.w.model
+        ep = max(1, L.ep)
+        fsdp = L.dp_shard * L.cp if L.zero >= 2 else 1
+        edp = (L.dp_shard * L.cp // ep if ep > 1 else fsdp) if L.zero >= 2 else 1
+        blocks = list(range(layers)) + (list(range(m.n_layers, m.n_layers + m.mtp_depth)) if L.pp == 1 else [])
+        grouped: dict[tuple, int] = {}
+        for layer in blocks:
+            for rows, cols, k, expert in layer_matrices(m, layer):
+                if not expert:
+                    key = (rows, cols, fsdp, 0 if fsdp > 1 else None, "dense")
+                    grouped[key] = grouped.get(key, 0) + k
+                    continue
+                E_l = k // ep
+                d = expert_shard_dim((E_l, rows, cols), edp)
+                if edp == 1 or d == 0:  # whole matrices here: rank 0's share of the stack
+                    key = (rows, cols, 1, None, "experts")
+                    grouped[key] = grouped.get(key, 0) + -(-E_l // edp)
+                else:
+                    key = (rows, cols, edp, d, "experts")
+                    grouped[key] = grouped.get(key, 0) + E_l
+        out = []
+        for (rows, cols, n, d, _), k in grouped.items():
+            piece = rows * cols if n == 1 else (-(-rows // n) * cols if d in (0, 1) else rows * -(-cols // n))
+            out.append((rows, cols, k, n, 1, piece))
         return out
 
     def step_time(self, cost, L: Layout, layers: int) -> float:
