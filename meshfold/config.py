@@ -117,7 +117,7 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "recompute": ("none", "selective", "op", "full"),
     "resume": ("auto", "never"),
     "fused_optimizer": ("auto", "fused", "foreach", "none"),
-    "optimizer": ("adamw", "muon"),
+    "optimizer": ("adamw", "muon", "auto"),  # auto: `meshfold plan` picks one (docs/optimizers.md)
     "muon_dtype": ("auto", "bfloat16", "float32", "float64"),
     "muon_scale": ("match_rms_adamw", "shape", "none"),
     "offload": ("none", "optimizer", "params"),
