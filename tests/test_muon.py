@@ -146,7 +146,7 @@ def _check_zero_one_states(reference, parallel, held):
     rank about 1/dp of the tp piece's momentum (whole matrices: within 10%)."""
     from meshfold.optim.muon.optimizer import is_muon_matrix
 
-    dp, tp = parallel["dp_shard"], parallel.get("tp", 1)
+    dp, tp = parallel["dp_shard"], parallel.get("tp", 1)  # (ep: experts over ep x edp = dp ranks)
     muon = sum(v.numel() * v.element_size() for n, v in reference["params"].items() if is_muon_matrix(n, v))
     adam = 2 * sum(v.numel() * v.element_size() for n, v in reference["params"].items() if not is_muon_matrix(n, v))
     assert sum(m for m, _ in held) == muon, (parallel, held, muon)
@@ -161,7 +161,8 @@ def _check_zero_one_states(reference, parallel, held):
                      ("moe", {"dp_shard": 2, "ep": 2}), ("dense", {"pp": 2, "dp_shard": 1}),
                      ("dense", {"dp_shard": 2, "zero": 1})], id="2-ranks"),
     pytest.param(4, [("dense", {"dp_shard": 2, "tp": 2}), ("dense", {"dp_replicate": 2, "dp_shard": 2}),
-                     ("dense", {"dp_shard": 2, "tp": 2, "zero": 1})], id="4-ranks"),
+                     ("dense", {"dp_shard": 2, "tp": 2, "zero": 1}), ("moe", {"dp_shard": 4, "ep": 2, "zero": 1})],
+                 id="4-ranks"),
 ])
 def test_every_layout_matches_one_process(world, layouts, references, tmp_path):
     cfgs = [tiny_config(str(tmp_path / str(i)), model=DENSE if kind == "dense" else MOE, parallel=parallel,
