@@ -239,6 +239,9 @@ class MuonPricing(AdamWPricing):
             total += math.ceil(k / n) * newton_schulz_flops(rows, cols, w.muon_ns_steps) / rate
             if n > 1:
                 total += 2 * cost.ct("all_to_all", n * math.ceil(k / n) * piece * pb, n, stride)
+        if L.zero == 1 and L.dp_shard * L.cp > 1:  # ZeRO-1's gather of the owners' parameters
+            n, gathered = self.zero_one_gather(cost, L)
+            total += cost.ct("all_gather", gathered, n, L.tp) + c.collective_overhead_us * 1e-6
         return total
 
     def collectives(self, cost, L: Layout, layers: int) -> list[tuple[str, int, float]]:
