@@ -143,7 +143,7 @@ def _check(references, layouts, results):
 def _check_zero_one_states(reference, parallel, held):
     """ZeRO-1 (whole-parameter ownership): every momentum and AdamW moment element on exactly
     one data-parallel rank of its tp piece (the ranks together hold one process's), and each
-    rank about 1/dp of the tp piece's momentum (whole matrices: within 10%)."""
+    rank about 1/dp of its tp piece's and pipeline stage's momentum (whole matrices: within 10%)."""
     from meshfold.optim.muon.optimizer import is_muon_matrix
 
     dp, tp = parallel["dp_shard"], parallel.get("tp", 1)  # (ep: experts over ep x edp = dp ranks)
@@ -152,8 +152,10 @@ def _check_zero_one_states(reference, parallel, held):
     assert sum(m for m, _ in held) == muon, (parallel, held, muon)
     if tp == 1:  # (under tp the norms' and embeddings' AdamW moments are whole on every tp rank)
         assert sum(a for _, a in held) == adam, (parallel, held, adam)
-    for m, _ in held:
-        assert abs(m - muon / tp / dp) <= 0.1 * muon / tp / dp, (parallel, held, muon)
+    per_stage = len(held) // parallel.get("pp", 1)  # (stages outermost in the mesh)
+    for rank, (m, _) in enumerate(held):
+        share = sum(x for x, _ in held[rank - rank % per_stage: rank - rank % per_stage + per_stage]) / (tp * dp)
+        assert abs(m - share) <= 0.1 * share, (parallel, held, muon)
 
 
 @pytest.mark.parametrize("world,layouts", [
@@ -161,7 +163,8 @@ def _check_zero_one_states(reference, parallel, held):
                      ("moe", {"dp_shard": 2, "ep": 2}), ("dense", {"pp": 2, "dp_shard": 1}),
                      ("dense", {"dp_shard": 2, "zero": 1})], id="2-ranks"),
     pytest.param(4, [("dense", {"dp_shard": 2, "tp": 2}), ("dense", {"dp_replicate": 2, "dp_shard": 2}),
-                     ("dense", {"dp_shard": 2, "tp": 2, "zero": 1}), ("moe", {"dp_shard": 4, "ep": 2, "zero": 1})],
+                     ("dense", {"dp_shard": 2, "tp": 2, "zero": 1}), ("moe", {"dp_shard": 4, "ep": 2, "zero": 1}),
+                     ("dense", {"dp_shard": 2, "pp": 2, "zero": 1})],
                  id="4-ranks"),
 ])
 def test_every_layout_matches_one_process(world, layouts, references, tmp_path):
