@@ -18,7 +18,7 @@ from meshfold.models.config import ModelConfig
 from meshfold.optim.muon.ownership import assign_owners, gather_segment
 from meshfold.parallel.facts.sizes import expert_shard_dim
 from meshfold.planner.attention import attention_terms
-from meshfold.planner.counts import DTYPE_BYTES, attention_params_local, chunk_param_sizes
+from meshfold.planner.counts import DTYPE_BYTES, attention_params_local, chunk_param_sizes, moe_chunk_param_sizes
 from meshfold.planner.workload import Layout, Workload
 from meshfold.ring import FACTORS as RING
 
@@ -93,7 +93,7 @@ def zero_one_tensors(m: ModelConfig, tp: int) -> list[tuple[float, float, int | 
     (optim/muon/ownership.py) is computed from."""
     whole, local = chunk_param_sizes(m, 1, m.n_layers, True, True), chunk_param_sizes(m, tp, m.n_layers, True, True)
     if whole is None or local is None:
-        return None
+        return untp_tensors(m) if tp == 1 else None
     mats = 3 if m.gated_mlp else 2
     block = [None, 0, 1, 2, 3, None] + list(range(4, 4 + mats))  # norm, wq, wk, wv, wo, norm, w1, w2 (, w3)
     kinds = [None] + block * m.n_layers + [None] + ([] if m.tie_embeddings else [None])
@@ -101,6 +101,37 @@ def zero_one_tensors(m: ModelConfig, tp: int) -> list[tuple[float, float, int | 
     if len(kinds) != len(whole):
         return None
     return list(zip(whole, local, kinds))
+
+
+def untp_tensors(m: ModelConfig) -> list[tuple[float, float, int | None]] | None:
+    """``zero_one_tensors`` without tp for the MoE / latent-attention models
+    ``moe_chunk_param_sizes`` knows (kind -1 for every Muon matrix): the attention's matrices
+    are its ``gemms`` in order, the rest of its tensors norms; a MoE layer's router AdamW's,
+    its expert stacks and shared experts Muon's."""
+    every = moe_chunk_param_sizes(m, m.n_layers, True, True)
+    if every is None:
+        return None
+    terms = attention_terms(m)
+    gemms = [r * c for r, c in terms.gemms(m, 1)]
+    attention, g = [], 0
+    for size in terms.param_sizes(m):
+        hit = g < len(gemms) and size == gemms[g]
+        attention.append(hit)
+        g += hit
+    mats = 3 if m.gated_mlp else 2
+
+    def block(layer: int) -> list[bool]:  # (moe_chunk_param_sizes' order)
+        ffn = ([False, True, True] + [True] * (mats if m.moe_shared_experts else 0) if m.is_moe_layer(layer)
+               else [True] * mats)
+        return [False] + attention + [False] + ffn
+
+    muon = [False] + [x for layer in range(m.n_layers) for x in block(layer)] + [False]
+    muon += [] if m.tie_embeddings else [False]
+    for k in range(m.mtp_depth):
+        muon += [False, False, True] + block(m.n_layers + k) + [False]
+    if len(muon) != len(every):
+        return None
+    return [(e, e, -1 if mat else None) for (e, _), mat in zip(every, muon)]
 
 
 class AdamWPricing:
@@ -211,6 +242,8 @@ class MuonPricing(AdamWPricing):
         grouped: dict[tuple, int] = {}
         for layer in blocks:
             for rows, cols, k, expert in layer_matrices(m, layer):
+                if L.zero == 1 and L.dp_shard * L.cp > 1:  # ZeRO-1: rank 0's share, whole (ownership balanced)
+                    k = -(-k // (L.dp_shard * L.cp))
                 if not expert:
                     key = (rows, cols, fsdp, 0 if fsdp > 1 else None, "dense")
                     grouped[key] = grouped.get(key, 0) + k
