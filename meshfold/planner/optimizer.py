@@ -17,6 +17,7 @@ from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
 from meshfold.optim.muon.ownership import assign_owners, gather_segment
 from meshfold.parallel.facts.sizes import expert_shard_dim
+from meshfold.planner import mtp
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import DTYPE_BYTES, attention_params_local, chunk_param_sizes, moe_chunk_param_sizes
 from meshfold.planner.workload import Layout, Workload
@@ -238,7 +239,8 @@ class MuonPricing(AdamWPricing):
         ep = max(1, L.ep)
         fsdp = L.dp_shard * L.cp if L.zero >= 2 else 1
         edp = (L.dp_shard * L.cp // ep if ep > 1 else fsdp) if L.zero >= 2 else 1
-        blocks = list(range(layers)) + (list(range(m.n_layers, m.n_layers + m.mtp_depth)) if L.pp == 1 else [])
+        # (the multi-token prediction depths where rank 0 holds the last stage: pp = 1)
+        blocks = list(range(layers)) + [m.n_layers + k for k in range(mtp.heads_on(m, L.pp == 1))]
         grouped: dict[tuple, int] = {}
         for layer in blocks:
             for rows, cols, k, expert in layer_matrices(m, layer):
