@@ -226,3 +226,19 @@ def test_resume_between_fsdp_and_zero_one_is_bit_exact(tmp_path):
         assert losses == whole["losses"], name
         for key, value in whole["params"].items():
             assert torch.equal(params[key], value), (name, key)
+
+
+def test_resume_from_zero_one_with_tp_into_fsdp(tmp_path):
+    """ZeRO-1 x tp 2 saves each owner's tp pieces of the momentum (the other dp rank holds
+    none); 3 steps there, then 2 on FSDP2 dp 2: within 1e-12 of one process (tp's own rounding)."""
+    from meshfold.testing import train_chain
+
+    def cfg_for(parallel, run_dir):
+        return tiny_config(str(run_dir), model=DENSE, parallel=parallel, train={**MUON, "checkpoint_every": 0})
+
+    whole = train_collect(cfg_for({}, tmp_path / "whole"))
+    starts, losses, params = train_chain([(4, {"dp_shard": 2, "tp": 2, "zero": 1}, 3), (2, {"dp_shard": 2}, 5)],
+                                         lambda w, p: cfg_for(p, tmp_path / "chain"))
+    assert starts == [0, 3]
+    assert_runs_match({**whole, "grads": {}}, {"losses": losses, "params": params, "grads": {}},
+                      rtol=1e-12, atol=1e-14)
