@@ -19,6 +19,7 @@ from meshfold.mesh import ParallelDims
 from meshfold.optim.adamw import adamw_kwargs
 from meshfold.optim.muon.exchange import OwnerPlan, local_of
 from meshfold.optim.muon.newton_schulz import DEFAULT_COEFFICIENTS, update_scale
+from meshfold.optim.muon.qk_clip import QKClip
 from meshfold.optim.muon.zero_one import WholeOwnership, ZeroOneOwnership
 from meshfold.optim.state import CheckpointStateError, FlattenedState, ParamNames
 from meshfold.parallel.compute_weights import ComputeWeights
@@ -76,6 +77,7 @@ class Muon(FlattenedState, torch.optim.Optimizer):
         mine = [(n, p) for n, p in muon_params if zero_one is None or zero_one.owns(p)]
         device = local_of(mine[0][1]).device if mine else torch.device("cpu")
         self.plan = OwnerPlan([p for _, p in mine], [n for n, _ in mine], device)
+        self.after_step: list = []  # called after every step (QK-clip: qk_clip.py)
 
     def __setstate__(self, state: dict) -> None:
         """``load_state_dict`` replaces the state and the group dicts: the inner AdamW
@@ -119,6 +121,8 @@ class Muon(FlattenedState, torch.optim.Optimizer):
             self._adamw_step()
         if self.zero_one is not None:
             self.zero_one.gather()
+        for hook in self.after_step:
+            hook()
 
     def _adamw_step(self) -> None:
         """AdamW's step over the parameters this rank owns (torch's AdamW skips a parameter
@@ -161,13 +165,19 @@ def build_muon(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_ty
                                          "muon": False})
         g["params"].append(p)
     dtype = next((local_of(p).dtype for _, p in muon), torch.float32)
-    return Muon(muon, list(adam_groups.values()),
+    opt = Muon(muon, list(adam_groups.values()),
                 lr=cfg.muon_lr or cfg.lr,
                 weight_decay=cfg.weight_decay if cfg.muon_weight_decay < 0 else cfg.muon_weight_decay,
                 momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
                 ns_coefficients=cfg.muon_ns_coefficients, ns_dtype=ns_dtype_of(cfg, dtype),
                 scale=cfg.muon_scale, adam_kwargs=kwargs,
                 zero_one=zero_one_ownership(model, muon, dims) if zero_one else None)
+    if cfg.muon_qk_clip > 0:
+        clip = QKClip(unwrap(model), cfg.muon_qk_clip, cfg.muon_qk_clip_alpha, dims.group("dp_cp"),
+                      tp=dims.size("tp"), cp=dims.size("cp"))
+        opt.after_step.append(clip.after_step)
+        opt.qk_clip = clip
+    return opt
 
 
 def zero_one_ownership(model: nn.Module, muon: list[tuple[str, nn.Parameter]], dims: ParallelDims) -> ZeroOneOwnership:
