@@ -146,7 +146,7 @@ class StepTime:
                 t_ar += self.ct("all_reduce", Emax * gb, edp, tp * L.ep)
                 calls += buckets(Emax * gb)
             t_z1 = 0.0
-            if L.zero == 1 and n_shard > 1:
+            if L.zero == 1 and n_shard > 1 and self.optimizer.zero_one_shards:  # (Muon: its own gather)
                 zb, flat = zero1_gather(w.dtype, tp, L.ep)
                 t_z1 = self.ct("all_gather", (Pmax - Emax) * zb, n_shard, st_dps)
                 calls += 1 if flat else buckets(Pmax * zb)
