@@ -46,11 +46,13 @@ class LayerAttention:
     ``window`` latest keys, itself included (sliding-window attention; 0 = the whole causal
     context); ``rope``: the ``[model]`` RoPE keys this layer uses instead of the model's, as
     (key, value) pairs (its own base, its own scaling); ``scale``: the softmax scale (0 =
-    1/sqrt(the q/k head width))."""
+    1/sqrt(the q/k head width)); ``sinks``: a learned logit per query head joins the softmax's
+    denominator (attention sinks: ``Attention.sinks``, gpt-oss)."""
 
     window: int = 0
     rope: tuple[tuple[str, Any], ...] = ()
     scale: float = 0.0
+    sinks: bool = False
 
 
 PLAIN_LAYER = LayerAttention()
