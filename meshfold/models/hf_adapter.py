@@ -117,6 +117,12 @@ class HFAdapter:
         or None (not the family's)."""
         return None
 
+    def import_tensors(self, state: dict, m) -> dict:
+        """The checkpoint's tensors before the shared name maps read them: a family whose files
+        store a tensor in another layout or encoding (gpt-oss: MXFP4 experts, interleaved
+        gate/up) turns it into one ``own_from_hf`` takes."""
+        return state
+
     def block_prefix(self, layer: int, m) -> str:
         """meshfold's prefix of HF decoder layer ``layer``."""
         return f"layers.{layer}."

@@ -100,8 +100,10 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         def correction_dim(rotations: float) -> float:
             return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        lo = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
-        hi = min(math.ceil(correction_dim(cfg.rope_beta_slow)), d - 1)
+        lo, hi = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
         hi = hi + 0.001 if lo == hi else hi
         ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
         extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by the factor
@@ -450,7 +452,7 @@ def fill_initial_(out: torch.Tensor, name: str, shape: tuple[int, ...], offset: 
         raise ValueError(f"init of {name}: box at {offset} of size {tuple(out.shape)} "
                          f"is not inside the parameter's shape {shape}")
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "bias":
+    if leaf.endswith("bias"):  # (the routed experts' w13_bias / w2_bias too)
         return out.zero_()
     if "norm" in name:
         return out.fill_(norm_start(cfg))

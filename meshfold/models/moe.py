@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.moe_experts import (GroupedExperts, _compute_dtype, _Groups, _local, count_rows, expert_kernel,
@@ -138,8 +139,10 @@ class MoE(nn.Module):
         self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
         self.routed_scale = cfg.moe_routed_scale
         self.seq_aux_coef = cfg.moe_seq_aux_loss_coef
-        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp)
+        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=cfg.moe_bias)
+        glu = registry.mlps().get(cfg.mlp)  # a family's gated activation (gpt-oss's clamped SwiGLU)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp, cfg.moe_bias,
+                                      registry.load(glu)(cfg) if glu else None)
         self.shared_experts = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim, cfg.mlp, cfg.bias)
                                if cfg.moe_shared_experts else None)
         if cfg.moe_bias_balance:
@@ -226,10 +229,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        w = _local(self.router.weight)
+        w, b = _local(self.router.weight), _local(self.router.bias) if self.router.bias is not None else None
         if self.router_weight_hook is not None:
-            w = self.router_weight_hook(w)
-        logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
+            w, b = self.router_weight_hook(w), b if b is None else self.router_weight_hook(b)
+        logits = F.linear(flat, w, b).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
         # host read, the same tokens dropped (docs/gpu.md)
