@@ -206,3 +206,21 @@ def test_clamped_experts_only_in_moe_layers(tmp_path):
     cfg = from_dict(tiny_config(str(tmp_path), model={**MODEL, "moe_first_dense": 1}))
     with pytest.raises(ConfigError, match="routed experts only"):
         validate(cfg)
+
+
+def test_cuda_dry_run_runs_windows_in_flash_attention(tmp_path):
+    """``meshfold dry-run --device cuda`` (fake CUDA, bf16) of a gpt-oss shape at seq 512 with a
+    128-token window under tp 2 + sp x FSDP 2: the windowed layers run flash attention's own
+    window (no mask, no math kernel), over packed documents' runs and over plain rows, the
+    full layers flash varlen / flash; no errors."""
+    from meshfold.dryrun import dry_run_many
+
+    model = dict(MODEL, dim=64, attn_head_dim=16, seq_len=512, alternating_window=128)
+    cases = [(from_dict(tiny_config(str(tmp_path / name), model=model, data=data,
+                                    parallel={"tp": 2, "sp": True, "dp_shard": 2},
+                                    train={"dtype": "auto", "global_batch": 4})), 4)
+             for name, data in (("documents", {}), ("rows", {"doc_mask": False}))]
+    documents, rows = (report["gpu"] for report in dry_run_many(cases, device="cuda"))
+    assert documents["errors"] == [] and rows["errors"] == []
+    assert documents["attention"] == {"flash-window": 2, "flash-varlen": 2}
+    assert rows["attention"].get("flash-window") == 2 and "math" not in rows["attention"]

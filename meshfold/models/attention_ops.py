@@ -406,9 +406,21 @@ def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = N
 def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None,
                      doc_ids: torch.Tensor | None = None, scale: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Sliding-window causal attention, q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv]:
-    one fused SDPA call with the shared banded mask (``window_mask``; CPU: the flash kernel,
-    CUDA: the memory-efficient one)."""
+    """Sliding-window causal attention, q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv].
+    On CUDA in fp16/bf16 (``flash_varlen_ok``): flash attention's own window
+    (``window_size_left = window - 1``) over each row, or over each document's run with
+    ``doc_ids`` (the varlen kernel: a window restarts with its document), no mask, the key
+    tiles outside the band skipped. Else one fused SDPA call with the shared banded mask
+    (``window_mask``; CPU: the flash kernel, CUDA fp32: the memory-efficient one)."""
+    b, s, heads, d = q.shape
+    if flash_varlen_ok(q, q.dtype, d, v.shape[-1]):
+        if doc_ids is not None:
+            cu, longest = document_plan(doc_ids, positions).runs
+        else:  # one run per row (made on the device: no host read)
+            cu, longest = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device), s
+        out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest,
+                                 scale or attention_scale(d), sinks, window)
+        return out.view(b, s, heads, v.shape[-1])
     mask = window_mask(q.shape[1], window, q.device, positions, doc_ids)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return sdpa(q, k, v, mask=mask, scale=scale, sinks=sinks).transpose(1, 2)
@@ -437,12 +449,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _FlashVarlen(torch.autograd.Function):
-    """Causal attention within each run of ``cu`` (flattened [tokens, heads, d] layout)."""
+    """Causal attention within each run of ``cu`` (flattened [tokens, heads, d] layout);
+    ``sinks`` [H]: attention sinks; ``window`` > 0: each query's ``window`` latest keys only
+    (flash attention's ``window_size_left = window - 1``, right 0)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, longest, scale, sinks=None):
+    def forward(ctx, q, k, v, cu, longest, scale, sinks=None, window=0):
+        ctx.band = dict(window_size_left=window - 1, window_size_right=0) if window else {}
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, **ctx.band)
         if sinks is not None:  # lse [H, tokens]: the sink joins it (``_SinkAttention``'s rule)
             total = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
             out = (out.to(lse.dtype) * torch.exp(lse - total).t().unsqueeze(-1)).to(q.dtype)
@@ -457,9 +472,9 @@ class _FlashVarlen(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, rng, unused,
-            scale=ctx.scale)
+            scale=ctx.scale, **ctx.band)
         dsink = None
         if sinks is not None:
             delta = (dout.float() * out.float()).sum(-1).t()  # [H, tokens]
             dsink = -(torch.exp(sinks.float()[:, None] - lse) * delta).sum(1).to(sinks.dtype)
-        return dq, dk, dv, None, None, None, dsink
+        return dq, dk, dv, None, None, None, dsink, None
