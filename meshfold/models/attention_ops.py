@@ -382,12 +382,12 @@ _WINDOW_MASKS: list[tuple] = []  # (weakref to the anchor tensor or None, key, m
 
 
 def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [b or 1, 1, sq, sq] sliding-window causal mask: a key is visible when it is at
     most ``window - 1`` positions before the query (and in its document with ``doc_ids``).
     Made once per shape and window, or once per micro-batch (``doc_ids``/``positions`` by
     identity) and window, and shared by every windowed layer: never one mask per layer."""
-    anchor = doc_ids if doc_ids is not None else positions
+    anchor = key if key is not None else doc_ids if doc_ids is not None else positions
     key = (sq, window, str(device))
     for ref, k, mask in reversed(_WINDOW_MASKS):
         if k == key and (ref is None if anchor is None else ref is not None and ref() is anchor):
@@ -405,23 +405,25 @@ def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = N
 
 def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None,
                      doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """Sliding-window causal attention, q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv].
     On CUDA in fp16/bf16 (``flash_varlen_ok``): flash attention's own window
     (``window_size_left = window - 1``) over each row, or over each document's run with
     ``doc_ids`` (the varlen kernel: a window restarts with its document), no mask, the key
     tiles outside the band skipped. Else one fused SDPA call with the shared banded mask
-    (``window_mask``; CPU: the flash kernel, CUDA fp32: the memory-efficient one)."""
+    (``window_mask``; CPU: the flash kernel, CUDA fp32: the memory-efficient one). ``key``: the
+    tensor whose identity stands for (doc_ids, positions) when they are fresh views of it on
+    every call (context parallel's gathered metadata), as ``document_plan`` takes it."""
     b, s, heads, d = q.shape
     if flash_varlen_ok(q, q.dtype, d, v.shape[-1]):
         if doc_ids is not None:
-            cu, longest = document_plan(doc_ids, positions).runs
+            cu, longest = document_plan(doc_ids, positions, key=key).runs
         else:  # one run per row (made on the device: no host read)
             cu, longest = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device), s
         out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest,
                                  scale or attention_scale(d), sinks, window)
         return out.view(b, s, heads, v.shape[-1])
-    mask = window_mask(q.shape[1], window, q.device, positions, doc_ids)
+    mask = window_mask(q.shape[1], window, q.device, positions, doc_ids, key)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return sdpa(q, k, v, mask=mask, scale=scale, sinks=sinks).transpose(1, 2)
 
