@@ -3,7 +3,7 @@
 ``MoE(cfg)`` replaces the dense MLP of a block (every ``moe_every``-th layer after the first
 ``moe_first_dense``). Per token x (rows of the flattened [batch*seq, dim] input):
 
-    logits = x W_r^T                                   (router, E experts)
+    logits = x W_r^T (+ b_r with ``moe_bias``)         (router, E experts)
     scores = softmax(logits)   or   sigmoid(logits)    (``moe_router``)
     chosen = top-k of (scores + b)                     (b = ``expert_bias``, only with
                                                         ``moe_bias_balance``; selection only)
@@ -229,9 +229,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        w, b = _local(self.router.weight), _local(self.router.bias) if self.router.bias is not None else None
+        w = _local(self.router.weight)
+        b = None if self.router.bias is None else _local(self.router.bias)  # (model.moe_bias)
         if self.router_weight_hook is not None:
-            w, b = self.router_weight_hook(w), b if b is None else self.router_weight_hook(b)
+            w = self.router_weight_hook(w)
+            b = None if b is None else self.router_weight_hook(b)
         logits = F.linear(flat, w, b).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
