@@ -381,6 +381,7 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
 _WINDOW_MASKS: list[tuple] = []  # (weakref to the anchor tensor or None, key, mask), newest last
 
 
+@torch.compiler.disable  # its cache lookup is Python: traced, a compiled block would keep the first micro-batch's mask
 def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [b or 1, 1, sq, sq] sliding-window causal mask: a key is visible when it is at
