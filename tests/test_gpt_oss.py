@@ -99,7 +99,7 @@ def test_import_then_export_matches_transformers(tmp_path):
         torch.testing.assert_close(back(x).logits, want, rtol=0, atol=0)
 
 
-def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path):
+def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path, capsys):
     """Published checkpoints hold the experts as MXFP4 blocks and scales: meshfold's import
     equals transformers' own dequantisation, value for value, and the logits its model gives."""
     from safetensors.torch import load_file, save_file
@@ -123,6 +123,9 @@ def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["convert", "check", str(tmp_path / "hf"), "--json"]) == 0  # transformers' MXFP4 loader, dequantising
+    assert json.loads(capsys.readouterr().out)["max_abs_diff"] <= 1e-4
     assert main(["convert", "import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
     ours = load_model(tmp_path / "ours", torch.float32).eval()
     dequant = transformers.AutoModelForCausalLM.from_pretrained(

@@ -123,6 +123,11 @@ class HFAdapter:
         gate/up) turns it into one ``own_from_hf`` takes."""
         return state
 
+    def transformers_kwargs(self, hf: dict) -> dict:
+        """What ``convert check`` passes to transformers' ``from_pretrained`` for this folder's
+        ``config.json`` (gpt-oss: MXFP4 experts dequantised, as on a machine without its kernels)."""
+        return {}
+
     def block_prefix(self, layer: int, m) -> str:
         """meshfold's prefix of HF decoder layer ``layer``."""
         return f"layers.{layer}."

@@ -97,6 +97,13 @@ class GptOssAdapter(HFAdapter):
                    num_experts_per_tok=m.moe_topk, intermediate_size=m.expert_dim, swiglu_alpha=m.swiglu_alpha,
                    swiglu_limit=m.swiglu_limit, router_aux_loss_coef=m.moe_aux_loss_coef)
 
+    def transformers_kwargs(self, hf: dict) -> dict:
+        if (hf.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+            return {}
+        import transformers  # (convert check's own dependency)
+
+        return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+
     def import_tensors(self, state: dict, m) -> dict:
         """The experts in meshfold's layout under their own names (``experts.w13``,
         ``w13_bias``, ``w2``): MXFP4 dequantised, [E, in, out] turned to [E, out, in],
