@@ -40,11 +40,11 @@ def ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     if not cfg.is_moe_layer(layer):
         return mlp_params(cfg, cfg.hidden_dim)
     routed = cfg.moe_topk if active else cfg.moe_experts
-    # Routed experts carry no biases (models/moe.py); the shared experts are one MLP of
-    # width moe_shared_experts * expert_dim, with the model's bias setting.
-    expert = mlp_params(dataclasses.replace(cfg, bias=False), cfg.expert_dim)
+    # Routed experts and the router carry biases with moe_bias only (models/moe.py); the shared
+    # experts are one MLP of width moe_shared_experts * expert_dim, with the model's bias setting.
+    expert = mlp_params(dataclasses.replace(cfg, bias=cfg.moe_bias), cfg.expert_dim)
     shared = mlp_params(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else 0
-    router = cfg.dim * cfg.moe_experts
+    router = (cfg.dim + cfg.moe_bias) * cfg.moe_experts
     return router + routed * expert + shared
 
 
@@ -52,7 +52,8 @@ def block_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     """One decoder block (layer index ``layer``, MoE placement by it): attention, feed-forward, two
     norms (four with ``registry.post_norms``)."""
     norms = 4 if registry.post_norms(cfg) else 2
-    return attention_params(cfg) + ffn_params(cfg, layer, active) + norms * norm_params(cfg)
+    sinks = cfg.n_heads if registry.layer_attention(cfg, layer).sinks else 0  # one logit per query head
+    return attention_params(cfg) + sinks + ffn_params(cfg, layer, active) + norms * norm_params(cfg)
 
 
 def heads_params(cfg: ModelConfig, active: bool = False) -> int:
@@ -116,10 +117,10 @@ def attention_share(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
 
 def plain_layers(cfg: ModelConfig) -> bool:
     """Whether every layer is plain causal softmax(QK^T / sqrt(d)) attention: no sliding
-    window, no softmax scale of its own (what context parallel's attention computes; a layer's
+    window, no softmax scale of its own, no sinks (what context parallel's attention computes; a layer's
     own RoPE is applied before it)."""
     specs = (registry.layer_attention(cfg, i) for i in range(cfg.n_layers))
-    return not any(spec.window or spec.scale for spec in specs)
+    return not any(spec.window or spec.scale or spec.sinks for spec in specs)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool = True,

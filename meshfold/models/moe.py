@@ -3,7 +3,7 @@
 ``MoE(cfg)`` replaces the dense MLP of a block (every ``moe_every``-th layer after the first
 ``moe_first_dense``). Per token x (rows of the flattened [batch*seq, dim] input):
 
-    logits = x W_r^T                                   (router, E experts)
+    logits = x W_r^T (+ b_r with ``moe_bias``)         (router, E experts)
     scores = softmax(logits)   or   sigmoid(logits)    (``moe_router``)
     chosen = top-k of (scores + b)                     (b = ``expert_bias``, only with
                                                         ``moe_bias_balance``; selection only)
@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.moe_experts import (GroupedExperts, _compute_dtype, _Groups, _local, count_rows, expert_kernel,
@@ -138,8 +139,10 @@ class MoE(nn.Module):
         self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
         self.routed_scale = cfg.moe_routed_scale
         self.seq_aux_coef = cfg.moe_seq_aux_loss_coef
-        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp)
+        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=cfg.moe_bias)
+        glu = registry.mlps().get(cfg.mlp)  # a family's gated activation (gpt-oss's clamped SwiGLU)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp, cfg.moe_bias,
+                                      registry.load(glu)(cfg) if glu else None)
         self.shared_experts = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim, cfg.mlp, cfg.bias)
                                if cfg.moe_shared_experts else None)
         if cfg.moe_bias_balance:
@@ -227,9 +230,11 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         w = _local(self.router.weight)
+        b = None if self.router.bias is None else _local(self.router.bias)  # (model.moe_bias)
         if self.router_weight_hook is not None:
             w = self.router_weight_hook(w)
-        logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
+            b = None if b is None else self.router_weight_hook(b)
+        logits = F.linear(flat, w, b).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
         # host read, the same tokens dropped (docs/gpu.md)

@@ -35,6 +35,7 @@ class MoEKeys:
     moe_topk_groups: int = 0
     moe_routed_scale: float = 1.0  # routed experts' gates times this (routed_scaling_factor)
     moe_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss (per sequence)
+    moe_bias: bool = False  # biases on the router and on each routed expert's two GEMMs (gpt-oss)
 
     @property
     def expert_dim(self) -> int:
