@@ -280,7 +280,7 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
     A = T * k * routed_fraction(m, s) / tp
     wide = max(4, act)
-    router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
+    router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk else 0)
     router /= tp if sp else 1
     if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
         dispatch, ids = A * h * act + A * (2 * h + 1) * wide, 5 * A * 8
