@@ -370,6 +370,7 @@ def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None
 _CHUNK_IDS: list[tuple] = []  # (weakref to the anchor tensor, chunk, ids), newest last
 
 
+@torch.compiler.disable  # compiled blocks call it eagerly: its lookup by identity is Python
 def chunk_ids(doc_ids: torch.Tensor | None, positions: torch.Tensor, chunk: int) -> torch.Tensor:
     """[b, s] ids of the runs a chunked layer attends within: a new run where the document
     or the chunk (``position // chunk``) changes, so chunk boundaries are document boundaries
