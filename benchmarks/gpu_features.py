@@ -196,20 +196,29 @@ def window_run(args, device, window: int) -> dict:
 
 
 def family_run(args, device, preset_name: str, layers: int, **over) -> dict:
+    """A newer family's preset cut to ``layers`` layers at seq 8192 (plain rows): ``over`` turns
+    its windows or chunks off for the full-attention twin. ``--tiny``: the preset's layer
+    pattern at tiny widths."""
     a = argparse.Namespace(**{**vars(args), "preset": preset_name, "seq": 8192, "global_batch": 4,
                               "micro_batch": 1, "tiny": False})
-    shape = {"model.n_layers": layers}
+    shape = {"model.n_layers": layers, "data.doc_mask": False, **over}
     if args.tiny:
         a.seq, a.global_batch, a.micro_batch = 256, 4, 2
-        shape.update({"model.vocab_size": TINY_VOCAB})
-    return gpu_step.train_run(a, device, args.steps, profile_kernels=True, **shape, **over)
+        shape.update({"model.vocab_size": TINY_VOCAB, "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
+                      "model.attn_head_dim": 16, "model.moe_ffn_dim": 32, "model.ffn_dim": 64,
+                      "model.moe_experts": 4, "model.moe_topk": 1})
+    if args.tiny and over.get("model.attention_chunk_size"):
+        shape["model.attention_chunk_size"] = 64
+    out = gpu_step.train_run(a, device, args.steps, profile_kernels=True, **shape)
+    out["attention_kernels"] = out.get("kernels", {}).get("attention_kernels")
+    return out
 
 
 # ----------------------------------------------------------------------------- main
 
 PARTS = ["wide-bf16", "wide-tensorwise", "wide-rowwise", "wide-muon", "window-512", "window-full",
          "wide-bf16-compiled", "wide-tensorwise-compiled", "titan-bf16", "titan-tensorwise",
-         "wide-rowwise-compiled", "family-gpt-oss", "family-llama4"]
+         "wide-rowwise-compiled", "family-gpt-oss", "family-gpt-oss-full", "family-llama4", "family-llama4-full"]
 
 
 def main():
@@ -249,11 +258,19 @@ def main():
         "titan-tensorwise": (60, lambda: titan_run(args, device, fp8="tensorwise")),
         "wide-rowwise-compiled": (70, lambda: meshfold_run(wide, device, layers, **{
             "train.compile": True, "train.fp8": "rowwise"})),
+        # gpt-oss-20b, 4 layers: 128-token windows on layers 0 and 2, sinks on all; the twin global
         "family-gpt-oss": (30, lambda: family_run(args, device, "gpt-oss-20b", 4)),
-        "family-llama4": (30, lambda: family_run(args, device, "llama4-scout", 4)),
+        "family-gpt-oss-full": (30, lambda: family_run(args, device, "gpt-oss-20b", 4,
+                                                       **{"model.alternating_window": 0})),
+        # llama4-scout, 2 layers (both chunked RoPE layers), 8 of its 16 experts to fit one GPU's
+        # memory with fp32 masters, chunks of 2,048 so they matter at seq 8192; the twin unchunked
+        "family-llama4": (30, lambda: family_run(args, device, "llama4-scout", 2, **{
+            "model.moe_experts": 8, "model.attention_chunk_size": 2048})),
+        "family-llama4-full": (30, lambda: family_run(args, device, "llama4-scout", 2, **{
+            "model.moe_experts": 8, "model.attention_chunk_size": 0})),
     }
     for name in args.parts:
-        if name.startswith("family-") and name.split("-", 1)[1] not in "".join(PRESETS):
+        if name.startswith("family-") and not any(p.startswith(name.split("-")[1]) for p in PRESETS):
             RESULTS[name] = {"skipped": "no such preset in this tree"}
             continue
         need, fn = runs[name]

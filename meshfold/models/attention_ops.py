@@ -22,7 +22,8 @@ float32 (float64 for float64 inputs), [b, h, sq], with -inf for a row that sees 
 mask: the row is cut into query tiles; each tile attends only to the key window from the
 start of its first token's document to its own end (documents are contiguous), tiles with
 equal windows are batched into one fused call with a small per-tile mask. Work is about
-S * (tile + document length) instead of S^2 / 2.
+S * (tile + document length) instead of S^2 / 2. ``chunk_attention`` (chunked, block-local
+attention) is the same with chunk boundaries as document boundaries.
 """
 
 from __future__ import annotations
@@ -427,6 +428,55 @@ def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None
     mask = window_mask(q.shape[1], window, q.device, positions, doc_ids, key)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return sdpa(q, k, v, mask=mask, scale=scale, sinks=sinks).transpose(1, 2)
+
+
+_CHUNK_IDS: list[tuple] = []  # (weakref to the anchor tensor, chunk, ids), newest last
+
+
+@torch.compiler.disable  # compiled blocks call it eagerly: its lookup by identity is Python
+def chunk_ids(doc_ids: torch.Tensor | None, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[b, s] ids of the runs a chunked layer attends within: a new run where the document
+    or the chunk (``position // chunk``) changes, so chunk boundaries are document boundaries
+    and ``document_attention`` computes chunked attention. On the device, no host read; made
+    once per micro-batch (``doc_ids``, else ``positions``, by identity) and chunk size, and
+    shared by every chunked layer (their document plan with it)."""
+    anchor = doc_ids if doc_ids is not None else positions
+    for ref, c, ids in reversed(_CHUNK_IDS):
+        if c == chunk and ref() is anchor:
+            return ids
+    block = torch.div(positions, chunk, rounding_mode="floor")
+    starts = torch.zeros_like(block, dtype=torch.bool)
+    starts[:, 1:] = block[:, 1:] != block[:, :-1]
+    if doc_ids is not None:
+        starts[:, 1:] |= doc_ids[:, 1:] != doc_ids[:, :-1]
+    ids = starts.long().cumsum(1)
+    _CHUNK_IDS.append((weakref.ref(anchor), chunk, ids))
+    del _CHUNK_IDS[:-_PLANS_KEPT]
+    return ids
+
+
+def chunk_attention(q, k, v, chunk: int, positions: torch.Tensor | None = None,
+                    doc_ids: torch.Tensor | None = None, scale: float | None = None,
+                    tile: int = DOCUMENT_TILE) -> torch.Tensor:
+    """Chunked (block-local) causal attention: a query sees the earlier keys of its own chunk
+    of ``chunk`` positions (``position // chunk`` equal; Llama 4's ``attention_chunk_size``)
+    and of its document. q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv]; never an S x S
+    mask. Contiguous positions without documents: the row is reshaped into its chunks and
+    run as one causal fused call over [b * s / chunk] rows (zero keys padded at the end are
+    after every real query: unseen); otherwise chunk boundaries join the document boundaries
+    (``chunk_ids``) and ``document_attention`` runs it per tile."""
+    b, s, heads, d = q.shape
+    if doc_ids is None and positions is None:
+        width = min(chunk, s)
+        pad = (-s) % width
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        n = (s + pad) // width
+        qc, kc, vc = (t.reshape(b * n, width, t.shape[2], t.shape[3]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=heads != k.shape[2], scale=scale)
+        return out.transpose(1, 2).reshape(b, s + pad, heads, v.shape[-1])[:, :s]
+    rising = positions if positions is not None else torch.arange(s, device=q.device).expand(b, -1)
+    return document_attention(q, k, v, positions, chunk_ids(doc_ids, rising, chunk), tile, scale=scale)
 
 
 def attention_scale(head_dim: int) -> float:

@@ -95,7 +95,7 @@ def adapter_of_type(model_type: str) -> HFAdapter:
 
 def adapter_of_model(m: ModelConfig) -> tuple[HFAdapter, str]:
     """The adapter whose family a model is, and the ``model_type`` it exports as by default."""
-    for adapter in registry.hf_adapters():
+    for adapter in reversed(registry.hf_adapters()):  # a later family built on shared blocks claims first
         if (m.norm, m.mlp) != (adapter.norm, adapter.mlp):
             continue
         model_type = adapter.natural_type(m)

@@ -7,8 +7,9 @@
     scores = softmax(logits)   or   sigmoid(logits)    (``moe_router``)
     chosen = top-k of (scores + b)                     (b = ``expert_bias``, only with
                                                         ``moe_bias_balance``; selection only)
-    g_j    = scores[chosen_j], divided by their sum when ``moe_norm_topk`` (always for sigmoid)
+    g_j    = scores[chosen_j], divided by their sum when ``moe_norm_topk``
     y      = sum_j g_j * Expert_{chosen_j}(x) + SharedExperts(x)
+             (``moe_gate_input``, top-1: Expert_{chosen}(g * x) + SharedExperts(x), Llama 4)
 
 Dropless by default. With ``moe_capacity_factor`` c > 0 each expert accepts at most
 C = ceil(c * s * k / E) assignments *per sequence* (s tokens); assignments are queued
@@ -130,7 +131,8 @@ class MoE(nn.Module):
         self.n_experts = cfg.moe_experts
         self.topk = cfg.moe_topk
         self.router_kind = cfg.moe_router
-        self.norm_topk = cfg.moe_norm_topk or cfg.moe_router == "sigmoid"
+        self.norm_topk = cfg.moe_norm_topk
+        self.gate_input = cfg.moe_gate_input
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coef = cfg.moe_aux_loss_coef
         self.z_coef = cfg.moe_z_loss_coef
@@ -251,7 +253,10 @@ class MoE(nn.Module):
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         expert, gate = idx.flatten(), gates.flatten()
-        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts, capacity)
+        routed = flat
+        if self.gate_input:  # (top-1) the gate scales the token on its way in; any dispatcher carries it
+            routed, gate = flat * gate[:, None].to(flat.dtype), torch.ones_like(gate)
+        out = self.dispatcher(routed, tokens, expert, gate, self.experts, self.n_experts, capacity)
         out = out.view(batch, seq, dim)
         if self.shared_experts is not None:  # on [batch, seq, dim]: sequence parallel splits dim 1
             out = out + self.shared_experts(x)

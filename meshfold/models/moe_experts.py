@@ -143,8 +143,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # Rows per grouped-GEMM group are padded to a multiple of this many bytes' worth of rows
-# (sm90's grouped GEMM wants 16-byte aligned groups: 8 rows of bf16).
+# (sm90's grouped GEMM wants 16-byte aligned groups: 8 rows of bf16). CUDA only: the CPU
+# kernel (a loop of matmuls) takes any group, and the copies into and out of the padded
+# layout cost a fifth of a 64-expert MoE block's step there (docs/moe.md).
 GROUP_ALIGN_BYTES = 16
+
+
+def group_align(x: torch.Tensor) -> int:
+    """Rows per grouped-GEMM group multiple on ``x``'s device (1 = no padding)."""
+    return max(1, GROUP_ALIGN_BYTES // x.element_size()) if x.device.type == "cuda" else 1
 
 
 class _Groups:
@@ -279,7 +286,7 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x, w1, w2, counts, groups, gates, biases=None):
         if groups is None:
             kernel = expert_kernel(x, self.kernel)
-            groups = _Groups(counts, x.shape[0], kernel, align=max(1, GROUP_ALIGN_BYTES // x.element_size()))
+            groups = _Groups(counts, x.shape[0], kernel, align=group_align(x))
         if getattr(groups, "dest", None) is not None:  # aligned groups: in and out of the padded layout once
             x = _ScatterRows.apply(x, groups.dest, groups.padded_rows)
             if gates is not None:

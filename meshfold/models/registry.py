@@ -47,12 +47,20 @@ class LayerAttention:
     context); ``rope``: the ``[model]`` RoPE keys this layer uses instead of the model's, as
     (key, value) pairs (its own base, its own scaling); ``scale``: the softmax scale (0 =
     1/sqrt(the q/k head width)); ``sinks``: a learned logit per query head joins the softmax's
-    denominator (attention sinks: ``Attention.sinks``, gpt-oss)."""
+    denominator (attention sinks: ``Attention.sinks``, gpt-oss); ``chunk`` > 0: chunked
+    (block-local) attention, each query sees the earlier keys of its chunk of ``chunk``
+    positions; ``nope``: no RoPE on this layer; ``l2_qk_norm``: q and k divided by their RMS
+    over each head (no weight); ``temperature`` = (floor, strength): queries times 1 + strength
+    * log(1 + floor((position + 1) / floor)) (Llama 4's attention temperature tuning; () = none)."""
 
     window: int = 0
     rope: tuple[tuple[str, Any], ...] = ()
     scale: float = 0.0
     sinks: bool = False
+    chunk: int = 0
+    nope: bool = False
+    l2_qk_norm: bool = False
+    temperature: tuple[float, float] = ()
 
 
 PLAIN_LAYER = LayerAttention()

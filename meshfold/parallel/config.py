@@ -112,9 +112,9 @@ def check_plain_layers(m) -> None:
     are refused, never computed wrongly."""
     for layer in range(m.n_layers):
         spec = registry.layer_attention(m, layer)
-        if spec.window or spec.scale or spec.sinks:
-            what = (f"a sliding window of {spec.window}" if spec.window else
-                    f"softmax scale {spec.scale}" if spec.scale else "attention sinks")
+        if spec.window or spec.scale or spec.sinks or spec.chunk:
+            what = (f"a sliding window of {spec.window}" if spec.window else f"softmax scale {spec.scale}"
+                    if spec.scale else "attention sinks" if spec.sinks else f"chunks of {spec.chunk}")
             raise ConfigError(f"parallel.cp > 1 is not supported with layer {layer}'s attention ({what}): context "
                               f"parallel attends the whole causal context; use parallel.cp = 1")
 

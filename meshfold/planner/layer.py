@@ -70,7 +70,8 @@ class LayerCosts:
         any_moe = m.moe_experts > 0
         act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
-        act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
+        act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks,
+                                                                                         w.aligned_groups)
                                                          if moe and recompute != "full" else 0.0)
                      for moe in self.kind_counts}
         # The attention core: fused (flash) kernels at their measured efficiency, forward

@@ -30,6 +30,7 @@ class Workload:
     fp8: bool = False  # Float8 linears (torchao): GEMMs at the fp8 peak, plus their casts
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
+    aligned_groups: bool = True  # grouped-GEMM expert groups padded to 16 bytes (CUDA's kernel; not the CPU's)
 
     @property
     def s(self) -> int:
