@@ -115,7 +115,8 @@ def rows() -> list[Row]:
         for recompute, sp, seconds in (("full", False, full_s), ("selective", True, selective_s)):
             out.append(Row(f"{size} {recompute}{' + sp' if sp else ''}, {gpus} GPUs (Table 5)", KORTHIKANTI,
                            "a100-dgx", gpus, seconds, "s/step", 0.15, _gpt(h, a, layers),
-                           dict(global_batch=batch, dtype="bf16", flash=False, dropout=True, kernels="fused"),
+                           dict(global_batch=batch, dtype="bf16", flash=False, dropout=True, kernels="fused",
+                                tp_overlap=True, wgrad_fused=True),
                            Layout(dp_replicate=gpus // (tp * pp), tp=tp, sp=sp, pp=pp, micro_batch=mb,
                                   recompute=recompute), overlap=0.0))
     for name, model, gpus, tps, layout, extra in TORCHTITAN_ROWS:

@@ -63,6 +63,10 @@ class StepTime:
         fsdp = L.zero >= 2 and n_shard > 1
         casts = ((6 + n_micro * 18) * Pmax / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
                  else 0.0)
+        if w.dtype != "bf16-amp" and not w.wgrad_fused and c.device.gemm_tile:
+            # each micro-batch after the first adds its weight gradients into the held ones
+            # (autograd's .grad accumulation, Megatron 2021's main_grad hook): read both, write one
+            casts += (n_micro - 1) * 3 * gb * Pmax / self.bw
         if fsdp and c.device.gemm_tile:
             # FSDP2's copy-out of every all-gather into the parameters (read and write the
             # gathered bytes: each micro-batch forward and backward under ZeRO-3, once under
