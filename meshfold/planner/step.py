@@ -52,10 +52,12 @@ class StepTime:
         if dp_exposed is None:
             dp_exposed = self._dp_cache[dkey] = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
 
-        # ---- optimizer step: one memory-bound pass over the local states
+        # ---- optimizer step: one memory-bound pass over the local states, after gradient
+        # clipping's norm (reads each gradient) and scale (reads and writes it: meshfold's
+        # optim/clip.py, Megatron's clip_grad_norm)
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
-        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.bw
+        opt_time = Pmax * ((pb + gb + ob) * 2 + 3 * gb) / shards / self.bw
         opt_time += self.optimizer.step_time(self, L, stage_layers[0])  # (Muon: Newton-Schulz, its exchange)
         # bf16 compute from fp32 weights without FSDP's bf16 gathers (parallel/compute_weights.py):
         # every weight is cast to bf16 once a step (4 + 2 bytes); each micro-batch its bf16
