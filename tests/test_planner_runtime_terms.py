@@ -77,16 +77,19 @@ def test_fused_backward_bytes_counted_by_kernel():
 
 
 def test_gemm_epilogue_on_ampere_only():
-    """On the A100 a short-k GEMM pays its tiles' writes (k0 = the machine balance, 146 k-steps);
-    on Hopper's persistent kernels large GEMMs stay at MAMF. Backward GEMMs by their shapes."""
+    """On the A100 a GEMM with a shorter k than MAMF's shape pays its tiles' writes (k0 = the
+    machine balance, 146 k-steps); from that k on, MAMF; on Hopper's persistent kernels large
+    GEMMs stay at MAMF. Backward GEMMs by their shapes."""
     a100, h100 = DEVICES["a100-80gb"], DEVICES["h100-sxm"]
     m, n = 8192, 6144
-    per_flop = {k: gemm_time(a100, m, n, k, 1) / (2 * m * n * k) for k in (768, 8192)}
+    per_flop = {k: gemm_time(a100, m, n, k, 1) / (2 * m * n * k) for k in (768, 2048, 8192)}
     k0 = 2 * a100.peak_tflops * 1e12 * a100.matmul_eff / (2 * a100.hbm_GBps * 1e9 * a100.hbm_eff)
-    assert 140 < k0 < 150
-    assert per_flop[768] / per_flop[8192] == pytest.approx((1 + k0 / 768) / (1 + k0 / 8192), rel=1e-9)
-    no_epilogue = replace(a100, gemm_epilogue_exposed=False)
-    assert gemm_time(no_epilogue, m, n, 8192, 1) < gemm_time(a100, m, n, 8192, 1)
+    assert 140 < k0 < 150 and a100.gemm_epilogue_k == 2048
+    assert per_flop[768] / per_flop[2048] == pytest.approx((1 + k0 / 768) / (1 + k0 / 2048), rel=1e-9)
+    assert per_flop[8192] == pytest.approx(per_flop[2048], rel=1e-9)
+    no_epilogue = replace(a100, gemm_epilogue_k=0)
+    assert gemm_time(no_epilogue, m, n, 8192, 1) == gemm_time(a100, m, n, 8192, 1)
+    assert gemm_time(no_epilogue, m, n, 768, 1) < gemm_time(a100, m, n, 768, 1)
     big = gemm_time(h100, 16384, 4096, 4096, 4096)
     assert big == pytest.approx(2 * 16384 * 4096**2 / (h100.peak_tflops * 1e12 * h100.matmul_eff), rel=0.05)
     dgrad, wgrad = gemm_backward_time(a100, m, n, 768, 1)

@@ -78,16 +78,17 @@ class Device:
     # long as they overlap (published overlap measurements, docs/planner.md "Contention";
     # 0 = none, e.g. a calibrated CPU cluster, whose measured rates already include it).
     overlap_slowdown: float = 0.0
-    # The GEMM kernels run one output tile per thread block, writing it after the k-loop
-    # while the SM's tensor cores wait (cuBLAS on Ampere); False: persistent kernels that
-    # overlap a tile's write with the next tile's loop (Hopper, Blackwell), or a calibrated
-    # rate. ``kernels.gemm_time``.
-    gemm_epilogue_exposed: bool = False
+    # > 0: the GEMM kernels run one output tile per thread block, writing it after the
+    # k-loop while the SM's tensor cores wait (cuBLAS on Ampere), and this is the inner
+    # dimension of the shape MAMF was measured at: GEMMs with a shorter k lose more to the
+    # tiles' writes (``kernels.gemm_time``). 0: persistent kernels that overlap a tile's
+    # write with the next tile's loop (Hopper, Blackwell), or a calibrated rate.
+    gemm_epilogue_k: int = 0
 
 
 # Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
 _A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63,  # MAMF; FlashAttention-2 paper
-             overlap_slowdown=0.2, gemm_epilogue_exposed=True)  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
+             overlap_slowdown=0.2, gemm_epilogue_k=2048)  # MAMF's best shape 6912x16384x2048  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
 _H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.35,  # MAMF; FA2 on H100 (FA3 paper)
              overlap_slowdown=0.2)
 DEVICES: dict[str, Device] = {

@@ -29,12 +29,14 @@ def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int 
     guide (MAMF is measured at shapes with neither), or its HBM traffic
     (operands once, output once) when that takes longer (the roofline: skinny GEMMs are
     memory bound). On a device whose GEMM kernels run one output tile per thread block
-    (``Device.gemm_epilogue_exposed``: cuBLAS on Ampere) each tile ends with its epilogue,
+    (``Device.gemm_epilogue_k`` > 0: cuBLAS on Ampere) each tile ends with its epilogue,
     the write of the tile after its k-loop, while its SM's tensor cores wait: per tile
     ``ob`` bytes an output at the SM's share of HBM (the tiles of a wave finish together)
     against 2 k FLOPs an output at its share of the GEMM rate, i.e. the loop lengthened by
-    k0 = ob peak eff / (2 HBM hbm_eff) k-steps, the device's machine balance (A100: 146; a
-    k = 768 GEMM runs 19 % slower than MAMF's large-k shapes, k = 6144 2 %). Hopper's
+    k0 = ob peak eff / (2 HBM hbm_eff) k-steps, the device's machine balance (A100: 146).
+    MAMF was measured at k = ``gemm_epilogue_k`` (A100: 2048) and is the most any shape
+    reaches, so a GEMM runs (1 + k0/k) / (1 + k0/k_MAMF) slower below that k (A100, k = 768:
+    11 %; the attention scores' k = head dim 96: 2.35x) and at MAMF above it. Hopper's
     persistent warp-specialized kernels overlap one tile's epilogue with the next one's
     loop (an 8192^3 product ran at 798 TFLOP/s on an H100 here, MAMF's 792). ``width``: the
     CPU calibration's fall-off (``matmul_efficiency``)."""
@@ -52,8 +54,11 @@ def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int 
     ab = 1 if fp8 and d.fp8_tflops else operand_bytes
     hbm = d.hbm_GBps * 1e9 * d.hbm_eff
     traffic = ab * (m * k + k * n) + operand_bytes * m * n
-    epilogue = operand_bytes * peak * eff / (2 * hbm) if d.gemm_epilogue_exposed else 0.0  # k-steps a tile's write costs
-    return max(flops / (peak * eff * q) * (1 + epilogue / k), traffic / hbm)
+    slower = 1.0
+    if d.gemm_epilogue_k and k < d.gemm_epilogue_k:
+        k0 = operand_bytes * peak * eff / (2 * hbm)  # k-steps a tile's write costs
+        slower = (1 + k0 / k) / (1 + k0 / d.gemm_epilogue_k)
+    return max(flops / (peak * eff * q) * slower, traffic / hbm)
 
 
 def gemm_backward_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
