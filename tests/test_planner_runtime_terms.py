@@ -111,3 +111,20 @@ def test_published_jobs_priced_as_run():
     est = estimate(Workload(GPT, 8, flash=False, kernels="fused", tp_overlap=True, wgrad_fused=True),
                    load_cluster("a100", devices=8), Layout(tp=8, micro_batch=1))
     assert est.step_time_s > 0
+
+
+def test_megatron_scatter_gather_and_fp32_weight_gradients():
+    """Megatron's pipeline sends split over tp and re-gathered (no sp) cost less than whole
+    ones across nodes; under sp they are split already. A weight gradient accumulated in fp32
+    by its GEMM (8 bytes an output) pays more for its tiles' writes on the A100."""
+    c = load_cluster("a100", devices=32)
+    lay = Layout(dp_replicate=2, tp=8, pp=2, micro_batch=1)
+    plain, split = (estimate(Workload(GPT, 16, flash=False, pp_scatter_gather=f), c, lay).step_time_s
+                    for f in (False, True))
+    assert split < plain
+    lay_sp = replace(lay, sp=True)
+    assert (estimate(Workload(GPT, 16, flash=False, pp_scatter_gather=True), c, lay_sp).step_time_s
+            == estimate(Workload(GPT, 16, flash=False), c, lay_sp).step_time_s)
+    a100 = DEVICES["a100-80gb"]
+    bf16, fp32 = (gemm_backward_time(a100, 2048, 1536, 12288, 1, wgrad_fused=f) for f in (False, True))
+    assert bf16[0] == fp32[0] and fp32[1] > bf16[1]

@@ -20,7 +20,7 @@ def matmul_efficiency(cluster: Cluster, width: float) -> float:
 
 
 def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
-              fp8: bool = False) -> float:
+              fp8: bool = False, out_bytes: int = 0) -> float:
     """Seconds for one GEMM (m x k) @ (k x n) on device ``d``: its FLOPs at the device's
     achievable rate (``matmul_eff`` of the bf16 or fp8 peak), lowered by tile
     quantization (an output dimension below a multiple of ``gemm_tile`` wastes the rest of
@@ -34,12 +34,15 @@ def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int 
     ``ob`` bytes an output at the SM's share of HBM (the tiles of a wave finish together)
     against 2 k FLOPs an output at its share of the GEMM rate, i.e. the loop lengthened by
     k0 = ob peak eff / (2 HBM hbm_eff) k-steps, the device's machine balance (A100: 146).
-    MAMF was measured at k = ``gemm_epilogue_k`` (A100: 2048) and is the most any shape
-    reaches, so a GEMM runs (1 + k0/k) / (1 + k0/k_MAMF) slower below that k (A100, k = 768:
-    11 %; the attention scores' k = head dim 96: 2.35x) and at MAMF above it. Hopper's
+    MAMF was measured at k = ``gemm_epilogue_k`` (A100: 2048, bf16 out) and is the most any
+    shape reaches, so a GEMM runs max(1, (1 + k0/k) / (1 + k0_MAMF/k_MAMF)) slower (A100,
+    k = 768: 11 %; the attention scores' k = head dim 96: 2.35x; a weight gradient over 2048
+    tokens accumulated in fp32, 8 bytes an output: 20 %). Hopper's
     persistent warp-specialized kernels overlap one tile's epilogue with the next one's
-    loop (an 8192^3 product ran at 798 TFLOP/s on an H100 here, MAMF's 792). ``width``: the
-    CPU calibration's fall-off (``matmul_efficiency``)."""
+    loop (an 8192^3 product ran at 798 TFLOP/s on an H100 here, MAMF's 792). ``out_bytes``:
+    what the epilogue moves per output (0: writes it in the operand dtype; an fp32 gradient
+    accumulated in place reads and writes 8). ``width``: the CPU calibration's fall-off
+    (``matmul_efficiency``)."""
     flops = 2.0 * m * n * k
     peak = (d.fp8_tflops if fp8 and d.fp8_tflops else d.peak_tflops) * 1e12
     eff = d.matmul_eff * (width / (width + d.matmul_half_width) if d.matmul_half_width else 1.0)
@@ -53,20 +56,24 @@ def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int 
         q *= tiles / (math.ceil(tiles / d.sms) * d.sms)
     ab = 1 if fp8 and d.fp8_tflops else operand_bytes
     hbm = d.hbm_GBps * 1e9 * d.hbm_eff
-    traffic = ab * (m * k + k * n) + operand_bytes * m * n
+    ob = out_bytes or operand_bytes
+    traffic = ab * (m * k + k * n) + ob * m * n
     slower = 1.0
-    if d.gemm_epilogue_k and k < d.gemm_epilogue_k:
-        k0 = operand_bytes * peak * eff / (2 * hbm)  # k-steps a tile's write costs
-        slower = (1 + k0 / k) / (1 + k0 / d.gemm_epilogue_k)
+    if d.gemm_epilogue_k:
+        k0 = peak * eff / (2 * hbm)  # k-steps a tile's write costs, per byte an output
+        slower = max(1.0, (1 + ob * k0 / k) / (1 + operand_bytes * k0 / d.gemm_epilogue_k))
     return max(flops / (peak * eff * q) * slower, traffic / hbm)
 
 
 def gemm_backward_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
-                       fp8: bool = False) -> tuple[float, float]:
+                       fp8: bool = False, wgrad_fused: bool = False) -> tuple[float, float]:
     """The backward of ``gemm_time``'s (m x k) @ (k x n): the input gradient (m x n) @
     (n x k) and the weight gradient (k x m) @ (m x n), each by its own shape (the weight
-    gradient's inner dimension is the tokens)."""
-    return (gemm_time(d, m, k, n, width, operand_bytes, fp8), gemm_time(d, k, n, m, width, operand_bytes, fp8))
+    gradient's inner dimension is the tokens). ``wgrad_fused``: the weight gradient is
+    accumulated into an fp32 buffer by the GEMM (Megatron's gradient-accumulation fusion:
+    its epilogue reads and writes 8 bytes an output)."""
+    return (gemm_time(d, m, k, n, width, operand_bytes, fp8),
+            gemm_time(d, k, n, m, width, operand_bytes, fp8, 8 if wgrad_fused else 0))
 
 
 def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]:

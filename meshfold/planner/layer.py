@@ -164,7 +164,7 @@ class LayerCosts:
                 # backward (the input gradient's and the weight gradient's)
                 shapes = layer_gemms(m, tp, moe)
                 hit = ([gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in shapes],
-                       [gemm_backward_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in shapes])
+                       [gemm_backward_time(d, tokens, n, k, h / tp, act, w.fp8, w.wgrad_fused) for n, k in shapes])
             elif hit is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
                 one = 2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)
                 hit = ([one], [(one, one)])
@@ -231,7 +231,7 @@ class LayerCosts:
         logits = self._gemm_cache.get((tokens, tp, "logits"))
         if logits is None and d.gemm_tile:
             logits = (gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8),
-                      sum(gemm_backward_time(d, tokens, V / tp, h, h / tp, act, w.fp8)))
+                      sum(gemm_backward_time(d, tokens, V / tp, h, h / tp, act, w.fp8, w.wgrad_fused)))
         elif logits is None:
             one = 2 * h * V / tp * tokens / (peak * eff)
             logits = (one, 2 * one)

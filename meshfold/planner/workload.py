@@ -35,6 +35,9 @@ class Workload:
     # Weight gradients accumulated inside the weight-gradient GEMM (Megatron's gradient-
     # accumulation fusion, 2022): no pass adding each micro-batch's gradients into the held ones
     wgrad_fused: bool = False
+    # Pipeline sends split over the tp ranks and all-gathered after (Megatron's scatter/gather
+    # optimization); False: every tp rank sends the whole activations (meshfold's pp)
+    pp_scatter_gather: bool = False
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
 
