@@ -128,3 +128,17 @@ def test_megatron_scatter_gather_and_fp32_weight_gradients():
     a100 = DEVICES["a100-80gb"]
     bf16, fp32 = (gemm_backward_time(a100, 2048, 1536, 12288, 1, wgrad_fused=f) for f in (False, True))
     assert bf16[0] == fp32[0] and fp32[1] > bf16[1]
+
+
+def test_eager_kernels_at_their_measured_bandwidth():
+    """Hopper's eager memory-bound kernels run at the fraction measured on an H200
+    (``eager_hbm_eff``); the fused profile, the optimizer pass and A100s keep ``hbm_eff``."""
+    c = load_cluster("h100", devices=8)
+    plain = replace(c, device=replace(c.device, eager_hbm_eff=0.0))
+    lay = Layout(dp_shard=8, zero=3, micro_batch=1)
+    for kernels, slower in (("eager", True), ("fused", False)):
+        w = Workload(GPT, 8, kernels=kernels)
+        a, b = estimate(w, c, lay), estimate(w, plain, lay)
+        assert (a.step_time_s > b.step_time_s) == slower
+        assert a.time["optimizer"] == b.time["optimizer"]
+    assert 0 < c.device.eager_hbm_eff < c.device.hbm_eff and DEVICES["a100-80gb"].eager_hbm_eff == 0.0

@@ -55,6 +55,8 @@ class LayerCosts:
         eff = matmul_efficiency(c, h / tp)
         d = c.device
         bw = hbm * d.hbm_eff  # what streaming kernels reach
+        if w.kernels == "eager" and d.eager_hbm_eff:  # PyTorch's one-kernel-per-op (measured)
+            bw = hbm * d.eager_hbm_eff
         attn_p = self._attn_p
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         # QK^T and AV for this device's queries, as wide as the attention kind's heads
