@@ -142,3 +142,18 @@ def test_eager_kernels_at_their_measured_bandwidth():
         assert (a.step_time_s > b.step_time_s) == slower
         assert a.time["optimizer"] == b.time["optimizer"]
     assert 0 < c.device.eager_hbm_eff < c.device.hbm_eff and DEVICES["a100-80gb"].eager_hbm_eff == 0.0
+
+
+def test_cp_ring_and_expert_all_to_all_contention():
+    """The ring's hops and the pipelined expert all-to-all chunks that hide behind compute
+    slow it by ``overlap_slowdown`` of their hidden seconds, as the data-parallel traffic does."""
+    from meshfold.models.presets import preset
+
+    c = load_cluster("h100", devices=16)
+    calm = replace(c, device=replace(c.device, overlap_slowdown=0.0))
+    w = Workload(preset("llama3-8b"), 8, 32768)
+    busy, free = (CostModel(w, x).layer_terms(1, False, 8, "ring", 1, 1, "none") for x in (c, calm))
+    assert busy.time.cp_fwd > free.time.cp_fwd and busy.kinds[False].fwd > free.kinds[False].fwd
+    moe = Workload(preset("mixtral-8x7b"), 8, 4096)
+    busy, free = (CostModel(moe, x).layer_terms(1, False, 1, "ring", 8, 1, "none", 0, 4) for x in (c, calm))
+    assert busy.kinds[True].fwd > free.kinds[True].fwd and busy.kinds[True].bwd > free.kinds[True].bwd

@@ -137,8 +137,11 @@ class LayerCosts:
             attn_b += ring_b
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
-            cp_fwd += max((R - 1) * hop - attn_f, hop)
-            cp_sel += max((R - 1) * hop - attn_f, hop)
+            # what hides behind the attention blocks slows them (contention, ``overlap_slowdown``)
+            shown = max((R - 1) * hop - attn_f, hop)
+            ring_t = shown + d.overlap_slowdown * max(0.0, (R - 1) * hop - shown)
+            cp_fwd += ring_t
+            cp_sel += ring_t
             cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
             cp_sent_rec += (R - 1) * kv
             cp_sent_sel += (R - 1) * kv
@@ -220,8 +223,11 @@ class LayerCosts:
                 a2a = self.ct("all_to_all", routed / n, ep, tp) + call
                 experts_f = 2 * routed_params(m) / m.moe_experts * m.moe_topk * routed_fraction(m, s) \
                     * tokens / tp / (peak * eff)
-                fwd = fwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - experts_f)
-                bwd = bwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - 2 * experts_f)
+                # (the chunks hidden behind the experts slow them: contention, ``overlap_slowdown``)
+                for window, part in ((experts_f, "f"), (2 * experts_f, "b")):
+                    hidden = min((2 * n - 2) * a2a, window)
+                    t = 2 * a2a + (2 * n - 2) * a2a - hidden + d.overlap_slowdown * hidden
+                    fwd, bwd = (fwd + t, bwd) if part == "f" else (fwd, bwd + t)
                 ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
                     ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
