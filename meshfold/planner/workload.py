@@ -28,6 +28,16 @@ class Workload:
     # "fused" = hand-fused kernels (Megatron) or torch.compile's fusions.
     kernels: str = "eager"
     fp8: bool = False  # Float8 linears (torchao): GEMMs at the fp8 peak, plus their casts
+    # Tensor parallel's backward collectives of the column-parallel linears run beside the
+    # GEMM that does not need them (Megatron since late 2021, ``layer._tp_backward``);
+    # False: one after the other on the compute stream, as meshfold's ``parallel/tp`` issues them
+    tp_overlap: bool = False
+    # Weight gradients accumulated inside the weight-gradient GEMM (Megatron's gradient-
+    # accumulation fusion, 2022): no pass adding each micro-batch's gradients into the held ones
+    wgrad_fused: bool = False
+    # Pipeline sends split over the tp ranks and all-gathered after (Megatron's scatter/gather
+    # optimization); False: every tp rank sends the whole activations (meshfold's pp)
+    pp_scatter_gather: bool = False
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
     aligned_groups: bool = True  # grouped-GEMM expert groups padded to 16 bytes (CUDA's kernel; not the CPU's)
