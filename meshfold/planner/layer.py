@@ -18,6 +18,7 @@ from meshfold.planner.counts import (
     routed_params,
 )
 from meshfold.planner.kernels import (
+    FP8_CAST_BYTES,
     attention_tiles_per_rank,
     elementwise_bytes,
     gemm_time,
@@ -172,7 +173,9 @@ class LayerCosts:
             ew_all, ew_attn, ew_sums = (tokens * x for x in per_token)
             if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
                 # its output gradient backward, and its weight each micro-batch (both ways)
-                ew_all += 5 * tokens * sum(k for _, k in layer_gemms(m, tp, moe)) + 10 * (attn_p + ffn_total) / tp
+                cast = FP8_CAST_BYTES[w.kernels]
+                ew_all += cast * tokens * sum(n + k for n, k in layer_gemms(m, tp, moe)) \
+                    + 2 * cast * (attn_p + ffn_total) / tp
             ew_f = ew_all * scale
             fwd_c = sum(gemms) + attn_f
             fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
