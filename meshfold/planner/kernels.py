@@ -90,6 +90,15 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
     return out
 
 
+# Bytes a Float8 cast moves per element of its high-precision operand (torchao's dynamic
+# scaling, bf16 in). Fused (``train.compile``: inductor makes one kernel of the cast): the amax
+# read, the read and the 1-byte write. Eager, torchao runs it op by op: abs (read 2, write 2),
+# max (read 2), the upcast to fp32 (2 + 4), the scale multiply (4 + 4), the clamp (4 + 4) and
+# the conversion (4 + 1), then the copy into the other GEMM operand's layout (1 + 1). On an
+# H200 the eager fp8 step of llama3-8b's widths ran 1.51x slower than bf16 (docs/gpu.md).
+FP8_CAST_BYTES = {"fused": 5, "eager": 35}
+
+
 def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, act: int, amp: bool,
                       flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float, float]:
     """HBM bytes of one block's memory-bound ops for ``tokens`` tokens on one device:

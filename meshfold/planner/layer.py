@@ -18,6 +18,7 @@ from meshfold.planner.counts import (
     routed_params,
 )
 from meshfold.planner.kernels import (
+    FP8_CAST_BYTES,
     attention_tiles_per_rank,
     elementwise_bytes,
     gemm_backward_time,
@@ -184,7 +185,8 @@ class LayerCosts:
             ew_all, ew_attn, ew_sums, ew_back = (tokens * x for x in per_token)
             if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
                 # its output gradient backward, and its weight each micro-batch (both ways)
-                casts8 = 5 * tokens * sum(k for _, k in layer_gemms(m, tp, moe)) + 10 * (attn_p + ffn_total) / tp
+                cast = FP8_CAST_BYTES[w.kernels]
+                casts8 = cast * tokens * sum(n + k for n, k in layer_gemms(m, tp, moe)) + 2 * cast * (attn_p + ffn_total) / tp
                 ew_all, ew_back = ew_all + casts8, ew_back + 2 * casts8
             ew_f = ew_all * scale
             fwd_c = sum(gemms) + attn_f
