@@ -259,3 +259,70 @@ def test_cuda_dry_run_runs_windows_in_flash_attention(tmp_path):
     assert documents["errors"] == [] and rows["errors"] == []
     assert documents["attention"] == {"flash-window": 2, "flash-varlen": 2}
     assert rows["attention"].get("flash-window") == 2 and "math" not in rows["attention"]
+
+
+def test_biased_experts_equal_on_every_kernel(monkeypatch):
+    """The experts' biases on each kernel's row layout (``_Groups.row_experts``): the grouped
+    GEMM (rows padded to aligned groups), the padded batched matmul and capacity's fixed slots
+    all equal a per-expert loop, forward and gradients (float32). The grouped GEMM leaves the
+    rows past its last group unwritten, forward and backward: they must not reach a bias
+    gradient (0 and 1e3 there in this test, where uninitialised memory would hold anything)."""
+    from meshfold.models.gpt_oss.activation import clamped_swiglu
+    from meshfold.models import moe_experts
+    from meshfold.models.moe_experts import GroupedExperts, fixed_groups
+
+    torch.manual_seed(0)
+    E, D, F, counts = 3, 8, 12, torch.tensor([5, 0, 7])
+    experts = GroupedExperts(E, D, F, "clamped_swiglu", bias=True, glu=clamped_swiglu(ModelConfig(**MODEL)))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x, gates = torch.randn(int(counts.sum()), D), torch.rand(int(counts.sum()))
+    owner = torch.repeat_interleave(torch.arange(E), counts)
+
+    def loop():
+        rows = []
+        for i, e in enumerate(owner.tolist()):
+            h = experts.w13[e] @ x[i] + experts.w13_bias[e]
+            h = experts.glu(h[:F], h[F:])
+            rows.append(gates[i] * (experts.w2[e] @ h + experts.w2_bias[e]))
+        return torch.stack(rows)
+
+    def grads(out):
+        return [out.detach()] + list(torch.autograd.grad(out.square().sum(), list(experts.parameters())))
+
+    want = grads(loop())
+    real = moe_experts._GROUPED_MM
+
+    class Unwritten(torch.autograd.Function):
+        """The grouped GEMM with its unwritten rows (past the last offset) holding 0 forward and
+        1e3 backward, as uninitialised memory may."""
+
+        @staticmethod
+        def forward(ctx, a, b, offs):
+            ctx.save_for_backward(a, b, offs)
+            out = real(a, b, offs=offs)
+            out[int(offs[-1]):] = 0.0  # (inside the clamp: the activation passes gradient there)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b, offs = ctx.saved_tensors
+            with torch.enable_grad():
+                a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+                da, db = torch.autograd.grad(real(a, b, offs=offs), (a, b), grad)
+            da[int(offs[-1]):] = 1e3
+            return da, db, None
+
+    monkeypatch.setattr(moe_experts, "_GROUPED_MM", lambda a, b, offs: Unwritten.apply(a, b, offs))
+    for kernel in ("grouped_mm", "padded_bmm"):
+        experts.kernel = kernel
+        for a, b in zip(grads(experts(x, counts, gates=gates)), want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    per = int(counts.max())  # capacity's layout: each expert's rows in its own `per` slots
+    slots = torch.cat([torch.arange(int(c)) + e * per for e, c in enumerate(counts.tolist())])
+    padded = torch.zeros(E * per, D).index_copy(0, slots, x)
+    padded_gates = torch.zeros(E * per).index_copy(0, slots, gates)
+    out = experts(padded, None, fixed_groups(E, per), padded_gates).index_select(0, slots)
+    for a, b in zip(grads(out), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg="capacity slots")

@@ -192,11 +192,11 @@ class _Groups:
 
     def row_experts(self, rows: int, device) -> torch.Tensor:
         """[rows] the expert of each row of the kernel's layout (for the experts' biases):
-        grouped GEMM by its offsets (rows past the last one are never read back), the padded
-        and capacity layouts by their expert of each row."""
+        grouped GEMM by its offsets, E for the rows past the last one (the kernel leaves them
+        unwritten, forward and backward: they must reach no expert's bias gradient), the
+        padded and capacity layouts by their expert of each row."""
         if self.kernel == "grouped_mm":
-            index = torch.searchsorted(self.offsets, torch.arange(rows, device=device, dtype=torch.int32), right=True)
-            return index.clamp(max=self.offsets.shape[0] - 1)
+            return torch.searchsorted(self.offsets, torch.arange(rows, device=device, dtype=torch.int32), right=True)
         if self.kernel == "bmm":
             return torch.arange(self.E, device=device).repeat_interleave(self.cap)
         return self.expert
@@ -297,8 +297,9 @@ class GroupedExperts(nn.Module):
     def _run(self, x, w1, w2, groups, gates, biases=None):
         """``w1``: the first GEMM's weight (gated kinds: w13, twice the columns per expert)."""
         h = grouped_linear(x, w1, groups)
-        if biases is not None:
+        if biases is not None:  # (a zero row E for the rows no expert owns: row_experts)
             rows = groups.row_experts(h.shape[0], h.device)
+            biases = [F.pad(b, (0, 0, 0, 1)) for b in biases]
             h = h + biases[0].index_select(0, rows)
         if self.kind == "gelu":
             h = F.gelu(h, approximate="tanh")
