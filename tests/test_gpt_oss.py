@@ -198,23 +198,10 @@ def test_windows_sinks_documents_train_in_every_layout_as_one_process(tmp_path):
             raise AssertionError(f"{name}: {err}") from None
 
 
-def _ungated_layouts(cfgs: list[dict]) -> list:
-    """``_layouts`` with the config check's refusal of cp for windowed / sink layers lifted in
-    this worker (the shipped gate, ``parallel/config.py::check_plain_layers``, stays)."""
-    from meshfold.parallel import config as parallel_config
-
-    gate, parallel_config.check_plain_layers = parallel_config.check_plain_layers, lambda m: None
-    try:
-        return _layouts(cfgs)
-    finally:  # (the pool's processes serve later tests)
-        parallel_config.check_plain_layers = gate
-
-
 def test_context_parallel_runtime_trains_windows_and_sinks_as_one_process(tmp_path):
     """The cp attention the swap installs (ring: tile pairs outside the window skipped; Ulysses)
     trains the gpt-oss shape on packed documents as one process does: 5 steps, every loss,
-    parameter and gradient (float64), cp 2 ring (balanced) and cp 2 Ulysses, each x FSDP 2. The
-    shipped config check still refuses these layouts (next test): lifting it is one line."""
+    parameter and gradient (float64), cp 2 ring (balanced) and cp 2 Ulysses, each x FSDP 2."""
     data = short_docs(tmp_path)
 
     def cfg(name, **parallel):
@@ -223,17 +210,18 @@ def test_context_parallel_runtime_trains_windows_and_sinks_as_one_process(tmp_pa
     ref = train_collect(cfg("one"))
     layouts = [cfg("cp2ring_fsdp2", cp=2, cp_mode="ring", dp_shard=2),
                cfg("cp2ulysses_fsdp2", cp=2, cp_mode="ulysses", dp_shard=2)]
-    for name, got in zip(("cp2ring_fsdp2", "cp2ulysses_fsdp2"), run_on(4, _ungated_layouts, layouts)[0]):
+    for name, got in zip(("cp2ring_fsdp2", "cp2ulysses_fsdp2"), run_on(4, _layouts, layouts)[0]):
         try:
             assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from None
 
 
-def test_context_parallel_is_refused_in_one_line(tmp_path):
-    cfg = from_dict(tiny_config(str(tmp_path), model={**MODEL, "alternating_window": 0}, parallel={"cp": 2}))
+def test_context_parallel_hybrid_is_refused_in_one_line(tmp_path):
+    cfg = from_dict(tiny_config(str(tmp_path), model={**MODEL, "alternating_window": 0},
+                                parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}))
     with pytest.raises(ConfigError, match="attention sinks") as err:
-        validate(cfg)
+        validate(cfg, 4)
     assert "\n" not in str(err.value)
 
 
