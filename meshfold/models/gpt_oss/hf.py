@@ -18,11 +18,13 @@ plain tensors in the checkpoint's dtype (``convert export --dtype bfloat16``), n
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError
 from meshfold.models.hf_adapter import HFAdapter, check_keys
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: `meshfold --help` and the planner load no torch
+    import torch
 
 ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -33,9 +35,13 @@ def layer_types(n_layers: int, window: int) -> list[str]:
     return ["sliding_attention" if window and (i + 1) % 2 else "full_attention" for i in range(n_layers)]
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 [..., G, 16] uint8 blocks and [..., G] uint8 exponents -> [..., 32 G] values: byte j
-    holds values 2j (low nibble) and 2j + 1 (high nibble), each times 2^(scale - 127)."""
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """MXFP4 [..., G, 16] uint8 blocks and [..., G] uint8 exponents -> [..., 32 G] values (bf16
+    unless ``dtype``): byte j holds values 2j (low nibble) and 2j + 1 (high nibble), each times
+    2^(scale - 127)."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     blocks = blocks.to(torch.uint8)
     pairs = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
@@ -45,11 +51,15 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def _deinterleave(w: torch.Tensor, dim: int) -> torch.Tensor:
     """Gate/up interleaved along ``dim`` (gate first) -> gate's entries, then up's."""
+    import torch
+
     pairs = w.unflatten(dim, (-1, 2))
     return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
 
 
 def _interleave(w: torch.Tensor, dim: int) -> torch.Tensor:
+    import torch
+
     gate, up = w.chunk(2, dim=dim)
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
 
@@ -109,7 +119,7 @@ class GptOssAdapter(HFAdapter):
         ``w13_bias``, ``w2``): MXFP4 dequantised, [E, in, out] turned to [E, out, in],
         gate/up de-interleaved. The other tensors pass through."""
         out = {}
-        dtype = next((v.dtype for k, v in state.items() if k.endswith("_proj_bias")), torch.bfloat16)
+        dtype = next((v.dtype for k, v in state.items() if k.endswith("_proj_bias")), None)
         for name, value in state.items():
             match = _EXPERTS.fullmatch(name)
             if match is None:
