@@ -129,6 +129,12 @@ def test_chunked_attention_equals_its_definition():
     # every chunked layer of a micro-batch shares one id tensor, hence one document plan
     ids = attention_ops.chunk_ids(doc, per_doc, 4)
     assert attention_ops.chunk_ids(doc, per_doc, 4) is ids and attention_ops.chunk_ids(doc, per_doc, 8) is not ids
+    # with the loader's host copies noted (doc run starts, positions), the chunk runs are found
+    # on the host too (the flash varlen kernel's plan reads nothing back on a GPU)
+    moved = doc.clone()
+    attention_ops.note_run_starts(moved, attention_ops.run_starts(doc, per_doc), per_doc.clone())
+    ids = attention_ops.chunk_ids(moved, per_doc, 4)
+    assert torch.equal(attention_ops._noted_starts(ids), attention_ops.run_starts(ids, per_doc))
 
 
 def train_layouts(configs: list) -> list:

@@ -23,6 +23,7 @@ from meshfold.models.attention_ops import run_starts
 # The batch's document run starts, kept on the host (the one key not moved to the device):
 # the flash varlen kernel's plan needs them on the host, where the batch was made.
 HOST_RUN_STARTS = "doc_run_starts_host"
+HOST_POSITIONS = "positions_host"  # the positions' host copy (chunked attention's runs found on the host too)
 
 
 def peek(sampler, k: int) -> list[torch.Tensor]:
@@ -40,12 +41,15 @@ def with_host_run_starts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     here instead of read back from the GPU once per micro-batch)."""
     if "doc_ids" in batch:
         batch[HOST_RUN_STARTS] = run_starts(batch["doc_ids"], batch.get("positions"))
+        if "positions" in batch:
+            batch[HOST_POSITIONS] = batch["positions"]
     return batch
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device, non_blocking: bool = False) -> dict:
     """Every tensor of the batch on ``device``, but the run starts, which stay on the host."""
-    return {k: v if k == HOST_RUN_STARTS else v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+    return {k: v if k in (HOST_RUN_STARTS, HOST_POSITIONS) else v.to(device, non_blocking=non_blocking)
+            for k, v in batch.items()}
 
 
 class Prefetcher:

@@ -311,15 +311,21 @@ def run_starts(doc_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.T
 _NOTED: list[tuple] = []  # (weakref to a micro-batch's doc_ids on the device, its run starts on the host)
 
 
-def note_run_starts(doc_ids: torch.Tensor, starts: torch.Tensor) -> None:
+def note_run_starts(doc_ids: torch.Tensor, starts: torch.Tensor, positions: torch.Tensor | None = None) -> None:
     """The run starts of the device tensor ``doc_ids``, computed on the host by whoever moved
-    it there (the data loader): the plan then needs no device read for them."""
-    _NOTED.append((weakref.ref(doc_ids), starts))
+    it there (the data loader), with the positions' host copy where it has one: the plan
+    then needs no device read for them (nor ``chunk_ids``' for its runs)."""
+    _NOTED.append((weakref.ref(doc_ids), starts, positions))
     del _NOTED[:-_PLANS_KEPT]
 
 
+def _noted(doc_ids: torch.Tensor) -> tuple | None:
+    return next(((starts, pos) for ref, starts, pos in reversed(_NOTED) if ref() is doc_ids), None)
+
+
 def _noted_starts(doc_ids: torch.Tensor) -> torch.Tensor | None:
-    return next((starts for ref, starts in reversed(_NOTED) if ref() is doc_ids), None)
+    noted = _noted(doc_ids)
+    return None if noted is None else noted[0]
 
 
 _PLANS: list[tuple] = []  # (weakref to the key tensor, weakref to positions or None, tile, plan), newest last
@@ -450,6 +456,15 @@ def chunk_ids(doc_ids: torch.Tensor | None, positions: torch.Tensor, chunk: int)
     if doc_ids is not None:
         starts[:, 1:] |= doc_ids[:, 1:] != doc_ids[:, :-1]
     ids = starts.long().cumsum(1)
+    noted = _noted(doc_ids) if doc_ids is not None else None
+    if noted is not None:
+        # the loader's host copies give the runs' starts on the host too: no read back (a batch
+        # noted without positions has the default ones, 0..s-1, as sequence parallel fills them)
+        host_pos = noted[1] if noted[1] is not None else torch.arange(positions.shape[1]).expand_as(noted[0])
+        host_block = torch.div(host_pos, chunk, rounding_mode="floor")
+        host_starts = noted[0].clone()
+        host_starts[:, 1:] |= host_block[:, 1:] != host_block[:, :-1]
+        note_run_starts(ids, host_starts)
     _CHUNK_IDS.append((weakref.ref(anchor), chunk, ids))
     del _CHUNK_IDS[:-_PLANS_KEPT]
     return ids

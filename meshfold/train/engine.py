@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from meshfold.config import Config
-from meshfold.data.loader import HOST_RUN_STARTS
+from meshfold.data.loader import HOST_POSITIONS, HOST_RUN_STARTS
 from meshfold.data.micro import micro_batch_count, split_micro_batches
 from meshfold.mesh import ParallelDims
 from meshfold.models.attention_ops import note_run_starts
@@ -119,9 +119,9 @@ class StepEngine:
         n = micro_batch_count(local, self.cfg.train.micro_batch, p.pp, p.pp_microbatches)
         micro = split_micro_batches(batch, n)
         for mb in micro:  # document runs found on the host by the loader: no read back per micro-batch
-            starts = mb.pop(HOST_RUN_STARTS, None)
+            starts, positions = mb.pop(HOST_RUN_STARTS, None), mb.pop(HOST_POSITIONS, None)
             if starts is not None and "doc_ids" in mb:
-                note_run_starts(mb["doc_ids"], starts)
+                note_run_starts(mb["doc_ids"], starts, positions)
         return micro
 
     # ------------------------------------------------------------------ the step
