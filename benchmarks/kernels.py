@@ -21,7 +21,7 @@ Variants alternate step by step so machine noise hits all of them; medians are p
 ``--clock cpu`` times sections 1-2 by this process's CPU time on one thread: on a machine
 shared with other jobs the load stretches wall time by 10x and more, CPU time much less.
 
-    .venv/bin/python benchmarks/kernels.py [--steps 5] [--only docs moe ring] [--clock cpu]
+    .venv/bin/python benchmarks/kernels.py [--steps 5] [--only docs moe window ring] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -320,11 +320,46 @@ def bench_ring(seq: int, reps: int, rev: str, variants=("fused", "previous")) ->
     return results
 
 
+# --------------------------------------------------------------------------- 4. sliding windows
+
+
+def bench_window(steps: int, seq: int = 8192, window: int = 1024) -> dict:
+    """Sliding-window attention (window 1,024 of 8,192 on a CPU: the issue's 4,096 of 32,768
+    scaled by 4) against full causal attention over the same tokens, forward + backward, one
+    row, 8 query heads over 2 kv heads of 64: meshfold's banded tiles (``window_attention``
+    on plain rows), the banded [S, S] mask it replaced, and plain causal SDPA."""
+    from meshfold.models import attention_ops
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, seq, h, 64, generator=g).requires_grad_() for h in (8, 2, 2))
+    dout = torch.randn(1, seq, 8, 64, generator=g)
+
+    def run(fn):
+        def step():
+            fn().backward(dout)
+        return step
+
+    def band_mask():
+        mask = attention_ops.window_mask(seq, window, q.device)
+        return attention_ops.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask).transpose(1, 2)
+
+    fns = {"full causal": run(lambda: F.scaled_dot_product_attention(
+               q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)),
+           "window, banded tiles": run(lambda: attention_ops.window_attention(q, k, v, window)),
+           "window, [S, S] band mask": run(band_mask)}
+    times = _median_times(fns, steps)
+    full = times["full causal"]
+    print(f"\n== sliding window {window} of {seq}, fwd + bwd, median of {steps}")
+    for name, t in times.items():
+        print(f"  {name:28s} {t * 1e3:8.1f} ms   {seq / t:10.0f} tokens/s   {full / t:5.2f}x full causal")
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--docs-quick", action="store_true", help="docs: only causal, the default path, varlen, dense")
-    ap.add_argument("--only", nargs="*", default=["docs", "moe", "ring"])
+    ap.add_argument("--only", nargs="*", default=["docs", "moe", "window", "ring"])
     ap.add_argument("--seq", type=int, default=8192, help="ring attention sequence length")
     ap.add_argument("--baseline-rev", default="8e01949", help="git revision of the previous ring (tiles)")
     ap.add_argument("--ring-variants", nargs="*", default=["fused", "previous"],
@@ -343,6 +378,8 @@ def main() -> None:
         bench_docs(args.steps, args.docs_quick)
     if "moe" in args.only:
         bench_moe(args.steps)
+    if "window" in args.only:
+        bench_window(args.steps)
     if "ring" in args.only:
         bench_ring(args.seq, max(2, args.steps // 2), args.baseline_rev, args.ring_variants)
 

@@ -142,9 +142,13 @@ def test_window_attention_equals_the_dense_reference_and_shares_its_mask():
     model = Transformer(m)
     init_weights(model, m, 0)
     attention_ops._WINDOW_MASKS.clear()
+    attention_ops._BANDS.clear()
     model(torch.randint(0, VOCAB, (2, 32)))
     model(torch.randint(0, VOCAB, (2, 32)))
-    assert len(attention_ops._WINDOW_MASKS) == 1  # five windowed layers, two steps: one mask
+    # five windowed layers, two steps, plain rows: the query tiles' one band mask, no [S, S] mask
+    assert len(attention_ops._BANDS) == 1 and not attention_ops._WINDOW_MASKS
+    model(torch.randint(0, VOCAB, (2, 32)), doc_ids=torch.zeros(2, 32, dtype=torch.long))
+    assert len(attention_ops._WINDOW_MASKS) == 1  # packed documents: one mask for the micro-batch's layers
 
 
 def test_planner_prices_the_band_and_never_proposes_context_parallel():

@@ -431,9 +431,58 @@ def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None
         out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest,
                                  scale or attention_scale(d), sinks, window)
         return out.view(b, s, heads, v.shape[-1])
+    if doc_ids is None and positions is None and s > 2 * window:
+        return banded_window_attention(q, k, v, window, scale, sinks)
     mask = window_mask(q.shape[1], window, q.device, positions, doc_ids, key)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return sdpa(q, k, v, mask=mask, scale=scale, sinks=sinks).transpose(1, 2)
+
+
+WINDOW_TILE = 128  # query tile of the banded window path (on CPU: 3.2-3.6x full causal at window 1,024 of 8,192)
+
+_BANDS: list[tuple] = []  # ((tile, reach, n, window, device), mask), newest last
+
+
+def _band_mask(tile: int, reach: int, n: int, window: int, device) -> torch.Tensor:
+    """[n, 1, tile, (reach + 1) tile] bool: query t of tile i sees key j of its key span
+    (tiles i - reach .. i) when 0 <= gap < window, gap = reach * tile + t - j; the first
+    tiles' spans start before the row (zero keys): those are hidden. Made once per shape."""
+    key = (tile, reach, n, window, str(device))
+    for k, mask in _BANDS:
+        if k == key:
+            return mask
+    t = torch.arange(tile, device=device).unsqueeze(-1)
+    j = torch.arange((reach + 1) * tile, device=device)
+    gap = reach * tile + t - j
+    band = (gap >= 0) & (gap < window)
+    first_real = ((reach - torch.arange(n, device=device)).clamp(min=0) * tile).view(n, 1, 1)
+    mask = (band & (j >= first_real)).unsqueeze(1)
+    _BANDS.append((key, mask))
+    del _BANDS[:-_PLANS_KEPT]
+    return mask
+
+
+def banded_window_attention(q, k, v, window: int, scale: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Sliding-window causal attention over plain rows without a fused windowed kernel (the
+    CPU): queries in tiles of ``WINDOW_TILE``, each attending only the key tiles its window
+    reaches (one fused SDPA call over all tiles with one band mask), so the work is
+    S x (window + tile) instead of the S x S a banded mask over the whole row computes."""
+    b, s, heads, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    tile = min(WINDOW_TILE, window)
+    reach = -(-(window - 1) // tile)  # key tiles before the query's own
+    n = -(-s // tile)
+    pad = n * tile - s
+    qt = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(b * n, tile, heads, d).transpose(1, 2)
+    # keys: reach zero tiles before the row, so tile i's span is padded rows [i, i + reach]
+    kp, vp = (F.pad(t, (0, 0, 0, 0, reach * tile, pad)) for t in (k, v))
+    span = (reach + 1) * tile
+    kt, vt = (t.unfold(1, span, tile).permute(0, 1, 4, 2, 3).reshape(b * n, span, hkv, t.shape[-1]).transpose(1, 2)
+              for t in (kp, vp))
+    mask = _band_mask(tile, reach, n, window, q.device).repeat(b, 1, 1, 1)
+    out = sdpa(qt, kt, vt, mask=mask, scale=scale, sinks=sinks)  # [b n, H, tile, dv]
+    return out.transpose(1, 2).reshape(b, n * tile, heads, dv)[:, :s]
 
 
 _CHUNK_IDS: list[tuple] = []  # (weakref to the anchor tensor, chunk, ids), newest last
