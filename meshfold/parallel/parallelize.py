@@ -30,7 +30,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     def init(m: nn.Module) -> nn.Module:
         return materialize(m, cfg.model, cfg.train.seed, device or torch.device("cpu")) if meta else m
 
-    apply_fp8(model, cfg.train, device)  # fp8 linears first: tp and FSDP2 shard the converted modules
+    apply_fp8(model, cfg.train, device, dims.size("tp"))  # fp8 linears first: tp and FSDP2 shard the converted modules
     if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
 
         parallelize_tensor(model, dims, cfg)
