@@ -13,6 +13,7 @@ from torch import nn
 
 from meshfold.parallel.fp8 import tp
 from meshfold.parallel.fp8.config import converts
+from meshfold.parallel.fp8.experts import apply_fp8_experts
 
 
 def _cast_to_autocast_dtype(module: nn.Module, args: tuple):
@@ -63,4 +64,5 @@ def apply_fp8(model: nn.Module, train, device: torch.device | None = None, tp_si
         _mxfp8_linears(model, device.type if device is not None else "cpu")
     else:
         _float8_linears(model, train.fp8, train.fp8_all_gather, tp_size)
+    apply_fp8_experts(model, train.fp8)  # the routed experts' grouped GEMMs
     return model
