@@ -311,18 +311,19 @@ def test_expert_grouped_gemm_sqnr_against_bf16(recipe):
 
 
 def _moe_cfg(run_dir, recipe, **parallel):
-    cfg = _cfg(run_dir, recipe)
+    cfg = _cfg(run_dir, recipe, steps=6)
     cfg["model"].update({"dim": 64, "ffn_dim": 128, "moe_experts": 4, "moe_topk": 2, "moe_ffn_dim": 64})
     cfg["parallel"].update(parallel)
     return cfg
 
 
 def test_moe_experts_train_in_fp8(tmp_path):
-    """10 steps of a MoE model with its routed experts' grouped GEMMs in fp8 (rowwise
+    """6 steps of a MoE model with its routed experts' grouped GEMMs in fp8 (rowwise
     emulated, MXFP8 emulated) against bf16 on one process, and rowwise under ep 2 (2 gloo
     processes) against rowwise on one: fp8's losses within 1% of bf16's (two fp8 GEMMs per
-    expert, 23-24 dB each way, over 10 steps), ep 2's within 2e-3 relative of one process
-    (as FSDP2's above: the same casts on the same rows, the reductions' order differs)."""
+    expert, 23-24 dB each way; 1.6e-3 measured), ep 2's within 3e-3 relative of one process
+    (1.4e-3 measured: the same casts on the same rows, but the gradients' reductions run in
+    another order and an fp8 rounding can flip on such a difference)."""
     from meshfold.parallel.fp8 import experts as fp8_experts
 
     bf16 = train_collect(_moe_cfg(tmp_path / "bf16", "none"))
@@ -338,9 +339,9 @@ def test_moe_experts_train_in_fp8(tmp_path):
         rowwise = train_collect(_moe_cfg(tmp_path / "rowwise", "rowwise"))
     finally:
         fp8_experts._RowwiseGroupedMM.forward = staticmethod(real)
-    assert calls["n"] == 10 * 2 * 2  # steps x MoE layers x the experts' two GEMMs
+    assert calls["n"] == 6 * 2 * 2  # steps x MoE layers x the experts' two GEMMs
     mxfp8 = train_collect(_moe_cfg(tmp_path / "mxfp8", "mxfp8"))
     for run in (rowwise, mxfp8):
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(bf16["losses"]), rtol=1e-2, atol=0)
     ep2 = run_on(2, train_collect, _moe_cfg(tmp_path / "ep2", "rowwise", dp_shard=2, ep=2))[0]
-    torch.testing.assert_close(torch.tensor(ep2["losses"]), torch.tensor(rowwise["losses"]), rtol=2e-3, atol=0)
+    torch.testing.assert_close(torch.tensor(ep2["losses"]), torch.tensor(rowwise["losses"]), rtol=3e-3, atol=0)
