@@ -4,12 +4,14 @@ value) and their scales (fp32, one per row) travel in two all-to-alls; the recei
 multiplies them back. On gloo, which has no float8 dtype, the rows cross as the same bytes
 viewed as uint8 (``comm.gloo_bytes``); NCCL carries float8 itself.
 
-Why it costs the experts no accuracy: their fp8 grouped GEMMs cast each input row to e4m3
-with a power-of-2 row scale too (``parallel/fp8/experts.py``, torchao's rowwise recipe), and
-a row already on that grid comes through the second cast unchanged; only the weight
-gradient, which scales the same rows per column, sees the rounding. The backward exchange
-(the rows' gradient) and the combine stay in the compute dtype, as DeepEP's fp8 dispatch
-does."""
+Why it costs the experts no accuracy: their fp8 grouped GEMMs cast the same rows to e4m3
+with power-of-2 scales too (``parallel/fp8/experts.py``: per row forward, per column within
+each expert's group for the weight gradient; MXFP8: per block of 32). A power-of-2 scale
+moves no rounding: each cast rounds a value to e4m3's 4 significant bits wherever the scale
+puts it, so a row already on that grid comes through every later cast unchanged, and the
+experts compute what they would from the bf16 rows (short of values the casts flush below
+e4m3's normal range). The backward exchange (the rows' gradient) and the combine stay in
+the compute dtype, as DeepEP's fp8 dispatch does."""
 
 from __future__ import annotations
 
