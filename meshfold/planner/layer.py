@@ -32,6 +32,7 @@ from meshfold.planner.terms import (
     LayerTimes,
     LayerTraffic,
 )
+from meshfold.planner.fp8 import dispatch_row_bytes
 from meshfold.planner.traffic import tp_counts
 from meshfold.ring import FACTORS as RING
 
@@ -213,9 +214,11 @@ class LayerCosts:
                     * tokens / tp / (peak * eff)
                 fwd = fwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - experts_f)
                 bwd = bwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - 2 * experts_f)
-                ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
+                # (parallel.ep_fp8_dispatch: the dispatch's rows in fp8 plus a scale, planner/fp8.py)
+                dispatch = routed / (act * h) * dispatch_row_bytes(w, act, h)
+                ep_sent = RING["all_to_all"](ep) * (3 * routed + dispatch + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
-                    ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
+                    ep_sent += RING["all_to_all"](ep) * (routed + dispatch + counts)
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
         # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
@@ -223,7 +226,7 @@ class LayerCosts:
         # exp 8, the scale 8, the cast into the gradient 4 + a)
         logits_gemm = self._gemm_cache.get((tokens, tp, "logits"))
         if logits_gemm is None and d.gemm_tile:
-            logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8)
+            logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act)  # bf16 under train.fp8 too
         elif logits_gemm is None:
             logits_gemm = 2 * h * V / tp * tokens / (peak * eff)
         self._gemm_cache[(tokens, tp, "logits")] = logits_gemm
