@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from meshfold.models.config import ModelConfig
 from meshfold.planner import mtp
-from meshfold.planner.fp8 import fp8_gathered_params
+from meshfold.planner.fp8 import fp8_gathered_params, sp_regathers_skipped, tp_amax_collectives
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
     DTYPE_BYTES,
@@ -204,6 +204,13 @@ class Traffic:
                                 (tr.tp_last, (1 + depths) if last_on_rank0 else 0)):
                 calls, sent, weights = part
                 add("tp", n_micro * times * calls, n_micro * times * (sent + weights * grad))
+            # (train.fp8: the fp8 casts' scales, max-reduced over tp where their axis is split)
+            # and the sequence-parallel re-gathers its column groups skip (net: more calls, planner/fp8.py)
+            tokens = L.micro_batch * (w.s // cp)
+            calls, amax = tp_amax_collectives(w, tp, stages[0], tokens, L.recompute)
+            skipped, regathered = sp_regathers_skipped(w, tp, L.sp, stages[0], tokens, act)
+            add("tp", n_micro * (calls - skipped),
+                n_micro * (RING["all_reduce"](tp) * amax - RING["all_gather"](tp) * regathered))
         # pipeline: activations to the next stage, gradients to the previous one, per
         # micro-batch and chunk; then the loss and the bubble statistics over pp
         if pp > 1:

@@ -58,9 +58,10 @@ class _TensorParallelFloat8Matmul(torch.autograd.Function):
         ctx.save_for_backward(x, w_t)
         ctx.tp, ctx.axes, ctx.mm_config, ctx.config = tp, SPLIT_AXES[split], mm_config, config
         c, axes, pow2 = config, ctx.axes, config.round_scales_to_power_of_2
-        x8 = _cast(tp, x, c.cast_config_input, mm_config, GemmInputRole.INPUT, -1, axes["x"], pow2)
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]: the axes SPLIT_AXES names
+        x8 = _cast(tp, x2, c.cast_config_input, mm_config, GemmInputRole.INPUT, -1, axes["x"], pow2)
         w8 = _cast(tp, w_t, c.cast_config_weight, mm_config, GemmInputRole.WEIGHT, 0, axes["w_t"], pow2)
-        out = torch.mm(x8.reshape(-1, x.shape[-1]), w8)
+        out = torch.mm(x8, w8)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
