@@ -410,3 +410,20 @@ def test_planner_counts_fp8_on_the_wire():
 
     bf16, fp8 = dp_bytes(), dp_bytes("train.fp8=tensorwise", "train.fp8_all_gather=true")
     assert 0.7 * bf16 < fp8 < 0.85 * bf16, (bf16, fp8)
+
+
+def test_cuda_dry_run_names_float8_on_the_wire(capsys):
+    """``gpu.wire_dtypes`` names fp8 payloads float8: FSDP2's packed gather of a block's fp8
+    weights and bf16 norms (one uint8 buffer) by what it packs, the fp8 dispatch's rows by
+    their own dtype (its scales: float32)."""
+    def wire(*overrides):
+        argv = ["dry-run", "configs/debug.toml", "--world", "2", "--device", "cuda", "--json",
+                "--set", "train.dtype=bfloat16", "--set", "parallel.zero=3"]
+        assert main(argv + [x for o in overrides for x in ("--set", o)]) == 0
+        return json.loads(capsys.readouterr().out)["gpu"]["wire_dtypes"]
+
+    assert wire("train.fp8=tensorwise", "train.fp8_all_gather=true")["dp"] == ["bfloat16", "float8_e4m3fn"]
+    assert wire("train.fp8=tensorwise")["dp"] == ["bfloat16"]  # weights gathered in bf16, cast after
+    ep = wire("train.fp8=rowwise", "model.moe_experts=4", "model.dim=64", "model.ffn_dim=128", "parallel.ep=2",
+              "parallel.ep_fp8_dispatch=true")["ep"]
+    assert {"float8_e4m3fn", "float32", "bfloat16"} <= set(ep), ep
