@@ -257,14 +257,17 @@ def test_tensor_parallel_fp8_equals_one_process(tmp_path, recipe):
     sp and tp 2 x FSDP 2 against one process of the same recipe, 10 steps. Losses within
     2e-3 relative, as for FSDP2 above: each rank's fp8 operands are bit-identical slices of
     the one-process ones, so only the row-parallel sums' order (and, under FSDP2, the
-    gradient reduction's) differs, and fp8 rounding can flip on such a difference."""
+    gradient reduction's) differs, and fp8 rounding can flip on such a difference (measured:
+    <= 5.3e-4). Parameters within 0.15 relative norm distance (measured: rowwise <= 0.075,
+    tensorwise <= 0.087, and 0.117 for tp 2 x FSDP 2, where e5m2 gradients' rounding flips
+    move a value by 12.5%: the FSDP2 test above sees 0.10)."""
     runs = _tp_runs(tmp_path, recipe)
     one = runs.pop("one")
     for name, run in runs.items():
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(one["losses"]), rtol=2e-3, atol=0,
                                    msg=lambda m, name=name: f"{recipe} {name}: {m}")
         for param, spread in _spread(one, run).items():
-            assert spread <= 0.12, (recipe, name, param, spread)
+            assert spread <= 0.15, (recipe, name, param, spread)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
