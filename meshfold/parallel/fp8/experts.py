@@ -71,7 +71,8 @@ def rowwise_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -
     if a.device.type == "cuda" and has_values(a):
         from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
-        return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, a.dtype)
+        # (groups already padded to 16 rows: GroupedExperts.group_rows)
+        return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offs, a.dtype, pad_token_groups_for_grouped_mm=False)
     return _RowwiseGroupedMM.apply(a, b_t, offs)
 
 
