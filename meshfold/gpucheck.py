@@ -309,9 +309,8 @@ class GpuRecorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def comm_call(self, op: str, tensors, group, dim):
-        if dim is not None and tensors:
-            for dtype in _packed_dtypes(tensors[0].dtype):
-                self._wire(dim, dtype, op)
+        for dtype in _packed_dtypes(tensors[0].dtype) if dim is not None and tensors else ():
+            self._wire(dim, dtype, op)
         if threading.current_thread() is not threading.main_thread():
             # NCCL runs each rank's collectives (over all its communicators) in issue order:
             # a second issuing thread can order them differently on two ranks and deadlock
@@ -468,13 +467,9 @@ def _stored_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _packed_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
-    """The dtypes a collective's payload carries: FSDP2 packs parameters of different gather
-    dtypes (fp8 weights under ``train.fp8_all_gather`` beside bf16 norms) into one uint8
-    buffer, so a uint8 gather issued from its ``foreach_all_gather`` is named by what it
-    packs; any other payload by its own dtype."""
-    if dtype != torch.uint8:
-        return [dtype]
-    frame = sys._getframe(1)
+    """A payload's dtypes: FSDP2's uint8 gather buffer (``foreach_all_gather`` packs fp8 weights
+    beside bf16 norms under ``train.fp8_all_gather``) by what it packs, others by their own."""
+    frame = sys._getframe(1) if dtype == torch.uint8 else None
     while frame is not None and frame.f_code.co_name != "foreach_all_gather":
         frame = frame.f_back
     packed = frame.f_locals.get("param_all_gather_input_dtypes") if frame is not None else None
