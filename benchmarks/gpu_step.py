@@ -125,6 +125,8 @@ class SyncCounter:
         frames = traceback.extract_stack()[:-2]
         place = next((f for f in reversed(frames) if "/meshfold/" in f.filename), None) or \
             next((f for f in reversed(frames) if "/torch/" not in f.filename and "warnings" not in f.filename), None)
+        if place is not None and "set_sync_debug_mode" in (place.line or ""):
+            return  # the counter's own switch-on, not the step's
         where = f"{place.filename.split('/meshfold/')[-1] if place else '?'}:{place.lineno if place else 0}"
         self.counts[f"{where} ({place.line.strip()[:60] if place and place.line else ''})"] += 1
 

@@ -9,7 +9,8 @@
    and the previous varlen implementation (per row, per length, host reads).
 2. MoE step time (forward + backward, float32) against a dense model of equal active FLOPs:
    64 experts top-8 each 1/8 as wide (goal <= 1.3x) and 8 experts top-2 each 1/2 as wide
-   (goal <= 1.15x); grouped GEMM (``torch._grouped_mm``) and the previous per-expert loop.
+   (goal <= 1.15x); grouped GEMM (``torch._grouped_mm``), the same with CUDA's 16-byte group
+   padding (the CPU's layout before issue 47) and the previous per-expert loop.
 3. Ring attention at seq 8192 (b 1, 8 query / 2 key-value heads of 64, float32, causal,
    balanced), forward + backward on cp = 2 and 4 gloo processes: per-rank time and peak
    extra resident memory of the attention call, for the fused ring and for the previous
@@ -162,13 +163,26 @@ def _previous_experts_forward(self, x, counts, groups=None, gates=None):
     applied where the current kernel applies them, so only the expert loop differs)."""
     from meshfold.models.moe_experts import _local
 
-    w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+    w1, w3 = _local(self.w13).chunk(2, dim=1)
+    w2 = _local(self.w2)
     outs = []
     for e, chunk in enumerate(torch.split(x, counts.tolist())):
         h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
         outs.append(h @ w2[e].t())
     y = torch.cat(outs)
     return y if gates is None else y * gates[:, None]
+
+
+def _padded_groups(self, x, w1, w2, counts, groups, gates):
+    """``GroupedExperts._grouped`` with CUDA's 16-byte group padding, as the CPU ran it before
+    issue 47 (the padded layout's copies in and out of the grouped GEMM)."""
+    from meshfold.models import moe_experts
+
+    align = max(1, moe_experts.GROUP_ALIGN_BYTES // x.element_size())
+    groups = moe_experts._Groups(counts, x.shape[0], "grouped_mm", align=align)
+    x = moe_experts._ScatterRows.apply(x, groups.dest, groups.padded_rows)
+    gates = moe_experts._ScatterRows.apply(gates, groups.dest, groups.padded_rows)
+    return self._run(x, w1, w2, groups, gates).index_select(0, groups.dest)
 
 
 def bench_moe(steps: int) -> dict:
@@ -182,7 +196,8 @@ def bench_moe(steps: int) -> dict:
     tokens = torch.randint(0, 1024, (batch, seq))
     fns = {}
     for name, cfg in configs.items():
-        for impl in (("grouped",) if name == "dense" else ("padded bmm", "grouped_mm", "previous loop")):
+        impls = ("padded bmm", "grouped_mm", "grouped_mm, 16-byte groups", "previous loop")
+        for impl in (("grouped",) if name == "dense" else impls):
             torch.manual_seed(0)
             m = Transformer(cfg)
             init_weights(m, cfg, 0)
@@ -191,6 +206,9 @@ def bench_moe(steps: int) -> dict:
                     if impl == "previous loop":  # rows sorted by expert, then the loop
                         mod.kernel = "grouped_mm"
                         mod.forward = types.MethodType(_previous_experts_forward, mod)
+                    elif impl.endswith("16-byte groups"):  # CUDA's padded groups (on the CPU before #47)
+                        mod.kernel = "grouped_mm"
+                        mod._grouped = types.MethodType(_padded_groups, mod)
                     else:
                         mod.kernel = impl.replace(" ", "_")
 

@@ -82,6 +82,8 @@ class TrainConfig:
     muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
     muon_dtype: str = "auto"  # Newton-Schulz compute dtype: auto (float64 when the run is, else bfloat16)
     muon_scale: str = "match_rms_adamw"  # match_rms_adamw (0.2 sqrt(max(a, b))) | shape | none
+    muon_qk_clip: float = 0.0  # QK-clip threshold tau on attention logits (Kimi K2: 100); 0 = off
+    muon_qk_clip_alpha: float = 0.5  # the share of each clip on W_q (the rest on W_k)
     offload: str = "none"  # none | optimizer (Adam state on host) | params (FSDP2 CPU offload)
     reduce_dtype: str = "float32"  # gradient reduction dtype under bf16: float32 | bfloat16
     peak_tflops: float = 0.0  # one device's dense peak for MFU; 0 = the table by device name (train/metrics.py)
@@ -117,7 +119,7 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "recompute": ("none", "selective", "op", "full"),
     "resume": ("auto", "never"),
     "fused_optimizer": ("auto", "fused", "foreach", "none"),
-    "optimizer": ("adamw", "muon"),
+    "optimizer": ("adamw", "muon", "auto"),  # auto: `meshfold plan` picks one (docs/optimizers.md)
     "muon_dtype": ("auto", "bfloat16", "float32", "float64"),
     "muon_scale": ("match_rms_adamw", "shape", "none"),
     "offload": ("none", "optimizer", "params"),
@@ -341,6 +343,9 @@ def validate_muon(t: TrainConfig) -> None:
         raise ConfigError(f"train.muon_ns_steps must be >= 1, got {t.muon_ns_steps}")
     if t.muon_lr < 0:
         raise ConfigError(f"train.muon_lr must be >= 0 (0 = train.lr), got {t.muon_lr}")
+    if not t.muon_qk_clip >= 0 or not 0 <= t.muon_qk_clip_alpha <= 1:
+        raise ConfigError(f"train.muon_qk_clip must be >= 0 (0 = off) and train.muon_qk_clip_alpha in [0, 1], "
+                          f"got {t.muon_qk_clip} and {t.muon_qk_clip_alpha}")
     coefficients = t.muon_ns_coefficients
     if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
         raise ConfigError(f"train.muon_ns_coefficients must be three finite numbers (a, b, c), got {coefficients}")

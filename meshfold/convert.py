@@ -18,8 +18,9 @@ import torch
 from meshfold.config import Config, dump_toml, load_config
 from meshfold.errors import ConfigError
 from meshfold.models.config import ModelConfig
-from meshfold.models.hf import (ARCHITECTURES, FAMILIES, complete_from_weights, from_hf, hf_config_from_model,
-                               hf_family, model_config_from_hf, read_safetensors, to_hf, write_safetensors)
+from meshfold.models.hf import (ARCHITECTURES, FAMILIES, adapter_of_type, complete_from_weights, from_hf,
+                               hf_config_from_model, hf_family, model_config_from_hf, read_safetensors, to_hf,
+                               write_safetensors)
 from meshfold.models.llama import Transformer, rope_buffers
 from meshfold.train.checkpoint_files import (CheckpointError, SafeWriter, publish, read_dcp_metadata, safe_load,
                                              validate_checkpoint, write_manifest)
@@ -338,7 +339,9 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
     ours.eval()
     del state
     fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
-    theirs = _transformers_model(transformers, hf_dir, **fp32).eval()
+    hf = json.loads((hf_dir / "config.json").read_text())
+    extra = adapter_of_type(hf.get("model_type", "llama")).transformers_kwargs(hf)  # (MXFP4: dequantised)
+    theirs = _transformers_model(transformers, hf_dir, **fp32, **extra).eval()
     seq = min(seq, m.seq_len)
     tokens = torch.randint(0, m.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

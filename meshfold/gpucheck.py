@@ -350,7 +350,8 @@ class GpuRecorder(TorchDispatchMode):
             if kernel == "math":
                 self.error(f"math attention kernel at {where()} ({dtype} block: no fused CUDA kernel)")
         if name == "_flash_attention_forward":  # packed documents' varlen kernel (models/attention_ops.py)
-            self.attention["flash-varlen"] += 1
+            windowed = kwargs.get("window_size_left") is not None  # sliding-window layers: flash's own window
+            self.attention["flash-window" if windowed else "flash-varlen"] += 1
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if not isinstance(x, FakeTensor) or comm.is_host_marked(x) or x.constant is not None:
             return False, None  # real values (the mesh's rank tables, fake copies of them): not device data

@@ -152,8 +152,9 @@ def test_fresh_processes_answer_raise_or_report_a_dead_child():
 # train.optimizer = "muon": the owner-computes exchange (two all-to-alls per same-shape bucket
 # over dp_shard, tp or both) and one momentum per matrix, exactly as the runtime issues and holds them
 @pytest.mark.parametrize("world,parallel", [(2, {"dp_shard": 2, "zero": 3}), (2, {"tp": 2, "dp_shard": 1, "zero": 0}),
-                                            (4, {"tp": 2, "dp_shard": 2, "zero": 3}), (2, {"dp_shard": 2, "zero": 1})],
-                         ids=["fsdp2", "tp2", "tp2xfsdp2", "zero1-dp2"])
+                                            (4, {"tp": 2, "dp_shard": 2, "zero": 3}), (2, {"dp_shard": 2, "zero": 1}),
+                                            (4, {"tp": 2, "dp_shard": 2, "zero": 1})],
+                         ids=["fsdp2", "tp2", "tp2xfsdp2", "zero1-dp2", "zero1-dp2xtp2"])
 def test_dry_run_agrees_with_planner_under_muon(world, parallel, tmp_path):
     from meshfold.config import from_dict
     from meshfold.dryrun import dry_run
@@ -174,3 +175,45 @@ def test_planner_newton_schulz_flops_are_the_runtime_formula():
 
     for rows, cols in ((64, 176), (176, 64), (32, 32)):
         assert optimizer.newton_schulz_flops(rows, cols, 5) == newton_schulz_flops(rows, cols, 5)
+
+
+# Muon on the MoE preset (stacked experts: E matrices each, whole on their rank, or with an odd E
+# sharded by FSDP2 on a matrix dimension: exchanged) and on latent attention with MoE and
+# multi-token prediction (its low-rank down- and up-projections, the depth's eh_proj): states,
+# calls and bytes as the runtime's. (With 3 experts the planner's FSDP2 bytes differ from the
+# runtime's under AdamW already, by the same amount: there Muon's additions are compared.)
+# (the latent-attention model's 4 experts are the whole-on-their-rank case)
+MUON_MOE = {"moe-odd-experts-fsdp2": {"preset": "moe-debug", "moe_experts": 3},
+            "mla-moe-mtp-fsdp2": {"dim": 64, "seq_len": 64, "vocab_size": 512, "n_layers": 2, "n_heads": 4,
+                                  "n_kv_heads": 4, "moe_experts": 4, "moe_topk": 2, "moe_ffn_dim": 32,
+                                  "moe_first_dense": 1, "mla_kv_rank": 32, "mla_q_rank": 24, "mla_rope_dim": 8,
+                                  "mla_nope_dim": 16, "mla_v_dim": 16, "mtp_depth": 1}}
+MUON_MOE["mla-moe-mtp-zero1"] = MUON_MOE["mla-moe-mtp-fsdp2"]  # ZeRO-1 dp 2: whole-parameter ownership
+
+
+def test_dry_run_agrees_with_planner_under_muon_for_moe_and_mla(tmp_path):
+    from meshfold.config import from_dict
+    from meshfold.dryrun import dry_run
+
+    def config(name, optimizer):
+        cfg = tiny_config(str(tmp_path / name / optimizer), parallel={"dp_shard": 2, "zero": 1 if "zero1" in name else 3},
+                          train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16", "optimizer": optimizer})
+        model = MUON_MOE[name]
+        cfg["model"] = {"seq_len": 64, **model} if "preset" in model else {**cfg["model"], **model}
+        return from_dict(cfg)
+
+    odd = "moe-odd-experts-fsdp2"
+    outs = [dry_run(config(name, "muon"), 2, cluster="h100") for name in MUON_MOE]
+    outs.append(dry_run(config(odd, "adamw"), 2, cluster="h100"))
+    for name, out in zip(MUON_MOE, outs):
+        rt, pl = out["runtime"], out["planner"]
+        for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert pl[field] == pytest.approx(rt[field], rel=0.02), (name, field, rt, pl)
+        if name != odd:
+            assert pl["collectives"] == rt["collectives"], (name, rt["collectives"], pl["collectives"])
+            continue
+        adamw = outs[-1]
+        for dim, got in rt["collectives"].items():
+            for k in ("count", "bytes"):
+                assert got[k] - adamw["runtime"]["collectives"][dim][k] == \
+                    pl["collectives"][dim][k] - adamw["planner"]["collectives"][dim][k], (name, dim, k)

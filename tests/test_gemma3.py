@@ -98,10 +98,12 @@ def test_trains_under_tp2_fsdp2_as_one_process(tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
-def test_context_parallel_is_refused_in_one_line(tmp_path):
-    cfg = from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 2}))
+def test_context_parallel_takes_windows_in_ring_and_ulysses_and_refuses_hybrid_in_one_line(tmp_path):
+    for mode in ("ring", "ulysses"):  # (their equality with one process: tests/test_gpt_oss.py)
+        validate(from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 2, "cp_mode": mode})))
+    cfg = from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}))
     with pytest.raises(ConfigError, match="sliding window of 5") as err:
-        validate(cfg)
+        validate(cfg, 4)
     assert "\n" not in str(err.value)
 
 

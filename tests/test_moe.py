@@ -320,6 +320,27 @@ def test_grouped_gemm_matches_naive_without_host_reads(dtype, tol):
     assert (grads[0][[1, 3, 4, 7]] == 0).all()  # experts without tokens: zero gradient
 
 
+def test_aligned_groups_equal_unaligned(monkeypatch):
+    """The grouped GEMM's 16-byte group padding (CUDA's layout, run here on the CPU kernel by
+    asking for it): the same output and gradients as the unpadded groups the CPU uses."""
+    from meshfold.models import moe_experts
+
+    cfg = tiny(moe_experts=8, moe_topk=3)
+    moe = build_moe(cfg).float().train()
+    x = torch.randn(3, 8, 16)
+    results = []
+    for align in (1, 4):
+        monkeypatch.setattr(moe_experts, "group_align", lambda t, a=align: a)
+        xg = x.clone().requires_grad_()
+        out = moe(xg)
+        grads = torch.autograd.grad(out.square().sum(), [xg, moe.experts.w13, moe.experts.w2])
+        results.append((out.detach(), *grads))
+        moe.end_step()
+        moe.pop_aux()
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def naive_capacity_moe(moe: MoE, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, int]:
     """The capacity definition in plain Python: per sequence, each expert takes the first
     C = ceil(c s k / E) assignments of its queue (first choices of every position, then second

@@ -82,9 +82,21 @@ DENSE = {"n_layers": 3, "ffn_dim": 45}
 MOE = {"moe_experts": 4, "moe_topk": 2}
 
 
+def _state_bytes(opt) -> tuple[int, int]:
+    """(Muon momentum, AdamW moment) bytes this rank holds (local pieces)."""
+    from meshfold.optim.muon.exchange import local_of
+
+    held = [0, 0]
+    for s in opt.state.values():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and v.dim():
+                held[k != "momentum_buffer"] += local_of(v).numel() * local_of(v).element_size()
+    return held[0], held[1]
+
+
 def _owner_counts(trainer_cfg):
     """Train, and return (rank 0's run, every matrix this rank orthogonalised that it does not
-    own, how often it orthogonalised each)."""
+    own, how often it orthogonalised each, how many it owns, its (momentum, AdamW) bytes)."""
     from meshfold.config import from_dict
     from meshfold.train.trainer import Trainer
 
@@ -96,10 +108,11 @@ def _owner_counts(trainer_cfg):
     params, grads = trainer.full_state(), trainer.last_grads
     plan = getattr(trainer.optimizer, "plan", None)
     if plan is None:  # AdamW
-        return ({"losses": losses, "params": params, "grads": grads} if dist.get_rank() == 0 else None), [], {}, 0
+        return ({"losses": losses, "params": params, "grads": grads} if dist.get_rank() == 0 else None), [], {}, 0, \
+            (0, 0)
     foreign = sorted(set(plan.orthogonalized) - plan.owned)
     run = {"losses": losses, "params": params, "grads": grads} if dist.get_rank() == 0 else None
-    return run, foreign, dict(plan.orthogonalized), len(plan.owned)
+    return run, foreign, dict(plan.orthogonalized), len(plan.owned), _state_bytes(trainer.optimizer)
 
 
 def train_layouts(cfgs: list[dict]) -> list:
@@ -119,17 +132,40 @@ def _check(references, layouts, results):
     for (kind, parallel), per_rank in zip(layouts, zip(*results)):
         run = per_rank[0][0]
         assert_runs_match(references[kind], run, rtol=1e-12, atol=1e-14)
-        for rank, (_, foreign, counts, owned) in enumerate(per_rank):
+        for rank, (_, foreign, counts, owned, _) in enumerate(per_rank):
             assert not foreign, f"{parallel}: rank {rank} orthogonalised matrices it does not own: {foreign}"
             assert all(c == MUON["steps"] for c in counts.values()), (parallel, counts)
             assert len(counts) == owned, parallel
+        if parallel.get("zero") == 1:
+            _check_zero_one_states(references[kind], parallel, [r[4] for r in per_rank])
+
+
+def _check_zero_one_states(reference, parallel, held):
+    """ZeRO-1 (whole-parameter ownership): every momentum and AdamW moment element on exactly
+    one data-parallel rank of its tp piece (the ranks together hold one process's), and each
+    rank about 1/dp of its tp piece's and pipeline stage's momentum (whole matrices: within 10%)."""
+    from meshfold.optim.muon.optimizer import is_muon_matrix
+
+    dp, tp = parallel["dp_shard"], parallel.get("tp", 1)  # (ep: experts over ep x edp = dp ranks)
+    muon = sum(v.numel() * v.element_size() for n, v in reference["params"].items() if is_muon_matrix(n, v))
+    adam = 2 * sum(v.numel() * v.element_size() for n, v in reference["params"].items() if not is_muon_matrix(n, v))
+    assert sum(m for m, _ in held) == muon, (parallel, held, muon)
+    if tp == 1:  # (under tp the norms' and embeddings' AdamW moments are whole on every tp rank)
+        assert sum(a for _, a in held) == adam, (parallel, held, adam)
+    per_stage = len(held) // parallel.get("pp", 1)  # (stages outermost in the mesh)
+    for rank, (m, _) in enumerate(held):
+        share = sum(x for x, _ in held[rank - rank % per_stage: rank - rank % per_stage + per_stage]) / (tp * dp)
+        assert abs(m - share) <= 0.1 * share, (parallel, held, muon)
 
 
 @pytest.mark.parametrize("world,layouts", [
     pytest.param(2, [("dense", {"dp_shard": 2}), ("dense", {"tp": 2, "dp_shard": 1}),
-                     ("moe", {"dp_shard": 2, "ep": 2}), ("dense", {"pp": 2, "dp_shard": 1})], id="2-ranks"),
+                     ("moe", {"dp_shard": 2, "ep": 2}), ("dense", {"pp": 2, "dp_shard": 1}),
+                     ("dense", {"dp_shard": 2, "zero": 1})], id="2-ranks"),
     pytest.param(4, [("dense", {"dp_shard": 2, "tp": 2}), ("dense", {"dp_replicate": 2, "dp_shard": 2}),
-                     ("dense", {"dp_shard": 2, "tp": 2, "zero": 1})], id="4-ranks"),
+                     ("dense", {"dp_shard": 2, "tp": 2, "zero": 1}), ("moe", {"dp_shard": 4, "ep": 2, "zero": 1}),
+                     ("dense", {"dp_shard": 2, "pp": 2, "zero": 1})],
+                 id="4-ranks"),
 ])
 def test_every_layout_matches_one_process(world, layouts, references, tmp_path):
     cfgs = [tiny_config(str(tmp_path / str(i)), model=DENSE if kind == "dense" else MOE, parallel=parallel,
@@ -164,3 +200,45 @@ def test_resume_into_another_layout_is_bit_exact(tmp_path):
     with pytest.raises(Exception, match="no Muon momentum"):
         run_on(2, __import__("meshfold.testing", fromlist=["train_segment"]).train_segment,
                cfg_for(2, {"dp_shard": 2}, adam_dir), 4)
+
+
+def test_resume_between_fsdp_and_zero_one_is_bit_exact(tmp_path):
+    """3 steps on FSDP2 dp 2, then 2 on ZeRO-1 dp 2 (the momentum's FSDP2 pieces read back
+    as whole matrices by their owners): bit-exact against 5 uninterrupted ZeRO-1 steps; and
+    the other way round against 5 FSDP2 steps. Gradient clipping off: its norm sums the
+    squares per FSDP2 shard, then over ranks, so it rounds differently from the whole
+    gradients' sum; otherwise these layouts compute bit-identical steps (tp's do not: see
+    docs/optimizers.md, "Resume")."""
+    from meshfold.testing import train_chain
+
+    fsdp, zero_one = {"dp_shard": 2}, {"dp_shard": 2, "zero": 1}
+
+    def cfg_for(parallel, run_dir):
+        return tiny_config(str(run_dir), model=DENSE, parallel=parallel,
+                           train={**MUON, "checkpoint_every": 0, "grad_clip": 0.0})
+
+    for first, then in ((fsdp, zero_one), (zero_one, fsdp)):
+        name = "z1" if then is zero_one else "fsdp"
+        whole = run_on(2, train_collect, cfg_for(then, tmp_path / f"whole-{name}"))[0]
+        starts, losses, params = train_chain([(2, first, 3), (2, then, 5)],
+                                             lambda w, p, d=tmp_path / f"to-{name}": cfg_for(p, d))
+        assert starts == [0, 3]
+        assert losses == whole["losses"], name
+        for key, value in whole["params"].items():
+            assert torch.equal(params[key], value), (name, key)
+
+
+def test_resume_from_zero_one_with_tp_into_fsdp(tmp_path):
+    """ZeRO-1 x tp 2 saves each owner's tp pieces of the momentum (the other dp rank holds
+    none); 3 steps there, then 2 on FSDP2 dp 2: within 1e-12 of one process (tp's own rounding)."""
+    from meshfold.testing import train_chain
+
+    def cfg_for(parallel, run_dir):
+        return tiny_config(str(run_dir), model=DENSE, parallel=parallel, train={**MUON, "checkpoint_every": 0})
+
+    whole = train_collect(cfg_for({}, tmp_path / "whole"))
+    starts, losses, params = train_chain([(4, {"dp_shard": 2, "tp": 2, "zero": 1}, 3), (2, {"dp_shard": 2}, 5)],
+                                         lambda w, p: cfg_for(p, tmp_path / "chain"))
+    assert starts == [0, 3]
+    assert_runs_match({**whole, "grads": {}}, {"losses": losses, "params": params, "grads": {}},
+                      rtol=1e-12, atol=1e-14)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -119,11 +120,14 @@ def test_megatron_flops_formula_exact():
 @pytest.mark.parametrize("row", MEGATRON_TABLE1, ids=lambda r: f"{r[0]}B")
 def test_megatron_table1_achieved_tflops(row):
     """Predicted achieved TFLOP/s per GPU within 15% for every row. Runs used full
-    recompute, fp16 with no fused attention, 1F1B pipelining; micro-batch 1 assumed."""
+    recompute, fp16 with no fused attention, 1F1B pipelining; micro-batch 1 assumed;
+    priced as they ran (``planner/published.py``): Megatron's fused memory-bound kernels
+    and its 2021 data-parallel all-reduce after the backward (meshfold's eager profile,
+    which they did not run, prices the three smallest 17-20 % slow since issue 44)."""
     _, a, h, layers, tp, pp, gpus, batch, published, _agg = row
     m = _gpt(h=h, a=a, layers=layers)
-    cluster = load_cluster("a100", devices=gpus)
-    w = Workload(m, batch, dtype="bf16", flash=False, dropout=True)
+    cluster = replace(load_cluster("a100", devices=gpus), overlap=0.0)
+    w = Workload(m, batch, dtype="bf16", flash=False, dropout=True, kernels="fused")
     layout = Layout(dp_replicate=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full")
     est = estimate(w, cluster, layout)
     achieved = megatron_flops_per_iteration(batch, 2048, layers, h, 51200) / est.step_time_s / gpus / 1e12
@@ -295,7 +299,8 @@ def test_heterogeneous_links_follow_mesh_placement():
 
 def test_link_levels_follow_group_span():
     c = load_cluster("a100", devices=64)
-    assert c.link(1, 8)[1] == 300e9 and c.link(2, 4)[1] == 300e9
+    # NVSwitch at NCCL's per-link rate (12 links x 20 GB/s, planner/cluster.py NVLINK_EFF)
+    assert c.link(1, 8)[1] == pytest.approx(240e9) and c.link(2, 4)[1] == pytest.approx(240e9)
     assert c.link(1, 16)[1] == 25e9 and c.link(8, 8)[1] == 25e9
 
 

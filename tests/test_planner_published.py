@@ -38,7 +38,8 @@ def test_where_time_goes_on_h100():
     """The pieces that moved the H100 prediction from 59 % MFU to the published range, each
     in the direction physics says: eager memory-bound ops cost more than fused ones; the op
     recompute policy re-runs more than the attention core; a skinny GEMM is memory bound
-    (its time set by bytes, not FLOPs); fp8 linears are faster; A100 < H100 < B200."""
+    (its time set by bytes, not FLOPs); fp8 linears are faster when compiled, slower eager;
+    A100 < H100 < B200."""
     m = preset("llama3-8b")
     c = load_cluster("h100-grand-teton", devices=8)
     lay = Layout(dp_shard=8, zero=3, micro_batch=2, recompute="selective")
@@ -49,7 +50,10 @@ def test_where_time_goes_on_h100():
     eager, fused = step(), step(kernels="fused")
     assert eager > 1.05 * fused
     assert step(Layout(dp_shard=8, zero=3, micro_batch=2, recompute="op")) > eager
-    assert step(fp8=True) < eager
+    # fp8 linears are faster compiled; eager, torchao's casts run op by op and cost more than
+    # the fp8 GEMMs save (measured on an H200: 1.51x the bf16 step, docs/gpu.md)
+    assert step(fp8=True, kernels="fused") < fused
+    assert step(fp8=True) > eager
     d = DEVICES["h100-sxm"]
     skinny = gemm_time(d, 16, 4096, 4096, 4096)
     assert skinny > 10 * 2 * 16 * 4096 * 4096 / (d.peak_tflops * 1e12 * d.matmul_eff)

@@ -253,15 +253,16 @@ def _measure(trainer: Trainer, observer: StepObserver, gpu) -> dict:
             "micro_batches": m, "pp_rank": trainer.dims.rank("pp")}
 
 
-def planner_prediction(cfg: Config, world: int, cluster_spec: str) -> dict:
+def planner_prediction(cfg: Config, world: int, cluster_spec: str, device: str = "cuda") -> dict:
     """The planner's prediction for this layout (``Estimate.footprint``: per-rank memory,
     max over stages, and rank 0's collectives with call counts), plus its step time and
     peak, and ``pp_ranks``: each pipeline rank's own model states and activations
     (``CostModel.rank_footprints``), in pp coordinate order. Attention is priced as the
     fused kernel (no s x s scores) that the runtime runs on both CPU
-    (``_scaled_dot_product_flash_attention_for_cpu``) and GPU."""
+    (``_scaled_dot_product_flash_attention_for_cpu``) and GPU; expert groups padded as the
+    grouped GEMM of ``device`` (the dry-run's kernel device) pads them."""
     cluster = load_cluster(cluster_spec, devices=world)
-    workload = dataclasses.replace(workload_from_config(cfg, cluster), flash=True)
+    workload = dataclasses.replace(workload_from_config(cfg, cluster), flash=True, aligned_groups=device == "cuda")
     model, layout = CostModel(workload, cluster), layout_from_config(cfg, world)
     est = model.estimate(layout)
     out = {k: int(round(v)) for k, v in est.footprint().items() if k != "collectives"}
@@ -416,7 +417,7 @@ def _report(cfg: Config, world: int, cluster: str, per_rank: dict, start: float,
     # Both sides for the same ranks: each simulated rank's measurement beside the planner's
     # terms for its pipeline rank, and on each side the most of each term over those ranks
     # (like for like, whichever rank holds it); collectives are rank 0's on both sides.
-    planner = planner_prediction(cfg, world, cluster)
+    planner = planner_prediction(cfg, world, cluster, device)
     by_pp = planner.pop("pp_ranks")
     measured = {str(r): v for r, v in per_rank.items()}
     priced = {r: {**by_pp[v["pp_rank"]], "pp_rank": v["pp_rank"]} for r, v in measured.items()}

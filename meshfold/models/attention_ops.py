@@ -22,7 +22,8 @@ float32 (float64 for float64 inputs), [b, h, sq], with -inf for a row that sees 
 mask: the row is cut into query tiles; each tile attends only to the key window from the
 start of its first token's document to its own end (documents are contiguous), tiles with
 equal windows are batched into one fused call with a small per-tile mask. Work is about
-S * (tile + document length) instead of S^2 / 2.
+S * (tile + document length) instead of S^2 / 2. ``chunk_attention`` (chunked, block-local
+attention) is the same with chunk boundaries as document boundaries.
 """
 
 from __future__ import annotations
@@ -156,6 +157,54 @@ def _math_backward(dout, q, k, v, out, lse, causal, mask, scale):
     delta = (da * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
     return torch.matmul(ds, ka).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qa).to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- attention sinks
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Attention whose softmax denominator also holds exp(sink) per head (a learned logit
+    with a zero value: gpt-oss's sinks), through the fused kernels' log-sum-exp, no mask:
+    lse = logaddexp(lse_keys, sink), out = out_keys * exp(lse_keys - lse) (= sigmoid(lse_keys
+    - sink)). Backward is the kernels' own with that final out and lse (P = exp(S - lse) is
+    then the sink-aware softmax), and d sink = -sum over queries of exp(sink - lse) *
+    rowsum(dout * out) (the sink's score gradient, its value being zero)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, causal, mask, scale):
+        out, lse, aux = attention_forward(q, k, v, causal=causal, mask=mask, scale=scale)
+        sink = sinks.to(lse.dtype).view(1, -1, 1)
+        total = torch.logaddexp(lse, sink)
+        out = (out.to(total.dtype) * torch.exp(lse - total).unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, total, sinks, mask)
+        ctx.aux, ctx.causal, ctx.scale = aux, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, total, sinks, mask = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = attention_backward(dout, q, k, v, out, total, ctx.aux, causal=ctx.causal, mask=mask,
+                                        scale=ctx.scale)
+        delta = (dout.to(total.dtype) * out.to(total.dtype)).sum(-1)
+        dsink = -(torch.exp(sinks.to(total.dtype).view(1, -1, 1) - total) * delta).sum((0, 2))
+        return dq, dk, dv, dsink.to(sinks.dtype), None, None, None
+
+
+def sdpa(q, k, v, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None,
+         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (q [b, H, sq, d], k/v [b, Hkv, sk, d], bool ``mask``
+    True = visible) with optional attention sinks ``sinks`` [H] (``_SinkAttention``: the fused
+    kernels and their log-sum-exp; grouped kv heads repeated for them)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if mask is not None and causal:
+        mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        causal = False
+    return _SinkAttention.apply(q, k, v, sinks, causal, mask, scale or attention_scale(q.shape[-1]))
 
 
 # --------------------------------------------------------------------------- packed documents
@@ -296,19 +345,20 @@ def document_plan(doc_ids: torch.Tensor, positions: torch.Tensor | None, tile: i
 
 @torch.compiler.disable  # compiled blocks call it eagerly: its plan lookup and group loop are Python
 def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.Tensor, tile: int = DOCUMENT_TILE,
-                       key: torch.Tensor | None = None, scale: float | None = None):
+                       key: torch.Tensor | None = None, scale: float | None = None,
+                       sinks: torch.Tensor | None = None):
     """Causal attention within each packed document (``document_causal_mask`` semantics for
     contiguous documents); q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, d]. Differentiable
     (plain fused SDPA calls, one per distinct window size, each with a tile-sized mask). No
     host read: the windows come from the micro-batch's ``document_plan``. ``scale``: the
-    softmax scale (None = 1/sqrt(d))."""
+    softmax scale (None = 1/sqrt(d)); ``sinks`` [H]: attention sinks (``sdpa``)."""
     b, s, heads, d = q.shape
     hkv, dv = k.shape[2], v.shape[-1]  # latent attention: v's head size differs from q/k's
     plan = document_plan(doc_ids, positions, tile, key)
     if flash_varlen_ok(q, q.dtype, d, dv):
         cu, longest = plan.runs
         out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest,
-                                scale or attention_scale(d))
+                                scale or attention_scale(d), sinks)
         return out.view(b, s, heads, dv)
     tile, pad, n = plan.tile, plan.pad, plan.n
     if pad:
@@ -324,8 +374,7 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
         kw, vw = kt[row, span].flatten(1, 2), vt[row, span].flatten(1, 2)
         if repeat > 1:
             kw, vw = kw.repeat_interleave(repeat, dim=2), vw.repeat_interleave(repeat, dim=2)
-        o = F.scaled_dot_product_attention(qt[sel].transpose(1, 2), kw.transpose(1, 2), vw.transpose(1, 2),
-                                           attn_mask=mask, enable_gqa=heads != hkv and repeat == 1, scale=scale)
+        o = sdpa(qt[sel].transpose(1, 2), kw.transpose(1, 2), vw.transpose(1, 2), mask=mask, scale=scale, sinks=sinks)
         out = out.index_copy(0, sel, o.transpose(1, 2))
     return out.view(b, s + pad, heads, dv)[:, :s]
 
@@ -333,13 +382,14 @@ def document_attention(q, k, v, positions: torch.Tensor | None, doc_ids: torch.T
 _WINDOW_MASKS: list[tuple] = []  # (weakref to the anchor tensor or None, key, mask), newest last
 
 
+@torch.compiler.disable  # its cache lookup is Python: traced, a compiled block would keep the first micro-batch's mask
 def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [b or 1, 1, sq, sq] sliding-window causal mask: a key is visible when it is at
     most ``window - 1`` positions before the query (and in its document with ``doc_ids``).
     Made once per shape and window, or once per micro-batch (``doc_ids``/``positions`` by
     identity) and window, and shared by every windowed layer: never one mask per layer."""
-    anchor = doc_ids if doc_ids is not None else positions
+    anchor = key if key is not None else doc_ids if doc_ids is not None else positions
     key = (sq, window, str(device))
     for ref, k, mask in reversed(_WINDOW_MASKS):
         if k == key and (ref is None if anchor is None else ref is not None and ref() is anchor):
@@ -356,14 +406,77 @@ def window_mask(sq: int, window: int, device, positions: torch.Tensor | None = N
 
 
 def window_attention(q, k, v, window: int, positions: torch.Tensor | None = None,
-                     doc_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Sliding-window causal attention, q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv]:
-    one fused SDPA call with the shared banded mask (``window_mask``; CPU: the flash kernel,
-    CUDA: the memory-efficient one)."""
-    mask = window_mask(q.shape[1], window, q.device, positions, doc_ids)
+                     doc_ids: torch.Tensor | None = None, scale: float | None = None,
+                     sinks: torch.Tensor | None = None, key: torch.Tensor | None = None) -> torch.Tensor:
+    """Sliding-window causal attention, q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv].
+    On CUDA in fp16/bf16 (``flash_varlen_ok``): flash attention's own window
+    (``window_size_left = window - 1``) over each row, or over each document's run with
+    ``doc_ids`` (the varlen kernel: a window restarts with its document), no mask, the key
+    tiles outside the band skipped. Else one fused SDPA call with the shared banded mask
+    (``window_mask``; CPU: the flash kernel, CUDA fp32: the memory-efficient one). ``key``: the
+    tensor whose identity stands for (doc_ids, positions) when they are fresh views of it on
+    every call (context parallel's gathered metadata), as ``document_plan`` takes it."""
+    b, s, heads, d = q.shape
+    if flash_varlen_ok(q, q.dtype, d, v.shape[-1]):
+        if doc_ids is not None:
+            cu, longest = document_plan(doc_ids, positions, key=key).runs
+        else:  # one run per row (made on the device: no host read)
+            cu, longest = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device), s
+        out = _FlashVarlen.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, longest,
+                                 scale or attention_scale(d), sinks, window)
+        return out.view(b, s, heads, v.shape[-1])
+    mask = window_mask(q.shape[1], window, q.device, positions, doc_ids, key)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1], scale=scale)
-    return out.transpose(1, 2)
+    return sdpa(q, k, v, mask=mask, scale=scale, sinks=sinks).transpose(1, 2)
+
+
+_CHUNK_IDS: list[tuple] = []  # (weakref to the anchor tensor, chunk, ids), newest last
+
+
+@torch.compiler.disable  # compiled blocks call it eagerly: its lookup by identity is Python
+def chunk_ids(doc_ids: torch.Tensor | None, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[b, s] ids of the runs a chunked layer attends within: a new run where the document
+    or the chunk (``position // chunk``) changes, so chunk boundaries are document boundaries
+    and ``document_attention`` computes chunked attention. On the device, no host read; made
+    once per micro-batch (``doc_ids``, else ``positions``, by identity) and chunk size, and
+    shared by every chunked layer (their document plan with it)."""
+    anchor = doc_ids if doc_ids is not None else positions
+    for ref, c, ids in reversed(_CHUNK_IDS):
+        if c == chunk and ref() is anchor:
+            return ids
+    block = torch.div(positions, chunk, rounding_mode="floor")
+    starts = torch.zeros_like(block, dtype=torch.bool)
+    starts[:, 1:] = block[:, 1:] != block[:, :-1]
+    if doc_ids is not None:
+        starts[:, 1:] |= doc_ids[:, 1:] != doc_ids[:, :-1]
+    ids = starts.long().cumsum(1)
+    _CHUNK_IDS.append((weakref.ref(anchor), chunk, ids))
+    del _CHUNK_IDS[:-_PLANS_KEPT]
+    return ids
+
+
+def chunk_attention(q, k, v, chunk: int, positions: torch.Tensor | None = None,
+                    doc_ids: torch.Tensor | None = None, scale: float | None = None,
+                    tile: int = DOCUMENT_TILE) -> torch.Tensor:
+    """Chunked (block-local) causal attention: a query sees the earlier keys of its own chunk
+    of ``chunk`` positions (``position // chunk`` equal; Llama 4's ``attention_chunk_size``)
+    and of its document. q [b, s, H, d], k/v [b, s, Hkv, d] -> [b, s, H, dv]; never an S x S
+    mask. Contiguous positions without documents: the row is reshaped into its chunks and
+    run as one causal fused call over [b * s / chunk] rows (zero keys padded at the end are
+    after every real query: unseen); otherwise chunk boundaries join the document boundaries
+    (``chunk_ids``) and ``document_attention`` runs it per tile."""
+    b, s, heads, d = q.shape
+    if doc_ids is None and positions is None:
+        width = min(chunk, s)
+        pad = (-s) % width
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        n = (s + pad) // width
+        qc, kc, vc = (t.reshape(b * n, width, t.shape[2], t.shape[3]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=heads != k.shape[2], scale=scale)
+        return out.transpose(1, 2).reshape(b, s + pad, heads, v.shape[-1])[:, :s]
+    rising = positions if positions is not None else torch.arange(s, device=q.device).expand(b, -1)
+    return document_attention(q, k, v, positions, chunk_ids(doc_ids, rising, chunk), tile, scale=scale)
 
 
 def attention_scale(head_dim: int) -> float:
@@ -389,20 +502,32 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _FlashVarlen(torch.autograd.Function):
-    """Causal attention within each run of ``cu`` (flattened [tokens, heads, d] layout)."""
+    """Causal attention within each run of ``cu`` (flattened [tokens, heads, d] layout);
+    ``sinks`` [H]: attention sinks; ``window`` > 0: each query's ``window`` latest keys only
+    (flash attention's ``window_size_left = window - 1``, right 0)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, longest, scale):
+    def forward(ctx, q, k, v, cu, longest, scale, sinks=None, window=0):
+        ctx.band = dict(window_size_left=window - 1, window_size_right=0) if window else {}
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, **ctx.band)
+        if sinks is not None:  # lse [H, tokens]: the sink joins it (``_SinkAttention``'s rule)
+            total = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+            out = (out.to(lse.dtype) * torch.exp(lse - total).t().unsqueeze(-1)).to(q.dtype)
+            lse = total
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused, sinks)
         ctx.longest, ctx.scale = longest, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu, rng, unused, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, rng, unused,
-            scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+            dout, q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, rng, unused,
+            scale=ctx.scale, **ctx.band)
+        dsink = None
+        if sinks is not None:
+            delta = (dout.float() * out.float()).sum(-1).t()  # [H, tokens]
+            dsink = -(torch.exp(sinks.float()[:, None] - lse) * delta).sum(1).to(sinks.dtype)
+        return dq, dk, dv, None, None, None, dsink, None

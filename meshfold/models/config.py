@@ -56,6 +56,7 @@ class CommonKeys:
     rope_beta_fast: float = 32.0  # yarn
     rope_beta_slow: float = 1.0  # yarn
     rope_attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = 0.1 ln(factor) + 1
+    rope_truncate: bool = True  # yarn: the correction range rounded to whole dimensions (false: gpt-oss)
     rope_fraction: float = 1.0  # share of each head's features RoPE turns, the leading ones (partial RoPE: GLM)
 
     @property
@@ -81,7 +82,7 @@ class CommonKeys:
     @property
     def gated_mlp(self) -> bool:
         """w2(act(w1 x) * w3 x): SwiGLU (silu) or GeGLU (tanh GELU, Gemma); else w2(gelu(w1 x))."""
-        return self.mlp in GATED_MLPS
+        return self.mlp in GATED_MLPS or self.mlp in registry.mlps()
 
     @property
     def hidden_dim(self) -> int:
@@ -103,7 +104,7 @@ class ModelConfig(*reversed(registry.sections()), MoEKeys, CommonKeys):
 
 CHOICES: dict[str, tuple] = {
     "norm": ("rmsnorm", "layernorm", *registry.norms()),  # families may add norm variants
-    "mlp": ("swiglu", "geglu", "gelu"),
+    "mlp": ("swiglu", "geglu", "gelu", *registry.mlps()),  # families may add gated activations
     "pos": ("rope", "learned"),
     **MOE_CHOICES,
     "rope_scaling": ("none", "linear", "llama3", "dynamic", "yarn"),

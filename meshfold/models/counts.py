@@ -40,11 +40,11 @@ def ffn_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     if not cfg.is_moe_layer(layer):
         return mlp_params(cfg, cfg.hidden_dim)
     routed = cfg.moe_topk if active else cfg.moe_experts
-    # Routed experts carry no biases (models/moe.py); the shared experts are one MLP of
-    # width moe_shared_experts * expert_dim, with the model's bias setting.
-    expert = mlp_params(dataclasses.replace(cfg, bias=False), cfg.expert_dim)
+    # Routed experts and the router carry biases with moe_bias only (models/moe.py); the shared
+    # experts are one MLP of width moe_shared_experts * expert_dim, with the model's bias setting.
+    expert = mlp_params(dataclasses.replace(cfg, bias=cfg.moe_bias), cfg.expert_dim)
     shared = mlp_params(cfg, cfg.moe_shared_experts * cfg.expert_dim) if cfg.moe_shared_experts else 0
-    router = cfg.dim * cfg.moe_experts
+    router = (cfg.dim + cfg.moe_bias) * cfg.moe_experts
     return router + routed * expert + shared
 
 
@@ -52,7 +52,8 @@ def block_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     """One decoder block (layer index ``layer``, MoE placement by it): attention, feed-forward, two
     norms (four with ``registry.post_norms``)."""
     norms = 4 if registry.post_norms(cfg) else 2
-    return attention_params(cfg) + ffn_params(cfg, layer, active) + norms * norm_params(cfg)
+    sinks = cfg.n_heads if registry.layer_attention(cfg, layer).sinks else 0  # one logit per query head
+    return attention_params(cfg) + sinks + ffn_params(cfg, layer, active) + norms * norm_params(cfg)
 
 
 def heads_params(cfg: ModelConfig, active: bool = False) -> int:
@@ -95,31 +96,41 @@ def window_keys(window: int, seq_len: int, causal: bool) -> float:
     return window - window * window / (2 * seq_len) if causal else float(window)
 
 
+def chunk_keys(chunk: int, seq_len: int, causal: bool) -> float:
+    """Keys per query a chunked layer scores: its chunks' squares (causal: triangles) over s."""
+    n, rest = divmod(seq_len, chunk)
+    area = n * chunk * chunk + rest * rest
+    return area / (2 * seq_len) if causal else area / seq_len
+
+
 def layers_attention_flops(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
     """Forward FLOPs per token of every layer's attention scores and weighted sum: the whole
-    s x s per layer (half with ``causal``), a sliding-window layer's band only."""
-    windows = [registry.layer_attention(cfg, i).window for i in range(cfg.n_layers)]
-    windowed = [w for w in windows if 0 < w < seq_len]
+    s x s per layer (half with ``causal``), a sliding-window layer's band only, a chunked
+    layer's chunks only."""
+    specs = [registry.layer_attention(cfg, i) for i in range(cfg.n_layers)]
+    keys = [window_keys(spec.window, seq_len, causal) if 0 < spec.window < seq_len
+            else chunk_keys(spec.chunk, seq_len, causal) if 0 < spec.chunk < seq_len else None for spec in specs]
+    local = [k for k in keys if k is not None]
     full = attention_flops(cfg, seq_len)
-    attn = full * (cfg.n_layers - len(windowed))
+    attn = full * (cfg.n_layers - len(local))
     if causal:
         attn /= 2
-    return attn + sum(full * window_keys(w, seq_len, causal) / seq_len for w in windowed)
+    return attn + sum(full * k / seq_len for k in local)
 
 
 def attention_share(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
     """Every layer's attention work over that of as many full layers (1.0 without sliding
-    windows): what the planner scales its per-layer attention core by."""
+    windows or chunks): what the planner scales its per-layer attention core by."""
     full = attention_flops(cfg, seq_len) * cfg.n_layers
     return layers_attention_flops(cfg, seq_len, causal) / (full / 2 if causal else full)
 
 
 def plain_layers(cfg: ModelConfig) -> bool:
     """Whether every layer is plain causal softmax(QK^T / sqrt(d)) attention: no sliding
-    window, no softmax scale of its own (what context parallel's attention computes; a layer's
-    own RoPE is applied before it)."""
+    window, no chunks, no softmax scale of its own, no sinks (what context parallel's attention computes;
+    a layer's own RoPE is applied before it)."""
     specs = (registry.layer_attention(cfg, i) for i in range(cfg.n_layers))
-    return not any(spec.window or spec.scale for spec in specs)
+    return not any(spec.window or spec.scale or spec.sinks or spec.chunk for spec in specs)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool = True,

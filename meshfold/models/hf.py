@@ -95,7 +95,7 @@ def adapter_of_type(model_type: str) -> HFAdapter:
 
 def adapter_of_model(m: ModelConfig) -> tuple[HFAdapter, str]:
     """The adapter whose family a model is, and the ``model_type`` it exports as by default."""
-    for adapter in registry.hf_adapters():
+    for adapter in reversed(registry.hf_adapters()):  # a later family built on shared blocks claims first
         if (m.norm, m.mlp) != (adapter.norm, adapter.mlp):
             continue
         model_type = adapter.natural_type(m)
@@ -131,8 +131,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         if rope_type == "dynamic":  # transformers stretches beyond max_position_embeddings
             original = seq_len
         if rope_type == "yarn":
-            if rope.get("truncate", True) is False:
-                raise ConfigError("convert: yarn with truncate = false is not supported")
             original = original or seq_len
             factor = factor or seq_len / original
             attention = rope.get("attention_factor")
@@ -143,7 +141,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                 attention = m(factor, mscale) / m(factor, mscale_all)
             scaling.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0),
                            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
-                           rope_attention_factor=float(attention or 0.0))
+                           rope_attention_factor=float(attention or 0.0),
+                           rope_truncate=bool(rope.get("truncate", True)))
         if rope_type == "llama3":
             scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                            rope_high_freq_factor=float(rope["high_freq_factor"]))
@@ -194,6 +193,8 @@ def _hf_rope(m: ModelConfig) -> tuple[dict, int]:
         scaling.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
         if m.rope_attention_factor:
             scaling["attention_factor"] = m.rope_attention_factor
+        if not m.rope_truncate:
+            scaling["truncate"] = False
     return scaling, longest
 
 
@@ -325,7 +326,7 @@ def from_hf(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
     per_layer = {v: k for k, v in {**LAYER_NAMES, **adapter.layer_names}.items()}
     experts_of = {v: k for k, v in EXPERT_NAMES.items()}
     out, experts = {}, {}
-    for name, value in _hub_names(state).items():
+    for name, value in _hub_names(adapter.import_tensors(state, m)).items():
         if name in top:
             if name == "lm_head.weight" and m.tie_embeddings:
                 continue  # tied: the embedding is the output projection

@@ -117,6 +117,17 @@ class HFAdapter:
         or None (not the family's)."""
         return None
 
+    def import_tensors(self, state: dict, m) -> dict:
+        """The checkpoint's tensors before the shared name maps read them: a family whose files
+        store a tensor in another layout or encoding (gpt-oss: MXFP4 experts, interleaved
+        gate/up) turns it into one ``own_from_hf`` takes."""
+        return state
+
+    def transformers_kwargs(self, hf: dict) -> dict:
+        """What ``convert check`` passes to transformers' ``from_pretrained`` for this folder's
+        ``config.json`` (gpt-oss: MXFP4 experts dequantised, as on a machine without its kernels)."""
+        return {}
+
     def block_prefix(self, layer: int, m) -> str:
         """meshfold's prefix of HF decoder layer ``layer``."""
         return f"layers.{layer}."

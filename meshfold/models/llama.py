@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.models.attention_ops import (DOCUMENT_TILE, compute_dtype, document_attention, document_plan,
-                                          flash_varlen_ok, window_attention)
+from meshfold.models.attention_ops import (DOCUMENT_TILE, chunk_attention, chunk_ids, compute_dtype,
+                                          document_attention, document_plan, flash_varlen_ok, sdpa,
+                                          window_attention)
 from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.moe import MoE
+from meshfold.models.moe_experts import _local
 
 
 class RMSNorm(nn.Module):
@@ -99,8 +101,10 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         def correction_dim(rotations: float) -> float:
             return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        lo = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
-        hi = min(math.ceil(correction_dim(cfg.rope_beta_slow)), d - 1)
+        lo, hi = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
         hi = hi + 0.001 if lo == hi else hi
         ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
         extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by the factor
@@ -178,6 +182,21 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat([apply_rotary(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x divided by its root mean square over the last dim (no weight), in at least fp32."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temper_queries(q: torch.Tensor, positions: torch.Tensor | None, floor: float, strength: float) -> torch.Tensor:
+    """Attention temperature tuning (Llama 4's NoPE layers): q [b, s, H, d] times
+    1 + strength * log(1 + floor((position + 1) / floor)), per token."""
+    pos = positions if positions is not None else torch.arange(q.shape[1], device=q.device).unsqueeze(0)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    factor = torch.log1p(torch.floor((pos.to(dtype) + 1.0) / floor)) * strength + 1.0
+    return (q.to(dtype) * factor[:, :, None, None]).to(q.dtype)
+
+
 def document_causal_mask(doc_ids_q: torch.Tensor, doc_ids_k: torch.Tensor, pos_q: torch.Tensor,
                          pos_k: torch.Tensor) -> torch.Tensor:
     """Boolean [batch, 1, q, k] mask: key visible if earlier-or-equal and in the same document."""
@@ -195,38 +214,46 @@ class CoreAttention(nn.Module):
     With ``doc_ids`` (packed documents, contiguous runs of equal ids) attention runs per
     document (``attention_ops.document_attention``: key windows per query tile, never an
     S x S mask); ``dense = True`` is the S x S-mask reference the tests compare it with.
+    ``sinks`` [heads]: attention sinks, a learned logit per head in the softmax's denominator
+    (``attention_ops.sdpa``: through the fused kernels' log-sum-exp on every path).
     """
 
-    def __init__(self, dense: bool = False, window: int = 0, scale: float | None = None):
+    def __init__(self, dense: bool = False, window: int = 0, scale: float | None = None, chunk: int = 0):
         super().__init__()
         self.dense = dense
         self.window = window  # > 0: sliding-window attention (each query's `window` latest keys)
         self.scale = scale  # softmax scale; None = 1/sqrt(head_dim)
+        self.chunk = chunk  # > 0: chunked attention (within each chunk of `chunk` positions)
         # Transformer.forward plans the micro-batch's windows once with this tile.
-        self.document_tile = None if (dense or window) else DOCUMENT_TILE
+        self.document_tile = None if (dense or window or chunk) else DOCUMENT_TILE
 
-    def forward(self, q, k, v, positions=None, doc_ids=None):
+    def forward(self, q, k, v, positions=None, doc_ids=None, sinks=None):
         width = v.shape[-1]
         if width != q.shape[-1]:  # (latent attention: v narrower than q/k)
             # zero-padded to the q/k width and the output cut back: PyTorch's fused flash
             # kernels (CPU and CUDA) take one head width, and the fallback keeps the s x s
             # scores in fp32; as Hugging Face pads v for FlashAttention-2
             v = F.pad(v, (0, q.shape[-1] - width))
-            return self.forward(q, k, v, positions, doc_ids)[..., :width]
+            return self.forward(q, k, v, positions, doc_ids, sinks)[..., :width]
         if self.window:
-            return window_attention(q, k, v, self.window, positions, doc_ids, self.scale)
+            return window_attention(q, k, v, self.window, positions, doc_ids, self.scale, sinks)
+        if self.chunk and not self.dense:
+            return chunk_attention(q, k, v, self.chunk, positions, doc_ids, self.scale)
+        if self.chunk:  # the S x S reference: chunk boundaries are document boundaries
+            pos = positions if positions is not None else torch.arange(q.shape[1], device=q.device).expand(
+                q.shape[0], -1)
+            doc_ids, positions = chunk_ids(doc_ids, pos, self.chunk), pos
         if doc_ids is not None and not self.dense:
-            return document_attention(q, k, v, positions, doc_ids, self.document_tile, scale=self.scale)
+            return document_attention(q, k, v, positions, doc_ids, self.document_tile, scale=self.scale, sinks=sinks)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = q.shape[1] != k.shape[1]
         if doc_ids is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
+            out = sdpa(q, k, v, causal=True, scale=self.scale, sinks=sinks)
         else:
             pos = positions if positions is not None else torch.arange(q.shape[2], device=q.device).expand(
                 q.shape[0], -1
             )
             mask = document_causal_mask(doc_ids, doc_ids, pos, pos)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
+            out = sdpa(q, k, v, mask=mask, scale=self.scale, sinks=sinks)
         return out.transpose(1, 2)
 
 
@@ -234,8 +261,8 @@ class Attention(nn.Module):
     """Grouped-query attention. ``head_dim`` may differ from dim/n_heads (Qwen3); q/k/v may
     carry biases without the output projection (``qkv_bias``, Qwen2); ``qk_norm`` applies an
     RMSNorm over each head's features of q and k before RoPE (Qwen3; the model's RMS norm
-    variant). Layer ``layer_id``'s ``registry.layer_attention`` may give it a sliding window
-    and a softmax scale (its RoPE table is the block's)."""
+    variant). Layer ``layer_id``'s ``registry.layer_attention`` may give it a sliding window,
+    a softmax scale and attention sinks (its RoPE table is the block's)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
@@ -252,7 +279,12 @@ class Attention(nn.Module):
         self.q_norm = head_norm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = head_norm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         spec = registry.layer_attention(cfg, layer_id)
-        self.core = CoreAttention(window=spec.window, scale=spec.scale or None)
+        self.use_rope = self.use_rope and not spec.nope
+        self.l2_eps = cfg.norm_eps if spec.l2_qk_norm else None  # the weightless L2 (RMS) q/k norm
+        self.temperature = spec.temperature
+        self.core = CoreAttention(window=spec.window, scale=spec.scale or None, chunk=spec.chunk)
+        # attention sinks (registry.LayerAttention.sinks): one logit per query head
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if spec.sinks else None
 
     def forward(self, x, rope, positions=None, doc_ids=None):
         out = self.attend(self.wq(x), self.wk(x), self.wv(x), rope, positions, doc_ids)
@@ -266,10 +298,17 @@ class Attention(nn.Module):
         q, k, v = (t.view(bsz, seq, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.l2_eps is not None:  # (before RoPE: a rotation keeps each head's norm)
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
         if self.use_rope:
             cos, sin = rope
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
+        if self.temperature:
+            q = temper_queries(q, positions, *self.temperature)
+        if self.sinks is None:
+            out = self.core(q, k, v, positions=positions, doc_ids=doc_ids)
+        else:  # (this rank's heads under tensor parallel: the sinks are split with them)
+            out = self.core(q, k, v, positions=positions, doc_ids=doc_ids, sinks=_local(self.sinks))
         return out.reshape(bsz, seq, -1)
 
 
@@ -443,7 +482,7 @@ def fill_initial_(out: torch.Tensor, name: str, shape: tuple[int, ...], offset: 
         raise ValueError(f"init of {name}: box at {offset} of size {tuple(out.shape)} "
                          f"is not inside the parameter's shape {shape}")
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "bias":
+    if leaf.endswith("bias"):  # (the routed experts' w13_bias / w2_bias too)
         return out.zero_()
     if "norm" in name:
         return out.fill_(norm_start(cfg))

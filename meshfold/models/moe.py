@@ -3,12 +3,13 @@
 ``MoE(cfg)`` replaces the dense MLP of a block (every ``moe_every``-th layer after the first
 ``moe_first_dense``). Per token x (rows of the flattened [batch*seq, dim] input):
 
-    logits = x W_r^T                                   (router, E experts)
+    logits = x W_r^T (+ b_r with ``moe_bias``)         (router, E experts)
     scores = softmax(logits)   or   sigmoid(logits)    (``moe_router``)
     chosen = top-k of (scores + b)                     (b = ``expert_bias``, only with
                                                         ``moe_bias_balance``; selection only)
-    g_j    = scores[chosen_j], divided by their sum when ``moe_norm_topk`` (always for sigmoid)
+    g_j    = scores[chosen_j], divided by their sum when ``moe_norm_topk``
     y      = sum_j g_j * Expert_{chosen_j}(x) + SharedExperts(x)
+             (``moe_gate_input``, top-1: Expert_{chosen}(g * x) + SharedExperts(x), Llama 4)
 
 Dropless by default. With ``moe_capacity_factor`` c > 0 each expert accepts at most
 C = ceil(c * s * k / E) assignments *per sequence* (s tokens); assignments are queued
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.models.feedforward import FeedForward
 from meshfold.models.moe_experts import (GroupedExperts, _compute_dtype, _Groups, _local, count_rows, expert_kernel,
@@ -129,7 +131,8 @@ class MoE(nn.Module):
         self.n_experts = cfg.moe_experts
         self.topk = cfg.moe_topk
         self.router_kind = cfg.moe_router
-        self.norm_topk = cfg.moe_norm_topk or cfg.moe_router == "sigmoid"
+        self.norm_topk = cfg.moe_norm_topk
+        self.gate_input = cfg.moe_gate_input
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coef = cfg.moe_aux_loss_coef
         self.z_coef = cfg.moe_z_loss_coef
@@ -138,8 +141,10 @@ class MoE(nn.Module):
         self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
         self.routed_scale = cfg.moe_routed_scale
         self.seq_aux_coef = cfg.moe_seq_aux_loss_coef
-        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp)
+        self.router = nn.Linear(cfg.dim, cfg.moe_experts, bias=cfg.moe_bias)
+        glu = registry.mlps().get(cfg.mlp)  # a family's gated activation (gpt-oss's clamped SwiGLU)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.dim, cfg.expert_dim, cfg.mlp, cfg.moe_bias,
+                                      registry.load(glu)(cfg) if glu else None)
         self.shared_experts = (FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_dim, cfg.mlp, cfg.bias)
                                if cfg.moe_shared_experts else None)
         if cfg.moe_bias_balance:
@@ -227,9 +232,11 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         w = _local(self.router.weight)
+        b = None if self.router.bias is None else _local(self.router.bias)  # (model.moe_bias)
         if self.router_weight_hook is not None:
             w = self.router_weight_hook(w)
-        logits = F.linear(flat, w).to(torch.promote_types(x.dtype, torch.float32))
+            b = None if b is None else self.router_weight_hook(b)
+        logits = F.linear(flat, w, b).to(torch.promote_types(x.dtype, torch.float32))
         probs, idx, gates = self.route(logits)
         # Under a capacity every expert gets its batch x C slots (padded): fixed shapes, no
         # host read, the same tokens dropped (docs/gpu.md)
@@ -246,7 +253,10 @@ class MoE(nn.Module):
 
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(self.topk)
         expert, gate = idx.flatten(), gates.flatten()
-        out = self.dispatcher(flat, tokens, expert, gate, self.experts, self.n_experts, capacity)
+        routed = flat
+        if self.gate_input:  # (top-1) the gate scales the token on its way in; any dispatcher carries it
+            routed, gate = flat * gate[:, None].to(flat.dtype), torch.ones_like(gate)
+        out = self.dispatcher(routed, tokens, expert, gate, self.experts, self.n_experts, capacity)
         out = out.view(batch, seq, dim)
         if self.shared_experts is not None:  # on [batch, seq, dim]: sequence parallel splits dim 1
             out = out + self.shared_experts(x)

@@ -26,7 +26,8 @@ class MoEKeys:
     moe_z_loss_coef: float = 0.0
     moe_bias_balance: bool = False  # aux-loss-free balancing via router bias
     moe_bias_update_rate: float = 1e-3
-    moe_norm_topk: bool = True  # softmax router: renormalise the k gates to sum 1 (Mixtral); sigmoid always does
+    moe_norm_topk: bool = True  # renormalise the k gates to sum 1 (Mixtral, DeepSeek-V3; off: Llama 4's sigmoid gates)
+    moe_gate_input: bool = False  # top-1: the gate scales the token before its expert, not the output (Llama 4)
     moe_first_dense: int = 0  # leading dense layers before the first MoE layer (DeepSeek-MoE: 1)
     moe_dense_layers: list[int] = field(default_factory=list)  # further dense layers (Qwen3-MoE mlp_only_layers)
     # Group-limited routing (DeepSeek-V2/V3): experts in moe_groups equal groups, a token picks
@@ -35,6 +36,7 @@ class MoEKeys:
     moe_topk_groups: int = 0
     moe_routed_scale: float = 1.0  # routed experts' gates times this (routed_scaling_factor)
     moe_seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss (per sequence)
+    moe_bias: bool = False  # biases on the router and on each routed expert's two GEMMs (gpt-oss)
 
     @property
     def expert_dim(self) -> int:
@@ -74,5 +76,7 @@ def check_moe(m) -> None:
                           f"model.n_layers = {m.n_layers}")
     if m.moe_seq_aux_loss_coef < 0:
         raise ConfigError(f"model.moe_seq_aux_loss_coef must be >= 0, got {m.moe_seq_aux_loss_coef}")
+    if m.moe_gate_input and m.moe_topk != 1:
+        raise ConfigError(f"model.moe_gate_input needs model.moe_topk = 1 (one gate per token), got {m.moe_topk}")
     if m.moe_capacity_factor < 0:
         raise ConfigError(f"model.moe_capacity_factor must be >= 0 (0 = dropless), got {m.moe_capacity_factor}")

@@ -143,8 +143,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # Rows per grouped-GEMM group are padded to a multiple of this many bytes' worth of rows
-# (sm90's grouped GEMM wants 16-byte aligned groups: 8 rows of bf16).
+# (sm90's grouped GEMM wants 16-byte aligned groups: 8 rows of bf16). CUDA only: the CPU
+# kernel (a loop of matmuls) takes any group, and the copies into and out of the padded
+# layout cost a fifth of a 64-expert MoE block's step there (docs/moe.md).
 GROUP_ALIGN_BYTES = 16
+
+
+def group_align(x: torch.Tensor) -> int:
+    """Rows per grouped-GEMM group multiple on ``x``'s device (1 = no padding)."""
+    return max(1, GROUP_ALIGN_BYTES // x.element_size()) if x.device.type == "cuda" else 1
 
 
 class _Groups:
@@ -187,6 +194,17 @@ class _Groups:
             self.expert = expert
             self.slot = (F.one_hot(expert, E).cumsum(0) - 1).gather(1, expert[:, None]).squeeze(1)
 
+    def row_experts(self, rows: int, device) -> torch.Tensor:
+        """[rows] the expert of each row of the kernel's layout (for the experts' biases):
+        grouped GEMM by its offsets, E for the rows past the last one (the kernel leaves them
+        unwritten, forward and backward: they must reach no expert's bias gradient), the
+        padded and capacity layouts by their expert of each row."""
+        if self.kernel == "grouped_mm":
+            return torch.searchsorted(self.offsets, torch.arange(rows, device=device, dtype=torch.int32), right=True)
+        if self.kernel == "bmm":
+            return torch.arange(self.E, device=device).repeat_interleave(self.cap)
+        return self.expert
+
 
 def fixed_groups(n_experts: int, per: int) -> _Groups:
     """Capacity mode's layout: ``per`` rows for each expert, expert-major ([E * per] rows, the
@@ -214,16 +232,23 @@ class GroupedExperts(nn.Module):
 
     SwiGLU experts keep w1 and w3 as one parameter ``w13`` [E, 2 hidden, dim] (w1's rows,
     then w3's: transformers' fused ``gate_up_proj`` layout), so their first GEMM runs on it
-    directly: no concatenated copy of the expert weights per forward. GELU experts: ``w1``."""
+    directly: no concatenated copy of the expert weights per forward. GELU experts: ``w1``.
+    Any other gated kind (a family's ``registry.mlps``) has ``w13`` and its own ``glu(gate,
+    up)`` in place of silu(gate) * up. ``bias``: per-expert biases ``w13_bias`` (or
+    ``w1_bias``) [E, out] and ``w2_bias`` [E, dim] (gpt-oss)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu"):
+    def __init__(self, n_experts: int, dim: int, hidden: int, kind: str = "swiglu", bias: bool = False,
+                 glu=None):
         super().__init__()
         self.kind = kind
-        if kind == "swiglu":
-            self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
-        else:
-            self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.glu = glu
+        w_in = "w13" if kind != "gelu" else "w1"
+        setattr(self, w_in, nn.Parameter(torch.empty(n_experts, (1 + (kind != "gelu")) * hidden, dim)))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        if bias:
+            setattr(self, w_in + "_bias", nn.Parameter(torch.zeros(n_experts, getattr(self, w_in).shape[1])))
+            self.w2_bias = nn.Parameter(torch.zeros(n_experts, dim))
+        self.biased = bias
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
@@ -249,37 +274,53 @@ class GroupedExperts(nn.Module):
         the feed starts from, pass through the call so a wrapper sees them as its inputs
         (FSDP hooks its gradient reduce-scatter onto theirs). The rows are computed in the
         autocast dtype, else the weights' (a wrapper's compute dtype)."""
-        w_in = self.w13 if self.kind == "swiglu" else self.w1
+        w_in = self.w13 if self.kind != "gelu" else self.w1
         if callable(x):
             device = w_in.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_in.dtype
             w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
+            biases = self._biases(dtype)
             return x(lambda rows, counts, groups=None, gates=None:
-                     self._grouped(rows.to(dtype), w1, w2, counts, groups, gates), sends)
+                     self._grouped(rows.to(dtype), w1, w2, counts, groups, gates, biases), sends)
         dtype = _compute_dtype(x)
         w1, w2 = (_local(w, self.grad_scale).to(dtype) for w in (w_in, self.w2))
-        return self._grouped(x.to(dtype), w1, w2, counts, groups, gates)
+        return self._grouped(x.to(dtype), w1, w2, counts, groups, gates, self._biases(dtype))
 
-    def _grouped(self, x, w1, w2, counts, groups, gates):
+    def _biases(self, dtype) -> tuple | None:
+        """(first GEMM's, second GEMM's) biases, local and in the compute dtype, or None."""
+        if not self.biased:
+            return None
+        b_in = self.w13_bias if self.kind != "gelu" else self.w1_bias
+        return tuple(_local(b, self.grad_scale).to(dtype) for b in (b_in, self.w2_bias))
+
+    def _grouped(self, x, w1, w2, counts, groups, gates, biases=None):
         if groups is None:
             kernel = expert_kernel(x, self.kernel)
-            groups = _Groups(counts, x.shape[0], kernel, align=max(self.group_rows, GROUP_ALIGN_BYTES // x.element_size()),
+            groups = _Groups(counts, x.shape[0], kernel, align=max(self.group_rows, group_align(x)),
                              whole=self.group_rows > 1)
         if getattr(groups, "dest", None) is not None:  # aligned groups: in and out of the padded layout once
             x = _ScatterRows.apply(x, groups.dest, groups.padded_rows)
             if gates is not None:
                 gates = _ScatterRows.apply(gates, groups.dest, groups.padded_rows)
-            return self._run(x, w1, w2, groups, gates).index_select(0, groups.dest)
-        return self._run(x, w1, w2, groups, gates)
+            return self._run(x, w1, w2, groups, gates, biases).index_select(0, groups.dest)
+        return self._run(x, w1, w2, groups, gates, biases)
 
-    def _run(self, x, w1, w2, groups, gates):
-        """``w1``: the first GEMM's weight (SwiGLU: w13, twice the columns per expert)."""
+    def _run(self, x, w1, w2, groups, gates, biases=None):
+        """``w1``: the first GEMM's weight (gated kinds: w13, twice the columns per expert)."""
         gemm = self.grouped_mm
-        if self.kind != "swiglu":
-            h = F.gelu(grouped_linear(x, w1, groups, gemm), approximate="tanh")
+        h = grouped_linear(x, w1, groups, gemm)
+        if biases is not None:  # (a zero row E for the rows no expert owns: row_experts)
+            rows = groups.row_experts(h.shape[0], h.device)
+            biases = [F.pad(b, (0, 0, 0, 1)) for b in biases]
+            h = h + biases[0].index_select(0, rows)
+        if self.kind == "gelu":
+            h = F.gelu(h, approximate="tanh")
         else:
-            h1, h3 = grouped_linear(x, w1, groups, gemm).chunk(2, dim=-1)
-            h = F.silu(h1) * h3
+            h1, h3 = h.chunk(2, dim=-1)
+            h = F.silu(h1) * h3 if self.glu is None else self.glu(h1, h3)
+        if biases is not None:  # the gate scales the biased output (it cannot move before w2)
+            y = grouped_linear(h, w2, groups, gemm) + biases[1].index_select(0, rows)
+            return y if gates is None else y * gates[:, None].to(y.dtype)
         if gates is None:
             return grouped_linear(h, w2, groups, gemm)
         if h.shape[1] <= w2.shape[1]:  # the narrower side takes the [rows, width] product

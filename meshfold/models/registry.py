@@ -46,11 +46,21 @@ class LayerAttention:
     ``window`` latest keys, itself included (sliding-window attention; 0 = the whole causal
     context); ``rope``: the ``[model]`` RoPE keys this layer uses instead of the model's, as
     (key, value) pairs (its own base, its own scaling); ``scale``: the softmax scale (0 =
-    1/sqrt(the q/k head width))."""
+    1/sqrt(the q/k head width)); ``sinks``: a learned logit per query head joins the softmax's
+    denominator (attention sinks: ``Attention.sinks``, gpt-oss); ``chunk`` > 0: chunked
+    (block-local) attention, each query sees the earlier keys of its chunk of ``chunk``
+    positions; ``nope``: no RoPE on this layer; ``l2_qk_norm``: q and k divided by their RMS
+    over each head (no weight); ``temperature`` = (floor, strength): queries times 1 + strength
+    * log(1 + floor((position + 1) / floor)) (Llama 4's attention temperature tuning; () = none)."""
 
     window: int = 0
     rope: tuple[tuple[str, Any], ...] = ()
     scale: float = 0.0
+    sinks: bool = False
+    chunk: int = 0
+    nope: bool = False
+    l2_qk_norm: bool = False
+    temperature: tuple[float, float] = ()
 
 
 PLAIN_LAYER = LayerAttention()
@@ -82,7 +92,9 @@ class Family:
     (``Class(dim, eps)``); ``embedding_scale``: a factor on the token embeddings (1 = none);
     ``layer_attention(cfg, layer)``: a ``LayerAttention`` for the layers of its configs (None
     for configs not its own); ``post_norms(cfg)``: whether blocks also normalise the attention
-    and feed-forward outputs before the residual add (four norms per block)."""
+    and feed-forward outputs before the residual add (four norms per block); ``mlps``: gated
+    activation name (``model.mlp``) -> ``"module:fn"``, ``fn(cfg) -> glu(gate, up)`` (its
+    routed experts' activation in place of silu(gate) * up)."""
 
     name: str
     sections: tuple[type, ...] = ()
@@ -95,6 +107,7 @@ class Family:
     embedding_scale: Callable[[ModelConfig], float] | None = None
     layer_attention: Callable[[ModelConfig, int], LayerAttention | None] | None = None
     post_norms: Callable[[ModelConfig], bool] | None = None
+    mlps: Mapping[str, str] = field(default_factory=dict)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -150,6 +163,10 @@ def heads() -> tuple[Head, ...]:
 
 def norms() -> dict[str, str]:
     return {name: path for f in _FAMILIES.values() for name, path in f.norms.items()}
+
+
+def mlps() -> dict[str, str]:
+    return {name: path for f in _FAMILIES.values() for name, path in f.mlps.items()}
 
 
 def embedding_scale(cfg: ModelConfig) -> float:

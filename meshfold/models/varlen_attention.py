@@ -78,7 +78,7 @@ def use_varlen_attention(model: nn.Module, spread=None) -> int:
     n = 0
     for module in model.modules():
         if (isinstance(module, Attention) and type(module.core) is CoreAttention and not module.core.window
-                and module.core.scale is None):  # (windowed or rescaled layers keep their own)
+                and module.core.scale is None and not module.core.chunk):  # (windowed, rescaled or chunked layers keep their own)
             module.core = VarlenCoreAttention(spread)
             n += 1
     return n

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
+from meshfold.errors import ConfigError
 from meshfold.mesh import ParallelDims
 from meshfold.optim.adamw import build_adamw
 from meshfold.optim.muon.optimizer import build_muon
@@ -35,6 +36,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, devi
                     weights: ComputeWeights | None = None) -> torch.optim.Optimizer:
     """The optimizer ``train.optimizer`` names (AdamW where the config has no such key)."""
     kind = getattr(cfg, "optimizer", DEFAULT)
+    if kind == "auto":
+        raise ConfigError("train.optimizer = auto is the planner's to choose: run `meshfold plan CONFIG --cluster C "
+                          f"--out PLAN.toml` and train PLAN.toml, or set train.optimizer to one of "
+                          f"{', '.join(sorted(OPTIMIZERS))}")
     if kind not in OPTIMIZERS:
         raise ValueError(f"train.optimizer = {kind!r}: not one of {', '.join(sorted(OPTIMIZERS))}")
     return OPTIMIZERS[kind](model, cfg, dims, device_type, zero_one=zero_one, sharded=sharded, weights=weights)

@@ -32,7 +32,7 @@ def validate(cfg: Config) -> None:
                           "rank; use parallel.cp = 1 or moe_seq_aux_loss_coef = 0")
     ATTENTION_LAYOUTS[m.attention].check(cfg)  # the attention variant's own rules (facts/attention.py)
     if p.cp > 1:
-        check_plain_layers(m)
+        check_plain_layers(m, p.cp_mode)
     # Tensor parallel: heads split across tp ranks.
     if p.tp > 1:
         if p.tp > m.n_heads:
@@ -106,16 +106,20 @@ def validate(cfg: Config) -> None:
         check_expert_data_parallel(cfg)
 
 
-def check_plain_layers(m) -> None:
-    """Context parallel's ring and Ulysses attention is plain causal softmax(QK^T / sqrt(d)):
-    layers with a sliding window or their own softmax scale (``registry.layer_attention``)
-    are refused, never computed wrongly."""
+def check_plain_layers(m, cp_mode: str) -> None:
+    """Context parallel's ring and Ulysses attention take a layer's sliding window, softmax
+    scale and sinks (``parallel/cp/``: the ring skips tile pairs outside the window; both are
+    tested against one process in tests/test_gpt_oss.py); chunked layers, and any of these
+    under the hybrid mode, are refused, never computed wrongly."""
     for layer in range(m.n_layers):
         spec = registry.layer_attention(m, layer)
-        if spec.window or spec.scale:
-            what = f"a sliding window of {spec.window}" if spec.window else f"softmax scale {spec.scale}"
-            raise ConfigError(f"parallel.cp > 1 is not supported with layer {layer}'s attention ({what}): context "
-                              f"parallel attends the whole causal context; use parallel.cp = 1")
+        special = spec.window or spec.scale or spec.sinks
+        if spec.chunk or (special and cp_mode == "hybrid"):
+            what = (f"chunks of {spec.chunk}" if spec.chunk else f"a sliding window of {spec.window}" if spec.window
+                    else f"softmax scale {spec.scale}" if spec.scale else "attention sinks")
+            fix = "use parallel.cp = 1" if spec.chunk else "use parallel.cp_mode = ring or ulysses, or parallel.cp = 1"
+            raise ConfigError(f"parallel.cp > 1 with parallel.cp_mode = {cp_mode} is not supported with layer "
+                              f"{layer}'s attention ({what}); {fix}")
 
 
 def check_expert_data_parallel(cfg: Config) -> None:

@@ -91,7 +91,7 @@ class SearchBounds:
     def _bound_rest_of(self, P: float, tp: int, n_shard: int, n_all: int, world: int) -> float:
         w, c, m = self.w, self.c, self.w.model
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
-        opt = P * (pb + gb + ob) * 2 / max(1, n_shard) / self.bw
+        opt = P * ((pb + gb + ob) * 2 + 3 * gb) / max(1, n_shard) / self.bw
         small = self.small_collectives(world)
         dp = 0.0
         if n_all > 1:

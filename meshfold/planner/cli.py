@@ -48,7 +48,7 @@ def _table(ranked: list[Estimate]) -> str:
 def _entry(e: Estimate, global_batch: int) -> dict:
     return {**e.row(), "breakdown": {"time_s": e.time, "memory_bytes": e.memory}, "comm_bytes": e.comm_bytes,
             "footprint": e.footprint(),
-            "parallel_toml": e.layout.to_toml(global_batch)}
+            "parallel_toml": e.layout.to_toml(global_batch), **({"optimizer": e.optimizer} if e.optimizer else {})}
 
 
 # --------------------------------------------------------------------------- plan
@@ -104,6 +104,8 @@ def run_plan(args) -> int:
     print()
     print("winner as config:" if not args.out else f"winner written to {args.out}:")
     print(ranked[0].layout.to_toml(w.global_batch))
+    if ranked[0].optimizer:  # train.optimizer = auto: the kind the search chose
+        print(f'[train]\noptimizer = "{ranked[0].optimizer}"')
     return 0
 
 
@@ -119,6 +121,8 @@ def write_plan(out: str, config: str, overrides: list[str], cfg: Config, best: E
         data["model"] = model_keys(cfg.model)
     for section, values in best.layout.config_values(cfg.train.global_batch).items():
         data.setdefault(section, {}).update(values)
+    if best.optimizer:  # train.optimizer = auto: the kind the search chose
+        data.setdefault("train", {})["optimizer"] = best.optimizer
     world = cluster.world_size
     head = (f"# meshfold plan {config}{''.join(f' --set {s}' for s in overrides)} --cluster {cluster_spec}\n"
             f"# {best.layout.short()}: predicted {best.step_time_s:.4g} s/step, peak {_gib(best.peak_mem_bytes)} GiB "

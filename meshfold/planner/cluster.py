@@ -78,13 +78,23 @@ class Device:
     # long as they overlap (published overlap measurements, docs/planner.md "Contention";
     # 0 = none, e.g. a calibrated CPU cluster, whose measured rates already include it).
     overlap_slowdown: float = 0.0
+    # > 0: the GEMM kernels run one output tile per thread block, writing it after the
+    # k-loop while the SM's tensor cores wait (cuBLAS on Ampere), and this is the inner
+    # dimension of the shape MAMF was measured at: GEMMs with a shorter k lose more to the
+    # tiles' writes (``kernels.gemm_time``). 0: persistent kernels that overlap a tile's
+    # write with the next tile's loop (Hopper, Blackwell), or a calibrated rate.
+    gemm_epilogue_k: int = 0
+    # Fraction of hbm_GBps PyTorch's eager memory-bound kernels reach, one kernel per op (the
+    # blocks' norms, RoPE, activations, adds, copies and the loss's passes, as counted by
+    # ``kernels.elementwise_bytes``); 0 = hbm_eff. Measured on an H200 (docs/planner.md).
+    eager_hbm_eff: float = 0.0
 
 
 # Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
 _A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63,  # MAMF; FlashAttention-2 paper
-             overlap_slowdown=0.2)  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
-_H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.35,  # MAMF; FA2 on H100 (FA3 paper)
-             overlap_slowdown=0.2)
+             overlap_slowdown=0.2, gemm_epilogue_k=2048)  # MAMF's best shape 6912x16384x2048  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
+_H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.29,  # MAMF; FA2 on H100 (FA3 paper; bwd measured)
+             overlap_slowdown=0.2, eager_hbm_eff=0.744)  # meshfold's eager step on an H200 (docs/planner.md)
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, sms=108, **_A100),
     "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, sms=108, **_A100),
@@ -156,6 +166,11 @@ class Cluster:
     # stage, with its send and receive) beyond compute and the message itself: the
     # schedule executor's own work. 0 = negligible.
     pipeline_op_us: float = 0.0
+    # Fraction of ``intra_node_GBps`` (the link's line rate) that NCCL's collectives carry:
+    # its protocol's headers and flags take ~20 % of NVLink (370 of 450 GB/s on H100, NCCL's
+    # maintainers, NVIDIA/nccl-tests#212); 1 = the rate as given (a calibrated cluster's
+    # measured beta already is what its collectives reach).
+    intra_node_eff: float = 1.0
 
     @property
     def world_size(self) -> int:
@@ -181,7 +196,7 @@ class Cluster:
 
 @lru_cache(maxsize=4096)
 def _link_cached(cluster: Cluster, stride: int, size: int) -> tuple[float, float]:
-    intra = (cluster.intra_node_alpha_us * 1e-6, cluster.intra_node_GBps * GB)
+    intra = (cluster.intra_node_alpha_us * 1e-6, cluster.intra_node_GBps * cluster.intra_node_eff * GB)
     if size <= 1:
         return intra
     dpn = cluster.devices_per_node
@@ -219,21 +234,30 @@ def _always_intra(stride: int, size: int, dpn: int) -> bool:
 
 # --------------------------------------------------------------------------- presets
 
+# NCCL's share of an NVLink's line rate: the per-link bandwidth its topology model assigns
+# (src/graph/topo.h: SM80_NVLINK_BW 20.0, SM90 20.6, SM100 40.1 GB/s) over the link's line
+# rate one way (NVLink 3 and 4: 25 GB/s, NVLink 5: 50): its protocol's overhead, ~20 %
+# (NCCL's maintainers: 370 of 450 GB/s on H100, NVIDIA/nccl-tests#212)
+NVLINK_EFF = {"a100": 20.0 / 25.0, "hopper": 20.6 / 25.0, "b200": 40.1 / 50.0}
 PRESETS: dict[str, dict] = {
     # DGX A100: NVSwitch (600 GB/s bidirectional = 300 one way), 8x HDR 200 Gb/s = 25 GB/s/GPU.
-    "a100-dgx": dict(devices_per_node=8, device="a100-80gb", intra_node_GBps=300.0, inter_node_GBps=25.0),
+    "a100-dgx": dict(devices_per_node=8, device="a100-80gb", intra_node_GBps=300.0, inter_node_GBps=25.0,
+                     intra_node_eff=NVLINK_EFF["a100"]),
     # DGX H100: NVLink 4 (900 GB/s bidirectional), 8x NDR 400 Gb/s = 50 GB/s/GPU.
-    "h100-dgx": dict(devices_per_node=8, device="h100-sxm", intra_node_GBps=450.0, inter_node_GBps=50.0),
-    "h200-dgx": dict(devices_per_node=8, device="h200", intra_node_GBps=450.0, inter_node_GBps=50.0),
+    "h100-dgx": dict(devices_per_node=8, device="h100-sxm", intra_node_GBps=450.0, inter_node_GBps=50.0,
+                     intra_node_eff=NVLINK_EFF["hopper"]),
+    "h200-dgx": dict(devices_per_node=8, device="h200", intra_node_GBps=450.0, inter_node_GBps=50.0,
+                     intra_node_eff=NVLINK_EFF["hopper"]),
     # Grand Teton (torchtitan's H100 benchmarks): 8 H100 96GB at 500 W, NVLink 4, 400 Gb/s RDMA per GPU.
     "h100-grand-teton": dict(devices_per_node=8, device="h100-96gb-500w", intra_node_GBps=450.0,
-                             inter_node_GBps=50.0),
+                             inter_node_GBps=50.0, intra_node_eff=NVLINK_EFF["hopper"]),
     # PCIe servers: 8 cards on PCIe 5.0 x16 (64 GB/s one way; NVLink bridges join pairs
     # only), one 400 Gb/s NIC per GPU.
     "h100-pcie": dict(devices_per_node=8, device="h100-pcie", intra_node_GBps=64.0, inter_node_GBps=50.0),
     "h100-nvl": dict(devices_per_node=8, device="h100-nvl", intra_node_GBps=64.0, inter_node_GBps=50.0),
     # DGX B200: NVLink 5 (1.8 TB/s bidirectional = 900 one way), 8x 400 Gb/s ConnectX-7.
-    "b200-dgx": dict(devices_per_node=8, device="b200", intra_node_GBps=900.0, inter_node_GBps=50.0),
+    "b200-dgx": dict(devices_per_node=8, device="b200", intra_node_GBps=900.0, inter_node_GBps=50.0,
+                     intra_node_eff=NVLINK_EFF["b200"]),
     # MI300X platform: 7 Infinity Fabric links of 64 GB/s one way per GPU (896 GB/s
     # aggregate bidirectional), 8x 400 Gb/s NICs.
     "mi300x": dict(devices_per_node=8, device="mi300x", intra_node_GBps=448.0, inter_node_GBps=50.0),
@@ -258,7 +282,7 @@ _FIELDS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": 
            "host_cores": int, "collective_overhead_us": float, "fsdp_overhead_us": float,
            "in_step_alpha_us": float, "attention_tile_us": float, "pipeline_op_us": float,
            "fp8_tflops": float, "hbm_eff": float, "attention_eff": float, "attention_bwd_eff": float,
-           "gemm_tile": int, "sms": int,
+           "gemm_tile": int, "sms": int, "intra_node_eff": float,
            "name": str, "node_groups": list}
 _DEVICE_KEYS = ("peak_tflops", "memory_gib", "hbm_GBps", "matmul_eff", "matmul_half_width", "reserved_gib",
                 "layer_overhead_us", "attention_tile_us", "fp8_tflops", "hbm_eff", "attention_eff",
@@ -323,6 +347,8 @@ def cluster_from_dict(values: dict, name: str = "cluster", where: str = "cluster
     for key in ("attention_eff", "attention_bwd_eff"):
         if not 0 <= getattr(device, key) <= 1:
             raise ConfigError(f"{where}.{key} must be in [0, 1], got {getattr(device, key)}")
+    if not 0 < merged.get("intra_node_eff", 1.0) <= 1:
+        raise ConfigError(f"{where}.intra_node_eff must be in (0, 1], got {merged['intra_node_eff']}")
     if not 0 <= merged.get("overlap", 1.0) <= 1:
         raise ConfigError(f"{where}.overlap must be in [0, 1], got {merged['overlap']}")
 
@@ -418,7 +444,8 @@ def cluster_to_toml(c: Cluster) -> str:
              f"hbm_eff = {d.hbm_eff!r}", f"attention_eff = {d.attention_eff!r}",
              f"attention_bwd_eff = {d.attention_bwd_eff!r}", f"gemm_tile = {d.gemm_tile!r}",
              f"sms = {d.sms!r}",
-             f"intra_node_GBps = {c.intra_node_GBps!r}", f"inter_node_GBps = {c.inter_node_GBps!r}",
+             f"intra_node_GBps = {c.intra_node_GBps!r}", f"intra_node_eff = {c.intra_node_eff!r}",
+             f"inter_node_GBps = {c.inter_node_GBps!r}",
              f"intra_node_alpha_us = {c.intra_node_alpha_us!r}", f"inter_node_alpha_us = {c.inter_node_alpha_us!r}",
              f"overlap = {c.overlap!r}", f"elementwise_traffic = {c.elementwise_traffic!r}",
              f"step_overhead_s = {c.step_overhead_s!r}", f"host_cores = {c.host_cores!r}",

@@ -265,7 +265,7 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
 
 
 def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int, sp: bool = False,
-                         ep_chunks: int = 1) -> float:
+                         ep_chunks: int = 1, aligned: bool = True) -> float:
     """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
     activations, for one micro-batch of b sequences of s tokens on one rank, as
     ``models/moe.py`` and ``parallel/ep/dispatch.py`` run it under a balanced router: the router's
@@ -280,7 +280,7 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
     A = T * k * routed_fraction(m, s) / tp
     wide = max(4, act)
-    router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk or m.moe_router == "sigmoid" else 0)
+    router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk else 0)
     router /= tp if sp else 1
     if ep > 1:  # rows in (act), their ids (gather, order, regroup, back), combine's fp32 rows twice + gates
         dispatch, ids = A * h * act + A * (2 * h + 1) * wide, 5 * A * 8
@@ -294,7 +294,10 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     # The grouped GEMM's groups padded to 16 bytes of rows (models/moe.py GROUP_ALIGN_BYTES):
     # up to align - 1 rows more per local expert, with their input and hidden activations,
     # and each row's place in the padded layout (int64). Pipelined in ``ep_chunks`` chunks
-    # (``parallel.ep_overlap_chunks``), every chunk's groups are padded.
+    # (``parallel.ep_overlap_chunks``), every chunk's groups are padded. CUDA only
+    # (``aligned``): the CPU kernel takes groups as they are.
+    if not aligned:
+        return router + dispatch
     align = max(1, 16 // act)
     padding = ep_chunks * (align - 1) * (E / ep / (tp if ep == 1 else 1)) * (h + 4 * m.expert_dim) * act + A * 8
     return router + dispatch + padding

@@ -20,7 +20,7 @@ def matmul_efficiency(cluster: Cluster, width: float) -> float:
 
 
 def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
-              fp8: bool = False) -> float:
+              fp8: bool = False, out_bytes: int = 0) -> float:
     """Seconds for one GEMM (m x k) @ (k x n) on device ``d``: its FLOPs at the device's
     achievable rate (``matmul_eff`` of the bf16 or fp8 peak), lowered by tile
     quantization (an output dimension below a multiple of ``gemm_tile`` wastes the rest of
@@ -28,7 +28,21 @@ def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int 
     last wave idles the other SMs), both from NVIDIA's "Matrix Multiplication Background"
     guide (MAMF is measured at shapes with neither), or its HBM traffic
     (operands once, output once) when that takes longer (the roofline: skinny GEMMs are
-    memory bound). ``width``: the CPU calibration's fall-off (``matmul_efficiency``)."""
+    memory bound). On a device whose GEMM kernels run one output tile per thread block
+    (``Device.gemm_epilogue_k`` > 0: cuBLAS on Ampere) each tile ends with its epilogue,
+    the write of the tile after its k-loop, while its SM's tensor cores wait: per tile
+    ``ob`` bytes an output at the SM's share of HBM (the tiles of a wave finish together)
+    against 2 k FLOPs an output at its share of the GEMM rate, i.e. the loop lengthened by
+    k0 = ob peak eff / (2 HBM hbm_eff) k-steps, the device's machine balance (A100: 146).
+    MAMF was measured at k = ``gemm_epilogue_k`` (A100: 2048, bf16 out) and is the most any
+    shape reaches, so a GEMM runs max(1, (1 + k0/k) / (1 + k0_MAMF/k_MAMF)) slower (A100,
+    k = 768: 11 %; the attention scores' k = head dim 96: 2.35x; a weight gradient over 2048
+    tokens accumulated in fp32, 8 bytes an output: 20 %). Hopper's
+    persistent warp-specialized kernels overlap one tile's epilogue with the next one's
+    loop (an 8192^3 product ran at 798 TFLOP/s on an H100 here, MAMF's 792). ``out_bytes``:
+    what the epilogue moves per output (0: writes it in the operand dtype; an fp32 gradient
+    accumulated in place reads and writes 8). ``width``: the CPU calibration's fall-off
+    (``matmul_efficiency``)."""
     flops = 2.0 * m * n * k
     peak = (d.fp8_tflops if fp8 and d.fp8_tflops else d.peak_tflops) * 1e12
     eff = d.matmul_eff * (width / (width + d.matmul_half_width) if d.matmul_half_width else 1.0)
@@ -41,8 +55,25 @@ def gemm_time(d, m: float, n: float, k: float, width: float, operand_bytes: int 
         tiles = tiles_m * tiles_n
         q *= tiles / (math.ceil(tiles / d.sms) * d.sms)
     ab = 1 if fp8 and d.fp8_tflops else operand_bytes
-    traffic = ab * (m * k + k * n) + operand_bytes * m * n
-    return max(flops / (peak * eff * q), traffic / (d.hbm_GBps * 1e9 * d.hbm_eff))
+    hbm = d.hbm_GBps * 1e9 * d.hbm_eff
+    ob = out_bytes or operand_bytes
+    traffic = ab * (m * k + k * n) + ob * m * n
+    slower = 1.0
+    if d.gemm_epilogue_k:
+        k0 = peak * eff / (2 * hbm)  # k-steps a tile's write costs, per byte an output
+        slower = max(1.0, (1 + ob * k0 / k) / (1 + operand_bytes * k0 / d.gemm_epilogue_k))
+    return max(flops / (peak * eff * q) * slower, traffic / hbm)
+
+
+def gemm_backward_time(d, m: float, n: float, k: float, width: float, operand_bytes: int = 2,
+                       fp8: bool = False, wgrad_fused: bool = False) -> tuple[float, float]:
+    """The backward of ``gemm_time``'s (m x k) @ (k x n): the input gradient (m x n) @
+    (n x k) and the weight gradient (k x m) @ (m x n), each by its own shape (the weight
+    gradient's inner dimension is the tokens). ``wgrad_fused``: the weight gradient is
+    accumulated into an fp32 buffer by the GEMM (Megatron's gradient-accumulation fusion:
+    its epilogue reads and writes 8 bytes an output)."""
+    return (gemm_time(d, m, k, n, width, operand_bytes, fp8),
+            gemm_time(d, k, n, m, width, operand_bytes, fp8, 8 if wgrad_fused else 0))
 
 
 def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]:
@@ -59,13 +90,22 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
     return out
 
 
+# Bytes a Float8 cast moves per element of its high-precision operand (torchao's dynamic
+# scaling, bf16 in). Fused (``train.compile``: inductor makes one kernel of the cast): the amax
+# read, the read and the 1-byte write. Eager, torchao runs it op by op: abs (read 2, write 2),
+# max (read 2), the upcast to fp32 (2 + 4), the scale multiply (4 + 4), the clamp (4 + 4) and
+# the conversion (4 + 1), then the copy into the other GEMM operand's layout (1 + 1). On an
+# H200 the eager fp8 step of llama3-8b's widths ran 1.51x slower than bf16 (docs/gpu.md).
+FP8_CAST_BYTES = {"fused": 5, "eager": 35}
+
+
 def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, act: int, amp: bool,
-                      flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float]:
+                      flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float, float]:
     """HBM bytes of one block's memory-bound ops for ``tokens`` tokens on one device:
-    (forward, the attention core's share of it, what backward adds beyond twice the
-    forward: autograd's sums of the gradients of tensors several ops read — the norm
-    outputs read by q, k, v (and w1, w3), the residual stream read by a norm and an add —
-    one read-read-write each). Counted op by op from the model
+    (forward, the attention core's share of it, autograd's sums of the gradients of
+    tensors several ops read in backward — the norm outputs read by q, k, v (and w1, w3),
+    the residual stream read by a norm and an add — one read-read-write each, and the
+    backward's own kernels). Counted op by op from the model
     code (``models/llama.py``, ``feedforward.py``): each kernel reads its inputs and
     writes its output once. ``eager``: RMSNorm as written (upcast, square, mean, scale,
     downcast, weight: 28 + 4a bytes an element; under autocast the input is already fp32,
@@ -77,7 +117,16 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
     softmax (3 passes of 2a) and dropout (2a + 1) per score. ``fused``: one read and one
     write per fusion group (LayerNorm/RMSNorm 2a, RoPE 2a, bias-GELU 2a or SwiGLU 3a per
     hidden element, bias-dropout-add 3a + 1, softmax 2a). Sequence parallel splits the
-    norms and residual adds over tp; without it every tp rank runs them whole."""
+    norms and residual adds over tp; without it every tp rank runs them whole.
+    Backward: ``eager``, twice the forward (an op's gradient reads the output gradient and
+    its saved operands and writes one gradient per operand, in about as many kernels);
+    ``fused``, each fused group's backward kernel counted as it runs (Megatron's
+    ``fused_layer_norm``, ``bias_gelu_back``, ``bias_dropout_add``'s, the scaled masked
+    softmax's backward; torch.compile's backward groups alike): a norm reads x and dy and
+    writes dx (3a), RoPE and the transpose 2a, bias-GELU 3a (SwiGLU 5a: x1, x3 and dy in,
+    dx1 and dx3 out), dropout's mask-multiply 2a + 1 (the residual add passes its gradient
+    through; without dropout the bias gradient's read a), softmax y, dy in, dx out (3a),
+    the scores' dropout 2a + 1."""
     a = act
     r = 4 if amp else a
     h = m.dim
@@ -94,6 +143,9 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
         per_token = (2 * norm * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
                      + (3 * a if swiglu else 2 * a) * f + 2 * (3 * a + drop) * hn)
         attn = scores * (2 * a + drop * (2 * a + 1))
+        bwd = (2 * 3 * a * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+               + (5 * a if swiglu else 3 * a) * f + 2 * (2 * a + 1 if dropout else a) * hn
+               + scores * (3 * a + drop * (2 * a + 1)))
     else:
         if m.norm == "layernorm":
             norm = 2 * r  # nn.LayerNorm: one kernel
@@ -103,9 +155,10 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
         per_token = (2 * norm * hn + casts * h + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
                      + (5 * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
         attn = scores * (3 * 2 * a + drop * (2 * a + 1))
+        bwd = 2 * (per_token + attn)
     g = 4 if amp else a  # the norm outputs' gradients: fp32 behind autocast's casts
     sums = 3 * g * (2 + (1 if swiglu else 0)) * h + 2 * 3 * r * hn
-    return tokens * (per_token + attn), tokens * attn, tokens * sums
+    return tokens * (per_token + attn), tokens * attn, tokens * sums, tokens * bwd
 
 
 def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int,

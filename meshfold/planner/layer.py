@@ -18,8 +18,10 @@ from meshfold.planner.counts import (
     routed_params,
 )
 from meshfold.planner.kernels import (
+    FP8_CAST_BYTES,
     attention_tiles_per_rank,
     elementwise_bytes,
+    gemm_backward_time,
     gemm_time,
     layer_gemms,
     matmul_efficiency,
@@ -55,6 +57,8 @@ class LayerCosts:
         eff = matmul_efficiency(c, h / tp)
         d = c.device
         bw = hbm * d.hbm_eff  # what streaming kernels reach
+        if w.kernels == "eager" and d.eager_hbm_eff:  # PyTorch's one-kernel-per-op (measured)
+            bw = hbm * d.eager_hbm_eff
         attn_p = self._attn_p
         norm_p = 2 * m.dim * (2 if (m.norm == "layernorm" and m.bias) else 1)
         # QK^T and AV for this device's queries, as wide as the attention kind's heads
@@ -71,7 +75,8 @@ class LayerCosts:
         any_moe = m.moe_experts > 0
         act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
-        act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks)
+        act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks,
+                                                                                         w.aligned_groups)
                                                          if moe and recompute != "full" else 0.0)
                      for moe in self.kind_counts}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
@@ -135,8 +140,11 @@ class LayerCosts:
             attn_b += ring_b
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
-            cp_fwd += max((R - 1) * hop - attn_f, hop)
-            cp_sel += max((R - 1) * hop - attn_f, hop)
+            # what hides behind the attention blocks slows them (contention, ``overlap_slowdown``)
+            shown = max((R - 1) * hop - attn_f, hop)
+            ring_t = shown + d.overlap_slowdown * max(0.0, (R - 1) * hop - shown)
+            cp_fwd += ring_t
+            cp_sel += ring_t
             cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
             cp_sent_rec += (R - 1) * kv
             cp_sent_sel += (R - 1) * kv
@@ -159,21 +167,28 @@ class LayerCosts:
         for moe in self.kind_counts:
             ffn_active, ffn_total, params = self._layer_params(tp, ep, moe, norm_p)
             gkey = (tokens, tp, moe)  # (sp, cp's mode and the recompute change no GEMM)
-            gemms = self._gemm_cache.get(gkey)
-            if gemms is None and d.gemm_tile:  # each linear layer's GEMM by its shape
-                gemms = [gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in layer_gemms(m, tp, moe)]
-            elif gemms is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
-                gemms = [2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)]
-            self._gemm_cache[gkey] = gemms
+            hit = self._gemm_cache.get(gkey)
+            if hit is None and d.gemm_tile:  # each linear layer's GEMMs by their shapes, forward and
+                # backward (the input gradient's and the weight gradient's)
+                shapes = layer_gemms(m, tp, moe)
+                hit = ([gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in shapes],
+                       [gemm_backward_time(d, tokens, n, k, h / tp, act, w.fp8, w.wgrad_fused) for n, k in shapes])
+            elif hit is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
+                one = 2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)
+                hit = ([one], [(one, one)])
+            self._gemm_cache[gkey] = hit
+            gemms, gemms_b = hit
             ekey = ("ew", tp, sp, moe)  # (bytes per token: the count is linear in the tokens)
             per_token = self._model_cache.get(ekey)
             if per_token is None:
                 per_token = self._model_cache[ekey] = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash,
                                                                         w.dropout, w.kernels, moe)
-            ew_all, ew_attn, ew_sums = (tokens * x for x in per_token)
+            ew_all, ew_attn, ew_sums, ew_back = (tokens * x for x in per_token)
             if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
                 # its output gradient backward, and its weight each micro-batch (both ways)
-                ew_all += 5 * tokens * sum(k for _, k in layer_gemms(m, tp, moe)) + 10 * (attn_p + ffn_total) / tp
+                cast = FP8_CAST_BYTES[w.kernels]
+                casts8 = cast * tokens * sum(n + k for n, k in layer_gemms(m, tp, moe)) + 2 * cast * (attn_p + ffn_total) / tp
+                ew_all, ew_back = ew_all + casts8, ew_back + 2 * casts8
             ew_f = ew_all * scale
             fwd_c = sum(gemms) + attn_f
             fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
@@ -193,7 +208,7 @@ class LayerCosts:
                 rec = attn_f + ew_attn * scale + cp_sel
             else:
                 rec = 0.0
-            bwd = (2 * sum(gemms) + attn_b + 2 * ew_f + ew_sums * scale + (2 + (1.0 if sp else 0.0)) * tp_ar
+            bwd = (sum(map(sum, gemms_b)) + attn_b + (ew_back + ew_sums) * scale + self._tp_backward(gemms_b, tp_ar, sp)
                    + 2 * cp_fwd + rec + 2 * (overhead + tile_t) / 3)
             ep_sent = 0.0
             if moe and ep > 1:
@@ -212,8 +227,11 @@ class LayerCosts:
                 a2a = self.ct("all_to_all", routed / n, ep, tp) + call
                 experts_f = 2 * routed_params(m) / m.moe_experts * m.moe_topk * routed_fraction(m, s) \
                     * tokens / tp / (peak * eff)
-                fwd = fwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - experts_f)
-                bwd = bwd + 2 * a2a + max(0.0, (2 * n - 2) * a2a - 2 * experts_f)
+                # (the chunks hidden behind the experts slow them: contention, ``overlap_slowdown``)
+                for window, part in ((experts_f, "f"), (2 * experts_f, "b")):
+                    hidden = min((2 * n - 2) * a2a, window)
+                    t = 2 * a2a + (2 * n - 2) * a2a - hidden + d.overlap_slowdown * hidden
+                    fwd, bwd = (fwd + t, bwd) if part == "f" else (fwd, bwd + t)
                 # (parallel.ep_fp8_dispatch: the dispatch's rows in fp8 plus a scale, planner/fp8.py)
                 dispatch = routed / (act * h) * dispatch_row_bytes(w, act, h)
                 ep_sent = RING["all_to_all"](ep) * (3 * routed + dispatch + counts)
@@ -224,15 +242,19 @@ class LayerCosts:
         # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
         # a, the shifted fp32 copy a + 4, exp 8, the sum 4; backward: the shifted copy a + 4,
         # exp 8, the scale 8, the cast into the gradient 4 + a)
-        logits_gemm = self._gemm_cache.get((tokens, tp, "logits"))
-        if logits_gemm is None and d.gemm_tile:
-            logits_gemm = gemm_time(d, tokens, V / tp, h, h / tp, act)  # bf16 under train.fp8 too
-        elif logits_gemm is None:
-            logits_gemm = 2 * h * V / tp * tokens / (peak * eff)
-        self._gemm_cache[(tokens, tp, "logits")] = logits_gemm
+        logits = self._gemm_cache.get((tokens, tp, "logits"))
+        if logits is None and d.gemm_tile:
+            # (bf16 under train.fp8 too: the runtime keeps the output layer in bf16)
+            logits = (gemm_time(d, tokens, V / tp, h, h / tp, act),
+                      sum(gemm_backward_time(d, tokens, V / tp, h, h / tp, act, False, w.wgrad_fused)))
+        elif logits is None:
+            one = 2 * h * V / tp * tokens / (peak * eff)
+            logits = (one, 2 * one)
+        self._gemm_cache[(tokens, tp, "logits")] = logits
+        logits_gemm, logits_back = logits
         ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
         out_fwd = logits_gemm + (2 * act + 16) * ce if d.gemm_tile else logits_gemm + ce
-        out_bwd = 2 * logits_gemm + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
+        out_bwd = logits_back + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
         # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
         # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:
@@ -264,6 +286,37 @@ class LayerCosts:
             acts=LayerActivations(act_kinds=act_kinds, act_full=act_full, act_kept=act_kept))
         self._layer_cache[key] = hit
         return hit
+
+    def _tp_backward(self, gemms_b: list, tp_ar: float, sp: bool) -> float:
+        """Seconds a block's backward waits for its tensor-parallel collectives: the input
+        gradients of the two column-parallel linears (the attention's input projections, the
+        MLP's first) are all-reduced (sp: reduce-scattered, after re-gathering their
+        sequence-split input), and with sp the two row-parallel linears' output gradients
+        all-gathered: 2 all-reduces' worth (sp: 3). Issued one after the other on the compute
+        stream (meshfold's ``parallel/tp``), all of it waits. ``Workload.tp_overlap``
+        (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``): the column-parallel
+        ones run beside the GEMM that does not need them -- the input gradient's reduction
+        beside the weight-gradient GEMM, the input's re-gather (sp) beside the input-gradient
+        GEMM -- so only what outlasts that GEMM waits, plus the contention of the rest (the
+        device's ``overlap_slowdown``); the row-parallel gathers (sp) still wait.
+        ``gemms_b``: (input gradient, weight gradient) seconds per linear, forward order."""
+        if tp_ar <= 0.0:
+            return 0.0
+        exposed = (2.0 + (1.0 if sp else 0.0)) * tp_ar
+        if not self.w.tp_overlap:
+            return exposed
+        mlp_n = 3 if self.w.model.gated_mlp else 2
+        n = len(gemms_b)
+        slow = self.c.device.overlap_slowdown
+        waits = 1.0 * tp_ar if sp else 0.0  # sp: the row-parallel gathers
+        # the column-parallel linears: the attention's input projections, the MLP's first ones
+        for linears in (gemms_b[:n - mlp_n - 1], gemms_b[n - mlp_n:-1]):
+            dgrad, wgrad = sum(x[0] for x in linears), sum(x[1] for x in linears)
+            pieces = ((tp_ar / 2, dgrad), (tp_ar / 2, wgrad)) if sp else ((tp_ar, wgrad),)
+            for t, window in pieces:
+                shown = max(0.0, t - window)
+                waits += shown + slow * (t - shown)
+        return waits
 
     def _layer_params(self, tp: int, ep: int, moe: bool, norm_p: float) -> tuple[float, float, float]:
         """A block's active and total feed-forward parameters and its parameters per device

@@ -314,7 +314,7 @@ class Memory:
             return 1.0
         # w2 [E_l, dim, hidden] and w1 [E_l, hidden, dim], or with swiglu the fused w13
         # [E_l, 2 hidden, dim] (models/moe.py), weighted by their sizes
-        wide = 2 if m.mlp == "swiglu" else 1
+        wide = 2 if m.gated_mlp else 1
         shapes = [((E_l, wide * m.expert_dim, m.dim), wide), ((E_l, m.dim, m.expert_dim), 1)]
         return sum(n * expert_shard_padding(s, edp) for s, n in shapes) / (wide + 1)
 

@@ -128,6 +128,11 @@ class PipelineTime:
             # and the executor's fixed work around each stage operation
             alpha, beta = self.link(st_pp, pp)
             p2p = alpha + T.traffic.p2p_bytes / beta + c.pipeline_op_us * 1e-6
+            if self.w.pp_scatter_gather and tp > 1 and not L.sp:
+                # Megatron's scatter/gather (Narayanan et al. 2021, 4.1): each tp rank sends
+                # its 1/tp of the replicated activations, the receiving ranks all-gather them
+                p2p = (alpha + T.traffic.p2p_bytes / tp / beta + self.ct("all_gather", T.traffic.p2p_bytes, tp, 1)
+                       + c.pipeline_op_us * 1e-6)
         else:
             p2p = 0.0
         stages, last_rank = self.stage_kinds(L)

@@ -52,10 +52,12 @@ class StepTime:
         if dp_exposed is None:
             dp_exposed = self._dp_cache[dkey] = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
 
-        # ---- optimizer step: one memory-bound pass over the local states
+        # ---- optimizer step: one memory-bound pass over the local states, after gradient
+        # clipping's norm (reads each gradient) and scale (reads and writes it: meshfold's
+        # optim/clip.py, Megatron's clip_grad_norm)
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
-        opt_time = Pmax * (pb + gb + ob) * 2 / shards / self.bw
+        opt_time = Pmax * ((pb + gb + ob) * 2 + 3 * gb) / shards / self.bw
         opt_time += self.optimizer.step_time(self, L, stage_layers[0])  # (Muon: Newton-Schulz, its exchange)
         # bf16 compute from fp32 weights without FSDP's bf16 gathers (parallel/compute_weights.py):
         # every weight is cast to bf16 once a step (4 + 2 bytes); each micro-batch its bf16
@@ -63,6 +65,10 @@ class StepTime:
         fsdp = L.zero >= 2 and n_shard > 1
         casts = ((6 + n_micro * 18) * Pmax / self.bw if (w.dtype == "bf16-amp" and not fsdp and c.device.gemm_tile)
                  else 0.0)
+        if w.dtype != "bf16-amp" and not w.wgrad_fused and c.device.gemm_tile:
+            # each micro-batch after the first adds its weight gradients into the held ones
+            # (autograd's .grad accumulation, Megatron 2021's main_grad hook): read both, write one
+            casts += (n_micro - 1) * 3 * gb * Pmax / self.bw
         if fsdp and c.device.gemm_tile:
             # FSDP2's copy-out of every all-gather into the parameters (read and write the
             # gathered bytes: each micro-batch forward and backward under ZeRO-3, once under
@@ -146,7 +152,7 @@ class StepTime:
                 t_ar += self.ct("all_reduce", Emax * gb, edp, tp * L.ep)
                 calls += buckets(Emax * gb)
             t_z1 = 0.0
-            if L.zero == 1 and n_shard > 1:
+            if L.zero == 1 and n_shard > 1 and self.optimizer.zero_one_shards:  # (Muon: its own gather)
                 zb, flat = zero1_gather(w.dtype, tp, L.ep)
                 t_z1 = self.ct("all_gather", (Pmax - Emax) * zb, n_shard, st_dps)
                 calls += 1 if flat else buckets(Pmax * zb)

@@ -31,8 +31,19 @@ class Workload:
     fp8_recipe: str = "none"  # train.fp8 (its tp scale reductions: planner/fp8.py)
     fp8_all_gather: bool = False  # FSDP2 gathers the converted linears' weights in fp8 (planner/fp8.py)
     fp8_dispatch: bool = False  # parallel.ep_fp8_dispatch: routed rows dispatched in fp8 (planner/fp8.py)
+    # Tensor parallel's backward collectives of the column-parallel linears run beside the
+    # GEMM that does not need them (Megatron since late 2021, ``layer._tp_backward``);
+    # False: one after the other on the compute stream, as meshfold's ``parallel/tp`` issues them
+    tp_overlap: bool = False
+    # Weight gradients accumulated inside the weight-gradient GEMM (Megatron's gradient-
+    # accumulation fusion, 2022): no pass adding each micro-batch's gradients into the held ones
+    wgrad_fused: bool = False
+    # Pipeline sends split over the tp ranks and all-gathered after (Megatron's scatter/gather
+    # optimization); False: every tp rank sends the whole activations (meshfold's pp)
+    pp_scatter_gather: bool = False
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
+    aligned_groups: bool = True  # grouped-GEMM expert groups padded to 16 bytes (CUDA's kernel; not the CPU's)
 
     @property
     def s(self) -> int:
@@ -152,6 +163,7 @@ class Estimate:
     activation_bytes: float = 0.0
     # ... and rank 0's collectives per step by mesh dimension: {dim: {"count", "bytes"}}
     collectives: dict = field(default_factory=dict)
+    optimizer: str = ""  # the kind it was priced with, where the search chose it (train.optimizer = auto)
 
     def footprint(self) -> dict:
         return {"param_bytes": self.param_bytes, "gathered_param_bytes": self.gathered_param_bytes,

@@ -19,9 +19,12 @@ from meshfold.mesh import ParallelDims
 from meshfold.optim.adamw import adamw_kwargs
 from meshfold.optim.muon.exchange import OwnerPlan, local_of
 from meshfold.optim.muon.newton_schulz import DEFAULT_COEFFICIENTS, update_scale
+from meshfold.optim.muon.qk_clip import QKClip
+from meshfold.optim.muon.zero_one import WholeOwnership, ZeroOneOwnership
 from meshfold.optim.state import CheckpointStateError, FlattenedState, ParamNames
 from meshfold.parallel.compute_weights import ComputeWeights
 from meshfold.parallel.dp.plan import unwrap
+from meshfold.parallel.dp.replicate import expert_data_parallel
 
 if TYPE_CHECKING:  # annotations only: the composed config sits above this layer
     from meshfold.config import TrainConfig
@@ -57,7 +60,8 @@ class Muon(FlattenedState, torch.optim.Optimizer):
     def __init__(self, muon_params: list[tuple[str, torch.Tensor]], adam_groups: list[dict], *, lr: float,
                  weight_decay: float, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  ns_coefficients=DEFAULT_COEFFICIENTS, ns_dtype: torch.dtype | None = None,
-                 scale: str = "match_rms_adamw", adam_kwargs: dict | None = None):
+                 scale: str = "match_rms_adamw", adam_kwargs: dict | None = None,
+                 zero_one: ZeroOneOwnership | None = None):
         self.adamw = torch.optim.AdamW(adam_groups, **(adam_kwargs or {})) if adam_groups else None
         muon_group = {"params": [p for _, p in muon_params], "lr": lr, "weight_decay": weight_decay,
                       "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
@@ -67,9 +71,13 @@ class Muon(FlattenedState, torch.optim.Optimizer):
         if self.adamw is not None:
             self.adamw.state = self.state  # one state dict: DCP and the scheduler see one optimizer
         self.ns_dtype = ns_dtype
-        params = muon_group["params"]
-        device = local_of(params[0]).device if params else torch.device("cpu")
-        self.plan = OwnerPlan(params, [n for n, _ in muon_params], device)
+        # ZeRO-1 (zero_one.py): state and update only for the parameters this rank owns
+        self.zero_one = zero_one
+        self.owned = [p for p in muon_group["params"] if zero_one is None or zero_one.owns(p)]
+        mine = [(n, p) for n, p in muon_params if zero_one is None or zero_one.owns(p)]
+        device = local_of(mine[0][1]).device if mine else torch.device("cpu")
+        self.plan = OwnerPlan([p for _, p in mine], [n for n, _ in mine], device)
+        self.after_step: list = []  # called after every step (QK-clip: qk_clip.py)
 
     def __setstate__(self, state: dict) -> None:
         """``load_state_dict`` replaces the state and the group dicts: the inner AdamW
@@ -92,7 +100,7 @@ class Muon(FlattenedState, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         group = self.param_groups[0]
-        params = group["params"]
+        params = self.owned
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         updates = []
         for p in params:
@@ -110,7 +118,26 @@ class Muon(FlattenedState, torch.optim.Optimizer):
             local.mul_(1 - lr * wd)
             local.add_(o, alpha=-lr * update_scale(p.shape[-2], p.shape[-1], group["scale"]))
         if self.adamw is not None:
+            self._adamw_step()
+        if self.zero_one is not None:
+            self.zero_one.gather()
+        for hook in self.after_step:
+            hook()
+
+    def _adamw_step(self) -> None:
+        """AdamW's step over the parameters this rank owns (torch's AdamW skips a parameter
+        without a gradient: the others' are set aside meanwhile)."""
+        if self.zero_one is None:
             self.adamw.step()
+            return
+        aside = [(p, p.grad) for g in self.adamw.param_groups for p in g["params"] if not self.zero_one.owns(p)]
+        for p, _ in aside:
+            p.grad = None
+        try:
+            self.adamw.step()
+        finally:
+            for p, grad in aside:
+                p.grad = grad
 
 
 def ns_dtype_of(cfg: TrainConfig, param_dtype: torch.dtype) -> torch.dtype:
@@ -124,9 +151,10 @@ def build_muon(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_ty
                zero_one: bool = False, sharded: bool = False,
                weights: ComputeWeights | None = None) -> torch.optim.Optimizer:
     """Muon for the hidden matrices, AdamW for the rest (weight decay on AdamW's matrices
-    only, as ``adamw.param_groups``). Every data-parallel layout runs the same optimizer:
-    FSDP2/tp shards come as DTensors (``OwnerPlan`` exchanges them), DDP, ZeRO-1 and HSDP
-    replicas compute the same update side by side."""
+    only, as ``adamw.param_groups``). FSDP2/tp shards come as DTensors (``OwnerPlan``
+    exchanges them); DDP and HSDP replicas compute the same update side by side; ``zero_one``
+    (ZeRO-1 over dp_shard_cp): each rank owns whole parameters (``zero_one.py``), the expert
+    stacks over their own edp group."""
     muon, adam = split_params(model)
     kwargs = adamw_kwargs(cfg, device_type)
     # foreach/fused AdamW take no mix of DTensors and plain tensors (or meshes) in one group
@@ -137,9 +165,31 @@ def build_muon(model: nn.Module, cfg: TrainConfig, dims: ParallelDims, device_ty
                                          "muon": False})
         g["params"].append(p)
     dtype = next((local_of(p).dtype for _, p in muon), torch.float32)
-    return Muon(muon, list(adam_groups.values()),
+    opt = Muon(muon, list(adam_groups.values()),
                 lr=cfg.muon_lr or cfg.lr,
                 weight_decay=cfg.weight_decay if cfg.muon_weight_decay < 0 else cfg.muon_weight_decay,
                 momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
                 ns_coefficients=cfg.muon_ns_coefficients, ns_dtype=ns_dtype_of(cfg, dtype),
-                scale=cfg.muon_scale, adam_kwargs=kwargs)
+                scale=cfg.muon_scale, adam_kwargs=kwargs,
+                zero_one=zero_one_ownership(model, muon, dims) if zero_one else None)
+    if cfg.muon_qk_clip > 0:
+        clip = QKClip(unwrap(model), cfg.muon_qk_clip, cfg.muon_qk_clip_alpha, dims.group("dp_cp"),
+                      tp=dims.size("tp"), cp=dims.size("cp"))
+        opt.after_step.append(clip.after_step)
+        opt.qk_clip = clip
+    return opt
+
+
+def zero_one_ownership(model: nn.Module, muon: list[tuple[str, nn.Parameter]], dims: ParallelDims) -> ZeroOneOwnership:
+    """Whole-parameter ownership of every trainable parameter, in registration order: the
+    routed experts over edp (where expert parallel keeps them apart), the rest over dp_shard_cp."""
+    kinds = {id(p) for _, p in muon}
+    experts, edp = expert_data_parallel(model)
+    apart = {id(p) for p in experts}
+    params = [p for _, p in unwrap(model).named_parameters() if p.requires_grad]
+    domains = []
+    for group, mine in ((dims.group("dp_shard_cp"), False), (edp.get_group() if edp is not None else None, True)):
+        part = [p for p in params if (id(p) in apart) == mine]
+        if group is not None and part:
+            domains.append(WholeOwnership(part, [id(p) in kinds for p in part], group))
+    return ZeroOneOwnership(domains)

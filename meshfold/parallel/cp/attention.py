@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshfold.comm import all_gather_into_tensor
-from meshfold.models.attention_ops import document_attention
+from meshfold.models.attention_ops import document_attention, sdpa, window_attention
 from meshfold.models.moe_experts import has_values
 from meshfold.parallel.cp.batch import default_members
 from meshfold.parallel.cp.groups import ContextParallelPlan
@@ -48,7 +48,7 @@ class _MetaCache:
             u = plan.ulysses
             # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
             members = parts.view(plan.ring, u, 2, *local.shape[1:]).permute(0, 2, 3, 1, 4).flatten(-2)
-            entry = self.entries[key] = [members.contiguous(), None]
+            entry = self.entries[key] = [members.contiguous(), {}]  # the ring layouts, by window
             # An entry lives while both keyed tensors do: ids are reused once a tensor is gone, and
             # the default positions outlive every batch, so the doc ids' death must end it too
             for keyed in (positions, doc_ids):
@@ -57,26 +57,31 @@ class _MetaCache:
         self.current = entry
         return entry[0]
 
-    def ring_layout(self, use_doc: bool) -> RingLayout:
-        entry = self.current
-        if entry[1] is None:
-            if has_values(entry[0]):
-                entry[1] = RingLayout(entry[0], use_doc, self.plan.ring_rank, self.plan.tile)
+    def ring_layout(self, use_doc: bool, window: int = 0) -> RingLayout:
+        """The micro-batch's ring layout for layers with this sliding ``window`` (0: none)."""
+        layouts = self.current[1]
+        if window not in layouts:
+            meta = self.current[0]
+            if has_values(meta):
+                layouts[window] = RingLayout(meta, use_doc, self.plan.ring_rank, self.plan.tile, window)
             else:  # a dry-run's fake batch: the default positions, no documents (its host read
                 # would have no values to read), laid out on real tensors
                 with unset_fake_temporarily():
-                    meta = default_members(self.plan, *entry[0].shape[2:])
-                    entry[1] = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile)
-        return entry[1]
+                    meta = default_members(self.plan, *meta.shape[2:])
+                    layouts[window] = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile, window)
+        return layouts[window]
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in for ``CoreAttention`` on a cp rank: [b, s_local, heads, hd] in and out."""
+    """Drop-in for ``CoreAttention`` on a cp rank: [b, s_local, heads, hd] in and out, with the
+    layer's sliding ``window`` (0: none) and softmax ``scale`` (None: 1/sqrt(d)) of the core it
+    replaces, and the block's attention sinks when it passes them."""
 
-    def __init__(self, plan: ContextParallelPlan, cache: _MetaCache):
+    def __init__(self, plan: ContextParallelPlan, cache: _MetaCache, window: int = 0, scale: float | None = None):
         super().__init__()
         self.plan = plan
         self.cache = cache
+        self.window, self.scale = window, scale
 
     def _arange(self, bsz: int, seq: int, device) -> torch.Tensor:
         """Default positions, one tensor per shape, so the metadata cache keeps hitting."""
@@ -85,7 +90,7 @@ class ContextParallelAttention(nn.Module):
             self._positions = torch.arange(seq, device=device).expand(bsz, -1)
         return self._positions
 
-    def forward(self, q, k, v, positions=None, doc_ids=None, payload=None):
+    def forward(self, q, k, v, positions=None, doc_ids=None, payload=None, sinks=None):
         """``payload`` (ring only): what travels instead of the k/v heads, an attention
         variant's own; ``k`` is then what it packs, ``v`` None (``ring_attention``)."""
         if positions is None and self.plan.cp == 1:  # one rank holds the whole sequence
@@ -104,7 +109,8 @@ class ContextParallelAttention(nn.Module):
                 raise ValueError("a variant's own payload travels on the ring only; expand it before a Ulysses "
                                  "all-to-all")
             use_doc = doc_ids is not None
-            return ring_attention(q, k, None, meta, use_doc, plan, self.cache.ring_layout(use_doc), payload=payload)
+            return ring_attention(q, k, None, meta, use_doc, plan, self.cache.ring_layout(use_doc, self.window),
+                                  payload=payload, scale=self.scale, sinks=sinks)
         if u > 1:
             heads, kv = q.shape[2], k.shape[2]
             if heads % u or (kv % u and u % kv):
@@ -112,21 +118,33 @@ class ContextParallelAttention(nn.Module):
             if kv % u:  # fewer kv heads than ranks: repeat them so each rank gets its group's head
                 k, v = k.repeat_interleave(u // kv, dim=2), v.repeat_interleave(u // kv, dim=2)
             q, k, v = (_AllToAll.apply(t, 2, 1, plan.ulysses_group) for t in (q, k, v))
+            if sinks is not None:  # this rank's heads after the exchange: its group index's share
+                part = sinks.shape[0] // u
+                sinks = sinks[plan.cp_rank % u * part:(plan.cp_rank % u + 1) * part]
+        use_doc = doc_ids is not None
         if u > 1 and plan.ring == 1:  # Ulysses: whole sequences, the ordinary fused attention
-            out = _whole_sequence_attention(q, k, v, meta, doc_ids is not None)
+            out = _whole_sequence_attention(q, k, v, meta, use_doc, self.window, self.scale, sinks)
         else:
-            out = ring_attention(q, k, v, meta, doc_ids is not None, plan, self.cache.ring_layout(doc_ids is not None))
+            out = ring_attention(q, k, v, meta, use_doc, plan, self.cache.ring_layout(use_doc, self.window),
+                                 scale=self.scale, sinks=sinks)
         if u > 1:
             out = _AllToAll.apply(out, 1, 2, plan.ulysses_group)
         return out
 
 
-def _whole_sequence_attention(q, k, v, meta: torch.Tensor, use_doc: bool) -> torch.Tensor:
+def _whole_sequence_attention(q, k, v, meta: torch.Tensor, use_doc: bool, window: int = 0,
+                              scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of whole, in-order sequences [b, S, heads, d]: causal SDPA, or per-document
     attention without an S x S mask (its windows planned once per forward: ``meta``, the
-    cached [1, 2, b, S] positions and doc ids, is the same tensor in every layer)."""
+    cached [1, 2, b, S] positions and doc ids, is the same tensor in every layer); a sliding
+    ``window``, a softmax ``scale`` and ``sinks`` as the core attention takes them."""
+    if window:
+        return window_attention(q, k, v, window, meta[0, 0], meta[0, 1] if use_doc else None, scale, sinks, key=meta)
     if use_doc:
-        return document_attention(q, k, v, meta[0, 0], meta[0, 1], key=meta)
+        return document_attention(q, k, v, meta[0, 0], meta[0, 1], key=meta, scale=scale, sinks=sinks)
+    if scale is not None or sinks is not None:
+        out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=scale, sinks=sinks)
+        return out.transpose(1, 2)
     dv = v.shape[-1]
     if dv < q.shape[-1]:  # v narrower than q/k (latent attention's): zero-padded to the q/k width so the fused (flash)
         # kernels run (they want one width; exact: the output's extra columns are zeros)

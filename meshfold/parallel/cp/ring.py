@@ -17,8 +17,11 @@ from meshfold.parallel.cp.groups import ContextParallelPlan
 _EMPTY, _FULL, _CAUSAL, _PARTIAL = 0, 1, 2, 3
 
 
-def _tile_mask(qpos, qdoc, kpos, kdoc):
-    mask = qpos.unsqueeze(-1) >= kpos.unsqueeze(-2)
+def _tile_mask(qpos, qdoc, kpos, kdoc, window: int = 0):
+    gap = qpos.unsqueeze(-1) - kpos.unsqueeze(-2)
+    mask = gap >= 0
+    if window:  # a sliding window: the `window` latest keys, the query's own included
+        mask &= gap < window
     if qdoc is not None:
         mask &= qdoc.unsqueeze(-1) == kdoc.unsqueeze(-2)
     return mask
@@ -37,10 +40,13 @@ class RingLayout:
     per forward from every member's (positions, doc ids) and shared by all layers: empty
     pairs are skipped, fully visible ones run without a mask, diagonal ones as causal, and
     only the rest build a (tile x tile) mask. One small device-to-host read per forward
-    (the codes), none per block."""
+    (the codes), none per block. ``window`` > 0 (a sliding-window layer's): pairs whose
+    every key is ``window`` or more positions behind every query are empty too (skipped,
+    never computed), and a pair is fully visible or causal only when all its keys are
+    inside the window."""
 
-    def __init__(self, meta: torch.Tensor, use_doc: bool, ring_rank: int, tile: int):
-        self.meta, self.use_doc, self.tile = meta, use_doc, tile
+    def __init__(self, meta: torch.Tensor, use_doc: bool, ring_rank: int, tile: int, window: int = 0):
+        self.meta, self.use_doc, self.tile, self.window = meta, use_doc, tile, window
         R, _, b, s = meta.shape
         self.R, self.r, self.b, self.s = R, ring_rank, b, s
         self.n = -(-s // tile)
@@ -55,6 +61,11 @@ class RingLayout:
         ptiles = _tile_view(pos, tile, -1)  # [R, b, n, tile]
         increasing = (ptiles[..., 1:] > ptiles[..., :-1]).all(-1)  # [R, b, n]
         causal = (ptiles[ring_rank, :, :, None] == ptiles[:, :, None]).all(-1) & increasing[ring_rank, :, :, None]
+        if window:
+            empty |= qmin - kmax >= window
+            inside = qmax - kmin < window
+            full &= inside
+            causal &= inside
         if use_doc:
             qdmin, qdmax = dmin[ring_rank, :, :, None], dmax[ring_rank, :, :, None]
             kdmin, kdmax = dmin[:, :, None, :], dmax[:, :, None, :]
@@ -107,7 +118,7 @@ class RingLayout:
         qs, ks = self.rows(i), self.rows(j)
         q, k = self.meta[self.r], self.meta[member]
         m = _tile_mask(q[0][:, qs], q[1][:, qs] if self.use_doc else None,
-                       k[0][:, ks], k[1][:, ks] if self.use_doc else None)
+                       k[0][:, ks], k[1][:, ks] if self.use_doc else None, self.window)
         return m.unsqueeze(1)
 
     def partial_visible(self) -> torch.Tensor:
@@ -210,6 +221,9 @@ class _RingAttention(torch.autograd.Function):
     blocks are merged by log-sum-exp in float32 (float64 for float64 inputs). Keys/values
     travel in their own (compute) dtype; the next block's exchange is posted before the
     current block is computed. With R = 1 it is tiled attention with block skipping.
+    ``scale``: the softmax scale; ``sinks`` [H] or None: attention sinks, folded into the
+    merged log-sum-exp once every block is in (``attention_ops._SinkAttention``'s rule), so
+    each block's backward sees the sink-aware final out and lse.
 
     Message order (no tags: p2p matches in issue order per peer pair, as on NCCL). Every
     rank issues, towards its next ring neighbour, kv(0), dkv(0), kv(1), dkv(1), ..,
@@ -217,10 +231,9 @@ class _RingAttention(torch.autograd.Function):
     posts the matching receives from its previous neighbour in the same order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan, payload, *params):
+    def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan, payload, scale, sinks, *params):
         b, s, heads, d = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
-        scale = 1.0 / math.sqrt(d)
         qt = q.transpose(1, 2)
         cur = payload.pack(k, v)  # what travels, in the compute dtype
         out = None  # [b, heads, s, dv] once v's width is known
@@ -246,24 +259,28 @@ class _RingAttention(torch.autograd.Function):
             wait_all(works)
             if nxt is not None:
                 cur = nxt
+        if sinks is not None:  # lse' = logaddexp(lse, sink), out' = out exp(lse - lse')
+            total = torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))
+            out = out * torch.exp(lse - total).unsqueeze(-1)
+            lse = total
         # The output in the compute dtype, rows [b, s, heads, d] contiguous: what the fused
         # backward takes (as flash attention's), and what the caller's output projection
         # saves too (a view), so the block keeps one copy of it, not an fp32 one besides.
         result = out.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)
-        ctx.save_for_backward(q, k, v, result, lse)
-        ctx.layout, ctx.plan, ctx.auxes, ctx.payload = layout, plan, auxes, payload
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
+        ctx.layout, ctx.plan, ctx.auxes, ctx.payload, ctx.scale = layout, plan, auxes, payload, scale
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         layout: RingLayout = ctx.layout
         plan: ContextParallelPlan = ctx.plan
         b, s, heads, d = q.shape
         payload = ctx.payload
         param_grads = [None] * len(payload.params)
         acc = lse.dtype
-        scale = 1.0 / math.sqrt(d)
+        scale = ctx.scale
         qt, dout = q.transpose(1, 2), grad_out.to(q.dtype).transpose(1, 2)
         out_k, lse_k = out.transpose(1, 2), _finite(lse)  # the final rows: P = exp(S - lse_final)
         dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
@@ -305,15 +322,22 @@ class _RingAttention(torch.autograd.Function):
             wait_all(acc_works)
             dkv = incoming
         dk, dv = payload.grads(dkv, k, v)
-        return (dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, *param_grads)
+        dsink = None
+        if sinks is not None:  # -sum over queries of exp(sink - lse') rowsum(dout * out')
+            delta = (dout.to(acc) * out_k.to(acc)).sum(-1)
+            dsink = -(torch.exp(sinks.to(acc).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        return (dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, dsink, *param_grads)
 
 
 def ring_attention(q, k, v, meta: torch.Tensor, use_doc: bool, plan: ContextParallelPlan,
-                   layout: RingLayout | None = None, payload=None) -> torch.Tensor:
+                   layout: RingLayout | None = None, payload=None, scale: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention of the local q/k/v [b, s, heads, d] over the ring of ``plan``; ``meta``
     [R, 2, b, s] holds every member's (positions, doc ids). With ``payload`` (a variant's own,
     see ``_HeadsPayload``), ``k`` is what it packs (``v`` None) and it travels instead of the
-    heads, each step making its keys and values."""
+    heads, each step making its keys and values. ``scale``: the softmax scale (None =
+    1/sqrt(q's head width)); ``sinks`` [heads]: attention sinks; a sliding window is the
+    ``layout``'s."""
     if layout is None:
         layout = RingLayout(meta, use_doc, plan.ring_rank, plan.tile or meta.shape[-1])
     if plan.count_work:
@@ -321,4 +345,5 @@ def ring_attention(q, k, v, meta: torch.Tensor, use_doc: bool, plan: ContextPara
     plan.device = q.device
     if payload is None:
         payload = _HeadsPayload(k, v, q.shape[2])
-    return _RingAttention.apply(q, k, v, layout, plan, payload, *payload.params)
+    return _RingAttention.apply(q, k, v, layout, plan, payload, scale or 1.0 / math.sqrt(q.shape[-1]), sinks,
+                                *payload.params)

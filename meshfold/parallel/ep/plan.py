@@ -82,6 +82,7 @@ def replicate_router_and_split_shared(moe: MoE, tp: TensorParallelGroup) -> None
     a tp DTensor (the optimizer, DDP's reducer and checkpoints see one kind) and the shared
     experts' FLOPs are not repeated on every tp rank."""
     distribute(moe.router, "weight", tp, Replicate())
+    distribute(moe.router, "bias", tp, Replicate())
     if moe.shared_experts is not None:
         parallelize_ffn(moe.shared_experts, tp)
 

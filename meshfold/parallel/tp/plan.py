@@ -89,6 +89,7 @@ def parallelize_attention(attn: Attention, tp: TensorParallelGroup) -> None:
         distribute(lin, "bias", tp, place)
     distribute(attn.wo, "weight", tp, Shard(1))
     distribute(attn.wo, "bias", tp, Replicate())
+    distribute(attn, "sinks", tp, Shard(0))  # attention sinks: one per query head, split with them
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:
             distribute(norm, "weight", tp, Replicate())

@@ -1,0 +1,91 @@
+"""Context parallel attention (ring, Ulysses, hybrid) with sliding windows, attention sinks and
+a softmax scale of the layer's own, against the one-process core attention, float64.
+
+Every rank computes the one-process attention (``CoreAttention(window=..., scale=...)`` with
+the sinks) on the same random q/k/v and the cp attention on its slice, and compares its
+slice of the output and of dq/dk/dv, and the sinks' gradient summed over the cp ranks
+(what the data-parallel reduction over dp x cp sums in training). Tolerance 1e-12 absolute.
+The ring skips (never computes) the tile pairs wholly outside the window: more skipped
+tiles than without it. (The config check still refuses cp with windowed or sink layers,
+``parallel/config.py``; this is the attention the swap installs once it does not.)
+"""
+
+import pytest
+import torch
+
+from meshfold.testing import run_on
+
+ATOL = 1e-12
+
+
+def _doc_ids(batch: int, seq: int) -> torch.Tensor:
+    cuts = [torch.tensor([5, 18]), torch.tensor([9, 10, 27])]
+    return torch.stack([torch.bucketize(torch.arange(seq), cuts[r % 2]) for r in range(batch)])
+
+
+def cp_cases(cases):
+    """Each (cp_mode, balance, documents, window, sinks, scale, cp_ulysses) on the whole world
+    as one cp group: (max errors of out, dq, dk, dv, d sinks; skipped tiles) on this rank."""
+    import torch.distributed as dist
+
+    from meshfold.config import Config, ModelConfig, ParallelConfig
+    from meshfold.mesh import build_mesh
+    from meshfold.models.llama import CoreAttention
+    from meshfold.parallel.cp.attention import ContextParallelAttention, _MetaCache
+    from meshfold.parallel.cp.batch import token_indices
+    from meshfold.parallel.cp.groups import build_plan
+
+    cp = dist.get_world_size()
+    b, S, H, Hkv, d = 2, 32, 4, 2, 8
+    results = []
+    for mode, balance, doc, window, with_sinks, scale, ulysses in cases:
+        cfg = Config(model=ModelConfig(dim=H * d, n_heads=H, n_kv_heads=Hkv, seq_len=S),
+                     parallel=ParallelConfig(cp=cp, dp_shard=1, cp_mode=mode, cp_balance=balance,
+                                             cp_ulysses=ulysses))
+        plan = build_plan(cfg, build_mesh(cfg.parallel))
+        plan.tile = 4  # several tiles per rank, so the window leaves whole pairs out
+        core = ContextParallelAttention(plan, _MetaCache(plan), window, scale)
+        gen = torch.Generator().manual_seed(7)
+        q = torch.randn(b, S, H, d, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(b, S, Hkv, d, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(b, S, Hkv, d, generator=gen, dtype=torch.float64, requires_grad=True)
+        sinks = (torch.randn(H, generator=gen, dtype=torch.float64) * 2).requires_grad_() if with_sinks else None
+        dout = torch.randn(b, S, H, d, generator=gen, dtype=torch.float64)
+        pos = torch.arange(S).expand(b, -1)
+        docs = _doc_ids(b, S) if doc else None
+        ref = CoreAttention(dense=True, window=window, scale=scale)(q, k, v, positions=pos, doc_ids=docs, sinks=sinks)
+        ref.backward(dout)
+
+        idx = token_indices(S, cp, plan.cp_rank, plan.ulysses, plan.balance)
+        ql, kl, vl = (t.detach()[:, idx].requires_grad_() for t in (q, k, v))
+        sl = None if sinks is None else sinks.detach().clone().requires_grad_()
+        lpos, ldoc = pos[:, idx].contiguous(), None if docs is None else docs[:, idx].contiguous()
+        out = core(ql, kl, vl, positions=lpos, doc_ids=ldoc, sinks=sl)
+        out.backward(dout[:, idx])
+        errors = [float((got.detach() - want[:, idx]).abs().max())
+                  for got, want in ((out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))]
+        if sl is not None:
+            total = sl.grad.clone()
+            dist.all_reduce(total)
+            errors.append(float((total - sinks.grad).abs().max()))
+        results.append({"errors": errors, "skipped": plan.work.skipped_tiles})
+    return results
+
+
+CASES = [(mode, balance, doc, window, sinks, scale, 0)
+         for mode, balance in (("ring", True), ("ring", False), ("ulysses", True))
+         for doc in (False, True)
+         for window, sinks, scale in ((5, True, None), (0, True, 0.3), (7, False, 0.3))]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_windows_sinks_scale_match_one_process(cp):
+    cases = CASES + [("ring", True, True, 0, False, None, 0)]  # (the plain layout, for the skipped-tile count)
+    if cp == 4:
+        cases += [("hybrid", True, True, 5, True, None, 2)]
+    per_rank = run_on(cp, cp_cases, cases)
+    for i, case in enumerate(cases):
+        for rank, res in enumerate(per_rank):
+            assert max(res[i]["errors"]) < ATOL, f"cp={cp} {case} rank {rank}: errors {res[i]['errors']}"
+    windowed, plain = cases.index(("ring", True, True, 5, True, None, 0)), len(CASES)
+    assert sum(r[windowed]["skipped"] for r in per_rank) > sum(r[plain]["skipped"] for r in per_rank)
