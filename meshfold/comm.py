@@ -470,8 +470,8 @@ def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group, dim: str,
         row = _nbytes(t) // max(t.shape[0], 1) if t.dim() else t.element_size()
         ledger().add_sent(dim, (sum(in_splits) - in_splits[dist.get_rank(group)]) * row)
     with _TIMER.call("all_to_all_single", group, async_op), _observed("all_to_all", [t, out], group, dim):
-        work = dist.all_to_all_single(out, t, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                      group=group, async_op=async_op)
+        work = dist.all_to_all_single(gloo_bytes(out, group), gloo_bytes(t, group), output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=group, async_op=async_op)
     # async: its wait() is timed (time blocked on it) and named like a synchronous call
     return _TimedWork(work, "all_to_all_single", group) if async_op and work is not None else work
 

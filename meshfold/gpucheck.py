@@ -309,8 +309,8 @@ class GpuRecorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def comm_call(self, op: str, tensors, group, dim):
-        if dim is not None and tensors:
-            self._wire(dim, tensors[0].dtype, op)
+        for dtype in _packed_dtypes(tensors[0].dtype) if dim is not None and tensors else ():
+            self._wire(dim, dtype, op)
         if threading.current_thread() is not threading.main_thread():
             # NCCL runs each rank's collectives (over all its communicators) in issue order:
             # a second issuing thread can order them differently on two ranks and deadlock
@@ -426,7 +426,8 @@ class GpuRecorder(TorchDispatchMode):
             dim = self.groups.get(next((a for a in args if isinstance(a, str)), ""), "?")
         payload = tensors[-1] if name.startswith(("_allgather", "allgather", "all_gather")) else tensors[0]
         if payload.numel() > 1:  # control scalars are not traffic
-            self._wire(dim, payload.dtype, name.strip("_"))
+            for dtype in _packed_dtypes(payload.dtype):
+                self._wire(dim, dtype, name.strip("_"))
 
     def _wire(self, dim: str, dtype: torch.dtype, op: str) -> None:
         name = _dtype_name(dtype)
@@ -464,6 +465,16 @@ def _stored_dtype(t: torch.Tensor) -> torch.dtype:
     if inner is None:
         inner = getattr(t, "qdata", None)
     return inner.dtype if isinstance(inner, torch.Tensor) else t.dtype
+
+
+def _packed_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
+    """A payload's dtypes: FSDP2's uint8 gather buffer (``foreach_all_gather`` packs fp8 weights
+    beside bf16 norms under ``train.fp8_all_gather``) by what it packs, others by their own."""
+    frame = sys._getframe(1) if dtype == torch.uint8 else None
+    while frame is not None and frame.f_code.co_name != "foreach_all_gather":
+        frame = frame.f_back
+    packed = frame.f_locals.get("param_all_gather_input_dtypes") if frame is not None else None
+    return sorted({d for ds in packed for d in ds}, key=str) if packed else [dtype]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

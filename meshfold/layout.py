@@ -44,6 +44,9 @@ class ParallelConfig:
     # chunk i+1's all-to-all in flight while the experts compute chunk i (docs/moe.md);
     # 1 = one exposed dispatch and combine per layer
     ep_overlap_chunks: int = 1
+    # The dispatch all-to-all's rows in fp8 (e4m3, a power-of-2 scale per row sent beside them;
+    # needs train.fp8; parallel/fp8/dispatch.py); the combine and the gradients stay in bf16
+    ep_fp8_dispatch: bool = False
 
     @property
     def dp(self) -> int:

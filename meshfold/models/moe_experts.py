@@ -164,7 +164,9 @@ class _Groups:
     its place in the group, and rows past the last offset are never read back."""
 
     def __init__(self, counts: torch.Tensor, rows: int, kernel: str, expert: torch.Tensor | None = None,
-                 align: int = 1):
+                 align: int = 1, whole: bool = False):
+        """``whole``: the padded layout's row count a multiple of ``align`` too (a recipe's
+        grouped GEMM that scales blocks of rows reads them all)."""
         self.kernel = kernel
         if kernel == "grouped_mm":
             self.dest = None
@@ -175,6 +177,8 @@ class _Groups:
                 owner = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=rows)
                 self.dest = torch.arange(rows, device=counts.device) - start[owner] + pstart[owner]
                 self.padded_rows = rows + (align - 1) * E
+                if whole:
+                    self.padded_rows = -(-self.padded_rows // align) * align
                 self.offsets = torch.cumsum(padded, 0).to(torch.int32)
             else:
                 self.offsets = torch.cumsum(counts, 0).to(torch.int32)
@@ -210,13 +214,14 @@ def fixed_groups(n_experts: int, per: int) -> _Groups:
     return groups
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: _Groups, gemm=None) -> torch.Tensor:
     """Rows of x [N, in] grouped by expert times their expert's weight w [E, out, in]^T -> [N, out]
-    (grouped GEMM with aligned groups: x and the result are in the padded layout)."""
+    (grouped GEMM with aligned groups: x and the result are in the padded layout). ``gemm``:
+    a grouped GEMM ``(x, w_t, offs=)`` in place of torch's (``GroupedExperts.grouped_mm``)."""
     if groups.kernel == "bmm":
         return torch.bmm(x.view(groups.E, groups.cap, -1), w.transpose(-2, -1)).view(groups.E * groups.cap, -1)
     if groups.kernel == "grouped_mm":
-        return _GROUPED_MM(x, w.transpose(-2, -1), offs=groups.offsets)
+        return (gemm or _GROUPED_MM)(x, w.transpose(-2, -1), offs=groups.offsets)
     padded = x.new_zeros(groups.E, groups.cap, x.shape[1]).index_put((groups.expert, groups.slot), x)
     return torch.bmm(padded, w.transpose(-2, -1))[groups.expert, groups.slot]
 
@@ -247,6 +252,11 @@ class GroupedExperts(nn.Module):
         # Expert parallel sets this: an expert's gradient gathers tokens from ep ranks at once.
         self.grad_scale = 1.0
         self.kernel = "auto"  # or "grouped_mm" / "padded_bmm" (see expert_kernel)
+        # A precision recipe's grouped GEMM ``(x, w_t, offs=) -> y`` in place of torch's, and the
+        # rows its groups must be a multiple of (set by ``parallel/fp8/experts.py``: MXFP8 scales
+        # blocks of 32 rows in the weight gradient). The padded kernels ignore both.
+        self.grouped_mm = None
+        self.group_rows = 1
 
     def forward(self, x, counts: torch.Tensor | None = None, groups: _Groups | None = None,
                 gates: torch.Tensor | None = None, sends: list[torch.Tensor] | None = None):
@@ -286,7 +296,8 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x, w1, w2, counts, groups, gates, biases=None):
         if groups is None:
             kernel = expert_kernel(x, self.kernel)
-            groups = _Groups(counts, x.shape[0], kernel, align=group_align(x))
+            groups = _Groups(counts, x.shape[0], kernel, align=max(self.group_rows, group_align(x)),
+                             whole=self.group_rows > 1)
         if getattr(groups, "dest", None) is not None:  # aligned groups: in and out of the padded layout once
             x = _ScatterRows.apply(x, groups.dest, groups.padded_rows)
             if gates is not None:
@@ -296,7 +307,8 @@ class GroupedExperts(nn.Module):
 
     def _run(self, x, w1, w2, groups, gates, biases=None):
         """``w1``: the first GEMM's weight (gated kinds: w13, twice the columns per expert)."""
-        h = grouped_linear(x, w1, groups)
+        gemm = self.grouped_mm
+        h = grouped_linear(x, w1, groups, gemm)
         if biases is not None:  # (a zero row E for the rows no expert owns: row_experts)
             rows = groups.row_experts(h.shape[0], h.device)
             biases = [F.pad(b, (0, 0, 0, 1)) for b in biases]
@@ -307,10 +319,10 @@ class GroupedExperts(nn.Module):
             h1, h3 = h.chunk(2, dim=-1)
             h = F.silu(h1) * h3 if self.glu is None else self.glu(h1, h3)
         if biases is not None:  # the gate scales the biased output (it cannot move before w2)
-            y = grouped_linear(h, w2, groups) + biases[1].index_select(0, rows)
+            y = grouped_linear(h, w2, groups, gemm) + biases[1].index_select(0, rows)
             return y if gates is None else y * gates[:, None].to(y.dtype)
         if gates is None:
-            return grouped_linear(h, w2, groups)
+            return grouped_linear(h, w2, groups, gemm)
         if h.shape[1] <= w2.shape[1]:  # the narrower side takes the [rows, width] product
-            return grouped_linear(h * gates[:, None].to(h.dtype), w2, groups)
-        return grouped_linear(h, w2, groups) * gates[:, None].to(h.dtype)
+            return grouped_linear(h * gates[:, None].to(h.dtype), w2, groups, gemm)
+        return grouped_linear(h, w2, groups, gemm) * gates[:, None].to(h.dtype)

@@ -13,6 +13,7 @@ from meshfold.parallel.cp.plan import apply_context_parallel
 from meshfold.parallel.dp.plan import apply_data_parallel, uses_fsdp
 from meshfold.parallel.ep.plan import apply_expert_parallel
 from meshfold.parallel.fp8.convert import apply_fp8
+from meshfold.parallel.fp8.dispatch import apply_fp8_dispatch
 from meshfold.parallel.materialize import is_meta, materialize
 from meshfold.parallel.recompute import apply_compile, apply_recompute
 from meshfold.parallel.tp.plan import parallelize_tensor
@@ -30,7 +31,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     def init(m: nn.Module) -> nn.Module:
         return materialize(m, cfg.model, cfg.train.seed, device or torch.device("cpu")) if meta else m
 
-    apply_fp8(model, cfg.train, device)  # fp8 linears first: tp and FSDP2 shard the converted modules
+    apply_fp8(model, cfg.train, device, dims.size("tp"))  # fp8 linears first: tp and FSDP2 shard the converted modules
     if dims.distributed and dims.enabled("tp"):  # rewrites layers, so first of all
 
         parallelize_tensor(model, dims, cfg)
@@ -41,6 +42,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     if dims.distributed and cfg.model.moe_experts:  # global balance statistics; ep shards experts
 
         apply_expert_parallel(model, cfg, dims)
+        apply_fp8_dispatch(model, cfg.parallel)  # parallel.ep_fp8_dispatch: the dispatch's rows in fp8
     apply_recompute(model, cfg.train)
     if cfg.train.compile:
         apply_compile(model)

@@ -23,8 +23,9 @@ def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     # ``train.compile`` compiles each block: inductor fuses its memory-bound ops
     kernels = "fused" if cfg.train.compile else "eager"
     return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels,
-                    fp8=cfg.train.fp8 != "none", optimizer=cfg.train.optimizer, muon_ns_steps=cfg.train.muon_ns_steps,
-                    aligned_groups=on_gpu)
+                    fp8=cfg.train.fp8 != "none", fp8_recipe=cfg.train.fp8, fp8_all_gather=cfg.train.fp8_all_gather,
+                    fp8_dispatch=cfg.parallel.ep_fp8_dispatch, optimizer=cfg.train.optimizer,
+                    muon_ns_steps=cfg.train.muon_ns_steps, aligned_groups=on_gpu)
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:

@@ -34,6 +34,7 @@ from meshfold.planner.terms import (
     LayerTimes,
     LayerTraffic,
 )
+from meshfold.planner.fp8 import dispatch_row_bytes
 from meshfold.planner.traffic import tp_counts
 from meshfold.ring import FACTORS as RING
 
@@ -231,9 +232,11 @@ class LayerCosts:
                     hidden = min((2 * n - 2) * a2a, window)
                     t = 2 * a2a + (2 * n - 2) * a2a - hidden + d.overlap_slowdown * hidden
                     fwd, bwd = (fwd + t, bwd) if part == "f" else (fwd, bwd + t)
-                ep_sent = RING["all_to_all"](ep) * (4 * routed + counts)
+                # (parallel.ep_fp8_dispatch: the dispatch's rows in fp8 plus a scale, planner/fp8.py)
+                dispatch = routed / (act * h) * dispatch_row_bytes(w, act, h)
+                ep_sent = RING["all_to_all"](ep) * (3 * routed + dispatch + counts)
                 if recompute in ("full", "op"):  # the forward's counts, dispatch and combine re-run
-                    ep_sent += RING["all_to_all"](ep) * (2 * routed + counts)
+                    ep_sent += RING["all_to_all"](ep) * (routed + dispatch + counts)
             out[moe] = (fwd, bwd, params, fwd_c, ep_sent)
         # the output layer and the loss over the vocabulary: the logits GEMM, then the
         # cross-entropy's memory-bound passes per logit (parallel/loss.py; forward: the max
@@ -241,8 +244,9 @@ class LayerCosts:
         # exp 8, the scale 8, the cast into the gradient 4 + a)
         logits = self._gemm_cache.get((tokens, tp, "logits"))
         if logits is None and d.gemm_tile:
-            logits = (gemm_time(d, tokens, V / tp, h, h / tp, act, w.fp8),
-                      sum(gemm_backward_time(d, tokens, V / tp, h, h / tp, act, w.fp8, w.wgrad_fused)))
+            # (bf16 under train.fp8 too: the runtime keeps the output layer in bf16)
+            logits = (gemm_time(d, tokens, V / tp, h, h / tp, act),
+                      sum(gemm_backward_time(d, tokens, V / tp, h, h / tp, act, False, w.wgrad_fused)))
         elif logits is None:
             one = 2 * h * V / tp * tokens / (peak * eff)
             logits = (one, 2 * one)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshfold.models.config import ModelConfig
 from meshfold.planner import mtp
+from meshfold.planner.fp8 import fp8_gathered_params, sp_regathers_skipped, tp_amax_collectives
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.counts import (
     DTYPE_BYTES,
@@ -133,16 +134,18 @@ class Traffic:
             modules = stage_layers[0] + 1 + (1 if pp > 1 and last_on_rank0 else 0)
             # (ep > 1) each MoE layer's routed experts: an own FSDP group over edp ranks
             E0, edp = moe0 * T.params.expert_p, n_all // max(1, L.ep)
-            groups = [(modules, n_shard, P0 - E0)] + ([(moe0, edp, E0 * self._expert_padding(L))]
-                                                      if E0 and edp > 1 else [])
-            for mods, n, P in groups:
+            # (train.fp8_all_gather: the blocks' converted linears cross in fp8, 1 byte an element)
+            fp8 = fp8_gathered_params(w, stages[0])
+            groups = [(modules, n_shard, P0 - E0, (P0 - E0) * wg - fp8 * (wg - 1))]
+            groups += [(moe0, edp, E0 * self._expert_padding(L), E0 * self._expert_padding(L) * wg)] if E0 and edp > 1 else []
+            for mods, n, P, gathered in groups:
                 ag = RING["all_gather"](n)
                 if L.zero == 3:  # every module, the roots too, gathered in forward and again in
                     # backward (apply_fsdp passes reshard_after_forward=True explicitly, so FSDP2's
                     # "keep the root unsharded" default for reshard_after_forward=None is off)
-                    add("dp", n_micro * 2 * mods, n_micro * ag * 2 * P * wg)
+                    add("dp", n_micro * 2 * mods, n_micro * ag * 2 * gathered)
                 else:
-                    add("dp", mods, ag * P * wg)
+                    add("dp", mods, ag * gathered)
                 add("dp", mods, RING["reduce_scatter"](n) * P * wr)
             if n_rep > 1:
                 add("dp", modules, RING["all_reduce"](n_rep) * (P0 - E0) * wr / n_shard)
@@ -201,6 +204,13 @@ class Traffic:
                                 (tr.tp_last, (1 + depths) if last_on_rank0 else 0)):
                 calls, sent, weights = part
                 add("tp", n_micro * times * calls, n_micro * times * (sent + weights * grad))
+            # (train.fp8: the fp8 casts' scales, max-reduced over tp where their axis is split)
+            # and the sequence-parallel re-gathers its column groups skip (net: more calls, planner/fp8.py)
+            tokens = L.micro_batch * (w.s // cp)
+            calls, amax = tp_amax_collectives(w, tp, stages[0], tokens, L.recompute)
+            skipped, regathered = sp_regathers_skipped(w, tp, L.sp, stages[0], tokens, act)
+            add("tp", n_micro * (calls - skipped),
+                n_micro * (RING["all_reduce"](tp) * amax - RING["all_gather"](tp) * regathered))
         # pipeline: activations to the next stage, gradients to the previous one, per
         # micro-batch and chunk; then the loss and the bubble statistics over pp
         if pp > 1:
@@ -235,7 +245,7 @@ class Traffic:
             ep_bytes = sum(T.kinds[k].ep_sent * n for k, n in stages[0].items())
             # pipelined in n chunks: each chunk's dispatch and combine, both ways; one counts exchange
             n = L.ep_overlap_chunks
-            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0)
+            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0) + (1 if w.fp8_dispatch else 0)  # (fp8: scales)
             calls = fwd_calls + 2 * n + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         for dim, calls, sent in self.optimizer.collectives(self, L, layers0):  # (Muon's exchange)

@@ -28,6 +28,9 @@ class Workload:
     # "fused" = hand-fused kernels (Megatron) or torch.compile's fusions.
     kernels: str = "eager"
     fp8: bool = False  # Float8 linears (torchao): GEMMs at the fp8 peak, plus their casts
+    fp8_recipe: str = "none"  # train.fp8 (its tp scale reductions: planner/fp8.py)
+    fp8_all_gather: bool = False  # FSDP2 gathers the converted linears' weights in fp8 (planner/fp8.py)
+    fp8_dispatch: bool = False  # parallel.ep_fp8_dispatch: routed rows dispatched in fp8 (planner/fp8.py)
     # Tensor parallel's backward collectives of the column-parallel linears run beside the
     # GEMM that does not need them (Megatron since late 2021, ``layer._tp_backward``);
     # False: one after the other on the compute stream, as meshfold's ``parallel/tp`` issues them

@@ -198,6 +198,9 @@ class AllToAllDispatcher(nn.Module):
         self.group, self.ep_rank, self.ep = group, ep_rank, ep
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.chunks = chunks  # parallel.ep_overlap_chunks: > 1 pipelines the exchange (overlapped_exchange)
+        # The dispatch's exchange of rows to their experts ``(rows, out_splits, in_splits, group)``
+        # (an autograd function; parallel/fp8/dispatch.py puts an fp8 one here); the combine's is AllToAll
+        self.send_rows = AllToAll.apply
 
     def forward(self, x, token, expert, weight, experts, n_experts: int, capacity: tuple | None = None):
         P, per_ep = self.ep, n_experts // self.ep
@@ -231,7 +234,7 @@ class AllToAllDispatcher(nn.Module):
             lambda: [[sum(c) for c in column()], [sum(column()[self.ep_rank])] * P])
         order = order[: sum(send_splits)]  # with tp: this column's assignments only
         token = token[order]
-        rows = AllToAll.apply(gather_rows(x, token), recv_splits, send_splits, self.group)
+        rows = self.send_rows(gather_rows(x, token), recv_splits, send_splits, self.group)
 
         # Rows arrive grouped by source rank, then expert; the experts want expert, then source.
         local_expert = torch.arange(P * local_e, device=x.device) % local_e
@@ -301,7 +304,7 @@ class AllToAllDispatcher(nn.Module):
         if min(self.chunks, per) > 1:
             out = self._fixed_chunks(x, token, rows, pick(slots.gates(weight)), experts, local_e, per)
             return out if self.tp is None else tokens_out(self.tp, out)
-        rows = AllToAll.apply(rows, None, None, self.group)  # [source rank, local expert, slot, dim]
+        rows = self.send_rows(rows, None, None, self.group)  # [source rank, local expert, slot, dim]
         dim = rows.shape[1]
         rows = rows.view(P, local_e, per, dim).transpose(0, 1).reshape(local_e * P * per, dim)
         y = experts(rows, None, fixed_groups(local_e, P * per))

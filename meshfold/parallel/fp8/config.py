@@ -27,11 +27,13 @@ HIGH_PRECISION_NAMES = ("output", "router")
 MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (8, 9), "rowwise_with_gw_hp": (8, 9), "mxfp8": (10, 0)}
 
 
-def converts(recipe: str, fqn: str, in_features: int, out_features: int) -> bool:
-    """Whether the linear at ``fqn`` computes in fp8 under ``recipe``."""
+def converts(recipe: str, fqn: str, in_features: int, out_features: int, tp: int = 1) -> bool:
+    """Whether the linear at ``fqn`` computes in fp8 under ``recipe``. Under tensor parallel
+    (``tp`` > 1) either width may be split, so both must stay aligned once divided by ``tp``."""
     if recipe == "none" or fqn.rsplit(".", 1)[-1] in HIGH_PRECISION_NAMES:
         return False
-    return in_features % ALIGN[recipe] == 0 and out_features % ALIGN[recipe] == 0
+    align = ALIGN[recipe] * tp
+    return in_features % align == 0 and out_features % align == 0
 
 
 def validate(cfg: Config) -> None:
@@ -40,8 +42,15 @@ def validate(cfg: Config) -> None:
     if t.fp8_all_gather and t.fp8 != "tensorwise":
         raise ConfigError(f"train.fp8_all_gather = true needs train.fp8 = tensorwise (torchao gathers only "
                           f"per-tensor scaled weights in fp8), got train.fp8 = {t.fp8!r}")
+    if p.ep_fp8_dispatch and (t.fp8 == "none" or p.ep == 1 or p.ep_overlap_chunks > 1):
+        raise ConfigError("parallel.ep_fp8_dispatch = true needs train.fp8 (not none), parallel.ep > 1 and "
+                          f"parallel.ep_overlap_chunks = 1 (got {t.fp8!r}, {p.ep}, {p.ep_overlap_chunks}); "
+                          "set parallel.ep_fp8_dispatch = false")
     if t.fp8 == "none":
         return
-    if p.tp > 1:
-        raise ConfigError("train.fp8 with parallel.tp > 1 is not supported yet (meshfold's tensor-parallel "
-                          "layers call their GEMMs directly); use parallel.tp = 1 or train.fp8 = none")
+    if p.tp > 1 and t.fp8 == "mxfp8":
+        raise ConfigError("train.fp8 = mxfp8 with parallel.tp > 1 is not supported yet (tensor parallel runs "
+                          "the tensorwise and rowwise recipes); use train.fp8 = rowwise or parallel.tp = 1")
+    if p.tp > 1 and t.fp8_all_gather:
+        raise ConfigError("train.fp8_all_gather = true with parallel.tp > 1 is not supported yet (FSDP2's fp8 "
+                          "gathers of tp-sharded weights); set train.fp8_all_gather = false")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshfold.parallel.fp8 import tp
 from meshfold.parallel.fp8.config import converts
+from meshfold.parallel.fp8.experts import apply_fp8_experts
 
 
 def _cast_to_autocast_dtype(module: nn.Module, args: tuple):
@@ -24,19 +26,20 @@ def _cast_to_autocast_dtype(module: nn.Module, args: tuple):
     return None
 
 
-def _linear_filter(recipe: str):
+def _linear_filter(recipe: str, tp_size: int = 1):
     def keep(module: nn.Module, fqn: str) -> bool:
-        return isinstance(module, nn.Linear) and converts(recipe, fqn, module.in_features, module.out_features)
+        return isinstance(module, nn.Linear) and converts(recipe, fqn, module.in_features, module.out_features, tp_size)
     return keep
 
 
-def _float8_linears(model: nn.Module, recipe: str, all_gather: bool) -> None:
+def _float8_linears(model: nn.Module, recipe: str, all_gather: bool, tp_size: int) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if all_gather
               else Float8LinearConfig.from_recipe_name(recipe))
-    convert_to_float8_training(model, config=config, module_filter_fn=_linear_filter(recipe))
+    convert_to_float8_training(model, config=config, module_filter_fn=_linear_filter(recipe, tp_size))
+    tp.register(Float8Linear)  # tensor parallel's layers run its GEMMs with tp-wide scales
     for module in model.modules():
         if isinstance(module, Float8Linear):
             module.register_forward_pre_hook(_cast_to_autocast_dtype)
@@ -52,12 +55,14 @@ def _mxfp8_linears(model: nn.Module, device_type: str) -> None:
     quantize_(model, MXFP8TrainingOpConfig.from_recipe(recipe), filter_fn=_linear_filter("mxfp8"))
 
 
-def apply_fp8(model: nn.Module, train, device: torch.device | None = None) -> nn.Module:
-    """Convert ``model``'s linears for ``train.fp8`` (``"none"``: unchanged)."""
+def apply_fp8(model: nn.Module, train, device: torch.device | None = None, tp_size: int = 1) -> nn.Module:
+    """Convert ``model``'s linears for ``train.fp8`` (``"none"``: unchanged); ``tp_size``:
+    the tensor-parallel degree the model is split over next (its pieces must stay aligned)."""
     if train.fp8 == "none":
         return model
     if train.fp8 == "mxfp8":
         _mxfp8_linears(model, device.type if device is not None else "cpu")
     else:
-        _float8_linears(model, train.fp8, train.fp8_all_gather)
+        _float8_linears(model, train.fp8, train.fp8_all_gather, tp_size)
+    apply_fp8_experts(model, train.fp8)  # the routed experts' grouped GEMMs
     return model

@@ -8,10 +8,12 @@ in bf16 (``wire_dtype``). The layout they serve is in ``parallel/tp/plan.py``.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -242,8 +244,28 @@ class _GatheredLinears(torch.autograd.Function):
         return (grad_x, None, None, *grad_ws, *grad_bs)
 
 
-def column_linears(tp: TensorParallelGroup, x: torch.Tensor, weights: list, biases: list) -> tuple:
-    """Column-parallel linears sharing one input ``x`` (local weights already)."""
+COLUMN, ROW = "column", "row"  # how a linear is split over tp (its output's or its input's features)
+
+# How a linear's GEMM runs on this rank's pieces, by the linear module's type: ``F.linear``
+# unless the package that supplies the type registers a maker ``(linear, tp, split) ->
+# gemm(x, w, b)`` (``parallel/fp8/tp.py`` for torchao's Float8Linear: fp8 with tp-wide scales).
+TP_GEMMS: dict[type, Callable] = {}
+
+
+def tp_gemm(linear: nn.Module, tp: TensorParallelGroup, split: str) -> Callable:
+    """``linear``'s GEMM on local pieces, ``split`` (``COLUMN`` or ``ROW``) over ``tp``."""
+    make = TP_GEMMS.get(type(linear))
+    return F.linear if make is None else make(linear, tp, split)
+
+
+def column_linears(tp: TensorParallelGroup, x: torch.Tensor, weights: list, biases: list,
+                   gemms: list | None = None) -> tuple:
+    """Column-parallel linears sharing one input ``x`` (local weights already); ``gemms``:
+    each one's ``tp_gemm`` (default ``F.linear``). Registered GEMMs see the gathered input
+    (kept for backward: their own autograd saves what it needs)."""
+    if gemms is not None and any(g is not F.linear for g in gemms):
+        x = tp.enter(x)
+        return tuple(g(x, w, b) for g, w, b in zip(gemms, weights, biases))
     if tp.sp:
         return _GatheredLinears.apply(x, tp, len(weights), *weights, *biases)
     x = tp.enter(x)

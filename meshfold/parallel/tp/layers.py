@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold.models.llama import Attention, FeedForward, RMSNorm
-from meshfold.parallel.tp.collectives import TensorParallelGroup, column_linears, local
+from meshfold.parallel.tp.collectives import COLUMN, ROW, TensorParallelGroup, column_linears, local, tp_gemm
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -38,9 +38,10 @@ class TensorParallelAttention(Attention):
     def forward(self, x, rope, positions=None, doc_ids=None):
         tp = self.tp
         (wk, bk), (wv, bv) = self._kv(self.wk), self._kv(self.wv)
-        q, k, v = column_linears(tp, x, [local(self.wq.weight), wk, wv], [local(self.wq.bias), bk, bv])
+        q, k, v = column_linears(tp, x, [local(self.wq.weight), wk, wv], [local(self.wq.bias), bk, bv],
+                                 [tp_gemm(lin, tp, COLUMN) for lin in (self.wq, self.wk, self.wv)])
         out = self.attend(q, k, v, rope, positions, doc_ids)  # this rank's heads (q/k norm, RoPE, core)
-        out = tp.leave(F.linear(out, local(self.wo.weight)))
+        out = tp.leave(tp_gemm(self.wo, tp, ROW)(out, local(self.wo.weight)))
         if self.wo.bias is not None:  # added once, after the reduction
             out = out + tp.replicated(self.wo.bias)
         return out
@@ -55,12 +56,13 @@ class TensorParallelFeedForward(FeedForward):
         tp = self.tp
         if self.w3 is not None:
             a, b = column_linears(tp, x, [local(self.w1.weight), local(self.w3.weight)],
-                                  [local(self.w1.bias), local(self.w3.bias)])
+                                  [local(self.w1.bias), local(self.w3.bias)],
+                                  [tp_gemm(self.w1, tp, COLUMN), tp_gemm(self.w3, tp, COLUMN)])
             h = self.activate(a) * b
         else:
-            (a,) = column_linears(tp, x, [local(self.w1.weight)], [local(self.w1.bias)])
+            (a,) = column_linears(tp, x, [local(self.w1.weight)], [local(self.w1.bias)], [tp_gemm(self.w1, tp, COLUMN)])
             h = self.activate(a)
-        out = tp.leave(F.linear(h, local(self.w2.weight)))
+        out = tp.leave(tp_gemm(self.w2, tp, ROW)(h, local(self.w2.weight)))
         if self.w2.bias is not None:
             out = out + tp.replicated(self.w2.bias)
         return out

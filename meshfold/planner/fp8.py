@@ -1,0 +1,99 @@
+"""The bytes fp8 takes off the wire, for the planner (``train.fp8_all_gather``,
+``parallel.ep_fp8_dispatch``; the runtime is ``parallel/fp8/``):
+
+* FSDP2 gathers each converted linear's weight in fp8 (1 byte an element) where the other
+  parameters of its block cross in the gather dtype; the output layer, the embeddings, the
+  norms and the routed experts (their own FSDP group) are not converted;
+* the expert dispatch sends each routed row as e4m3 values (1 byte each) and one fp32 scale.
+
+Which linears are converted is the runtime's rule (``parallel/fp8/config.converts``)."""
+
+from __future__ import annotations
+
+from meshfold.models.config import ModelConfig
+from meshfold.parallel.fp8.config import converts
+from meshfold.planner.attention import attention_terms
+from meshfold.planner.workload import Workload
+
+
+def block_linears(m: ModelConfig, moe: bool) -> list[tuple[float, float]]:
+    """(out, in) of a block's linear weights, whole: the attention's, then the dense MLP's
+    (a MoE block's: its shared experts', one MLP of their joint width; the router and the
+    routed experts are no linears the recipes convert)."""
+    f = m.moe_shared_experts * m.expert_dim if moe else m.hidden_dim
+    mlp = ([(f, m.dim)] * (2 if m.gated_mlp else 1) + [(m.dim, f)]) if f else []
+    return attention_terms(m).gemms(m, 1) + mlp
+
+
+def fp8_gathered_params(w: Workload, layers: dict) -> float:
+    """Parameters FSDP2 gathers in fp8 for ``layers`` ({is MoE: blocks}): 0 without
+    ``fp8_all_gather`` (which needs tensorwise and tp 1)."""
+    if not w.fp8_all_gather:
+        return 0.0
+    return sum(n * sum(o * i for o, i in block_linears(w.model, moe) if converts("tensorwise", "", int(i), int(o)))
+               for moe, n in layers.items())
+
+
+def dispatch_row_bytes(w: Workload, act: int, h: float) -> float:
+    """Bytes of one routed row in the dispatch all-to-all: ``h`` values in the compute dtype,
+    or in fp8 with a 4-byte scale (``parallel.ep_fp8_dispatch``)."""
+    return h + 4 if w.fp8_dispatch else act * h
+
+
+# The amax all-reduces over tp of one converted linear's forward and backward
+# (``parallel/fp8/tp.py``: a cast's scale is reduced where the axis it spans is split), by
+# recipe and split; each entry the length of the reduced amax: "1" a scalar, "tokens" one
+# per token, "in"/"out" one per input/output feature of the whole weight. fp32 each.
+TP_AMAX = {
+    "tensorwise": {"column": (["1"], ["1", "1", "1"]), "row": (["1", "1"], ["1", "1"])},
+    "rowwise": {"column": ([], ["tokens", "in"]), "row": (["tokens", "out"], [])},
+    "rowwise_with_gw_hp": {"column": ([], ["tokens", "1"]), "row": (["tokens", "out"], ["1"])},
+}
+
+
+def _tp_linears(m: ModelConfig, moe: bool) -> list[tuple[str, float, float]]:
+    """(split, out, in) of the block linears tensor parallel runs through ``tp_gemm``: GQA's
+    q, k, v (column) and o (row), the dense MLP's (or shared experts') w1, w3 and w2."""
+    shapes = block_linears(m, moe)
+    attention = len(attention_terms(m).gemms(m, 1))
+    splits = (["column"] * 3 + ["row"] if m.attention == "gqa" else [None] * attention)
+    splits += ["column"] * (len(shapes) - attention - 1) + ["row"] if len(shapes) > attention else []
+    return [(s, o, i) for s, (o, i) in zip(splits, shapes) if s is not None]
+
+
+def tp_amax_collectives(w: Workload, tp: int, layers: dict, tokens: float, recompute: str) -> tuple[float, float]:
+    """(calls, payload bytes) of one micro-batch's amax all-reduces over tp for ``layers``
+    ({is MoE: blocks}) under ``w.fp8_recipe``; the forward's again under full or op recompute."""
+    recipe = w.fp8_recipe
+    table = TP_AMAX.get(recipe)
+    if table is None or tp == 1:
+        return 0.0, 0.0
+    forwards = 2 if recompute in ("full", "op") else 1
+    calls = sent = 0.0
+    for moe, n in layers.items():
+        for split, o, i in _tp_linears(w.model, moe):
+            if not converts(recipe, "", int(i), int(o), tp):
+                continue
+            size = {"1": 1, "tokens": tokens, "in": i, "out": o}
+            fwd, bwd = table[split]
+            calls += n * (forwards * len(fwd) + len(bwd))
+            sent += n * 4 * (forwards * sum(size[k] for k in fwd) + sum(size[k] for k in bwd))
+    return calls, sent
+
+
+def sp_regathers_skipped(w: Workload, tp: int, sp: bool, layers: dict, tokens: float, act: int) -> tuple[float, float]:
+    """(calls, bytes before the ring factor) of the sequence-parallel all-gathers fp8 does
+    not issue per micro-batch: a column group (q, k, v; w1, w3) with a converted linear
+    keeps its gathered input for backward (its fp8 GEMMs save their own inputs) instead of
+    gathering it again there, as ``_GatheredLinears`` does for bf16 ones."""
+    if not (sp and tp > 1 and w.fp8):
+        return 0.0, 0.0
+    calls = 0.0
+    for moe, n in layers.items():
+        groups: dict[int, bool] = {}
+        for index, (split, o, i) in enumerate(_tp_linears(w.model, moe)):
+            group = 0 if index < 3 else 1  # q, k, v; then the MLP's column linears
+            if split == "column":
+                groups[group] = groups.get(group, False) or converts(w.fp8_recipe, "", int(i), int(o), tp)
+        calls += n * sum(groups.values())
+    return calls, calls * tokens * w.model.dim * act
