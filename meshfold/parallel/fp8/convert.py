@@ -8,7 +8,10 @@ torchao is imported here only, when a run asks for fp8 (the optional ``fp8`` ext
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshfold.parallel.fp8 import tp
@@ -60,6 +63,12 @@ def apply_fp8(model: nn.Module, train, device: torch.device | None = None, tp_si
     the tensor-parallel degree the model is split over next (its pieces must stay aligned)."""
     if train.fp8 == "none":
         return model
+    if device is not None and device.type == "cuda" and not train.compile and (
+            not dist.is_initialized() or dist.get_rank() == 0):
+        # measured: torchao's casts then run op by op (docs/gpu.md, "FP8, Muon and windowed attention")
+        print(f"meshfold: train.fp8 = {train.fp8} without train.compile runs torchao's casts op by op: on an "
+              f"H200 that step was 1.51x slower than bf16 (compiled, tensorwise: 1.13x faster); set "
+              f"train.compile = true", file=sys.stderr, flush=True)
     if train.fp8 == "mxfp8":
         _mxfp8_linears(model, device.type if device is not None else "cpu")
     else:
