@@ -40,3 +40,6 @@ def validate(cfg: Config) -> None:
                           f"{p.dp_replicate} equal slices (one per replica group)")
     if t.live_rejoin_wait_s < 0:
         raise ConfigError(f"train.live_rejoin_wait_s = {t.live_rejoin_wait_s} must be >= 0")
+    if t.live_heartbeat_timeout_s <= 0 or t.live_join_timeout_s <= 0:
+        raise ConfigError(f"train.live_heartbeat_timeout_s = {t.live_heartbeat_timeout_s} and train.live_join_timeout_s "
+                          f"= {t.live_join_timeout_s} must be > 0")

@@ -7,6 +7,7 @@ so every loss equals the one-process float64 run of the same seed and batch."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from meshfold.config import from_dict
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.planner.goodput import FailureModel, goodput
 from meshfold.testing import run_on, tiny_config, train_collect
-from meshfold.train.quorum import QuorumClient, QuorumServer
+from meshfold.train.quorum import Membership, lighthouse_address, start_lighthouse
 from meshfold.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,11 +38,11 @@ def _traces(run_dir: Path, healed: bool = False) -> dict[tuple[int, int], dict[i
     return out
 
 
-def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int = 4) -> tuple[list[dict], list[dict], float]:
+def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int = 4, **env) -> tuple[list[dict], list[dict], float]:
     """``meshfold train --nproc N`` of ``cfg`` with one process SIGKILLed (``kill``):
     the metrics records, their events, and the wall time."""
     (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill, **env)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", str(nproc)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
@@ -126,43 +127,58 @@ def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
     print(f"live recovery (DiLoCo) run: {took:.1f} s")
 
 
-def test_quorum_rounds_start_redo_and_rejoin_wait():
-    """The server alone: the first round waits for every replica; a round redoing an
-    interrupted step goes on at once; later rounds wait (rejoin_wait_s) for a replica whose
-    agent is restarting it, and the rejoined one is told to heal from the newest member."""
-    server = QuorumServer(2, rejoin_wait_s=30.0)
-    agents = [QuorumClient(server.address, r, agent=True) for r in (0, 1)]
-    a, b = QuorumClient(server.address, 0), QuorumClient(server.address, 1)
+def test_membership_on_the_lighthouse_gate_redo_rejoin_refusal(tmp_path):
+    """Membership alone, on a real Lighthouse (torchft, in this process; 0.5 s heartbeat
+    timeout): the start gate holds the first quorum until every replica asks; a redo goes on
+    without a replica that stopped heartbeating (hung: its ``alive`` says no) within the
+    heartbeat timeout; the rejoined one is told to heal from the newest member; a client
+    claiming a replica id outside the job is refused; garbage sent to the Lighthouse's port
+    does not take it down; a replica restarted after the run finished is told so."""
+    server = start_lighthouse("127.0.0.1:0", heartbeat_timeout_s=0.5, join_timeout_s=5.0)
+    address = lighthouse_address(server, "127.0.0.1:0")
+    mark = tmp_path / "live-done.json"
+    hung = threading.Event()
+    a = Membership(address, 0, 2, 0, 0.5, mark, 3)
+    b = Membership(address, 1, 2, 0, 0.5, mark, 3, alive=lambda: not hung.is_set())
     got = {}
-    t = threading.Thread(target=lambda: got.update(b=b.quorum(0, {"attempt": 0})))
-    t.start()
+    t = threading.Timer(0.5, lambda: got.update(b=b.quorum(0, {"sampler": "b0"})))
+    t.start()  # replica 1 asks late: the gate holds replica 0 until it does
     first = a.quorum(0, {"sampler": "s0"})
     t.join()
     assert first["members"] == [0, 1] and got["b"]["quorum_id"] == first["quorum_id"]
-    b.sock.close()  # replica 1 dies: its agent stays (restarting)
-    redo = a.quorum(2, failed="peer lost")  # an interrupted step: at once, alone
-    assert redo["members"] == [0] and redo["quorum_id"] > first["quorum_id"]
-    assert [e["event"] for e in redo["events"]] == ["departure"] and redo["events"][0]["seen_as"] == "peer lost"
-    threading.Timer(0.3, lambda: got.update(c=QuorumClient(server.address, 1, attempt=1).quorum(0, {"attempt": 1}))
-                    ).start()
-    later = a.quorum(3, {"sampler": "s3"})  # waits for the restarting replica 1
-    assert later["members"] == [0, 1] and later["heal"] == [1] and later["source"] == 0
-    assert later["meta"] == {"sampler": "s3"} and later["events"][0]["event"] == "rejoin"
-    # Replica 1 restarts again while replica 0 finishes the run. Its request reaches the server
-    # before the bye (the order CI once hit by chance), then one after it: both are told done.
-    t = threading.Thread(target=lambda: got.update(d=QuorumClient(server.address, 1, attempt=2).quorum(0)))
-    t.start()
-    deadline = time.time() + 30
-    while 1 not in server.pending and time.time() < deadline:
-        time.sleep(0.01)
-    assert 1 in server.pending
+    assert [e["event"] for e in first["events"]] == ["join", "join"]
+    with socket.create_connection(address.split(":")) as junk:  # a malformed client
+        junk.sendall(b"PRI * HTTP/2.0\r\n\r\nnot grpc at all\n" * 100)
+    hung.set()  # replica 1 hangs: it stops heartbeating and never asks
+    start = time.monotonic()
+    redo = a.quorum(2, {"sampler": "s2"}, failed="peer lost")
+    took = time.monotonic() - start
+    assert redo["members"] == [0] and redo["quorum_id"] != first["quorum_id"] and took < 5.0, (redo, took)
+    dep = [e for e in redo["events"] if e["event"] == "departure"]
+    assert [(e["replica"], e["step"]) for e in dep] == [(1, 3)] and dep[0]["seen_as"] == "peer lost"
+    stray = Membership(address, 7, 2, 0, 0.5, mark, 3)  # not one of the job's replicas
+    hung.clear()
+    back = Membership(address, 1, 2, 1, 0.5, mark, 3)
+    threading.Timer(0.3, lambda: got.update(c=back.quorum(0, {"sampler": "c0"}))).start()
+    threading.Timer(0.3, lambda: got.update(s=_ask_quietly(stray))).start()
+    a.rejoin_wait_s = 10.0
+    later = a.quorum(3, {"sampler": "s3"})  # waits (rejoin_wait_s) for the restarting replica 1
+    assert later["members"] == [0, 1] and later["heal"] == [1] and later["source"] == 0, later
+    assert later["meta"]["sampler"] == "s3" and "7" in later["refused"] + got.get("s", {}).get("refused", ["7"])
+    assert [e["event"] for e in later["events"]] == ["rejoin"] and "received step 3's state" in later["events"][0]["cause"]
     a.bye(step=3)  # replica 0 finished the run: a replica restarted after that has nothing to do
-    t.join()
-    assert got["d"] == {"done": True, "step": 3}
-    assert QuorumClient(server.address, 1, attempt=3).quorum(0) == {"done": True, "step": 3}
-    for c in agents:
-        c.close()
-    server.close()
+    assert Membership(address, 1, 2, 2, 0.5, mark, 3).quorum(0) == {"done": True, "step": 3}
+    for m in (b, back, stray):
+        m.close()
+    server.shutdown()
+
+
+def _ask_quietly(m):
+    m.start_timeout_s = 0.0
+    try:
+        return m.quorum(0)
+    except Exception:  # noqa: BLE001
+        return {}
 
 
 def test_goodput_live_recovery_beats_restarts_at_scale():

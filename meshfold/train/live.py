@@ -8,8 +8,8 @@ tp, pp, cp) and are restarted alone by their own elastic agent (``launch.py``). 
 every replica group holds the same pieces of the model, so the replica dimension is a
 *standalone* group per inner rank (``comm.StandaloneGroup``), rebuilt from a shared store
 whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
-from the job's quorum server (``train/quorum.py``), asked by each replica's rank 0 at
-every step boundary.
+from the job's Lighthouse (``train/quorum.py``), asked by each replica's rank 0 at every
+step boundary; its heartbeat thread beats while the replica makes progress.
 
 One step (``LiveReplicas.step``):
 
@@ -47,6 +47,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,16 +60,17 @@ from meshfold.data.dataset import make_sampler
 from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.fault import set_restart_note
-from meshfold.train.quorum import QuorumClient
+from meshfold.train.quorum import LighthouseLost, Membership
 
 if TYPE_CHECKING:
     from meshfold.config import Config
 
 ENV_REPLICA = "MESHFOLD_LIVE_REPLICA"  # this process's replica group (set by the launcher)
 ENV_REPLICAS = "MESHFOLD_LIVE_REPLICAS"
-ENV_QUORUM = "MESHFOLD_LIVE_QUORUM"  # host:port of the quorum server
+ENV_LIGHTHOUSE = "MESHFOLD_LIVE_LIGHTHOUSE"  # host:port of the job's Lighthouse (train/quorum.py)
 ENV_STORE = "MESHFOLD_LIVE_STORE"  # host:port of the store the standalone groups meet through
 ENV_KILL = "MESHFOLD_LIVE_KILL"  # fault injection (tests, drills): "REPLICA:RANK:STEP" -> SIGKILL itself
+ENV_STOP = "MESHFOLD_LIVE_STOP"  # fault injection: "REPLICA:RANK:STEP:SECONDS" -> SIGSTOP itself, SIGCONT after
 ENV_TRACE = "MESHFOLD_LIVE_TRACE"  # 1: each rank appends what it trained and a parameter digest
 
 
@@ -197,15 +199,23 @@ class LiveReplicas:
         self.redo_cause: str | None = None
         self.trace = os.environ.get(ENV_TRACE) == "1"
         self.kill = self._parse_kill(os.environ.get(ENV_KILL, ""))
+        stop = os.environ.get(ENV_STOP, "").rsplit(":", 1)
+        self.stop_at = self._parse_kill(stop[0]) if len(stop) == 2 else None
+        self.stop_s = float(stop[1]) if len(stop) == 2 else 0.0
         self.healed_bytes = 0
         self.outer = None
         self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
         self.pending_heal: dict | None = None
 
     def attach(self, parts) -> None:
-        """Once the model exists: this rank's model parts, the quorum server and the store."""
+        """Once the model exists: this rank's model parts, the Lighthouse and the store."""
         self.parts = parts.model_parts
-        self.client = QuorumClient(os.environ[ENV_QUORUM], self.replica, self.attempt) if self.rank == 0 else None
+        t = self.cfg.train
+        self.progress_mark = time.monotonic()
+        if self.rank == 0:
+            self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
+                                     t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
+                                     t.live_rejoin_wait_s, alive=self._alive)
         host, port = os.environ[ENV_STORE].rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
@@ -215,6 +225,11 @@ class LiveReplicas:
         self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
         if self.outer is not None:
             self.outer.mean_fn = self._outer_mean
+
+    def _alive(self) -> bool:
+        """The heartbeat's condition: the training loop came back to this replica's code
+        within the collective timeout (a hung step stops the heartbeat)."""
+        return time.monotonic() - self.progress_mark < self.timeout_s
 
     def _parse_kill(self, text: str):
         if not text or self.attempt > 0:
@@ -241,6 +256,7 @@ class LiveReplicas:
         return _Writer(logger, self)
 
     def after_step(self, step: int) -> dict:
+        self.progress_mark = time.monotonic()
         if self.pending_heal is not None:  # DiLoCo: after the outer step, the joiners receive it
             self._heal(self.pending_heal)
             self.pending_heal = None
@@ -276,15 +292,22 @@ class LiveReplicas:
                 self.sampler.redo = True
 
     def _ask(self) -> dict:
-        """Rank 0 asks the quorum server; every rank of the replica gets the answer."""
+        """Rank 0 asks the Lighthouse; every rank of the replica gets the answer."""
         reply = None
+        self.progress_mark = time.monotonic()
         if self.rank == 0:
             position = getattr(self.sampler, "boundary_state", self.sampler.state_dict)()
             meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
-                    "attempt": self.attempt, "outer_steps": self.outer.outer_steps if self.outer is not None else 0}
-            reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
+                    "outer_steps": self.outer.outer_steps if self.outer is not None else 0}
+            try:
+                reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
+            except LighthouseLost as err:
+                reply = {"lost": str(err)}
         if self.world > 1:
             reply = comm.broadcast_object(reply, 0)
+        self.progress_mark = time.monotonic()
+        if "lost" in reply:
+            raise LighthouseLost(reply["lost"])
         return reply
 
     def _begin(self) -> None:
@@ -443,6 +466,10 @@ class LiveReplicas:
         Raises ``LiveStepFailed`` when a member was lost (every rank of this replica agrees)."""
         if self.kill is not None and self.progress.step + 1 == self.kill:
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a hard crash mid-step
+        if self.stop_at is not None and self.progress.step + 1 == self.stop_at:  # a hang mid-step, then resumed
+            self.stop_at = None
+            subprocess.Popen(["sh", "-c", f"sleep {self.stop_s}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.outer is not None:  # DiLoCo: nothing crosses the workers between outer steps
             return loss_sum, tokens
         grads = [local_tensor(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
