@@ -574,6 +574,13 @@ class StandaloneGroup:
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.backend = "nccl" if device_type == "cuda" else "gloo"
+        self.watch = None  # live recovery: waits for a collective, abandoning it when a peer is gone
+
+    def wait(self, work) -> None:
+        if self.watch is None:
+            work.wait()
+        else:
+            self.watch(work)
 
     def abort(self) -> None:
         """After a member died: NCCL must be aborted (its kernels would wait forever); gloo's
@@ -588,7 +595,7 @@ def group_all_reduce(t: torch.Tensor, group: StandaloneGroup, dim: str | None, o
     opts = dist.AllreduceOptions()
     opts.reduceOp = _OPS[op]
     with _TIMER.call("all_reduce(standalone)", None, async_op=False):
-        group.pg.allreduce([t], opts).wait()
+        group.wait(group.pg.allreduce([t], opts))
 
 
 def group_broadcast(t: torch.Tensor, src: int, group: StandaloneGroup, dim: str | None) -> None:
@@ -597,4 +604,4 @@ def group_broadcast(t: torch.Tensor, src: int, group: StandaloneGroup, dim: str 
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
     with _TIMER.call("broadcast(standalone)", None, async_op=False):
-        group.pg.broadcast([t], opts).wait()
+        group.wait(group.pg.broadcast([t], opts))

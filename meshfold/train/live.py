@@ -48,6 +48,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -212,6 +213,11 @@ class LiveReplicas:
         self.parts = parts.model_parts
         t = self.cfg.train
         self.progress_mark = time.monotonic()
+        self.heartbeat_s = t.live_heartbeat_timeout_s
+        self.seen_quorums: set[str] = set()
+        self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
+        self.watching = False
+        threading.Thread(target=self._peer_heartbeat, daemon=True, name="meshfold-peer-heartbeat").start()
         if self.rank == 0:
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
@@ -230,6 +236,58 @@ class LiveReplicas:
         """The heartbeat's condition: the training loop came back to this replica's code
         within the collective timeout (a hung step stops the heartbeat)."""
         return time.monotonic() - self.progress_mark < self.timeout_s
+
+    def _peer_heartbeat(self) -> None:
+        """Every rank beats in the store (``live/hb/<replica>/<rank>``: its attempt, a counter
+        and its quorum) while it makes progress, and reads its peers' (the same rank of every
+        replica): what ``_watch`` judges a cross-replica collective by."""
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=max(5.0, self.heartbeat_s)))
+        except RuntimeError:
+            return
+        keys = {r: f"live/hb/{r}/{self.rank}" for r in range(self.replicas)}
+        beat = 0
+        while True:
+            try:
+                if self._alive():
+                    beat += 1
+                    store.set(keys[self.replica], f"{self.attempt} {beat} {self.quorum.get('quorum_id', '')}")
+                for r, key in keys.items():
+                    if r != self.replica and store.check([key]):
+                        value = store.get(key).decode()
+                        if self.peers.get(r, ("",))[0] != value:
+                            self.peers[r] = (value, time.monotonic())
+            except RuntimeError:
+                pass  # the store's host is gone: the collectives will say so
+            time.sleep(self.heartbeat_s / 5)
+
+    def _watch(self, work) -> None:
+        """Wait for a cross-replica collective of a step's exchange; abandon it (raise, so the
+        step is redone with a new quorum) when a peer's beat did not change for the heartbeat
+        timeout since this replica entered the quorum (hung, stopped, lost), or the peer went on
+        in a quorum this replica never joined. Outside an exchange (the heal, which no redo
+        covers) it only waits."""
+        if not self.watching:
+            work.wait()
+            return
+        peers = [r for r in self.members if r != self.replica]
+        while True:
+            done = work.is_completed()
+            now = time.monotonic()  # checked once more after the end: a replica resumed after a
+            for r in peers:         # stop must not keep a result its peers abandoned
+                value, since = self.peers.get(r, ("", now))
+                quorum = value.split(" ", 2)[2] if value.count(" ") >= 2 else ""
+                if now - since > self.heartbeat_s:
+                    raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
+                                       f"{now - since:.1f} s ago (hung, stopped or unreachable)")
+                if quorum and quorum not in self.seen_quorums:
+                    raise RuntimeError(f"replica {r} (rank {self.rank}) went on in quorum {quorum} without this one")
+            if done:
+                work.wait()
+                return
+            time.sleep(0.002)
 
     def _parse_kill(self, text: str):
         if not text or self.attempt > 0:
@@ -336,6 +394,11 @@ class LiveReplicas:
                 key = f"live/q{q['quorum_id']}/s{self.rank}"
                 self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
                                                   len(q["members"]), self.timeout_s, self.device.type)
+                self.group.watch = self._watch
+        self.seen_quorums.add(q["quorum_id"])
+        now = time.monotonic()
+        for r in q["members"]:  # a member's beat is judged from this quorum on (a restarted one starts fresh)
+            self.peers[r] = (self.peers.get(r, ("",))[0], now)
         self.quorum, self.members = q, q["members"]
         self.events.extend(q.get("events", []))
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
@@ -381,11 +444,14 @@ class LiveReplicas:
         error = ""
         if self.group is not None:
             try:
+                self.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
                 comm.group_all_reduce(flat, self.group, "outer")
                 comm.group_all_reduce(count, self.group, None)
             except RuntimeError as err:
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
+            finally:
+                self.watching = False
         ok, error = self._vote(ok, error)
         if ok and delta is not None:
             delta.div_(count.to(delta.dtype))
@@ -477,6 +543,7 @@ class LiveReplicas:
         error = ""
         if self.group is not None:
             try:
+                self.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
                 weight = tokens.to(grads[0].dtype) if grads else None
                 flat = torch.cat([g.reshape(-1) for g in grads]) * weight if grads else None
                 control = torch.stack([loss_sum.double(), tokens.double()])
@@ -494,6 +561,8 @@ class LiveReplicas:
             except RuntimeError as err:  # a member died (gloo: connection closed; NCCL: aborted)
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
+            finally:
+                self.watching = False
         good, error = self._vote(ok, error)
         if not good:
             raise LiveStepFailed(error)
