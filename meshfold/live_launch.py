@@ -35,8 +35,7 @@ class LiveLaunch:
         replica = live.replica_env()
         if replica is None:
             return cfg
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        return live.replica_config(cfg, replica[0], attempt)
+        return live.replica_config(cfg, replica[0])
 
     @staticmethod
     def launch(nproc: int, argv: list[str], cfg, max_restarts: int) -> int | None:
@@ -45,7 +44,7 @@ class LiveLaunch:
         if live.replica_env() is not None:
             return None
         replicas = live.replica_count(cfg)
-        validate(live.replica_config(cfg, 0, 0), nproc // replicas)  # what each group runs
+        validate(live.replica_config(cfg, 0), nproc // replicas)  # what each group runs
         return launch_live(nproc, argv, replicas, cfg.train, max_restarts or LIVE_RESTARTS)
 
     @staticmethod

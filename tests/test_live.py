@@ -125,6 +125,28 @@ def test_hung_replica_is_dropped_within_the_heartbeat_timeout_and_rejoins(tmp_pa
     print(f"hung-replica drill: {took:.1f} s")
 
 
+def test_every_group_lost_resumes_from_the_newest_checkpoint(tmp_path):
+    """Every worker of every replica group killed in step 4 (2 replicas x 1 rank, a checkpoint
+    every 2 steps): each group's agent restarts it, and the restarted groups resume from the
+    newest checkpoint (step 2) and train steps 3-5, never from initialisation; the losses equal
+    the one-process run's."""
+    cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_replicate": 2},
+                      train={"steps": STEPS, "live_recovery": True, "checkpoint_every": 2})
+    records, events, took = _run_live(tmp_path, cfg, "0:0:4,1:0:4", nproc=2)
+    traces = {key: [(json.loads(x)["step"], json.loads(x)["attempt"]) for x in
+                    (tmp_path / "run" / f"live-trace-r{key[0]}-rank{key[1]}.jsonl").read_text().splitlines()]
+              for key in ((0, 0), (1, 0))}
+    for key, trained in traces.items():  # step 3 again after checkpoint 2, by the restarted groups
+        assert trained == [(1, 0), (2, 0), (3, 0), (3, 1), (4, 1), (5, 1)], (key, trained)
+    # metrics.jsonl: the resume dropped the lines after step 2, then steps 3-5 were logged again
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
+    assert [r["replicas"] for r in records] == [2] * STEPS, records
+    ref_losses = Trainer(from_dict(tiny_config(str(tmp_path / "ref")))).fit()
+    for got, ref in zip([r["loss"] for r in records], ref_losses, strict=True):
+        assert abs(got - ref) <= 1e-9 * abs(ref), ([r["loss"] for r in records], ref_losses)
+    print(f"every-group-lost run: {took:.1f} s")
+
+
 def test_diloco_worker_killed_rejoins_at_the_outer_step(tmp_path):
     """2 DiLoCo workers, one process each (the inner layout's part is shown above; this keeps
     the suite's time), outer step every 2 steps; worker 1 killed in step 3. Worker 0 trains on; at the outer step 4 the quorum waits for the restarted

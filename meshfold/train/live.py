@@ -70,7 +70,7 @@ ENV_REPLICA = "MESHFOLD_LIVE_REPLICA"  # this process's replica group (set by th
 ENV_REPLICAS = "MESHFOLD_LIVE_REPLICAS"
 ENV_LIGHTHOUSE = "MESHFOLD_LIVE_LIGHTHOUSE"  # host:port of the job's Lighthouse (train/quorum.py)
 ENV_STORE = "MESHFOLD_LIVE_STORE"  # host:port of the store the standalone groups meet through
-ENV_KILL = "MESHFOLD_LIVE_KILL"  # fault injection (tests, drills): "REPLICA:RANK:STEP" -> SIGKILL itself
+ENV_KILL = "MESHFOLD_LIVE_KILL"  # fault injection (tests, drills): "REPLICA:RANK:STEP[,...]" -> SIGKILL itself
 ENV_STOP = "MESHFOLD_LIVE_STOP"  # fault injection: "REPLICA:RANK:STEP:SECONDS" -> SIGSTOP itself, SIGCONT after
 ENV_TRACE = "MESHFOLD_LIVE_TRACE"  # 1: each rank appends what it trained and a parameter digest
 
@@ -91,10 +91,12 @@ def replica_env() -> tuple[int, int] | None:
     return int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS])
 
 
-def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
+def replica_config(cfg: Config, replica: int) -> Config:
     """What one replica group runs: its inner layout (``dp_replicate = 1``) and one slice of
-    the global batch; only replica 0 writes checkpoints (they are all equal); a restarted
-    replica never reads one (it receives the state from a healthy replica)."""
+    the global batch; only replica 0 writes checkpoints (they are all equal). A restarted
+    replica resumes from the newest one like any replica (``train.resume``): when every group
+    was lost, that is where the job goes on; otherwise a healthy replica's newer state is then
+    received live (the heal)."""
     out = copy.deepcopy(cfg)
     if cfg.lowcomm.workers > 1:  # DiLoCo: train.global_batch is per worker already
         out.lowcomm.workers = 1
@@ -105,8 +107,6 @@ def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
     out.live_replica = True  # config.validate_live: one replica group's own layout
     if replica != 0:
         out.train.checkpoint_every = 0
-    if attempt > 0:
-        out.train.resume, out.train.init_from = "never", ""
     return out
 
 
@@ -217,6 +217,8 @@ class LiveReplicas:
         self.seen_quorums: set[str] = set()
         self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
         self.watching = False
+        self.abandoned = False  # this replica dropped the current quorum's exchange (its peers must too)
+        self.polled = time.monotonic()  # when this rank last read its peers' beats
         threading.Thread(target=self._peer_heartbeat, daemon=True, name="meshfold-peer-heartbeat").start()
         if self.rank == 0:
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
@@ -239,8 +241,9 @@ class LiveReplicas:
 
     def _peer_heartbeat(self) -> None:
         """Every rank beats in the store (``live/hb/<replica>/<rank>``: its attempt, a counter
-        and its quorum) while it makes progress, and reads its peers' (the same rank of every
-        replica): what ``_watch`` judges a cross-replica collective by."""
+        and its quorum, ``-``-prefixed once it dropped that quorum's exchange) while it makes
+        progress, and reads its peers' (the same rank of every replica): what ``_watch`` judges
+        a cross-replica collective by."""
         host, port = os.environ[ENV_STORE].rsplit(":", 1)
         try:
             store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
@@ -253,12 +256,14 @@ class LiveReplicas:
             try:
                 if self._alive():
                     beat += 1
-                    store.set(keys[self.replica], f"{self.attempt} {beat} {self.quorum.get('quorum_id', '')}")
+                    mark = "-" if self.abandoned else ""
+                    store.set(keys[self.replica], f"{self.attempt} {beat} {mark}{self.quorum.get('quorum_id', '')}")
                 for r, key in keys.items():
                     if r != self.replica and store.check([key]):
                         value = store.get(key).decode()
                         if self.peers.get(r, ("",))[0] != value:
                             self.peers[r] = (value, time.monotonic())
+                self.polled = time.monotonic()
             except RuntimeError:
                 pass  # the store's host is gone: the collectives will say so
             time.sleep(self.heartbeat_s / 5)
@@ -266,7 +271,8 @@ class LiveReplicas:
     def _watch(self, work) -> None:
         """Wait for a cross-replica collective of a step's exchange; abandon it (raise, so the
         step is redone with a new quorum) when a peer's beat did not change for the heartbeat
-        timeout since this replica entered the quorum (hung, stopped, lost), or the peer went on
+        timeout since this replica entered the quorum (hung, stopped, lost; judged at this rank's
+        last read, so a starved reader sees no false silence), dropped this exchange, or went on
         in a quorum this replica never joined. Outside an exchange (the heal, which no redo
         covers) it only waits."""
         if not self.watching:
@@ -279,10 +285,12 @@ class LiveReplicas:
             for r in peers:         # stop must not keep a result its peers abandoned
                 value, since = self.peers.get(r, ("", now))
                 quorum = value.split(" ", 2)[2] if value.count(" ") >= 2 else ""
-                if now - since > self.heartbeat_s:
+                if self.polled - since > self.heartbeat_s:
                     raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
                                        f"{now - since:.1f} s ago (hung, stopped or unreachable)")
-                if quorum and quorum not in self.seen_quorums:
+                if quorum == "-" + self.quorum.get("quorum_id", ""):
+                    raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
+                if quorum and not quorum.startswith("-") and quorum not in self.seen_quorums:
                     raise RuntimeError(f"replica {r} (rank {self.rank}) went on in quorum {quorum} without this one")
             if done:
                 work.wait()
@@ -292,8 +300,11 @@ class LiveReplicas:
     def _parse_kill(self, text: str):
         if not text or self.attempt > 0:
             return None
-        r, rank, step = (int(x) for x in text.split(":"))
-        return step if (r, rank) == (self.replica, self.rank) else None
+        for spec in text.split(","):  # several processes: "R:RANK:STEP,R:RANK:STEP"
+            r, rank, step = (int(x) for x in spec.split(":"))
+            if (r, rank) == (self.replica, self.rank):
+                return step
+        return None
 
     # ------------------------------------------------------------------ feature hooks
 
@@ -344,6 +355,7 @@ class LiveReplicas:
             try:
                 return train_step()
             except LiveStepFailed as err:
+                self.abandoned = True  # tells the peers still waiting in this exchange (_watch)
                 self.redo_cause = str(err)
                 for part in self.parts:
                     part.zero_grad(set_to_none=True)
@@ -396,6 +408,7 @@ class LiveReplicas:
                                                   len(q["members"]), self.timeout_s, self.device.type)
                 self.group.watch = self._watch
         self.seen_quorums.add(q["quorum_id"])
+        self.abandoned = False
         now = time.monotonic()
         for r in q["members"]:  # a member's beat is judged from this quorum on (a restarted one starts fresh)
             self.peers[r] = (self.peers.get(r, ("",))[0], now)
@@ -418,6 +431,7 @@ class LiveReplicas:
             if ok:
                 self._heal(q)
                 return
+            self.abandoned = True
             self.redo_cause = error
 
     def _outer_mean(self, delta: torch.Tensor) -> None:
@@ -433,6 +447,7 @@ class LiveReplicas:
                 self.pending_heal = q if q["heal"] else None
                 return
             delta.copy_(keep)
+            self.abandoned = True
             self.redo_cause = error
 
     def _outer_exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:

@@ -426,7 +426,7 @@ class Trainer:
 
     def _fit(self) -> list[float]:
         t = self.cfg.train
-        self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
+        self.checkpointer.resume(tidy=self.writes_run_files)  # train.resume / train.init_from; sets the step
         if self.rank == 0 and self.writes_run_files:
             if self.step and self.resume_changes:
                 print(f"meshfold: resuming at step {self.step} with changes: {'; '.join(self.resume_changes)}",
