@@ -588,6 +588,10 @@ class StandaloneGroup:
         if self.backend == "nccl" and hasattr(self.pg, "abort"):
             self.pg.abort()
 
+    def close(self) -> None:
+        """Destroy the group (its last reference): its pairs and work threads end, its sockets close."""
+        self.pg = None
+
 
 def group_all_reduce(t: torch.Tensor, group: StandaloneGroup, dim: str | None, op: str = "sum") -> None:
     _check_device([t], group.device_type, group.backend, "all_reduce")

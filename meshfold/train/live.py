@@ -46,8 +46,6 @@ import datetime
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -61,6 +59,8 @@ from meshfold.data.dataset import make_sampler
 from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.fault import set_restart_note
+from meshfold.train.live_drill import Faults
+from meshfold.train.live_watch import PeerWatch
 from meshfold.train.quorum import LighthouseLost, Membership
 
 if TYPE_CHECKING:
@@ -70,8 +70,6 @@ ENV_REPLICA = "MESHFOLD_LIVE_REPLICA"  # this process's replica group (set by th
 ENV_REPLICAS = "MESHFOLD_LIVE_REPLICAS"
 ENV_LIGHTHOUSE = "MESHFOLD_LIVE_LIGHTHOUSE"  # host:port of the job's Lighthouse (train/quorum.py)
 ENV_STORE = "MESHFOLD_LIVE_STORE"  # host:port of the store the standalone groups meet through
-ENV_KILL = "MESHFOLD_LIVE_KILL"  # fault injection (tests, drills): "REPLICA:RANK:STEP[,...]" -> SIGKILL itself
-ENV_STOP = "MESHFOLD_LIVE_STOP"  # fault injection: "REPLICA:RANK:STEP:SECONDS" -> SIGSTOP itself, SIGCONT after
 ENV_TRACE = "MESHFOLD_LIVE_TRACE"  # 1: each rank appends what it trained and a parameter digest
 
 
@@ -191,7 +189,6 @@ class LiveReplicas:
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
         self.group: comm.StandaloneGroup | None = None
-        self.groups_made: list = []  # old groups kept alive: a dead peer's pairs close with the job
         self.members: list[int] = []
         self.writes_metrics = False
         self.events: list[dict] = []
@@ -199,10 +196,7 @@ class LiveReplicas:
         self.optimizer = self.scheduler = None
         self.redo_cause: str | None = None
         self.trace = os.environ.get(ENV_TRACE) == "1"
-        self.kill = self._parse_kill(os.environ.get(ENV_KILL, ""))
-        stop = os.environ.get(ENV_STOP, "").rsplit(":", 1)
-        self.stop_at = self._parse_kill(stop[0]) if len(stop) == 2 else None
-        self.stop_s = float(stop[1]) if len(stop) == 2 else 0.0
+        self.faults = Faults(replica, self.rank, self.attempt, cfg.train.run_dir)  # drills (live_drill.py)
         self.healed_bytes = 0
         self.outer = None
         self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
@@ -213,13 +207,8 @@ class LiveReplicas:
         self.parts = parts.model_parts
         t = self.cfg.train
         self.progress_mark = time.monotonic()
-        self.heartbeat_s = t.live_heartbeat_timeout_s
-        self.seen_quorums: set[str] = set()
-        self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
-        self.watching = False
-        self.abandoned = False  # this replica dropped the current quorum's exchange (its peers must too)
-        self.polled = time.monotonic()  # when this rank last read its peers' beats
-        threading.Thread(target=self._peer_heartbeat, daemon=True, name="meshfold-peer-heartbeat").start()
+        self.beats = PeerWatch(os.environ[ENV_STORE], self.replica, self.replicas, self.rank, self.attempt,
+                               t.live_heartbeat_timeout_s, self._alive)
         if self.rank == 0:
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
@@ -238,73 +227,6 @@ class LiveReplicas:
         """The heartbeat's condition: the training loop came back to this replica's code
         within the collective timeout (a hung step stops the heartbeat)."""
         return time.monotonic() - self.progress_mark < self.timeout_s
-
-    def _peer_heartbeat(self) -> None:
-        """Every rank beats in the store (``live/hb/<replica>/<rank>``: its attempt, a counter
-        and its quorum, ``-``-prefixed once it dropped that quorum's exchange) while it makes
-        progress, and reads its peers' (the same rank of every replica): what ``_watch`` judges
-        a cross-replica collective by."""
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
-        try:
-            store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=max(5.0, self.heartbeat_s)))
-        except RuntimeError:
-            return
-        keys = {r: f"live/hb/{r}/{self.rank}" for r in range(self.replicas)}
-        beat = 0
-        while True:
-            try:
-                if self._alive():
-                    beat += 1
-                    mark = "-" if self.abandoned else ""
-                    store.set(keys[self.replica], f"{self.attempt} {beat} {mark}{self.quorum.get('quorum_id', '')}")
-                for r, key in keys.items():
-                    if r != self.replica and store.check([key]):
-                        value = store.get(key).decode()
-                        if self.peers.get(r, ("",))[0] != value:
-                            self.peers[r] = (value, time.monotonic())
-                self.polled = time.monotonic()
-            except RuntimeError:
-                pass  # the store's host is gone: the collectives will say so
-            time.sleep(self.heartbeat_s / 5)
-
-    def _watch(self, work) -> None:
-        """Wait for a cross-replica collective of a step's exchange; abandon it (raise, so the
-        step is redone with a new quorum) when a peer's beat did not change for the heartbeat
-        timeout since this replica entered the quorum (hung, stopped, lost; judged at this rank's
-        last read, so a starved reader sees no false silence), dropped this exchange, or went on
-        in a quorum this replica never joined. Outside an exchange (the heal, which no redo
-        covers) it only waits."""
-        if not self.watching:
-            work.wait()
-            return
-        peers = [r for r in self.members if r != self.replica]
-        while True:
-            done = work.is_completed()
-            now = time.monotonic()  # checked once more after the end: a replica resumed after a
-            for r in peers:         # stop must not keep a result its peers abandoned
-                value, since = self.peers.get(r, ("", now))
-                quorum = value.split(" ", 2)[2] if value.count(" ") >= 2 else ""
-                if self.polled - since > self.heartbeat_s:
-                    raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
-                                       f"{now - since:.1f} s ago (hung, stopped or unreachable)")
-                if quorum == "-" + self.quorum.get("quorum_id", ""):
-                    raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
-                if quorum and not quorum.startswith("-") and quorum not in self.seen_quorums:
-                    raise RuntimeError(f"replica {r} (rank {self.rank}) went on in quorum {quorum} without this one")
-            if done:
-                work.wait()
-                return
-            time.sleep(0.002)
-
-    def _parse_kill(self, text: str):
-        if not text or self.attempt > 0:
-            return None
-        for spec in text.split(","):  # several processes: "R:RANK:STEP,R:RANK:STEP"
-            r, rank, step = (int(x) for x in spec.split(":"))
-            if (r, rank) == (self.replica, self.rank):
-                return step
-        return None
 
     # ------------------------------------------------------------------ feature hooks
 
@@ -355,7 +277,7 @@ class LiveReplicas:
             try:
                 return train_step()
             except LiveStepFailed as err:
-                self.abandoned = True  # tells the peers still waiting in this exchange (_watch)
+                self.beats.abandoned = True  # tells the peers still waiting in this exchange (live_watch)
                 self.redo_cause = str(err)
                 for part in self.parts:
                     part.zero_grad(set_to_none=True)
@@ -368,7 +290,8 @@ class LiveReplicas:
         if self.rank == 0:
             position = getattr(self.sampler, "boundary_state", self.sampler.state_dict)()
             meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
-                    "outer_steps": self.outer.outer_steps if self.outer is not None else 0}
+                    "outer_steps": self.outer.outer_steps if self.outer is not None else 0,
+                    "group": self.quorum.get("quorum_id")}  # kept only if every member holds it (quorum.group_key)
             try:
                 reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
             except LighthouseLost as err:
@@ -400,18 +323,16 @@ class LiveReplicas:
         if q["quorum_id"] != self.quorum.get("quorum_id"):
             if self.group is not None:
                 self.group.abort()
-                self.groups_made.append(self.group)
+                # Destroyed off the training thread: gloo's destructor waits for the group's work,
+                # which an abandoned collective holds until the collective timeout.
+                threading.Thread(target=self.group.close, daemon=True, name="meshfold-group-close").start()
             self.group = None
             if len(q["members"]) > 1:
                 key = f"live/q{q['quorum_id']}/s{self.rank}"
                 self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
                                                   len(q["members"]), self.timeout_s, self.device.type)
-                self.group.watch = self._watch
-        self.seen_quorums.add(q["quorum_id"])
-        self.abandoned = False
-        now = time.monotonic()
-        for r in q["members"]:  # a member's beat is judged from this quorum on (a restarted one starts fresh)
-            self.peers[r] = (self.peers.get(r, ("",))[0], now)
+                self.group.watch = self.beats.wait
+        self.beats.enter(q["quorum_id"], q["members"])
         self.quorum, self.members = q, q["members"]
         self.events.extend(q.get("events", []))
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
@@ -431,7 +352,7 @@ class LiveReplicas:
             if ok:
                 self._heal(q)
                 return
-            self.abandoned = True
+            self.beats.abandoned = True
             self.redo_cause = error
 
     def _outer_mean(self, delta: torch.Tensor) -> None:
@@ -447,7 +368,7 @@ class LiveReplicas:
                 self.pending_heal = q if q["heal"] else None
                 return
             delta.copy_(keep)
-            self.abandoned = True
+            self.beats.abandoned = True
             self.redo_cause = error
 
     def _outer_exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:
@@ -459,14 +380,14 @@ class LiveReplicas:
         error = ""
         if self.group is not None:
             try:
-                self.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
+                self.beats.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
                 comm.group_all_reduce(flat, self.group, "outer")
                 comm.group_all_reduce(count, self.group, None)
             except RuntimeError as err:
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
             finally:
-                self.watching = False
+                self.beats.watching = False
         ok, error = self._vote(ok, error)
         if ok and delta is not None:
             delta.div_(count.to(delta.dtype))
@@ -545,12 +466,7 @@ class LiveReplicas:
         """Across the members: gradients weighted by each replica's tokens, the loss sum and
         the tokens; then the replica's vote. Returns (loss sum, tokens) over the members.
         Raises ``LiveStepFailed`` when a member was lost (every rank of this replica agrees)."""
-        if self.kill is not None and self.progress.step + 1 == self.kill:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a hard crash mid-step
-        if self.stop_at is not None and self.progress.step + 1 == self.stop_at:  # a hang mid-step, then resumed
-            self.stop_at = None
-            subprocess.Popen(["sh", "-c", f"sleep {self.stop_s}; kill -CONT {os.getpid()}"])
-            os.kill(os.getpid(), signal.SIGSTOP)
+        self.faults.at(self.progress.step + 1)
         if self.outer is not None:  # DiLoCo: nothing crosses the workers between outer steps
             return loss_sum, tokens
         grads = [local_tensor(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
@@ -558,7 +474,7 @@ class LiveReplicas:
         error = ""
         if self.group is not None:
             try:
-                self.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
+                self.beats.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
                 weight = tokens.to(grads[0].dtype) if grads else None
                 flat = torch.cat([g.reshape(-1) for g in grads]) * weight if grads else None
                 control = torch.stack([loss_sum.double(), tokens.double()])
@@ -577,7 +493,7 @@ class LiveReplicas:
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
             finally:
-                self.watching = False
+                self.beats.watching = False
         good, error = self._vote(ok, error)
         if not good:
             raise LiveStepFailed(error)

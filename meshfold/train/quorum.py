@@ -23,6 +23,7 @@ rejoin wait and the "run finished" mark) and the heartbeat thread, which beats o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -30,7 +31,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from torchft.coordination import LighthouseClient, LighthouseServer
+# torchft's Rust logger reads RUST_LOG once, at its import: its per-quorum INFO lines stay out
+# of the job's output unless asked for.
+os.environ.setdefault("RUST_LOG", "warn")
+
+from torchft.coordination import LighthouseClient, LighthouseServer  # noqa: E402
 
 EXIT_LIGHTHOUSE_LOST = 75  # EX_TEMPFAIL: checkpointed, restart the job to resume
 
@@ -106,10 +111,27 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
     for ev in events:
         ev["time"] = now
     return {"members": members, "step": top, "source": source, "heal": heal, "refused": refused,
+            "groups": {r: data[r].get("group") for r in members},
             "meta": {k: v for k, v in data[source].items() if k not in ("step", "failed")} if members else {},
             "failed": failed, "attempts": {r: data[r].get("attempt", 0) for r in members},
             "short_since": min((data[r]["short_since"] for r in members if data[r].get("short_since") is not None),
                                default=None), "events": events}
+
+
+def group_key(d: dict, quorum_id: int, created_ns: int) -> str:
+    """The store key of the standalone group a decision's members meet in, the same for every
+    member. The group the members hold is kept when every member holds the same one, of
+    exactly these members, and nothing failed or heals; otherwise a new key names this quorum
+    by the Lighthouse's id *and* its creation time, so no key is ever used twice (a replica
+    restarted before its heartbeat lapsed brings the same quorum id back: a reused key would
+    meet the previous group's stale addresses and hang)."""
+    members = "m" + "-".join(str(r) for r in d["members"])
+    held = set(d["groups"].values())
+    if len(held) == 1 and not d["heal"] and not d["failed"]:
+        key = held.pop()
+        if isinstance(key, str) and key.rsplit(".", 1)[-1] == members:
+            return key
+    return f"{quorum_id}.{created_ns}.{members}"
 
 
 def _departure(r: int, top: int, failed: str | None) -> dict:
@@ -206,10 +228,7 @@ class Membership:
                     continue
             if not short:
                 self.short_since = None
-            # The standalone group's key: the Lighthouse's id changes with the members; a heal or
-            # a redo among the same members meets in a new group too (the quorum's own time).
-            d["quorum_id"] = (f"{q.quorum_id}.{q.created.seconds}{q.created.nanos:09d}" if d["heal"] or d["failed"]
-                              else str(q.quorum_id))
+            d["quorum_id"] = group_key(d, q.quorum_id, q.created.seconds * 10**9 + q.created.nanos)
             self.last = d
             return d
 

@@ -1,0 +1,107 @@
+"""Live recovery's watch over a step's cross-replica exchange (docs/resilience.md): a hung
+replica *inside* a collective is noticed within the heartbeat timeout, not after the
+collective timeout.
+
+Every rank beats in the job's store (``live/hb/<replica>/<rank>``: its restart count, a
+counter and its group's key, ``-``-prefixed once it dropped that group's exchange) while its
+training loop makes progress, and reads its peers' (the same rank of every replica). A
+collective of a step's exchange is abandoned (``RuntimeError``, so the step is redone with a
+new quorum) when a peer's beat did not change for the heartbeat timeout since this replica
+entered the group (judged at this rank's own last read: a reader starved of CPU sees no false
+silence), when the peer dropped this exchange, or when it went on in a group this replica
+never entered (how a replica resumed after a stop learns it was dropped).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch.distributed as dist
+
+
+def _client(address: str, timeout_s: float) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class PeerWatch:
+    """One rank's beats and its watch (``wait``, the standalone group's ``watch``)."""
+
+    def __init__(self, store_address: str, replica: int, replicas: int, rank: int, attempt: int,
+                 heartbeat_s: float, alive):
+        self.replica, self.replicas, self.rank, self.attempt = replica, replicas, rank, attempt
+        self.heartbeat_s, self.alive = heartbeat_s, alive
+        self.group_key = ""  # the group this replica is in
+        self.members: list[int] = []
+        self.seen: set[str] = set()
+        self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
+        self.watching = False  # inside a step's exchange (the heal is not watched: no redo covers it)
+        self.abandoned = False  # this replica dropped the current group's exchange (its peers must too)
+        self.polled = time.monotonic()  # when this rank last read its peers' beats
+        timeout_s = max(5.0, heartbeat_s)
+        self.store = _client(store_address, timeout_s)  # the reads of the waiting (main) thread
+        threading.Thread(target=self._beat, args=(_client(store_address, timeout_s),), daemon=True,
+                         name="meshfold-peer-heartbeat").start()
+
+    def enter(self, key: str, members: list[int]) -> None:
+        """This replica takes part in group ``key`` of ``members``: each member's beat is judged from now."""
+        self.group_key, self.members, self.abandoned = key, members, False
+        self.seen.add(key)
+        now = time.monotonic()
+        for r in members:
+            self.peers[r] = (self.peers.get(r, ("",))[0], now)
+
+    def _key(self, replica: int) -> str:
+        return f"live/hb/{replica}/{self.rank}"
+
+    def _beat(self, store) -> None:
+        beat = 0
+        while True:
+            try:
+                if self.alive():
+                    beat += 1
+                    mark = "-" if self.abandoned else ""
+                    store.set(self._key(self.replica), f"{self.attempt} {beat} {mark}{self.group_key}")
+                self._read(store)
+            except RuntimeError:
+                pass  # the store's host is gone: the collectives will say so
+            time.sleep(self.heartbeat_s / 5)
+
+    def _read(self, store) -> None:
+        """The peers' beats as they are now in the store."""
+        for r in range(self.replicas):
+            key = self._key(r)
+            if r != self.replica and store.check([key]):
+                value = store.get(key).decode()
+                if self.peers.get(r, ("",))[0] != value:
+                    self.peers[r] = (value, time.monotonic())
+        self.polled = time.monotonic()
+
+    def wait(self, work) -> None:
+        """Wait for a collective; inside a step's exchange, abandon it when a peer is gone."""
+        if not self.watching:
+            work.wait()
+            return
+        peers = [r for r in self.members if r != self.replica]
+        while True:
+            done = work.is_completed()
+            if done:  # judged once more on the beats as they are now: a replica resumed after a stop
+                self._read(self.store)  # must not keep a result its peers abandoned
+            now = time.monotonic()
+            for r in peers:
+                value, since = self.peers.get(r, ("", now))
+                key = value.split(" ", 2)[2] if value.count(" ") >= 2 else ""
+                if self.polled - since > self.heartbeat_s:
+                    raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
+                                       f"{now - since:.1f} s ago (hung, stopped or unreachable)")
+                if key == "-" + self.group_key:
+                    raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
+                if key and not key.startswith("-") and key not in self.seen:
+                    raise RuntimeError(f"replica {r} (rank {self.rank}) went on in group {key} without this one")
+            if done:
+                work.wait()
+                return
+            time.sleep(0.002)
