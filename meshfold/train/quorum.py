@@ -100,8 +100,8 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
         if not before:
             events.append({"event": "join", "replica": r, "step": top + 1, "cause": "at the start"})
         elif before.get(r) != attempt:
-            if r in before:  # restarted between two quorums it was in (e.g. DiLoCo's outer steps)
-                events.append(_departure(r, top, None))
+            if r in before:  # restarted between two quorums it was in (a fast restart; DiLoCo's outer steps)
+                events.append(_departure(r, top, failed))
             how = f"received step {top}'s state from replica {source}" if r in heal else "was up to date"
             events.append({"event": "rejoin", "replica": r, "step": top + 1,
                            "cause": f"replica {r} is back (restart {attempt} of its group): {how}"})
