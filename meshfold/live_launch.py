@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshfold.config import validate
-from meshfold.launch import launch_local
+from meshfold.launch import EXIT_STOPPED, launch_local
 from meshfold.train import live
 from meshfold.train.quorum import spawn_lighthouse
 from meshfold.train.run_dir import RunLock, prepare_run_dir
@@ -39,10 +39,11 @@ class LiveLaunch:
 
     @staticmethod
     def launch(nproc: int, argv: list[str], cfg, max_restarts: int) -> int | None:
-        """``--nproc N``: one agent per replica group (None: a replica group's own agent,
-        which starts its workers as a plain launch does)."""
-        if live.replica_env() is not None:
-            return None
+        """``--nproc N``: one agent per replica group; with ``MESHFOLD_LIVE_REPLICA`` set (a group
+        started on its own host), this group's agent (None: one process, no restarts: in-process)."""
+        env = live.replica_env()
+        if env is not None:  # one replica group started on its own (a host of a multi-host job): its agent
+            return launch_local(nproc, argv, max_restarts, group=f"replica group {env[0]}") if nproc > 1 or max_restarts else None
         replicas = live.replica_count(cfg)
         validate(live.replica_config(cfg, 0), nproc // replicas)  # what each group runs
         return launch_live(nproc, argv, replicas, cfg.train, max_restarts or LIVE_RESTARTS)
@@ -65,19 +66,20 @@ def launch_live(nproc: int, argv: list[str], replicas: int, train, max_restarts:
     for the whole job: the replica groups share that directory."""
     lock = RunLock(prepare_run_dir(Path(train.run_dir)))
     lock.acquire()
-    lighthouse, address = spawn_lighthouse("127.0.0.1:0", train.live_heartbeat_timeout_s, train.live_join_timeout_s)
+    host = os.environ.get(live.ENV_HOST, "127.0.0.1")
+    lighthouse, address = spawn_lighthouse(f"{host}:0", train.live_heartbeat_timeout_s, train.live_join_timeout_s)
     try:
-        return _launch_live(nproc, argv, replicas, address, max_restarts)
+        return _launch_live(nproc, argv, replicas, host, address["lighthouse"], max_restarts)
     finally:
         lighthouse.kill()
         lighthouse.wait()
         lock.release()
 
 
-def _launch_live(nproc: int, argv: list[str], replicas: int, lighthouse: str, max_restarts: int) -> int:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+def _launch_live(nproc: int, argv: list[str], replicas: int, host: str, lighthouse: str, max_restarts: int) -> int:
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     per = nproc // replicas
-    env = {live.ENV_REPLICAS: str(replicas), live.ENV_LIGHTHOUSE: lighthouse, live.ENV_STORE: f"127.0.0.1:{store.port}"}
+    env = {live.ENV_REPLICAS: str(replicas), live.ENV_LIGHTHOUSE: lighthouse, live.ENV_STORE: f"{host}:{store.port}"}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # Forked, not spawned: the agents need nothing but this process's imports.
     ctx = multiprocessing.get_context("fork")
@@ -88,6 +90,8 @@ def _launch_live(nproc: int, argv: list[str], replicas: int, lighthouse: str, ma
     for a in agents:
         a.join()
     codes = [a.exitcode for a in agents]
+    if all(c == EXIT_STOPPED for c in codes):
+        return EXIT_STOPPED  # stopped with a checkpoint (a signal, the lighthouse lost): a worker said so
     failed = [r for r, c in enumerate(codes) if c != 0]
     if failed:
         print(f"meshfold: replica group(s) {failed} of {replicas} failed for good (exit codes "

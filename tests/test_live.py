@@ -20,7 +20,7 @@ from meshfold.config import from_dict
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.planner.goodput import FailureModel, goodput
 from meshfold.testing import run_on, tiny_config, train_collect
-from meshfold.train.quorum import Membership, group_key, lighthouse_address, start_lighthouse
+from meshfold.train.quorum import Membership, group_key, lighthouse_address, spawn_lighthouse, start_lighthouse
 from meshfold.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,3 +274,76 @@ def test_goodput_live_recovery_beats_restarts_at_scale():
     assert large["goodput_live"] > large["goodput_restart"] and small["goodput_live"] > small["goodput_restart"]
     assert abs(large["failures_per_day"] - 2048 * 24 / 6334.0) < 1e-9
     assert goodput(2048, 1, 2.0, fm)["goodput_live"] is None  # one replica group: nothing to go on with
+
+
+def _wait_for_step(run_dir: Path, step: int, procs, bound_s: float = 400.0) -> None:
+    """Until metrics.jsonl holds ``step`` (bounded; fails at once if a process ended first)."""
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        try:
+            if any(json.loads(x).get("step") == step for x in (run_dir / "metrics.jsonl").read_text().splitlines()):
+                return
+        except (OSError, ValueError):
+            pass
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {bound_s} s")
+
+
+def test_two_hosts_lighthouse_lost_stops_with_75_and_a_restart_resumes(tmp_path):
+    """The multi-host launch on one machine: the Lighthouse and the cross-replica store served
+    by ``python -m meshfold.train.quorum`` on an address of their own (127.0.0.2), each replica
+    group started on its own (``MESHFOLD_LIVE_REPLICA``, as torchrun or Slurm does per host).
+    Replica 1 is killed in step 3 with no restart left: replica 0 trains step 3 alone and waits
+    at the boundary for it (live_rejoin_wait_s). The Lighthouse is then killed: replica 0
+    writes its step-3 checkpoint and exits 75 with one line. A new Lighthouse (127.0.0.3) and
+    both groups again: they resume from step 3 (never step 0) and finish; steps 1..6 once in
+    metrics.jsonl, every loss equal to the one-process run's."""
+    run_dir, steps = tmp_path / "run", 6
+    cfg = tiny_config(str(run_dir), parallel={"dp_replicate": 2},
+                      train={"steps": steps, "live_recovery": True, "live_rejoin_wait_s": 600.0})
+    (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
+
+    def group(replica: int, serve: dict, restarts: int, **env):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_REPLICA=str(replica), MESHFOLD_LIVE_REPLICAS="2",
+                   MESHFOLD_LIVE_LIGHTHOUSE=serve["lighthouse"], MESHFOLD_LIVE_STORE=serve["store"], **env)
+        log = (tmp_path / f"r{replica}-{serve['store']}.log").open("w")
+        return subprocess.Popen([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", "1",
+                                 "--max-restarts", str(restarts)], cwd=ROOT, env=env, stdout=log, stderr=log)
+
+    server, serve = spawn_lighthouse("127.0.0.2:0", 5.0, 30.0, store="127.0.0.2:0")
+    assert serve["lighthouse"].startswith("127.0.0.2:") and serve["store"].startswith("127.0.0.2:"), serve
+    first = [group(0, serve, 1), group(1, serve, 0, MESHFOLD_LIVE_KILL="1:0:3")]
+    start = time.monotonic()
+    try:
+        _wait_for_step(run_dir, 3, first[:1])  # replica 0 trained step 3 alone; it waits for replica 1
+        assert first[1].wait(timeout=300) != 0  # killed, no restart left
+        at_3 = time.monotonic()
+        server.kill()
+        assert first[0].wait(timeout=300) == 75
+        stopped = time.monotonic()
+    finally:
+        for p in first + [server]:
+            p.kill()
+            p.wait()
+    out = (tmp_path / f"r0-{serve['store']}.log").read_text()
+    lost = [x for x in out.splitlines() if "lost lighthouse" in x]
+    assert len(lost) == 1 and "after step 3; checkpoint" in lost[0] and "exit code 75" in lost[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+    server, serve = spawn_lighthouse("127.0.0.3:0", 5.0, 30.0, store="127.0.0.3:0")
+    second = [group(0, serve, 0), group(1, serve, 0)]
+    try:
+        codes = [p.wait(timeout=400) for p in second]
+    finally:
+        for p in second + [server]:
+            p.kill()
+            p.wait()
+    print(f"two-host drill: step 3 after {at_3 - start:.1f} s, exit 75 {stopped - at_3:.1f} s after the lighthouse's "
+          f"loss, the restart took {time.monotonic() - stopped:.1f} s")
+    assert codes == [0, 0], [(tmp_path / f"r{r}-{serve['store']}.log").read_text()[-2000:] for r in (0, 1)]
+    assert "resumed from" in (tmp_path / f"r0-{serve['store']}.log").read_text()
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), records
+    assert [r["replicas"] for r in records] == [2, 2, 1, 2, 2, 2], records
+    _assert_losses(records, Trainer(from_dict(tiny_config(str(tmp_path / "ref"), train={"steps": steps}))))

@@ -46,6 +46,7 @@ import datetime
 import hashlib
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ from meshfold.train.fault import set_restart_note
 from meshfold.train.live_drill import Faults
 from meshfold.train.live_watch import PeerWatch
 from meshfold.train.quorum import LighthouseLost, Membership
+from meshfold.train.stop import StopAtBoundary
 
 if TYPE_CHECKING:
     from meshfold.config import Config
@@ -70,6 +72,7 @@ ENV_REPLICA = "MESHFOLD_LIVE_REPLICA"  # this process's replica group (set by th
 ENV_REPLICAS = "MESHFOLD_LIVE_REPLICAS"
 ENV_LIGHTHOUSE = "MESHFOLD_LIVE_LIGHTHOUSE"  # host:port of the job's Lighthouse (train/quorum.py)
 ENV_STORE = "MESHFOLD_LIVE_STORE"  # host:port of the store the standalone groups meet through
+ENV_HOST = "MESHFOLD_LIVE_HOST"  # the address launch_live serves the Lighthouse and the store at (127.0.0.1)
 ENV_TRACE = "MESHFOLD_LIVE_TRACE"  # 1: each rank appends what it trained and a parameter digest
 
 
@@ -273,7 +276,10 @@ class LiveReplicas:
                 self._outer_join()
             return train_step()
         while True:
-            self._begin()
+            try:
+                self._begin()
+            except LighthouseLost as err:
+                self._lighthouse_lost(err)
             try:
                 return train_step()
             except LiveStepFailed as err:
@@ -282,6 +288,17 @@ class LiveReplicas:
                 for part in self.parts:
                     part.zero_grad(set_to_none=True)
                 self.sampler.redo = True
+
+    def _lighthouse_lost(self, err: LighthouseLost) -> None:
+        """Nothing decides membership any more: every group stops at this step boundary (replica 0
+        writes the checkpoint; ``StopAtBoundary``: exit ``EXIT_STOPPED``, one line) and a restart of
+        the job resumes. The group's elastic agent is told to stop (SIGTERM, as on a user's stop:
+        it gives its workers ``STOP_GRACE_S`` to finish), not to restart the group into the
+        same loss."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent passes its SIGTERM on: already stopping
+        if os.environ.get("LOCAL_RANK") == "0" and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            os.kill(os.getppid(), signal.SIGTERM)
+        raise StopAtBoundary(str(err)) from err
 
     def _ask(self) -> dict:
         """Rank 0 asks the Lighthouse; every rank of the replica gets the answer."""

@@ -58,7 +58,7 @@ class PeerWatch:
         return f"live/hb/{replica}/{self.rank}"
 
     def _beat(self, store) -> None:
-        beat = 0
+        beat, pause = 0, self.heartbeat_s / 5
         while True:
             try:
                 if self.alive():
@@ -66,9 +66,10 @@ class PeerWatch:
                     mark = "-" if self.abandoned else ""
                     store.set(self._key(self.replica), f"{self.attempt} {beat} {mark}{self.group_key}")
                 self._read(store)
-            except RuntimeError:
-                pass  # the store's host is gone: the collectives will say so
-            time.sleep(self.heartbeat_s / 5)
+                pause = self.heartbeat_s / 5
+            except RuntimeError:  # the store's host is gone (the quorum says the rest): ask less and less often
+                pause = min(2 * pause, 30.0)
+            time.sleep(pause)
 
     def _read(self, store) -> None:
         """The peers' beats as they are now in the store."""

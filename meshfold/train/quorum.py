@@ -60,16 +60,22 @@ def lighthouse_address(server: LighthouseServer, bind: str) -> str:
     return f"{host}:{port}"
 
 
-def spawn_lighthouse(bind: str, heartbeat_timeout_s: float, join_timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """The Lighthouse as a child process (``python -m meshfold.train.quorum``): its own
-    failure domain, which the launcher (or a drill) can lose. Returns (process, host:port)."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshfold.train.quorum", "--bind", bind,
-                             "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--join-timeout-s", str(join_timeout_s)],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().split()
-    if not line:
-        raise RuntimeError(f"live recovery: the lighthouse did not start (exit {proc.wait()})")
-    return proc, line[-1]
+def spawn_lighthouse(bind: str, heartbeat_timeout_s: float, join_timeout_s: float,
+                     store: str = "") -> tuple[subprocess.Popen, dict[str, str]]:
+    """The Lighthouse (and with ``store``, the cross-replica store) as a child process
+    (``python -m meshfold.train.quorum``): its own failure domain, which the launcher (or a
+    drill) can lose. Returns (process, {"lighthouse": host:port[, "store": host:port]})."""
+    cmd = [sys.executable, "-m", "meshfold.train.quorum", "--bind", bind,
+           "--heartbeat-timeout-s", str(heartbeat_timeout_s), "--join-timeout-s", str(join_timeout_s)]
+    proc = subprocess.Popen(cmd + (["--store", store] if store else []), stdout=subprocess.PIPE, text=True)
+    out = {}
+    for _ in range(2 if store else 1):
+        line = proc.stdout.readline().split()
+        if len(line) != 2:
+            proc.kill()
+            raise RuntimeError(f"live recovery: the lighthouse did not start on {bind} (exit {proc.wait()})")
+        out[line[0]] = line[1]
+    return proc, out
 
 
 def decide(participants, replicas: int, last: dict | None) -> dict:
@@ -159,15 +165,21 @@ class Membership:
         self.rejoin_wait_s, self.start_timeout_s, self.done_mark = rejoin_wait_s, start_timeout_s, done_mark
         self.final_step = final_step
         self.heartbeat_s, self.alive = heartbeat_timeout_s, alive
-        self.client = LighthouseClient(f"http://{address}", connect_timeout=timedelta(seconds=10))
+        self.lost_after_s = max(5.0, 2 * heartbeat_timeout_s)  # unreachable this long: lost (not a blip)
+        self.lost: str | None = None  # why the last heartbeat failed
+        try:
+            self.client = LighthouseClient(f"http://{address}", connect_timeout=timedelta(seconds=self.lost_after_s))
+        except RuntimeError as err:
+            self.client, self.lost = None, str(err).splitlines()[0][:200]  # said at the first quorum
         self.last: dict | None = None
         self.short_since: float | None = None
-        self.lost: str | None = None
         self._stop = threading.Event()
         self._beat()
         threading.Thread(target=self._heartbeat, daemon=True, name="meshfold-heartbeat").start()
 
     def _beat(self) -> None:
+        if self.client is None:
+            return
         try:
             self.client.heartbeat(self.id, timeout=timedelta(seconds=max(1.0, self.heartbeat_s)))
         except Exception as err:  # noqa: BLE001 - torchft raises plain RuntimeError/TimeoutError
@@ -176,15 +188,9 @@ class Membership:
             self.lost = None
 
     def _heartbeat(self) -> None:
-        misses_since = None
         while not self._stop.wait(self.heartbeat_s / 4):
-            if not self.alive():
-                continue  # hung: let the Lighthouse drop this replica
-            self._beat()
-            if self.lost is None:
-                misses_since = None
-            elif misses_since is None:
-                misses_since = time.monotonic()
+            if self.alive():  # hung: no beat, the Lighthouse drops this replica
+                self._beat()
 
     def finished(self) -> int | None:
         """The step the run finished at, when another replica finished it (a mark a shorter
@@ -199,19 +205,28 @@ class Membership:
         """The decision for the next step (``decide``); ``{"done": True, "step": s}`` when the
         run was finished by the others. Raises ``LighthouseLost``."""
         start = time.monotonic()
+        unreachable_since = None
         while True:
             done = self.finished()
             if done is not None:
                 return {"done": True, "step": done}
+            if self.client is None:
+                raise LighthouseLost(f"the lost lighthouse ({self.address} unreachable: {self.lost})")
             data = dict(meta or {}, step=step, failed=failed, attempt=self.attempt, short_since=self.short_since)
             try:
                 q = self.client.quorum(replica_id=self.id, timeout=timedelta(seconds=max(30.0, 4 * self.heartbeat_s)),
                                        step=step, world_size=1, shrink_only=False, data=data)
             except TimeoutError:
                 continue  # nobody else asked yet (e.g. the others finished): check the mark, ask again
-            except Exception as err:  # noqa: BLE001
-                raise LighthouseLost(f"live recovery: the lighthouse at {self.address} is unreachable: "
-                                     f"{str(err).splitlines()[0][:200]}") from err
+            except Exception as err:  # noqa: BLE001 - torchft raises plain RuntimeError
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since < self.lost_after_s:
+                    time.sleep(0.2)
+                    continue
+                raise LighthouseLost(f"the lost lighthouse ({self.address} unreachable for {self.lost_after_s:.0f} s: "
+                                     f"{str(err).splitlines()[0][:120]})") from err
+            unreachable_since = None
             d = decide(q.participants, self.replicas, self.last)
             if self.replica not in d["members"]:
                 continue
@@ -243,18 +258,29 @@ class Membership:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m meshfold.train.quorum --bind HOST:PORT``: a Lighthouse of its own (one
-    per job; the replica groups reach it through ``MESHFOLD_LIVE_LIGHTHOUSE=host:port``).
-    Prints ``lighthouse HOST:PORT`` once it listens, then serves until killed."""
+    """``python -m meshfold.train.quorum --bind HOST:PORT [--store HOST:PORT]``: the job's
+    Lighthouse on a host of its own (one per job; the replica groups, on any host, reach it
+    through ``MESHFOLD_LIVE_LIGHTHOUSE=host:port``), and with ``--store`` the store the
+    cross-replica groups meet through (``MESHFOLD_LIVE_STORE``). Prints ``lighthouse
+    HOST:PORT`` (and ``store HOST:PORT``) once it listens (port 0: a free one), then serves
+    until killed."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m meshfold.train.quorum")
     ap.add_argument("--bind", default="[::]:29510")
+    ap.add_argument("--store", default="", help="HOST:PORT: also serve the cross-replica store (HOST: the address "
+                                                "the replica groups reach it at; it listens on every interface)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
     ap.add_argument("--join-timeout-s", type=float, default=30.0)
     args = ap.parse_args(argv)
     server = start_lighthouse(args.bind, args.heartbeat_timeout_s, args.join_timeout_s)
     print("lighthouse", lighthouse_address(server, args.bind), flush=True)
+    if args.store:
+        import torch.distributed as dist  # only here: the Lighthouse alone needs no torch
+
+        host, port = args.store.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False)
+        print("store", f"{host}:{store.port}", flush=True)
     threading.Event().wait()
 
 
