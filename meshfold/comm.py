@@ -574,23 +574,12 @@ class StandaloneGroup:
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.backend = "nccl" if device_type == "cuda" else "gloo"
-        self.watch = None  # live recovery: waits for a collective, abandoning it when a peer is gone
-
-    def wait(self, work) -> None:
-        if self.watch is None:
-            work.wait()
-        else:
-            self.watch(work)
 
     def abort(self) -> None:
         """After a member died: NCCL must be aborted (its kernels would wait forever); gloo's
         pairs are closed with the object."""
         if self.backend == "nccl" and hasattr(self.pg, "abort"):
             self.pg.abort()
-
-    def close(self) -> None:
-        """Destroy the group (its last reference): its pairs and work threads end, its sockets close."""
-        self.pg = None
 
 
 def group_all_reduce(t: torch.Tensor, group: StandaloneGroup, dim: str | None, op: str = "sum") -> None:
@@ -599,7 +588,7 @@ def group_all_reduce(t: torch.Tensor, group: StandaloneGroup, dim: str | None, o
     opts = dist.AllreduceOptions()
     opts.reduceOp = _OPS[op]
     with _TIMER.call("all_reduce(standalone)", None, async_op=False):
-        group.wait(group.pg.allreduce([t], opts))
+        group.pg.allreduce([t], opts).wait()
 
 
 def group_broadcast(t: torch.Tensor, src: int, group: StandaloneGroup, dim: str | None) -> None:
@@ -608,4 +597,4 @@ def group_broadcast(t: torch.Tensor, src: int, group: StandaloneGroup, dim: str 
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
     with _TIMER.call("broadcast(standalone)", None, async_op=False):
-        group.wait(group.pg.broadcast([t], opts))
+        group.pg.broadcast([t], opts).wait()

@@ -24,6 +24,7 @@ from meshfold.config import from_dict
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.planner.goodput import FailureModel, goodput
 from meshfold.testing import free_port, run_on, tiny_config, train_collect
+from meshfold.train.live_watch import destroy
 from meshfold.train.quorum import Membership, group_key, lighthouse_address, spawn_lighthouse, start_lighthouse
 from meshfold.train.trainer import Trainer
 
@@ -276,7 +277,7 @@ def _group_churn(port: int, rounds: int) -> list[int]:
         comm.group_all_reduce(t, group, None)
         assert t.tolist() == [2.0, 2.0, 2.0]
         group.abort()
-        closer = threading.Thread(target=group.close)
+        closer = threading.Thread(target=destroy, args=(group,))
         closer.start()
         del group
         closer.join(timeout=120)

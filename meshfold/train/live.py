@@ -61,7 +61,7 @@ from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.fault import set_restart_note
 from meshfold.train.live_drill import Faults
-from meshfold.train.live_watch import PeerWatch
+from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy
 from meshfold.train.quorum import LighthouseLost, Membership
 from meshfold.train.stop import StopAtBoundary
 
@@ -340,15 +340,13 @@ class LiveReplicas:
         if q["quorum_id"] != self.quorum.get("quorum_id"):
             if self.group is not None:
                 self.group.abort()
-                # Destroyed off the training thread: gloo's destructor waits for the group's work,
-                # which an abandoned collective holds until the collective timeout.
-                threading.Thread(target=self.group.close, daemon=True, name="meshfold-group-close").start()
+                threading.Thread(target=destroy, args=(self.group,), daemon=True, name="meshfold-group-close").start()
             self.group = None
             if len(q["members"]) > 1:
                 key = f"live/q{q['quorum_id']}/s{self.rank}"
                 self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
                                                   len(q["members"]), self.timeout_s, self.device.type)
-                self.group.watch = self.beats.wait
+                self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
         self.beats.enter(q["quorum_id"], q["members"])
         self.quorum, self.members = q, q["members"]
         self.events.extend(q.get("events", []))

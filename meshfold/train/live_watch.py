@@ -106,3 +106,36 @@ class PeerWatch:
                 work.wait()
                 return
             time.sleep(0.002)
+
+
+class WatchedGroup:
+    """A standalone group's process group (``comm.StandaloneGroup.pg``) whose collectives are
+    waited for through ``PeerWatch.wait`` (``comm``'s group collectives call
+    ``pg.allreduce(...).wait()``); everything else (``abort``) is the group's own."""
+
+    def __init__(self, pg, watch):
+        self.pg, self.watch = pg, watch
+
+    def allreduce(self, *args):
+        return _Watched(self.pg.allreduce(*args), self.watch)
+
+    def broadcast(self, *args):
+        return _Watched(self.pg.broadcast(*args), self.watch)
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+
+class _Watched:
+    def __init__(self, work, watch):
+        self.work, self.watch = work, watch
+
+    def wait(self) -> None:
+        self.watch(self.work)
+
+
+def destroy(group) -> None:
+    """Drop a standalone group's process group (its last reference): its pairs and work threads
+    end, its sockets close. Run off the training thread: gloo's destructor waits for the group's
+    work, which an abandoned collective holds until the collective timeout."""
+    group.pg = None
