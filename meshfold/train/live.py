@@ -273,7 +273,10 @@ class LiveReplicas:
         commits it."""
         if self.outer is not None:
             if not self.members:  # the start, or a restarted worker: join at the next outer step
-                self._outer_join()
+                try:
+                    self._outer_join()
+                except LighthouseLost as err:
+                    self._lighthouse_lost(err)
             return train_step()
         while True:
             try:
