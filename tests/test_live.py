@@ -15,12 +15,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import tomli_w
 import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.config import from_dict
+from meshfold.config import from_dict, validate
+from meshfold.errors import ConfigError
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.planner.goodput import FailureModel, goodput
 from meshfold.testing import free_port, run_on, tiny_config, train_collect
@@ -290,6 +292,16 @@ def test_old_standalone_groups_are_destroyed():
     sockets close with it)."""
     for fds in run_on(2, _group_churn, free_port(), 20):
         assert fds[-1] <= fds[4], fds
+
+
+def test_live_recovery_without_torchft_is_one_line(tmp_path, monkeypatch):
+    """torchft is the `live` extra: without it, train.live_recovery is refused before any process starts."""
+    import importlib.util
+
+    cfg = from_dict(tiny_config(str(tmp_path), parallel={"dp_replicate": 2}, train={"live_recovery": True}))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else object())
+    with pytest.raises(ConfigError, match=r"needs torchft's Lighthouse: pip install .*\[live\]"):
+        validate(cfg, 2)
 
 
 def _ask_quietly(m):

@@ -35,7 +35,10 @@ from pathlib import Path
 # of the job's output unless asked for.
 os.environ.setdefault("RUST_LOG", "warn")
 
-from torchft.coordination import LighthouseClient, LighthouseServer  # noqa: E402
+try:
+    from torchft.coordination import LighthouseClient, LighthouseServer  # noqa: E402
+except ImportError:  # the `live` extra; config.validate refuses train.live_recovery without it, in one line
+    LighthouseClient = LighthouseServer = None
 
 EXIT_LIGHTHOUSE_LOST = 75  # EX_TEMPFAIL: checkpointed, restart the job to resume
 
