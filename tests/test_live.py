@@ -241,8 +241,9 @@ def test_membership_on_the_lighthouse_gate_redo_rejoin_refusal(tmp_path):
     assert later["meta"]["sampler"] == "s3" and "7" in later["refused"] + got.get("s", {}).get("refused", ["7"])
     assert [e["event"] for e in later["events"]] == ["rejoin"] and "received step 3's state" in later["events"][0]["cause"]
     a.bye(step=3)  # replica 0 finished the run: a replica restarted after that has nothing to do
-    assert Membership(address, 1, 2, 2, 0.5, mark, 3).quorum(0) == {"done": True, "step": 3}
-    for m in (b, back, stray):
+    late = Membership(address, 1, 2, 2, 0.5, mark, 3)
+    assert late.quorum(0) == {"done": True, "step": 3}
+    for m in (b, back, stray, late):
         m.close()
     server.shutdown()
 

@@ -531,6 +531,7 @@ class LiveReplicas:
     def close(self) -> None:
         if self.client is not None:
             self.client.bye(self.progress.step)
+        self.beats.close()
 
 
 def _plain(sd: dict) -> dict:

@@ -14,6 +14,7 @@ never entered (how a replica resumed after a stop learns it was dropped).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 import time
@@ -43,8 +44,16 @@ class PeerWatch:
         self.polled = time.monotonic()  # when this rank last read its peers' beats
         timeout_s = max(5.0, heartbeat_s)
         self.store = _client(store_address, timeout_s)  # the reads of the waiting (main) thread
-        threading.Thread(target=self._beat, args=(_client(store_address, timeout_s),), daemon=True,
-                         name="meshfold-peer-heartbeat").start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(_client(store_address, timeout_s),), daemon=True,
+                                        name="meshfold-peer-heartbeat")
+        self._thread.start()
+        atexit.register(self.close)  # joined before the interpreter finalizes (see quorum.Membership)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(10.0, 2 * self.heartbeat_s))
 
     def enter(self, key: str, members: list[int]) -> None:
         """This replica takes part in group ``key`` of ``members``: each member's beat is judged from now."""
@@ -69,7 +78,8 @@ class PeerWatch:
                 pause = self.heartbeat_s / 5
             except RuntimeError:  # the store's host is gone (the quorum says the rest): ask less and less often
                 pause = min(2 * pause, 30.0)
-            time.sleep(pause)
+            if self._stop.wait(pause):
+                return
 
     def _read(self, store) -> None:
         """The peers' beats as they are now in the store."""

@@ -22,6 +22,7 @@ rejoin wait and the "run finished" mark) and the heartbeat thread, which beats o
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -178,7 +179,11 @@ class Membership:
         self.short_since: float | None = None
         self._stop = threading.Event()
         self._beat()
-        threading.Thread(target=self._heartbeat, daemon=True, name="meshfold-heartbeat").start()
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="meshfold-heartbeat")
+        self._thread.start()
+        # Joined before the interpreter finalizes: a daemon thread inside torchft's Rust client
+        # then (its GIL released) is ended by pthread_exit, which aborts the process.
+        atexit.register(self.close)
 
     def _beat(self) -> None:
         if self.client is None:
@@ -258,6 +263,8 @@ class Membership:
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.heartbeat_s))
 
 
 def main(argv: list[str] | None = None) -> None:
