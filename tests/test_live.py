@@ -95,17 +95,23 @@ def _assert_losses(records: list[dict], reference: Trainer) -> None:
         assert abs(got - ref) <= 1e-9 * abs(ref), ([r["loss"] for r in records], ref_losses)
 
 
-def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path):
+@pytest.mark.parametrize("restart", ["any", "fast"])
+def test_replica_killed_mid_step_rejoins_and_losses_match(tmp_path, restart):
     """Whatever the restart's speed (back before the survivors' redo formed: step 3 trained by
     both; or after it: step 3 by replica 0 alone, replica 1 back at step 4), the invariants:
     steps 1..5 once each, one departure and one rejoin with their causes, every step's global
     batch trained exactly once, the rejoined replica bitwise equal to the survivor from its
-    rejoin on, every loss equal to the one-process run's."""
+    rejoin on, every loss equal to the one-process run's. ``fast`` forces the fast restart
+    (the one the first Lighthouse version hung on: the same quorum id back): with 300 s
+    heartbeat and join timeouts the Lighthouse holds the survivors' redo until the restarted
+    replica 1 asks, so it rejoins at step 3 itself."""
+    timeouts = {"live_heartbeat_timeout_s": 300.0, "live_join_timeout_s": 300.0} if restart == "fast" else {}
     cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_replicate": 2, "dp_shard": 2},
-                      train={"steps": STEPS, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+                      train={"steps": STEPS, "live_recovery": True, "live_rejoin_wait_s": 300.0, **timeouts})
     records, events, took = _run_live(tmp_path, cfg, f"1:1:{KILL_STEP}")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none repeated, none missing
     back = _rejoin_step(events, 1, KILL_STEP)
+    assert back == KILL_STEP or restart != "fast", events
     replicas = [r["replicas"] for r in records]
     assert replicas == [2] * (KILL_STEP - 1) + [1] * (back - KILL_STEP) + [2] * (STEPS - back + 1), replicas
     departure = [e for e in events if e["event"] == "departure"]
