@@ -191,7 +191,7 @@ def run_train(args) -> int:
             print(f"meshfold: rank {rank}: stopped by {err.signame} after step {err.step}, but {err.failure}",
                   file=sys.stderr)
             return 1
-        if rank == 0:
+        if rank == 0 and err.saved is not None:  # None: a live replica whose peer writes the checkpoint
             print(f"meshfold: stopped by {err.signame} after step {err.step}; checkpoint {err.saved}; run the same "
                   f"command again to resume (exit code {EXIT_STOPPED})", file=sys.stderr)
         return EXIT_STOPPED

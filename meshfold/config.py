@@ -103,6 +103,8 @@ class TrainConfig:
     eval_batches: int = 4
     live_recovery: bool = False  # replica groups drop out and rejoin without stopping the job (docs/resilience.md)
     live_rejoin_wait_s: float = 0.0  # at a step boundary, wait this long for a replica being restarted
+    live_heartbeat_timeout_s: float = 5.0  # a replica silent this long is dropped (hung, stopped, lost)
+    live_join_timeout_s: float = 30.0  # the lighthouse waits this long for heartbeating stragglers
 
 
 SECTIONS: dict[str, type] = {

@@ -166,7 +166,8 @@ def _launch_local(nproc: int, argv: list[str], max_restarts: int = 0, group: str
     except SignalException as err:
         # The agent passed the signal on and waited for the workers (rank 0 said whether
         # the checkpoint was written); a second signal lands here at once.
-        print(f"meshfold: launcher: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
+        if not group:  # a live replica group's launcher says it once for all groups (live_launch.py)
+            print(f"meshfold: launcher: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
         return EXIT_STOPPED
     except ChildFailedError as err:
         ranks = sorted(err.failures)

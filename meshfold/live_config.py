@@ -4,6 +4,7 @@ and the data."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError
@@ -22,6 +23,9 @@ def validate(cfg: Config) -> None:
                           "supported; set train.live_recovery = false or parallel.zero = 2")
     if not t.live_recovery or getattr(cfg, "live_replica", False):  # train/live.py::replica_config
         return
+    if importlib.util.find_spec("torchft") is None:  # the membership runs on its Lighthouse (train/quorum.py)
+        raise ConfigError("train.live_recovery needs torchft's Lighthouse: pip install -c constraints.txt -e '.[live]' "
+                          "(or set train.live_recovery = false)")
     lc = cfg.lowcomm
     if lc.workers > 1:  # the DiLoCo workers are the failure domains
         if lc.method != "diloco" or lc.compression != "none" or p.dp_replicate > 1:
@@ -40,3 +44,6 @@ def validate(cfg: Config) -> None:
                           f"{p.dp_replicate} equal slices (one per replica group)")
     if t.live_rejoin_wait_s < 0:
         raise ConfigError(f"train.live_rejoin_wait_s = {t.live_rejoin_wait_s} must be >= 0")
+    if t.live_heartbeat_timeout_s <= 0 or t.live_join_timeout_s <= 0:
+        raise ConfigError(f"train.live_heartbeat_timeout_s = {t.live_heartbeat_timeout_s} and train.live_join_timeout_s "
+                          f"= {t.live_join_timeout_s} must be > 0")

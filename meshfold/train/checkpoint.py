@@ -492,9 +492,11 @@ class Checkpointer:
         set_model_state_dict(_whole_model(self.parts), sd["model"])
         self._optim().after_load()
 
-    def resume(self) -> int | None:
+    def resume(self, tidy: bool = True) -> int | None:
         """At the start of ``fit``: resume from the newest good checkpoint
-        (``train.resume = auto``), else start from ``train.init_from`` if set."""
+        (``train.resume = auto``), else start from ``train.init_from`` if set. ``tidy``: this
+        process owns the run directory's files (it trims metrics.jsonl and clears unpublished
+        saves); false for a process sharing the directory with their owner (a live replica)."""
         t = self.cfg.train
         if t.resume == "auto":
             _barrier()  # a save of this job still being published by rank 0 is listed by all or none
@@ -509,6 +511,7 @@ class Checkpointer:
                 step = self.load(path)
                 if self.rank == 0:
                     _log(f"resumed from {path} (step {step})")
+                if self.rank == 0 and tidy:
                     self._trim_metrics(step)
                     self._clear_temporaries()
                 return step

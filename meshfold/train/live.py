@@ -8,8 +8,8 @@ tp, pp, cp) and are restarted alone by their own elastic agent (``launch.py``). 
 every replica group holds the same pieces of the model, so the replica dimension is a
 *standalone* group per inner rank (``comm.StandaloneGroup``), rebuilt from a shared store
 whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
-from the job's quorum server (``train/quorum.py``), asked by each replica's rank 0 at
-every step boundary.
+from the job's Lighthouse (``train/quorum.py``), asked by each replica's rank 0 at every
+step boundary; its heartbeat thread beats while the replica makes progress.
 
 One step (``LiveReplicas.step``):
 
@@ -47,6 +47,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,16 +60,19 @@ from meshfold.data.dataset import make_sampler
 from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.fault import set_restart_note
-from meshfold.train.quorum import QuorumClient
+from meshfold.train.live_drill import Faults
+from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy
+from meshfold.train.quorum import LighthouseLost, Membership
+from meshfold.train.stop import StopAtBoundary
 
 if TYPE_CHECKING:
     from meshfold.config import Config
 
 ENV_REPLICA = "MESHFOLD_LIVE_REPLICA"  # this process's replica group (set by the launcher)
 ENV_REPLICAS = "MESHFOLD_LIVE_REPLICAS"
-ENV_QUORUM = "MESHFOLD_LIVE_QUORUM"  # host:port of the quorum server
+ENV_LIGHTHOUSE = "MESHFOLD_LIVE_LIGHTHOUSE"  # host:port of the job's Lighthouse (train/quorum.py)
 ENV_STORE = "MESHFOLD_LIVE_STORE"  # host:port of the store the standalone groups meet through
-ENV_KILL = "MESHFOLD_LIVE_KILL"  # fault injection (tests, drills): "REPLICA:RANK:STEP" -> SIGKILL itself
+ENV_HOST = "MESHFOLD_LIVE_HOST"  # the address launch_live serves the Lighthouse and the store at (127.0.0.1)
 ENV_TRACE = "MESHFOLD_LIVE_TRACE"  # 1: each rank appends what it trained and a parameter digest
 
 
@@ -88,10 +92,12 @@ def replica_env() -> tuple[int, int] | None:
     return int(os.environ[ENV_REPLICA]), int(os.environ[ENV_REPLICAS])
 
 
-def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
+def replica_config(cfg: Config, replica: int) -> Config:
     """What one replica group runs: its inner layout (``dp_replicate = 1``) and one slice of
-    the global batch; only replica 0 writes checkpoints (they are all equal); a restarted
-    replica never reads one (it receives the state from a healthy replica)."""
+    the global batch; only replica 0 writes checkpoints (they are all equal). A restarted
+    replica resumes from the newest one like any replica (``train.resume``): when every group
+    was lost, that is where the job goes on; otherwise a healthy replica's newer state is then
+    received live (the heal)."""
     out = copy.deepcopy(cfg)
     if cfg.lowcomm.workers > 1:  # DiLoCo: train.global_batch is per worker already
         out.lowcomm.workers = 1
@@ -102,8 +108,6 @@ def replica_config(cfg: Config, replica: int, attempt: int) -> Config:
     out.live_replica = True  # config.validate_live: one replica group's own layout
     if replica != 0:
         out.train.checkpoint_every = 0
-    if attempt > 0:
-        out.train.resume, out.train.init_from = "never", ""
     return out
 
 
@@ -188,7 +192,6 @@ class LiveReplicas:
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
         self.group: comm.StandaloneGroup | None = None
-        self.groups_made: list = []  # old groups kept alive: a dead peer's pairs close with the job
         self.members: list[int] = []
         self.writes_metrics = False
         self.events: list[dict] = []
@@ -196,16 +199,23 @@ class LiveReplicas:
         self.optimizer = self.scheduler = None
         self.redo_cause: str | None = None
         self.trace = os.environ.get(ENV_TRACE) == "1"
-        self.kill = self._parse_kill(os.environ.get(ENV_KILL, ""))
+        self.faults = Faults(replica, self.rank, self.attempt, cfg.train.run_dir)  # drills (live_drill.py)
         self.healed_bytes = 0
         self.outer = None
         self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
         self.pending_heal: dict | None = None
 
     def attach(self, parts) -> None:
-        """Once the model exists: this rank's model parts, the quorum server and the store."""
+        """Once the model exists: this rank's model parts, the Lighthouse and the store."""
         self.parts = parts.model_parts
-        self.client = QuorumClient(os.environ[ENV_QUORUM], self.replica, self.attempt) if self.rank == 0 else None
+        t = self.cfg.train
+        self.progress_mark = time.monotonic()
+        self.beats = PeerWatch(os.environ[ENV_STORE], self.replica, self.replicas, self.rank, self.attempt,
+                               t.live_heartbeat_timeout_s, self._alive)
+        if self.rank == 0:
+            self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
+                                     t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
+                                     t.live_rejoin_wait_s, alive=self._alive)
         host, port = os.environ[ENV_STORE].rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
@@ -216,11 +226,10 @@ class LiveReplicas:
         if self.outer is not None:
             self.outer.mean_fn = self._outer_mean
 
-    def _parse_kill(self, text: str):
-        if not text or self.attempt > 0:
-            return None
-        r, rank, step = (int(x) for x in text.split(":"))
-        return step if (r, rank) == (self.replica, self.rank) else None
+    def _alive(self) -> bool:
+        """The heartbeat's condition: the training loop came back to this replica's code
+        within the collective timeout (a hung step stops the heartbeat)."""
+        return time.monotonic() - self.progress_mark < self.timeout_s
 
     # ------------------------------------------------------------------ feature hooks
 
@@ -241,6 +250,7 @@ class LiveReplicas:
         return _Writer(logger, self)
 
     def after_step(self, step: int) -> dict:
+        self.progress_mark = time.monotonic()
         if self.pending_heal is not None:  # DiLoCo: after the outer step, the joiners receive it
             self._heal(self.pending_heal)
             self.pending_heal = None
@@ -263,28 +273,54 @@ class LiveReplicas:
         commits it."""
         if self.outer is not None:
             if not self.members:  # the start, or a restarted worker: join at the next outer step
-                self._outer_join()
+                try:
+                    self._outer_join()
+                except LighthouseLost as err:
+                    self._lighthouse_lost(err)
             return train_step()
         while True:
-            self._begin()
+            try:
+                self._begin()
+            except LighthouseLost as err:
+                self._lighthouse_lost(err)
             try:
                 return train_step()
             except LiveStepFailed as err:
+                self.beats.abandoned = True  # tells the peers still waiting in this exchange (live_watch)
                 self.redo_cause = str(err)
                 for part in self.parts:
                     part.zero_grad(set_to_none=True)
                 self.sampler.redo = True
 
+    def _lighthouse_lost(self, err: LighthouseLost) -> None:
+        """Nothing decides membership any more: every group stops at this step boundary (replica 0
+        writes the checkpoint; ``StopAtBoundary``: exit ``EXIT_STOPPED``, one line) and a restart of
+        the job resumes. The group's elastic agent is told to stop (SIGTERM, as on a user's stop:
+        it gives its workers ``STOP_GRACE_S`` to finish), not to restart the group into the
+        same loss."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent passes its SIGTERM on: already stopping
+        if os.environ.get("LOCAL_RANK") == "0" and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            os.kill(os.getppid(), signal.SIGTERM)
+        raise StopAtBoundary(str(err)) from err
+
     def _ask(self) -> dict:
-        """Rank 0 asks the quorum server; every rank of the replica gets the answer."""
+        """Rank 0 asks the Lighthouse; every rank of the replica gets the answer."""
         reply = None
+        self.progress_mark = time.monotonic()
         if self.rank == 0:
             position = getattr(self.sampler, "boundary_state", self.sampler.state_dict)()
             meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
-                    "attempt": self.attempt, "outer_steps": self.outer.outer_steps if self.outer is not None else 0}
-            reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
+                    "outer_steps": self.outer.outer_steps if self.outer is not None else 0,
+                    "group": self.quorum.get("quorum_id")}  # kept only if every member holds it (quorum.group_key)
+            try:
+                reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
+            except LighthouseLost as err:
+                reply = {"lost": str(err)}
         if self.world > 1:
             reply = comm.broadcast_object(reply, 0)
+        self.progress_mark = time.monotonic()
+        if "lost" in reply:
+            raise LighthouseLost(reply["lost"])
         return reply
 
     def _begin(self) -> None:
@@ -307,12 +343,14 @@ class LiveReplicas:
         if q["quorum_id"] != self.quorum.get("quorum_id"):
             if self.group is not None:
                 self.group.abort()
-                self.groups_made.append(self.group)
+                threading.Thread(target=destroy, args=(self.group,), daemon=True, name="meshfold-group-close").start()
             self.group = None
             if len(q["members"]) > 1:
                 key = f"live/q{q['quorum_id']}/s{self.rank}"
                 self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
                                                   len(q["members"]), self.timeout_s, self.device.type)
+                self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
+        self.beats.enter(q["quorum_id"], q["members"])
         self.quorum, self.members = q, q["members"]
         self.events.extend(q.get("events", []))
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
@@ -332,6 +370,7 @@ class LiveReplicas:
             if ok:
                 self._heal(q)
                 return
+            self.beats.abandoned = True
             self.redo_cause = error
 
     def _outer_mean(self, delta: torch.Tensor) -> None:
@@ -347,6 +386,7 @@ class LiveReplicas:
                 self.pending_heal = q if q["heal"] else None
                 return
             delta.copy_(keep)
+            self.beats.abandoned = True
             self.redo_cause = error
 
     def _outer_exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:
@@ -358,11 +398,14 @@ class LiveReplicas:
         error = ""
         if self.group is not None:
             try:
+                self.beats.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
                 comm.group_all_reduce(flat, self.group, "outer")
                 comm.group_all_reduce(count, self.group, None)
             except RuntimeError as err:
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
+            finally:
+                self.beats.watching = False
         ok, error = self._vote(ok, error)
         if ok and delta is not None:
             delta.div_(count.to(delta.dtype))
@@ -441,8 +484,7 @@ class LiveReplicas:
         """Across the members: gradients weighted by each replica's tokens, the loss sum and
         the tokens; then the replica's vote. Returns (loss sum, tokens) over the members.
         Raises ``LiveStepFailed`` when a member was lost (every rank of this replica agrees)."""
-        if self.kill is not None and self.progress.step + 1 == self.kill:
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a hard crash mid-step
+        self.faults.at(self.progress.step + 1)
         if self.outer is not None:  # DiLoCo: nothing crosses the workers between outer steps
             return loss_sum, tokens
         grads = [local_tensor(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None]
@@ -450,6 +492,7 @@ class LiveReplicas:
         error = ""
         if self.group is not None:
             try:
+                self.beats.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
                 weight = tokens.to(grads[0].dtype) if grads else None
                 flat = torch.cat([g.reshape(-1) for g in grads]) * weight if grads else None
                 control = torch.stack([loss_sum.double(), tokens.double()])
@@ -467,6 +510,8 @@ class LiveReplicas:
             except RuntimeError as err:  # a member died (gloo: connection closed; NCCL: aborted)
                 ok.zero_()
                 error = str(err).splitlines()[0][:200]
+            finally:
+                self.beats.watching = False
         good, error = self._vote(ok, error)
         if not good:
             raise LiveStepFailed(error)
@@ -486,6 +531,7 @@ class LiveReplicas:
     def close(self) -> None:
         if self.client is not None:
             self.client.bye(self.progress.step)
+        self.beats.close()
 
 
 def _plain(sd: dict) -> dict:

@@ -84,6 +84,12 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum else "?"
 
 
+class StopAtBoundary(Exception):
+    """A feature cannot start the next step (live recovery: its lighthouse is lost): the trainer
+    writes the last step's checkpoint and stops as on a signal (``Stopped``, ``EXIT_STOPPED``);
+    the message says why."""
+
+
 class Stopped(Exception):
     """Training stopped on a signal after ``step``; ``saved`` says whether its checkpoint was written."""
 

@@ -52,7 +52,7 @@ from meshfold.train.checkpoint import Checkpointer
 from meshfold.train.checkpoint_files import published
 from meshfold.train.run_dir import (RunDirError, RunLock, beside, check_resume, explain_write_failure, holds_a_run,
                                     prepare_run_dir, read_record, run_record, write_record)
-from meshfold.train.stop import Stopped, StopRequest
+from meshfold.train.stop import StopAtBoundary, Stopped, StopRequest
 from meshfold.train.engine import LocalEngine, PipelineEngine, StepEngine
 from meshfold.train.fault import FaultMonitor
 from meshfold.train.feature import Features, RunParts
@@ -426,7 +426,7 @@ class Trainer:
 
     def _fit(self) -> list[float]:
         t = self.cfg.train
-        self.checkpointer.resume()  # train.resume / train.init_from; sets the step (self.progress)
+        self.checkpointer.resume(tidy=self.writes_run_files)  # train.resume / train.init_from; sets the step
         if self.rank == 0 and self.writes_run_files:
             if self.step and self.resume_changes:
                 print(f"meshfold: resuming at step {self.step} with changes: {'; '.join(self.resume_changes)}",
@@ -440,8 +440,11 @@ class Trainer:
         try:
             while self.step < t.steps:
                 start = time.perf_counter()
-                with self.fault.step():  # straggler stamps; timeouts named
-                    loss = self.train_step()
+                try:
+                    with self.fault.step():  # straggler stamps; timeouts named
+                        loss = self.train_step()
+                except StopAtBoundary as err:  # e.g. live recovery's lighthouse lost: checkpoint, stop
+                    self.stop_now(self.fault.healthy, cause=str(err))
                 elapsed = time.perf_counter() - start
                 self.losses.append(loss)
                 if not math.isfinite(loss) and self.rank == 0:
@@ -468,18 +471,19 @@ class Trainer:
             self.fault.close()
         return self.losses
 
-    def stop_now(self, healthy: bool) -> None:
-        """Every rank agreed to stop after this step (a signal): write its checkpoint (unless
-        the step was non-finite) and raise ``Stopped``."""
+    def stop_now(self, healthy: bool, cause: str | None = None) -> None:
+        """Every rank agreed to stop after this step (a signal, or ``cause``): write its checkpoint
+        (unless the step was non-finite, or another process owns the run directory's files: a live
+        replica other than 0) and raise ``Stopped``."""
         saved = failure = None
-        if self.step != self.checkpointer.last_saved_step and healthy:
+        if self.step != self.checkpointer.last_saved_step and healthy and self.writes_run_files:
             if self.checkpointer.save():
                 self.checkpointer.wait()
         if self.checkpointer.save_failure is None and self.checkpointer.last_saved_step is not None:
             saved = str(self.checkpointer.root / f"step-{self.checkpointer.last_saved_step}")
-        else:
+        elif self.writes_run_files:
             failure = self.checkpointer.save_failure or "the last step was non-finite: no checkpoint written"
-        raise Stopped(self.stop.name, self.step, saved, failure)
+        raise Stopped(cause or self.stop.name, self.step, saved, failure)
 
     def step_record(self, loss: float, elapsed: float, tokens_per_step: int) -> dict:
         tokens_per_s = tokens_per_step / elapsed
