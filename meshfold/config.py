@@ -126,7 +126,7 @@ TRAIN_CHOICES: dict[str, tuple] = {
     "muon_scale": ("match_rms_adamw", "shape", "none"),
     "offload": ("none", "optimizer", "params"),
     "reduce_dtype": ("float32", "bfloat16"),
-    "fp8": fp8_config.RECIPES,
+    "fp8": fp8_config.RECIPES + (fp8_config.AUTO,),
 }
 
 # (section, key) -> allowed values; each section owns its own table.

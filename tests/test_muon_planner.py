@@ -1,5 +1,5 @@
 """``train.optimizer = "auto"``: the planner's search prices every optimizer kind and picks
-the fastest layout that fits (planner/optimizer.py ``search_each_optimizer``); Muon where its
+the fastest layout that fits (planner/choices.py ``search_each``); Muon where its
 smaller states let a faster layout fit, AdamW where memory is ample (Muon adds Newton-Schulz
 and its exchange). ``meshfold plan --out`` writes the choice; ``meshfold train`` refuses
 "auto" in one line."""

@@ -48,7 +48,8 @@ def _table(ranked: list[Estimate]) -> str:
 def _entry(e: Estimate, global_batch: int) -> dict:
     return {**e.row(), "breakdown": {"time_s": e.time, "memory_bytes": e.memory}, "comm_bytes": e.comm_bytes,
             "footprint": e.footprint(),
-            "parallel_toml": e.layout.to_toml(global_batch), **({"optimizer": e.optimizer} if e.optimizer else {})}
+            "parallel_toml": e.layout.to_toml(global_batch), **({"optimizer": e.optimizer} if e.optimizer else {}),
+            **({"choices": e.choices} if e.choices else {})}
 
 
 # --------------------------------------------------------------------------- plan
@@ -104,8 +105,9 @@ def run_plan(args) -> int:
     print()
     print("winner as config:" if not args.out else f"winner written to {args.out}:")
     print(ranked[0].layout.to_toml(w.global_batch))
-    if ranked[0].optimizer:  # train.optimizer = auto: the kind the search chose
-        print(f'[train]\noptimizer = "{ranked[0].optimizer}"')
+    chosen = {k.split(".", 1)[1]: v for k, v in ranked[0].choices.items()}  # the "auto" keys the search chose
+    if chosen:
+        print("[train]\n" + "\n".join(f'{k} = "{v}"' for k, v in chosen.items()))
     return 0
 
 
@@ -121,8 +123,9 @@ def write_plan(out: str, config: str, overrides: list[str], cfg: Config, best: E
         data["model"] = model_keys(cfg.model)
     for section, values in best.layout.config_values(cfg.train.global_batch).items():
         data.setdefault(section, {}).update(values)
-    if best.optimizer:  # train.optimizer = auto: the kind the search chose
-        data.setdefault("train", {})["optimizer"] = best.optimizer
+    for key, value in best.choices.items():  # the "auto" keys the search chose (planner/choices.py)
+        section, name = key.split(".", 1)
+        data.setdefault(section, {})[name] = value
     world = cluster.world_size
     head = (f"# meshfold plan {config}{''.join(f' --set {s}' for s in overrides)} --cluster {cluster_spec}\n"
             f"# {best.layout.short()}: predicted {best.step_time_s:.4g} s/step, peak {_gib(best.peak_mem_bytes)} GiB "

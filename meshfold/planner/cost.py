@@ -23,6 +23,7 @@ from meshfold.planner.bounds import SearchBounds
 from meshfold.planner.cluster import Cluster, GiB
 from meshfold.planner.layer import LayerCosts
 from meshfold.planner.memory import Memory
+from meshfold.planner.choices import refuse_open_choices
 from meshfold.planner.optimizer import optimizer_pricing
 from meshfold.planner.pipeline import PipelineTime
 from meshfold.planner.step import StepTime
@@ -40,6 +41,7 @@ class CostModel(LayerCosts, PipelineTime, StepTime, Memory, Traffic, SearchBound
 
     def __init__(self, w: Workload, cluster: Cluster):
         self.w, self.c = w, cluster
+        refuse_open_choices(w)  # "auto" keys are meshfold plan's to resolve (planner/choices.py)
         self.optimizer = optimizer_pricing(w)  # what train.optimizer adds (planner/optimizer.py)
         m = w.model
         self.kinds = [m.is_moe_layer(i) for i in range(m.n_layers)]

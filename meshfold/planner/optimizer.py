@@ -10,7 +10,6 @@ A new optimizer is a class with the methods of ``AdamWPricing`` and one line in
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from meshfold.errors import ConfigError
@@ -295,40 +294,9 @@ class MuonPricing(AdamWPricing):
 
 
 OPTIMIZERS = {"adamw": AdamWPricing(), "muon": MuonPricing()}
-AUTO = "auto"  # train.optimizer = "auto": the search picks a kind (``search_each_optimizer``)
-
-
 def optimizer_pricing(w: Workload) -> AdamWPricing:
     """The pricing of ``w.optimizer`` (``train.optimizer``)."""
     if w.optimizer not in OPTIMIZERS:
         raise ConfigError(f"train.optimizer = {w.optimizer}: only `meshfold plan` chooses one; "
                           f"set it to one of {', '.join(OPTIMIZERS)} to price a given layout")
     return OPTIMIZERS[w.optimizer]
-
-
-def search_each_optimizer(search, w: Workload, cluster, **options):
-    """``search`` (planner/search.py) once per kind of ``OPTIMIZERS`` and one ranking of them
-    all: fitting layouts first, then by step time (an earlier kind first among equal times:
-    AdamW unless Muon is faster). Each estimate names its kind (``Estimate.optimizer``). The
-    planner prices a step, not what a step buys: Muon wins where its smaller states let a
-    faster layout fit (memory-bound), AdamW where both fit alike (Muon adds Newton-Schulz
-    and its exchange); Muon's better loss per token is not priced."""
-    results = []
-    for k, kind in enumerate(OPTIMIZERS):
-        res = search(dataclasses.replace(w, optimizer=kind), cluster, **options)
-        for e in res.ranked:
-            e.optimizer = kind
-        results.append(res)
-    any_fits = any(r.any_fits for r in results)
-    order = {kind: k for k, kind in enumerate(OPTIMIZERS)}
-    ranked = sorted((e for r in results for e in r.ranked if e.fits or not any_fits),
-                    key=lambda e: (e.step_time_s, order[e.optimizer]))[: options.get("top", 10)]
-    first = results[0]
-    notes = [n for r in results for n in r.notes if r.any_fits == any_fits][:1]
-    if ranked:
-        notes.append(f"train.optimizer = auto: {ranked[0].optimizer} (the fastest layout "
-                     + ("that fits" if any_fits else "of all") + " over " + ", ".join(OPTIMIZERS) + ")")
-    return dataclasses.replace(first, ranked=ranked, any_fits=any_fits, notes=notes,
-                               evaluated=sum(r.evaluated for r in results),
-                               structures=sum(r.structures for r in results),
-                               visited=sum(r.visited for r in results), seconds=sum(r.seconds for r in results))

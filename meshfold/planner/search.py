@@ -33,7 +33,7 @@ from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.bounds import EP_CHUNKS
 from meshfold.planner.cost import CostModel, Estimate, Layout, Workload
-from meshfold.planner.optimizer import AUTO, search_each_optimizer
+from meshfold.planner.choices import open_choice, search_each
 from meshfold.planner.workload import DEFAULT_SCHEDULE
 from meshfold.schedules import all_schedules, get_schedule
 
@@ -172,8 +172,8 @@ class PlanResult:
 
 
 def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> PlanResult:
-    if w.optimizer == AUTO:  # train.optimizer = "auto": every kind searched, one ranking (planner/optimizer.py)
-        return search_each_optimizer(search, w, cluster, top=top, max_tp=max_tp)
+    if open_choice(w):  # a key set to "auto": every value searched, one ranking (planner/choices.py)
+        return search_each(search, w, cluster, top=top, max_tp=max_tp)
     start = _time.perf_counter()
     cm = CostModel(w, cluster)
     world = cluster.world_size

@@ -163,7 +163,13 @@ class Estimate:
     activation_bytes: float = 0.0
     # ... and rank 0's collectives per step by mesh dimension: {dim: {"count", "bytes"}}
     collectives: dict = field(default_factory=dict)
-    optimizer: str = ""  # the kind it was priced with, where the search chose it (train.optimizer = auto)
+    # the values of the keys the search chose ({"train.optimizer": "muon"}; planner/choices.py)
+    choices: dict = field(default_factory=dict)
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer kind it was priced with, where the search chose it (train.optimizer = auto)."""
+        return self.choices.get("train.optimizer", "")
 
     def footprint(self) -> dict:
         return {"param_bytes": self.param_bytes, "gathered_param_bytes": self.gathered_param_bytes,

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the composed config is handed in; its module sits above thi
     from meshfold.config import Config
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+AUTO = "auto"  # `meshfold plan` prices none and tensorwise and writes the faster (planner/choices.py)
 
 # The dimension every converted linear's widths must be a multiple of.
 ALIGN = {"tensorwise": 16, "rowwise": 16, "rowwise_with_gw_hp": 16, "mxfp8": 32}
@@ -39,7 +40,7 @@ def converts(recipe: str, fqn: str, in_features: int, out_features: int, tp: int
 def validate(cfg: Config) -> None:
     """``train.fp8`` against the rest of the config: one line naming the key to change."""
     t, p = cfg.train, cfg.parallel
-    if t.fp8_all_gather and t.fp8 != "tensorwise":
+    if t.fp8_all_gather and t.fp8 not in ("tensorwise", AUTO):
         raise ConfigError(f"train.fp8_all_gather = true needs train.fp8 = tensorwise (torchao gathers only "
                           f"per-tensor scaled weights in fp8), got train.fp8 = {t.fp8!r}")
     if p.ep_fp8_dispatch and (t.fp8 == "none" or p.ep == 1 or p.ep_overlap_chunks > 1):

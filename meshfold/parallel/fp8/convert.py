@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshfold.errors import ConfigError
 from meshfold.parallel.fp8 import tp
-from meshfold.parallel.fp8.config import converts
+from meshfold.parallel.fp8.config import AUTO, converts
 from meshfold.parallel.fp8.experts import apply_fp8_experts
 
 
@@ -63,6 +64,9 @@ def apply_fp8(model: nn.Module, train, device: torch.device | None = None, tp_si
     the tensor-parallel degree the model is split over next (its pieces must stay aligned)."""
     if train.fp8 == "none":
         return model
+    if train.fp8 == AUTO:
+        raise ConfigError("train.fp8 = auto is the planner's to choose: run `meshfold plan CONFIG --cluster C "
+                          "--out PLAN.toml` and train PLAN.toml, or set train.fp8 to none or a recipe")
     if device is not None and device.type == "cuda" and not train.compile and (
             not dist.is_initialized() or dist.get_rank() == 0):
         # measured: torchao's casts then run op by op (docs/gpu.md, "FP8, Muon and windowed attention")
