@@ -462,6 +462,7 @@ def _band_mask(tile: int, reach: int, n: int, window: int, device) -> torch.Tens
     return mask
 
 
+@torch.compiler.disable  # as window_mask: its band cache lookup is Python, run eagerly in compiled blocks
 def banded_window_attention(q, k, v, window: int, scale: float | None = None,
                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Sliding-window causal attention over plain rows without a fused windowed kernel (the
