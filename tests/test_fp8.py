@@ -168,6 +168,21 @@ def test_planner_prices_fp8_gemms(capsys):
     assert 0.6 * bf16 < fp8 < 0.95 * bf16
 
 
+def test_planner_times_fp8_weight_gathers_at_their_bytes(capsys):
+    """With ``train.fp8_all_gather`` FSDP2 gathers the converted linears' weights in fp8: the
+    planner's exposed data-parallel time falls with the bytes it reports (half of those
+    weights' bf16 bytes), and the step with it."""
+    def run(*extra):
+        assert main(["simulate", "configs/llama3-8b.toml", "--cluster", "h100:64", "--json", "--set",
+                     "train.compile=true", "--set", "parallel.dp_shard=64", "--set", "parallel.tp=1", "--set",
+                     "parallel.zero=3", "--set", "train.fp8=tensorwise", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["step_time_s"], out["breakdown"]["time_s"]["dp_exposed"]
+
+    (step, dp), (step8, dp8) = run(), run("--set", "train.fp8_all_gather=true")
+    assert dp8 < 0.85 * dp and step8 < step
+
+
 def _tp_gemms_against_one_process(recipes) -> dict:
     """On each of 2 ranks: a Float8Linear's output and both gradients computed whole (the
     one-process reference), and on this rank's column- and row-parallel pieces through

@@ -5,6 +5,7 @@ fixed overhead (``CostModel.step_time``, and ``step_bound`` for the search)."""
 from __future__ import annotations
 
 from meshfold.planner.counts import BUCKET_BYTES, DTYPE_BYTES, FSDP_WIRE, buckets, zero1_gather
+from meshfold.planner.fp8 import fp8_gathered_params
 from meshfold.planner.terms import LayerTerms
 from meshfold.planner.workload import Layout
 
@@ -44,13 +45,15 @@ class StepTime:
         Pmax = max(stage_params)
         window = (ENDLESS, ENDLESS) if bound else (t_f, t_b)
         Emax = stages[stage_params.index(Pmax)].get(True, 0) * T.params.expert_p  # its routed experts (ep > 1)
+        F8 = fp8_gathered_params(w, stages[stage_params.index(Pmax)])  # of them FSDP2 gathers in fp8
         # (memoised on what it reads: layouts differing in sp, cp's mode or, with bounded
         # windows, the micro-batch size share it)
         dkey = (L.zero, L.dp_shard, L.dp_replicate, tp, cp, L.ep, L.pp, L.pp_schedule, v, T.params.emb,
-                T.params.final_norm, Pmax, stage_layers[0], n_micro, *window, Emax)
+                T.params.final_norm, Pmax, stage_layers[0], n_micro, *window, Emax, F8)
         dp_exposed = self._dp_cache.get(dkey)
         if dp_exposed is None:
-            dp_exposed = self._dp_cache[dkey] = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax)
+            dp_exposed = self._dp_cache[dkey] = self._dp_exposed(L, T, Pmax, stage_layers, n_micro, *window, v, Emax,
+                                                                 F8)
 
         # ---- optimizer step: one memory-bound pass over the local states, after gradient
         # clipping's norm (reads each gradient) and scale (reads and writes it: meshfold's
@@ -84,10 +87,11 @@ class StepTime:
                       dp_exposed, opt_time, casts, small)
 
     def _dp_exposed(self, L: Layout, T: LayerTerms, Pmax: float, stage_layers: list, n_micro: int,
-                    t_f: float, t_b: float, v: int, Emax: float = 0.0) -> float:
+                    t_f: float, t_b: float, v: int, Emax: float = 0.0, F8: float = 0.0) -> float:
         """Seconds of data-parallel traffic the step waits for (after overlap with compute).
         ``Emax``: the routed-expert parameters among ``Pmax`` (ep > 1), which zero 0/1 reduce
-        (and ZeRO-1 gathers) over the edp ranks instead."""
+        (and ZeRO-1 gathers) over the edp ranks instead; ``F8``: those FSDP2 gathers in fp8,
+        1 byte an element (``train.fp8_all_gather``), as traffic.py counts their bytes."""
         w, c, tp, cp, dp = self.w, self.c, L.tp, L.cp, L.dp
         pb, gb, ob, act = DTYPE_BYTES[w.dtype]
         # strides of each mesh dimension's groups, tp innermost (meshfold/mesh.py)
@@ -103,7 +107,7 @@ class StepTime:
         if fsdp:
             wg, wr = FSDP_WIRE[w.dtype]
             modules = stage_layers[0] + chunks  # blocks plus each chunk's root
-            t_ag = self.ct("all_gather", Pmax * wg, n_shard, st_dps)
+            t_ag = self.ct("all_gather", Pmax * wg - F8 * (wg - 1), n_shard, st_dps)
             t_red = (self.ct("reduce_scatter", Pmax * wr, n_shard, st_dps)
                      + self.ct("all_reduce", Pmax * wr / n_shard, n_rep, st_dpr))
             per_call = (c.collective_overhead_us + c.fsdp_overhead_us) * 1e-6
