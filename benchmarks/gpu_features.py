@@ -40,7 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 
 import gpu_step  # noqa: E402
-from gpu_step import RESULTS, SyncCounter, elapsed, kernel_table, part, sync, timed  # noqa: E402
+from gpu_step import RESULTS, SyncCounter, elapsed, part, sync, timed  # noqa: E402
+from meshfold.models.counts import flops_per_token  # noqa: E402
 from meshfold.models.presets import PRESETS  # noqa: E402
 from meshfold.train.trainer import Trainer  # noqa: E402
 
@@ -163,7 +164,6 @@ def titan_run(args, device, fp8: str = "none", attn_backend: str = "flex") -> di
            "params": n_params, "step_s": round(statistics.median(times), 4),
            "tokens_per_s": round(tokens / statistics.median(times), 1), "losses": [round(x, 4) for x in losses]}
     if device.type == "cuda":
-        from meshfold.models.counts import flops_per_token
         out["mfu_pct"] = round(100 * flops_per_token(cfg.model, cfg.model.seq_len) * out["tokens_per_s"] / 989e12, 2)
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     with SyncCounter() as sc:
@@ -184,7 +184,6 @@ def window_run(args, device, window: int) -> dict:
                               "micro_batch": 1})
     over = {**shape, "model.sliding_window": window, "data.doc_mask": False}
     if args.tiny:
-        a.preset = "gemma-3-1b"
         over.update({"model.n_layers": 2, "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                      "model.attn_head_dim": 16, "model.ffn_dim": 128, "model.seq_len": 256,
                      "model.sliding_window": min(window, 64), "model.vocab_size": TINY_VOCAB})

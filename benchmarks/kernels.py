@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from meshfold.config import ModelConfig  # noqa: E402
+from meshfold.models import attention_ops, moe_experts  # noqa: E402
 from meshfold.models.llama import CoreAttention, Transformer, init_weights  # noqa: E402
 
 
@@ -176,8 +177,6 @@ def _previous_experts_forward(self, x, counts, groups=None, gates=None):
 def _padded_groups(self, x, w1, w2, counts, groups, gates):
     """``GroupedExperts._grouped`` with CUDA's 16-byte group padding, as the CPU ran it before
     issue 47 (the padded layout's copies in and out of the grouped GEMM)."""
-    from meshfold.models import moe_experts
-
     align = max(1, moe_experts.GROUP_ALIGN_BYTES // x.element_size())
     groups = moe_experts._Groups(counts, x.shape[0], "grouped_mm", align=align)
     x = moe_experts._ScatterRows.apply(x, groups.dest, groups.padded_rows)
@@ -328,8 +327,6 @@ def bench_window(steps: int, seq: int = 8192, window: int = 1024) -> dict:
     scaled by 4) against full causal attention over the same tokens, forward + backward, one
     row, 8 query heads over 2 kv heads of 64: meshfold's banded tiles (``window_attention``
     on plain rows), the banded [S, S] mask it replaced, and plain causal SDPA."""
-    from meshfold.models import attention_ops
-
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, seq, h, 64, generator=g).requires_grad_() for h in (8, 2, 2))
     dout = torch.randn(1, seq, 8, 64, generator=g)

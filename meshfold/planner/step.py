@@ -44,8 +44,9 @@ class StepTime:
             L, T, n_micro, v, bound)
         Pmax = max(stage_params)
         window = (ENDLESS, ENDLESS) if bound else (t_f, t_b)
-        Emax = stages[stage_params.index(Pmax)].get(True, 0) * T.params.expert_p  # its routed experts (ep > 1)
-        F8 = fp8_gathered_params(w, stages[stage_params.index(Pmax)])  # of them FSDP2 gathers in fp8
+        largest = stages[stage_params.index(Pmax)]  # the stage with the most parameters: {is MoE: blocks}
+        Emax = largest.get(True, 0) * T.params.expert_p  # its routed experts (ep > 1)
+        F8 = fp8_gathered_params(w, largest)  # of them FSDP2 gathers in fp8
         # (memoised on what it reads: layouts differing in sp, cp's mode or, with bounded
         # windows, the micro-batch size share it)
         dkey = (L.zero, L.dp_shard, L.dp_replicate, tp, cp, L.ep, L.pp, L.pp_schedule, v, T.params.emb,
