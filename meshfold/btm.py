@@ -343,30 +343,6 @@ def format_table(result: dict) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("btm", help="Branch-Train-Merge: branch a seed per domain, merge or ensemble the branches")
-    cmd = p.add_subparsers(dest="btm_command", required=True)
-    b = cmd.add_parser("branch", help="one run directory per domain, seeded from a checkpoint")
-    b.add_argument("seed", help="seed checkpoint (RUN_DIR/checkpoints/step-N or a model-only checkpoint)")
-    b.add_argument("--domain", action="append", default=[], metavar="NAME=SOURCE",
-                   help="a branch and its data.source (or default:K/N, part K of N of the default corpus)")
-    b.add_argument("--out", required=True, help="folder to create, one run directory per domain in it")
-    b.add_argument("--config", default=None, help="base config (default: the seed run's config.toml)")
-    b.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a key of every branch (e.g. train.steps=40)")
-    m = cmd.add_parser("merge", help="average the branches into one checkpoint, or write an ensemble")
-    m.add_argument("folder", help="the folder btm branch wrote (its branches trained)")
-    m.add_argument("--out", required=True, help="checkpoint folder (or, with --ensemble, ensemble folder) to write")
-    m.add_argument("--weights", action="append", default=[], metavar="NAME=W",
-                   help="weight of a branch in the average (or the ensemble's prior); default equal")
-    m.add_argument("--ensemble", action="store_true", help="keep every branch; weight them by the domain posterior")
-    e = cmd.add_parser("eval", help="per-domain validation loss of the branches, extra models and an ensemble")
-    e.add_argument("folder", help="the folder btm branch wrote (its branches trained)")
-    e.add_argument("--model", action="append", default=[], metavar="LABEL=CKPT", help="another model to score")
-    e.add_argument("--ensemble", default=None, help="an ensemble written by merge --ensemble")
-    e.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-
-
 def run(args) -> int:
     try:
         if args.btm_command == "branch":

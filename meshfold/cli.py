@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+from meshfold.cli_arguments import CONVERT_HELP
 from meshfold.errors import ConfigError, did_you_mean
 from meshfold.schedules import get_schedule, schedule_names  # stdlib only: no start-up cost
 from meshfold.schedules.simulate import simulate
@@ -34,8 +35,7 @@ SUBCOMMANDS = {
     "timeline": Subcommand("meshfold.cli", "draw a pipeline schedule as a PNG (a run's measured step, or a schedule)"),
     "calibrate-cost": Subcommand("meshfold.cli", "measure the document cost model W(l) = a l^2 + b l"),
     "prepare": Subcommand("meshfold.data.prepare", "tokenise corpora once into a sharded, memory-mapped dataset"),
-    "convert": Subcommand("meshfold.convert", "Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3, Mixtral, Qwen3-MoE, "
-                                              "DeepSeek-V2/V3) <-> meshfold checkpoints"),
+    "convert": Subcommand("meshfold.convert", CONVERT_HELP, arguments="meshfold.cli_arguments"),
     "plan": Subcommand("meshfold.planner.cli", "search parallel layouts for a model and batch on a cluster"),
     "simulate": Subcommand("meshfold.planner.cli", "predict one layout (the config's [parallel]) in detail"),
     "calibrate": Subcommand("meshfold.calibration", "measure compute and alpha/beta with gloo processes; write a "
@@ -44,7 +44,8 @@ SUBCOMMANDS = {
     "dry-run": Subcommand("meshfold.dryrun", "build and step a layout for N ranks on this machine (fake ranks, "
                                              "fake tensors): memory per rank and collectives, next to the planner's",
                           arguments="meshfold.cli_arguments"),
-    "btm": Subcommand("meshfold.btm", "Branch-Train-Merge: branch a seed per domain, merge or ensemble the branches"),
+    "btm": Subcommand("meshfold.btm", "Branch-Train-Merge: branch a seed per domain, merge or ensemble the branches",
+                      arguments="meshfold.cli_arguments"),
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from meshfold.config import Config, dump_toml, load_config
-from meshfold.errors import ConfigError
+from meshfold.errors import ConfigError, did_you_mean
 from meshfold.models.config import ModelConfig
 from meshfold.models.hf import (ARCHITECTURES, FAMILIES, adapter_of_type, complete_from_weights, from_hf,
                                hf_config_from_model, hf_family, model_config_from_hf, read_safetensors, to_hf,
@@ -355,39 +355,11 @@ def check_hf(hf_dir: Path, batch: int = 2, seq: int = 64, seed: int = 0) -> dict
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face (Llama 3.x, Mistral, Qwen2/2.5/3, Mixtral, Qwen3-MoE, "
-                                        "DeepSeek-V2/V3) <-> meshfold checkpoints")
-    direction = p.add_subparsers(dest="direction", required=True)
-    imp = direction.add_parser("import",
-                               help="HF folder (config.json + safetensors + tokenizer) -> meshfold checkpoint")
-    imp.add_argument("hf_dir", help="Hugging Face model folder (config.json, *.safetensors, tokenizer)")
-    imp.add_argument("out", help="checkpoint folder to create (use it as train.init_from)")
-    imp.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint meshfold wrote")
-    imp.add_argument("--untie", action="store_true",
-                     help="tied embeddings: give the output projection its own copy (for parallel.pp > 1)")
-    exp = direction.add_parser("export", help="meshfold checkpoint (e.g. RUN_DIR/checkpoints/step-N) -> HF folder")
-    exp.add_argument("checkpoint", help="meshfold checkpoint folder, e.g. RUN_DIR/checkpoints/step-N")
-    exp.add_argument("out", help="Hugging Face folder to write")
-    exp.add_argument("--overwrite", action="store_true", help="replace OUT if it is a folder meshfold exported")
-    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
-    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file in GB (default 5)")
-    exp.add_argument("--arch", choices=FAMILIES, default=None,
-                     help="Hugging Face family to write (default: qwen3 with q/k norms, qwen2 with q/k/v biases, "
-                          "else llama)")
-    exp.add_argument("--tokenizer", default=None,
-                     help="tokenizer folder or tokenizer.json to copy (default: the checkpoint's own, or its "
-                          "run's data.tokenizer)")
-    chk = direction.add_parser("check", help="logits of transformers vs meshfold's import, fp32, same tokens")
-    chk.add_argument("hf_dir", help="Hugging Face model folder to import and compare")
-    chk.add_argument("--json", action="store_true", help="print one JSON object (key max_abs_diff)")
-    chk.add_argument("--batch", type=int, default=2, help="sequences of random tokens to compare (default 2)")
-    chk.add_argument("--seq", type=int, default=64, help="tokens per sequence (at most model.seq_len)")
-    chk.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-
-
 def run(args) -> int:
-
+    if getattr(args, "arch", None) and args.arch not in FAMILIES:
+        print(f"meshfold: error: convert export: --arch {args.arch!r} is not a family meshfold writes"
+              f"{did_you_mean(args.arch, FAMILIES)}; one of {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
     try:
         if args.direction == "import":
             m = import_hf(Path(args.hf_dir), Path(args.out), args.untie, args.overwrite)

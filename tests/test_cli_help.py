@@ -74,7 +74,8 @@ def test_unknown_command_says_did_you_mean(capsys):
     assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["dry-run", "--help"], ["plan", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["calibrate", "--help"], ["dry-run", "--help"], ["plan", "--help"],
+                                  ["convert", "export", "--help"], ["btm", "merge", "--help"]])
 def test_help_does_not_load_torch(argv):
     """What made ``--help`` take seconds: importing torch to build the parser."""
     code = ("import sys\nfrom meshfold.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
