@@ -17,8 +17,8 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from meshfold.calibration import calibrate
 from meshfold.config import from_dict
-from meshfold.planner.calibrate import (BLOCK_SEQ, busy_alpha_and_call, cluster_from_measurements, measurements_path,
-                                        tiny_step_config)
+from meshfold.planner.calibrate import (BLOCK_SEQ, LATENCY_FLOOR_S, busy_alpha_and_call, cluster_from_measurements,
+                                        measurements_path, tiny_step_config)
 from meshfold.planner.cli import layout_from_config, workload_from_config
 from meshfold.planner.cluster import cluster_from_dict, cluster_to_toml, load_cluster
 from meshfold.planner.cost import STEPS, CostModel, Layout, Workload
@@ -49,6 +49,16 @@ def test_busy_fit_recovers_hop_latency_and_call_cost(n, sizes):
     got_alpha, got_call = busy_alpha_and_call(n, r)
     assert got_alpha == pytest.approx(alpha, rel=1e-9)
     assert got_call == pytest.approx(call if sizes else 0.0, abs=1e-12)
+
+
+def test_latencies_lost_in_a_busy_hosts_noise_are_floored_not_zero():
+    """Under load the busy all-reduce can time at or below its compute-only loop: the hop is
+    then below what the host resolves, which the cluster file records as the floor, not 0."""
+    r = synthetic_measurements(2, -1e-5, 0.0, ())
+    r["ar_8"] = -2e-6
+    c = cluster_from_measurements(2, r)
+    assert c.intra_node_alpha_us == pytest.approx(LATENCY_FLOOR_S * 1e6)
+    assert c.in_step_alpha_us == pytest.approx(LATENCY_FLOOR_S * 1e6)
 
 
 def test_busy_fit_never_returns_a_negative_call_cost():

@@ -68,10 +68,11 @@ def cluster_from_measurements(nproc: int, r: dict, name: str = "calibrated-cpu")
         peak, half = f2 / t2, 0.0
     n = nproc
     a_small, a_big, size = r["ar_8"], r[f"ar_{4 << 20}"], float(4 << 20)
-    idle_alpha = a_small / max(1, 2 * (n - 1)) if n > 1 else 1e-4
+    idle_alpha = max(LATENCY_FLOOR_S, a_small / max(1, 2 * (n - 1))) if n > 1 else 1e-4
     # beta from the idle all-reduces (the same conditions as the alpha it subtracts)
     beta = (2 * (n - 1) / n * size) / max(1e-9, a_big - 2 * (n - 1) * idle_alpha) if n > 1 else 1e9
     alpha, call = busy_alpha_and_call(n, r) if n > 1 else (idle_alpha, 0.0)
+    alpha = max(LATENCY_FLOOR_S, alpha)
     tile_us = max(0.0, r[f"tiled_attention_{BLOCK_SEQ // 8}"] - r[f"tiled_attention_{BLOCK_SEQ}"]) / 35 * 1e6
     # the cost model's optimizer pass moves 2 (param + grad + states) bytes per parameter
     optimizer_GBps = 2 * (4 + 4 + 8) * (1 << 20) / r["optimizer_step_1m"] / 1e9
@@ -114,6 +115,12 @@ def predict_tiny_step(cluster: Cluster, n: int, zero: int, layers: int = 1, pp: 
     cfg = from_dict(tiny_step_config(n, "unused", zero, layers, pp))
     w = workload_from_config(cfg, on_gpu=False)  # the calibration runs gloo processes on the host
     return CostModel(w, cluster).estimate(layout_from_config(cfg, n)).step_time_s
+
+
+# A latency measured as a difference of two loops can come out at or below zero when the
+# host is busy (the noise exceeds a hop); a hop is never free, so such a fit is read as
+# "below what this machine resolves": 1 us, a shared-memory hop's order.
+LATENCY_FLOOR_S = 1e-6
 
 
 def busy_alpha_and_call(n: int, r: dict) -> tuple[float, float]:
