@@ -15,7 +15,9 @@ from meshfold.planner.attention.gqa import GroupedQuery
 from meshfold.planner.attention.mla import LatentAttention
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, Layout, Workload
-from meshfold.planner.kernels import layer_gemms
+from meshfold.planner import layer
+from meshfold.planner.kernels import fp8_cast_elements, layer_gemms
+from meshfold.planner.step import MEGATRON_OPTIMIZER_BYTES
 from meshfold.planner.terms import BlockTerms, LayerTerms, TpCalls
 
 
@@ -67,3 +69,33 @@ def test_no_planner_module_over_500_lines():
     root = Path(__file__).resolve().parents[1] / "meshfold" / "planner"
     sizes = {p.relative_to(root).as_posix(): p.read_text().count("\n") for p in root.rglob("*.py")}
     assert max(sizes.values()) <= 500, sizes
+
+
+def test_fp8_casts_and_megatron_optimizer_bytes_follow_the_code_that_runs(monkeypatch):
+    # torchao's Float8Linear casts each linear's input forward, and backward its output
+    # gradient twice (one layout per GEMM) and its input again; each weight once each way (issue 44)
+    assert fp8_cast_elements([(8.0, 4.0), (3.0, 5.0)]) == (9.0, 2 * 11.0 + 9.0)
+    m = preset("llama3-8b")
+    cluster = load_cluster("h100", devices=8)
+
+    def block(cast_bytes: int) -> BlockTerms:
+        monkeypatch.setitem(layer.FP8_CAST_BYTES, "fused", cast_bytes)
+        cm = CostModel(Workload(m, global_batch=8, kernels="fused", fp8=True), cluster)
+        return cm.layer_terms(1, False, 1, "ring", 1, 1, "none").kinds[False]
+
+    with_casts, without = block(5), block(0)
+    shapes = layer_gemms(m, 1, False)
+    f, b = fp8_cast_elements(shapes)
+    weights = sum(n * k for n, k in shapes)
+    tokens = m.seq_len
+    bw = cluster.device.hbm_GBps * 1e9 * cluster.device.hbm_eff
+    assert with_casts.fwd - without.fwd == pytest.approx(5 * (tokens * f + weights) / bw)
+    assert with_casts.bwd - without.bwd == pytest.approx(5 * (tokens * b + weights) / bw)
+    # Megatron's fp16 optimizer moves 58 bytes a parameter where the generic pass moves 38
+    gpt = dataclasses.replace(m, n_layers=4)
+    layout = Layout(dp_replicate=2, tp=4, micro_batch=1)
+    a100 = load_cluster("a100", devices=8)
+    generic = CostModel(Workload(gpt, global_batch=8, dtype="bf16"), a100).estimate(layout).time["optimizer"]
+    megatron = CostModel(Workload(gpt, global_batch=8, dtype="bf16", fp16_optimizer=True), a100).estimate(layout)
+    assert MEGATRON_OPTIMIZER_BYTES == 58
+    assert megatron.time["optimizer"] == pytest.approx(generic * 58 / 38)

@@ -99,6 +99,17 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
 FP8_CAST_BYTES = {"fused": 5, "eager": 35}
 
 
+def fp8_cast_elements(shapes: list[tuple[float, float]]) -> tuple[float, float]:
+    """Elements per token a block's Float8 linears cast, (forward, backward), as torchao's
+    ``Float8Linear`` runs them (``matmul_with_hp_or_float8_args``: it saves the bf16 input
+    and weight and casts again in backward): forward each linear's input (its inner
+    dimension k); backward its output gradient twice (e5m2 for the input gradient's GEMM,
+    and again in the other layout for the weight gradient's: 2 n) and its input again for
+    the weight gradient's GEMM (k). ``shapes``: (n, k) per linear (``layer_gemms``). The
+    weights are cast once each way (forward, and for the input gradient's GEMM)."""
+    return sum(k for _, k in shapes), sum(2 * n + k for n, k in shapes)
+
+
 def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, act: int, amp: bool,
                       flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float, float]:
     """HBM bytes of one block's memory-bound ops for ``tokens`` tokens on one device:

@@ -21,6 +21,7 @@ from meshfold.planner.kernels import (
     FP8_CAST_BYTES,
     attention_tiles_per_rank,
     elementwise_bytes,
+    fp8_cast_elements,
     gemm_backward_time,
     gemm_time,
     layer_gemms,
@@ -184,11 +185,13 @@ class LayerCosts:
                 per_token = self._model_cache[ekey] = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash,
                                                                         w.dropout, w.kernels, moe)
             ew_all, ew_attn, ew_sums, ew_back = (tokens * x for x in per_token)
-            if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
-                # its output gradient backward, and its weight each micro-batch (both ways)
+            if w.fp8:  # Float8 casts as torchao runs them (kernels.fp8_cast_elements): each
+                # linear's input forward; its output gradient twice and its input again backward;
+                # its weight once each way, every micro-batch
                 cast = FP8_CAST_BYTES[w.kernels]
-                casts8 = cast * tokens * sum(n + k for n, k in layer_gemms(m, tp, moe)) + 2 * cast * (attn_p + ffn_total) / tp
-                ew_all, ew_back = ew_all + casts8, ew_back + 2 * casts8
+                cast_f, cast_b = fp8_cast_elements(layer_gemms(m, tp, moe))
+                weights8 = cast * (attn_p + ffn_total) / tp
+                ew_all, ew_back = ew_all + cast * tokens * cast_f + weights8, ew_back + cast * tokens * cast_b + weights8
             ew_f = ew_all * scale
             fwd_c = sum(gemms) + attn_f
             fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3

@@ -105,13 +105,15 @@ def rows() -> list[Row]:
     for params, a, h, layers, tp, pp, gpus, batch, tflops in MEGATRON_TABLE1:
         out.append(Row(f"{params}B, {gpus} GPUs (Table 1)", MEGATRON, "a100-dgx", gpus, tflops, "TFLOP/s/GPU", 0.15,
                        _gpt(h, a, layers), dict(global_batch=batch, dtype="bf16", flash=False, dropout=True,
-                                                kernels="fused", pp_scatter_gather=True),
+                                                kernels="fused", pp_scatter_gather=True,
+                                                fp16_optimizer=True),
                        Layout(dp_replicate=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full"),
                        overlap=0.0))
     for gpus, tflops in MEGATRON_TABLE2:
         out.append(Row(f"175B PTD-P, {gpus} GPUs (Table 2)", MEGATRON, "a100-dgx", gpus, tflops, "TFLOP/s/GPU", 0.15,
                        _gpt(12288, 96, 96), dict(global_batch=1536, dtype="bf16", flash=False, dropout=True,
-                                                 kernels="fused", pp_scatter_gather=True),
+                                                 kernels="fused", pp_scatter_gather=True,
+                                                fp16_optimizer=True),
                        Layout(dp_shard=gpus // 64, zero=1, tp=8, pp=8, micro_batch=1, recompute="full"),
                        overlap=0.0))
     for params, a, h, layers, tp, pp, gpus, batch, mb, full_s, selective_s in KORTHIKANTI_TABLE5:
@@ -120,7 +122,8 @@ def rows() -> list[Row]:
             out.append(Row(f"{size} {recompute}{' + sp' if sp else ''}, {gpus} GPUs (Table 5)", KORTHIKANTI,
                            "a100-dgx", gpus, seconds, "s/step", 0.15, _gpt(h, a, layers),
                            dict(global_batch=batch, dtype="bf16", flash=False, dropout=True, kernels="fused",
-                                tp_overlap=True, wgrad_fused=True, pp_scatter_gather=True),
+                                tp_overlap=True, wgrad_fused=True, pp_scatter_gather=True,
+                                fp16_optimizer=True),
                            Layout(dp_replicate=gpus // (tp * pp), tp=tp, sp=sp, pp=pp, micro_batch=mb,
                                   recompute=recompute), overlap=0.0))
     for name, model, gpus, tps, layout, extra in TORCHTITAN_ROWS:
