@@ -88,13 +88,18 @@ class Device:
     # blocks' norms, RoPE, activations, adds, copies and the loss's passes, as counted by
     # ``kernels.elementwise_bytes``); 0 = hbm_eff. Measured on an H200 (docs/planner.md).
     eager_hbm_eff: float = 0.0
+    # Fraction of hbm_GBps an eager elementwise op with a broadcast operand and a dtype change
+    # reaches (TensorIterator's non-vectorized path: the chunked loss's ``logits - max``, bf16
+    # in, fp32 out); 0 = eager_hbm_eff. Measured on an H200 (docs/planner.md).
+    broadcast_hbm_eff: float = 0.0
 
 
 # Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
 _A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63,  # MAMF; FlashAttention-2 paper
              overlap_slowdown=0.2, gemm_epilogue_k=2048)  # MAMF's best shape 6912x16384x2048  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
 _H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.29,  # MAMF; FA2 on H100 (FA3 paper; bwd measured)
-             overlap_slowdown=0.2, eager_hbm_eff=0.744)  # meshfold's eager step on an H200 (docs/planner.md)
+             overlap_slowdown=0.2, eager_hbm_eff=0.744,  # meshfold's eager step on an H200 (docs/planner.md)
+             broadcast_hbm_eff=0.268)  # the loss's broadcast subtractions in the same (docs/planner.md)
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, sms=108, **_A100),
     "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, sms=108, **_A100),

@@ -256,8 +256,12 @@ class LayerCosts:
         self._gemm_cache[(tokens, tp, "logits")] = logits
         logits_gemm, logits_back = logits
         ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
-        out_fwd = logits_gemm + (2 * act + 16) * ce if d.gemm_tile else logits_gemm + ce
-        out_bwd = logits_back + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
+        # (eager: the shifted fp32 copy, forward and backward, subtracts a broadcast per-token
+        # max from the compute-dtype logits: PyTorch runs that on its non-vectorized path)
+        shift = ((act + 4) * (bw / (hbm * d.broadcast_hbm_eff) - 1)
+                 if w.kernels == "eager" and d.broadcast_hbm_eff else 0.0)
+        out_fwd = logits_gemm + (2 * act + 16 + shift) * ce if d.gemm_tile else logits_gemm + ce
+        out_bwd = logits_back + (2 * act + 24 + shift) * ce if d.gemm_tile else 2 * out_fwd
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
         # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
         # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:
