@@ -15,7 +15,7 @@ from meshfold.planner.attention.gqa import GroupedQuery
 from meshfold.planner.attention.mla import LatentAttention
 from meshfold.planner.cluster import load_cluster
 from meshfold.planner.cost import CostModel, Layout, Workload
-from meshfold.planner import layer
+from meshfold.planner import kernels, layer
 from meshfold.planner.kernels import fp8_cast_elements, layer_gemms
 from meshfold.planner.step import MEGATRON_OPTIMIZER_BYTES
 from meshfold.planner.terms import BlockTerms, LayerTerms, TpCalls
@@ -120,3 +120,22 @@ def test_the_eager_loss_prices_its_broadcast_subtractions_at_their_measured_rate
     fused = CostModel(Workload(m, global_batch=1, kernels="fused"), h200).layer_terms(1, False, 1, "ring", 1, 1, "none")
     fused0 = CostModel(Workload(m, global_batch=1, kernels="fused"), plain).layer_terms(1, False, 1, "ring", 1, 1, "none")
     assert fused.time.out_fwd == fused0.time.out_fwd  # (Megatron's and compiled runs' profile: not this path)
+
+
+def test_moe_blocks_price_their_routing_bytes(monkeypatch):
+    # gather_rows, the gates, scatter_add_rows and their gradients (models/moe.py), by the bytes
+    # they move per routed row and token; dense blocks have none (issue 44 item 4)
+    m = preset("mixtral-8x7b")
+    cluster = load_cluster("h100", devices=8)
+
+    def kinds():
+        return CostModel(Workload(m, global_batch=8), cluster).layer_terms(2, True, 1, "ring", 1, 1, "none").kinds
+
+    priced = kinds()
+    monkeypatch.setattr(layer, "moe_routing_bytes", lambda *args: (0.0, 0.0))
+    bare = kinds()
+    rf, rb = kernels.moe_routing_bytes(m, 2, True, 2, m.moe_topk)
+    bw = cluster.device.hbm_GBps * 1e9 * cluster.device.eager_hbm_eff
+    assert True in priced
+    assert priced[True].fwd - bare[True].fwd == pytest.approx(m.seq_len * rf / bw)
+    assert priced[True].bwd - bare[True].bwd == pytest.approx(m.seq_len * rb / bw)

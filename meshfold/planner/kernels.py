@@ -172,6 +172,28 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
     return tokens * (per_token + attn), tokens * attn, tokens * sums, tokens * bwd
 
 
+def moe_routing_bytes(m: ModelConfig, tp: int, sp: bool, act: int, rows: float) -> tuple[float, float]:
+    """HBM bytes per token of a MoE block's routing as ``models/moe.py`` runs it (dropless
+    ``LocalDispatcher`` or capacity slots), (forward, backward); ``rows`` routed rows per
+    token (top-k, or every capacity slot's share). Forward: the rows gathered (read and write
+    each, ``gather_rows``), the gates applied to the experts' hidden rows (read, write), and
+    ``scatter_add_rows``: an fp32 zero buffer per token, the rows upcast (a in, 4 out),
+    ``index_add`` (read the row, read and write its token's sum: 12) and the sums cast back
+    (4 in, a out). Backward: the output gradient upcast, ``index_add``'s gradient (an
+    ``index_select``: 4 + 4 a row) and the rows' cast back (4 + a), the gates' gradient
+    (the hidden rows and their gradient read, the scaled gradient written) and the gather's
+    gradient (``_GatherRows``: a zero buffer per token, then ``index_add`` of the rows: read
+    the row, read and write the sum). Rows are h / tp wide (a tp rank routes its expert
+    column's share), the token side as wide as the block's residual (h / tp with sp)."""
+    a = act
+    h = m.dim / tp
+    hn = m.dim / tp if sp else m.dim
+    f = m.expert_dim / tp
+    fwd = rows * ((2 * a + a + 4 + 12) * h + 2 * a * f) + (4 + 4 + a) * hn
+    bwd = rows * ((8 + 4 + a + 3 * a) * h + 4 * a * f) + (a + 4 + a) * hn
+    return fwd, bwd
+
+
 def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int,
                     in_step: bool = False) -> float:
     """alpha-beta time of one collective over a group of n ranks ``stride`` apart.

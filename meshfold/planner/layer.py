@@ -26,6 +26,7 @@ from meshfold.planner.kernels import (
     gemm_time,
     layer_gemms,
     matmul_efficiency,
+    moe_routing_bytes,
 )
 from meshfold.planner.terms import (
     BlockTerms,
@@ -182,8 +183,11 @@ class LayerCosts:
             ekey = ("ew", tp, sp, moe)  # (bytes per token: the count is linear in the tokens)
             per_token = self._model_cache.get(ekey)
             if per_token is None:
-                per_token = self._model_cache[ekey] = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash,
-                                                                        w.dropout, w.kernels, moe)
+                per_token = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash, w.dropout, w.kernels, moe)
+                if moe:  # the routing's gathers, casts and index-adds (kernels.moe_routing_bytes)
+                    rf, rb = moe_routing_bytes(m, tp, sp, act, m.moe_topk * routed_fraction(m, s))
+                    per_token = (per_token[0] + rf, per_token[1], per_token[2], per_token[3] + rb)
+                self._model_cache[ekey] = per_token
             ew_all, ew_attn, ew_sums, ew_back = (tokens * x for x in per_token)
             if w.fp8:  # Float8 casts as torchao runs them (kernels.fp8_cast_elements): each
                 # linear's input forward; its output gradient twice and its input again backward;
