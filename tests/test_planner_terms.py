@@ -139,3 +139,16 @@ def test_moe_blocks_price_their_routing_bytes(monkeypatch):
     assert True in priced
     assert priced[True].fwd - bare[True].fwd == pytest.approx(m.seq_len * rf / bw)
     assert priced[True].bwd - bare[True].bwd == pytest.approx(m.seq_len * rb / bw)
+
+
+def test_sandwich_and_qk_norms_are_memory_bound_work():
+    # Gemma 3 normalises the attention and MLP outputs too (registry.post_norms) and each head's
+    # q and k (qk_norm): two more norms over the residual width and one over q and k (issue 44)
+    g = dataclasses.replace(preset("gemma-3-1b"), n_layers=2)
+    plain = dataclasses.replace(g, qk_norm=False, sandwich_norm=False)
+    eager = [kernels.elementwise_bytes(x, 1, g.seq_len, 1, False, 2, True, True, False, "eager")[0] for x in (g, plain)]
+    qk = (g.n_heads + g.kv_heads) * g.head_dim
+    assert eager[0] - eager[1] == pytest.approx(2 * 28 * g.dim + (28 + 4 * 2) * qk)
+    fused = [kernels.elementwise_bytes(x, 1, g.seq_len, 1, False, 2, True, True, False, "fused") for x in (g, plain)]
+    assert fused[0][0] - fused[1][0] == pytest.approx(2 * 4 * g.dim + 4 * qk)
+    assert fused[0][3] - fused[1][3] == pytest.approx(2 * 6 * g.dim + 6 * qk)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import Cluster
@@ -149,12 +150,17 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
     rope = m.pos == "rope"
     scores = 0.0 if flash else (m.n_heads / tp) * s  # score elements per token
     drop = 1.0 if dropout else 0.0
+    # norms over the residual width: two, four where the family also normalises the attention
+    # and MLP outputs (``registry.post_norms``: Gemma 3's sandwich); per-head q/k norms
+    # (``qk_norm``) over the q and k elements, from the projections' compute-dtype outputs
+    n_norms = 4 if registry.post_norms(m) else 2
+    qk = hq + hk if m.qk_norm else 0.0
     if kernels == "fused":
         norm = 2 * a
-        per_token = (2 * norm * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+        per_token = (n_norms * norm * hn + norm * qk + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
                      + (3 * a if swiglu else 2 * a) * f + 2 * (3 * a + drop) * hn)
         attn = scores * (2 * a + drop * (2 * a + 1))
-        bwd = (2 * 3 * a * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+        bwd = (n_norms * 3 * a * hn + 3 * a * qk + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
                + (5 * a if swiglu else 3 * a) * f + 2 * (2 * a + 1 if dropout else a) * hn
                + scores * (3 * a + drop * (2 * a + 1)))
     else:
@@ -163,7 +169,8 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
         else:
             norm = 28 + (0 if amp else 4 * a)
         casts = (3 + (2 if swiglu else 1)) * 6 if amp else 0.0
-        per_token = (2 * norm * hn + casts * h + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
+        per_token = (n_norms * norm * hn + (28 + 4 * a) * qk + casts * h
+                     + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
                      + (5 * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
         attn = scores * (3 * 2 * a + drop * (2 * a + 1))
         bwd = 2 * (per_token + attn)
