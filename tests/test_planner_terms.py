@@ -152,3 +152,23 @@ def test_sandwich_and_qk_norms_are_memory_bound_work():
     fused = [kernels.elementwise_bytes(x, 1, g.seq_len, 1, False, 2, True, True, False, "fused") for x in (g, plain)]
     assert fused[0][0] - fused[1][0] == pytest.approx(2 * 4 * g.dim + 4 * qk)
     assert fused[0][3] - fused[1][3] == pytest.approx(2 * 6 * g.dim + 6 * qk)
+
+
+def test_dropless_routed_experts_run_at_the_grouped_gemm_rate():
+    # torch._grouped_mm's experts at Device.grouped_gemm_eff of the dense rate (H200-measured);
+    # the shared experts' share and a capacity's batched matmul stay dense (issue 44 item 4)
+    h100 = load_cluster("h100", devices=8)
+    dense_dev = dataclasses.replace(h100, device=dataclasses.replace(h100.device, grouped_gemm_eff=0.0))
+
+    def compute(m, cluster):
+        kinds = CostModel(Workload(m, global_batch=8), cluster).layer_terms(1, False, 1, "ring", 1, 1, "none").kinds
+        return kinds[True].compute_fwd
+
+    m = dataclasses.replace(preset("mixtral-8x7b"), moe_shared_experts=1)
+    share = m.moe_topk / (m.moe_topk + 1)
+    grouped, dense = compute(m, h100), compute(m, dense_dev)
+    d = h100.device
+    mlp = sum(kernels.gemm_time(d, m.seq_len, n, k, m.dim, 2) for n, k in kernels.layer_gemms(m, 1, True)[-3:])
+    assert grouped - dense == pytest.approx(mlp * share * (1 / d.grouped_gemm_eff - 1))
+    capped = dataclasses.replace(m, moe_capacity_factor=1.25)
+    assert compute(capped, h100) == compute(capped, dense_dev)

@@ -92,6 +92,9 @@ class Device:
     # reaches (TensorIterator's non-vectorized path: the chunked loss's ``logits - max``, bf16
     # in, fp32 out); 0 = eager_hbm_eff. Measured on an H200 (docs/planner.md).
     broadcast_hbm_eff: float = 0.0
+    # Fraction of the dense GEMM time (``kernels.gemm_time`` at the experts' active width) a
+    # dropless MoE's routed experts reach as grouped GEMMs; 0 = as dense. Measured on an H200.
+    grouped_gemm_eff: float = 0.0
 
 
 # Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
@@ -99,7 +102,8 @@ _A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63,  # MA
              overlap_slowdown=0.2, gemm_epilogue_k=2048)  # MAMF's best shape 6912x16384x2048  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
 _H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.29,  # MAMF; FA2 on H100 (FA3 paper; bwd measured)
              overlap_slowdown=0.2, eager_hbm_eff=0.744,  # meshfold's eager step on an H200 (docs/planner.md)
-             broadcast_hbm_eff=0.268)  # the loss's broadcast subtractions in the same (docs/planner.md)
+             broadcast_hbm_eff=0.268,  # the loss's broadcast subtractions in the same (docs/planner.md)
+             grouped_gemm_eff=0.82)  # torch._grouped_mm's experts in gpt-oss's step on an H200 (docs/planner.md)
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, sms=108, **_A100),
     "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, sms=108, **_A100),

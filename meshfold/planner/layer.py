@@ -175,6 +175,13 @@ class LayerCosts:
                 shapes = layer_gemms(m, tp, moe)
                 hit = ([gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in shapes],
                        [gemm_backward_time(d, tokens, n, k, h / tp, act, w.fp8, w.wgrad_fused) for n, k in shapes])
+                if moe and d.grouped_gemm_eff and m.moe_capacity_factor <= 0:
+                    # dropless, the routed experts run as grouped GEMMs (torch._grouped_mm), below
+                    # the dense rate (``Device.grouped_gemm_eff``); the shared experts' share stays dense
+                    slow = 1 + m.moe_topk / (m.moe_topk + m.moe_shared_experts) * (1 / d.grouped_gemm_eff - 1)
+                    mlp = len(shapes) - (3 if m.gated_mlp else 2)
+                    hit = ([t * (slow if i >= mlp else 1.0) for i, t in enumerate(hit[0])],
+                           [tuple(x * (slow if i >= mlp else 1.0) for x in pair) for i, pair in enumerate(hit[1])])
             elif hit is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
                 one = 2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)
                 hit = ([one], [(one, one)])
