@@ -172,3 +172,15 @@ def test_dropless_routed_experts_run_at_the_grouped_gemm_rate():
     assert grouped - dense == pytest.approx(mlp * share * (1 / d.grouped_gemm_eff - 1))
     capped = dataclasses.replace(m, moe_capacity_factor=1.25)
     assert compute(capped, h100) == compute(capped, dense_dev)
+
+
+def test_a_registered_activation_prices_its_own_eager_ops():
+    # gpt-oss's clamped SwiGLU runs 16 elements a hidden element eager (registry.mlp_elements),
+    # silu(gate) * up 5: its routed experts' memory-bound bytes follow the registered count
+    g = dataclasses.replace(preset("gpt-oss-20b"), n_layers=2)
+    plain = dataclasses.replace(g, mlp="swiglu")
+    args = (1, g.seq_len, 1, False, 2, True, True, False, "eager")
+    moe = [kernels.elementwise_bytes(x, *args, moe=True)[0] for x in (g, plain)]
+    f = g.moe_topk * g.expert_dim
+    assert moe[0] - moe[1] == pytest.approx((16 - 5) * 2 * f)
+    assert kernels.elementwise_bytes(g, *args)[0] == kernels.elementwise_bytes(plain, *args)[0]  # dense blocks

@@ -169,9 +169,11 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
         else:
             norm = 28 + (0 if amp else 4 * a)
         casts = (3 + (2 if swiglu else 1)) * 6 if amp else 0.0
+        # (a MoE block's routed experts may run a family's registered activation: its own count)
+        glu = (registry.mlp_elements(m.mlp) if moe else None) or 5
         per_token = (n_norms * norm * hn + (28 + 4 * a) * qk + casts * h
                      + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
-                     + (5 * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
+                     + (glu * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
         attn = scores * (3 * 2 * a + drop * (2 * a + 1))
         bwd = 2 * (per_token + attn)
     g = 4 if amp else a  # the norm outputs' gradients: fp32 behind autocast's casts
