@@ -11,6 +11,10 @@ model, published vs predicted.
 
     .venv/bin/python benchmarks/planner_accuracy.py [--json]
 
+``--h200``: the step times measured on one H200 for the newer families (gemma-3-1b with and
+without its windows, gpt-oss-20b and llama4-scout cut to a few layers, plain rows;
+``benchmarks/results/gpu_features_h200_run2.json``, docs/gpu.md) against the planner's.
+
 ``--measure``: predicted vs measured step time on this machine, after ``meshfold calibrate``.
 For N in (4, 8): calibrate N gloo processes (``meshfold calibrate``), train a small model
 for a few steps with each layout (``meshfold train --nproc N``), and compare the run's
@@ -148,8 +152,51 @@ def published_main(as_json: bool) -> int:
     return 0
 
 
+# The H200 runs of ``benchmarks/gpu_features.py`` with plain rows (no packed documents: the
+# planner prices attention over whole rows), as each was configured there: preset, layers,
+# model overrides. Seq 8192, global batch 4, micro-batch 1, eager bf16 (docs/gpu.md).
+H200_RUNS = {
+    "window-512": ("gemma-3-1b", 6, {}),
+    "window-full": ("gemma-3-1b", 6, {"sliding_window": 0}),
+    "family-gpt-oss": ("gpt-oss-20b", 4, {}),
+    "family-gpt-oss-full": ("gpt-oss-20b", 4, {"alternating_window": 0}),
+    "family-llama4": ("llama4-scout", 2, {"moe_experts": 8, "attention_chunk_size": 2048}),
+    "family-llama4-full": ("llama4-scout", 2, {"moe_experts": 8, "attention_chunk_size": 0}),
+}
+
+
+def h200_main() -> int:
+    """Measured step times of the H200 family runs (``benchmarks/results/gpu_features_h200_run2.json``)
+    against the planner's for the same config on ``h200:1``."""
+    from meshfold.config import Config, validate
+    from meshfold.models.presets import preset
+    from meshfold.planner.cluster import load_cluster
+    from meshfold.planner.cost import CostModel
+    from meshfold.planner.from_config import layout_from_config, workload_from_config
+
+    measured = json.loads((ROOT / "benchmarks/results/gpu_features_h200_run2.json").read_text())
+    errs = []
+    print(f"{'run (H200, run 2)':22s} {'measured s':>10s} {'planner s':>10s} {'error':>8s}")
+    for name, (model, layers, over) in H200_RUNS.items():
+        cfg = Config(model=preset(model, seq_len=8192))
+        cfg.model.n_layers = layers
+        for key, value in over.items():
+            setattr(cfg.model, key, value)
+        cfg.train.global_batch, cfg.train.micro_batch, cfg.data.doc_mask = 4, 1, False
+        cfg = validate(cfg, 1)
+        est = CostModel(workload_from_config(cfg, True), load_cluster("h200", devices=1)).estimate(
+            layout_from_config(cfg, 1))
+        step = measured[name]["step_s"]
+        errs.append(est.step_time_s / step - 1)
+        print(f"{name:22s} {step:10.4f} {est.step_time_s:10.4f} {100 * errs[-1]:+7.1f}%")
+    print(f"H200 runs: {len(errs)}, mean |error| {100 * sum(map(abs, errs)) / len(errs):.1f}%, "
+          f"max {100 * max(map(abs, errs)):.1f}%")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--h200", action="store_true", help="the measured H200 family runs against the planner")
     ap.add_argument("--measure", action="store_true", help="calibrate this machine and compare measured runs")
     ap.add_argument("--json", action="store_true", help="published rows as JSON")
     ap.add_argument("--out", default="runs/planner_bench")
@@ -160,6 +207,8 @@ def main() -> int:
     ap.add_argument("--predict-only", action="store_true",
                     help="no training: (re)calibrate and predict the runs already in --out")
     args = ap.parse_args()
+    if args.h200:
+        return h200_main()
     if not args.measure:
         return published_main(args.json)
     out = Path(args.out)

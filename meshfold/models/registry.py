@@ -94,7 +94,9 @@ class Family:
     for configs not its own); ``post_norms(cfg)``: whether blocks also normalise the attention
     and feed-forward outputs before the residual add (four norms per block); ``mlps``: gated
     activation name (``model.mlp``) -> ``"module:fn"``, ``fn(cfg) -> glu(gate, up)`` (its
-    routed experts' activation in place of silu(gate) * up)."""
+    routed experts' activation in place of silu(gate) * up); ``mlp_elements``: such an
+    activation's eager forward, in compute-dtype elements read and written per hidden element
+    (silu(gate) * up: 5; the planner's memory-bound bytes)."""
 
     name: str
     sections: tuple[type, ...] = ()
@@ -108,6 +110,7 @@ class Family:
     layer_attention: Callable[[ModelConfig, int], LayerAttention | None] | None = None
     post_norms: Callable[[ModelConfig], bool] | None = None
     mlps: Mapping[str, str] = field(default_factory=dict)
+    mlp_elements: Mapping[str, int] = field(default_factory=dict)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -167,6 +170,11 @@ def norms() -> dict[str, str]:
 
 def mlps() -> dict[str, str]:
     return {name: path for f in _FAMILIES.values() for name, path in f.mlps.items()}
+
+
+def mlp_elements(name: str) -> int | None:
+    """A registered gated activation's eager elements per hidden element (None: not registered)."""
+    return next((f.mlp_elements[name] for f in _FAMILIES.values() if name in f.mlp_elements), None)
 
 
 def embedding_scale(cfg: ModelConfig) -> float:

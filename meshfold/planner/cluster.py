@@ -88,13 +88,22 @@ class Device:
     # blocks' norms, RoPE, activations, adds, copies and the loss's passes, as counted by
     # ``kernels.elementwise_bytes``); 0 = hbm_eff. Measured on an H200 (docs/planner.md).
     eager_hbm_eff: float = 0.0
+    # Fraction of hbm_GBps an eager elementwise op with a broadcast operand and a dtype change
+    # reaches (TensorIterator's non-vectorized path: the chunked loss's ``logits - max``, bf16
+    # in, fp32 out); 0 = eager_hbm_eff. Measured on an H200 (docs/planner.md).
+    broadcast_hbm_eff: float = 0.0
+    # Fraction of the dense GEMM time (``kernels.gemm_time`` at the experts' active width) a
+    # dropless MoE's routed experts reach as grouped GEMMs; 0 = as dense. Measured on an H200.
+    grouped_gemm_eff: float = 0.0
 
 
 # Data-sheet numbers (dense, no sparsity) and measured efficiencies; sources in docs/planner.md.
 _A100 = dict(matmul_eff=0.859, attention_eff=0.73, attention_bwd_eff=0.63,  # MAMF; FlashAttention-2 paper
              overlap_slowdown=0.2, gemm_epilogue_k=2048)  # MAMF's best shape 6912x16384x2048  # NCCL beside GEMMs: 10-30 % measured (docs/planner.md)
 _H100 = dict(matmul_eff=0.801, attention_eff=0.35, attention_bwd_eff=0.29,  # MAMF; FA2 on H100 (FA3 paper; bwd measured)
-             overlap_slowdown=0.2, eager_hbm_eff=0.744)  # meshfold's eager step on an H200 (docs/planner.md)
+             overlap_slowdown=0.2, eager_hbm_eff=0.744,  # meshfold's eager step on an H200 (docs/planner.md)
+             broadcast_hbm_eff=0.268,  # the loss's broadcast subtractions in the same (docs/planner.md)
+             grouped_gemm_eff=0.82)  # torch._grouped_mm's experts in gpt-oss's step on an H200 (docs/planner.md)
 DEVICES: dict[str, Device] = {
     "a100-80gb": Device("a100-80gb", 312.0, 80.0, 2039.0, sms=108, **_A100),
     "a100-40gb": Device("a100-40gb", 312.0, 40.0, 1555.0, sms=108, **_A100),
@@ -239,25 +248,29 @@ def _always_intra(stride: int, size: int, dpn: int) -> bool:
 # rate one way (NVLink 3 and 4: 25 GB/s, NVLink 5: 50): its protocol's overhead, ~20 %
 # (NCCL's maintainers: 370 of 450 GB/s on H100, NVIDIA/nccl-tests#212)
 NVLINK_EFF = {"a100": 20.0 / 25.0, "hopper": 20.6 / 25.0, "b200": 40.1 / 50.0}
+# NCCL's latency model for its Ring algorithm with the Simple protocol (what it picks for the
+# large collectives that matter; src/graph/tuning.cc): a base latency per collective, 8.4 us
+# (``collective_overhead_us``), and 3.4 us a ring step over NVLink (``intra_node_alpha_us``)
+NCCL_LATENCY = dict(collective_overhead_us=8.4, intra_node_alpha_us=3.4)
 PRESETS: dict[str, dict] = {
     # DGX A100: NVSwitch (600 GB/s bidirectional = 300 one way), 8x HDR 200 Gb/s = 25 GB/s/GPU.
     "a100-dgx": dict(devices_per_node=8, device="a100-80gb", intra_node_GBps=300.0, inter_node_GBps=25.0,
-                     intra_node_eff=NVLINK_EFF["a100"]),
+                     intra_node_eff=NVLINK_EFF["a100"], **NCCL_LATENCY),
     # DGX H100: NVLink 4 (900 GB/s bidirectional), 8x NDR 400 Gb/s = 50 GB/s/GPU.
     "h100-dgx": dict(devices_per_node=8, device="h100-sxm", intra_node_GBps=450.0, inter_node_GBps=50.0,
-                     intra_node_eff=NVLINK_EFF["hopper"]),
+                     intra_node_eff=NVLINK_EFF["hopper"], **NCCL_LATENCY),
     "h200-dgx": dict(devices_per_node=8, device="h200", intra_node_GBps=450.0, inter_node_GBps=50.0,
-                     intra_node_eff=NVLINK_EFF["hopper"]),
+                     intra_node_eff=NVLINK_EFF["hopper"], **NCCL_LATENCY),
     # Grand Teton (torchtitan's H100 benchmarks): 8 H100 96GB at 500 W, NVLink 4, 400 Gb/s RDMA per GPU.
     "h100-grand-teton": dict(devices_per_node=8, device="h100-96gb-500w", intra_node_GBps=450.0,
-                             inter_node_GBps=50.0, intra_node_eff=NVLINK_EFF["hopper"]),
+                             inter_node_GBps=50.0, intra_node_eff=NVLINK_EFF["hopper"], **NCCL_LATENCY),
     # PCIe servers: 8 cards on PCIe 5.0 x16 (64 GB/s one way; NVLink bridges join pairs
     # only), one 400 Gb/s NIC per GPU.
     "h100-pcie": dict(devices_per_node=8, device="h100-pcie", intra_node_GBps=64.0, inter_node_GBps=50.0),
     "h100-nvl": dict(devices_per_node=8, device="h100-nvl", intra_node_GBps=64.0, inter_node_GBps=50.0),
     # DGX B200: NVLink 5 (1.8 TB/s bidirectional = 900 one way), 8x 400 Gb/s ConnectX-7.
     "b200-dgx": dict(devices_per_node=8, device="b200", intra_node_GBps=900.0, inter_node_GBps=50.0,
-                     intra_node_eff=NVLINK_EFF["b200"]),
+                     intra_node_eff=NVLINK_EFF["b200"], **NCCL_LATENCY),
     # MI300X platform: 7 Infinity Fabric links of 64 GB/s one way per GPU (896 GB/s
     # aggregate bidirectional), 8x 400 Gb/s NICs.
     "mi300x": dict(devices_per_node=8, device="mi300x", intra_node_GBps=448.0, inter_node_GBps=50.0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from meshfold.models import registry
 from meshfold.models.config import ModelConfig
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import Cluster
@@ -99,6 +100,17 @@ def layer_gemms(m: ModelConfig, tp: int, moe: bool) -> list[tuple[float, float]]
 FP8_CAST_BYTES = {"fused": 5, "eager": 35}
 
 
+def fp8_cast_elements(shapes: list[tuple[float, float]]) -> tuple[float, float]:
+    """Elements per token a block's Float8 linears cast, (forward, backward), as torchao's
+    ``Float8Linear`` runs them (``matmul_with_hp_or_float8_args``: it saves the bf16 input
+    and weight and casts again in backward): forward each linear's input (its inner
+    dimension k); backward its output gradient twice (e5m2 for the input gradient's GEMM,
+    and again in the other layout for the weight gradient's: 2 n) and its input again for
+    the weight gradient's GEMM (k). ``shapes``: (n, k) per linear (``layer_gemms``). The
+    weights are cast once each way (forward, and for the input gradient's GEMM)."""
+    return sum(k for _, k in shapes), sum(2 * n + k for n, k in shapes)
+
+
 def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, act: int, amp: bool,
                       flash: bool, dropout: bool, kernels: str, moe: bool = False) -> tuple[float, float, float, float]:
     """HBM bytes of one block's memory-bound ops for ``tokens`` tokens on one device:
@@ -138,12 +150,17 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
     rope = m.pos == "rope"
     scores = 0.0 if flash else (m.n_heads / tp) * s  # score elements per token
     drop = 1.0 if dropout else 0.0
+    # norms over the residual width: two, four where the family also normalises the attention
+    # and MLP outputs (``registry.post_norms``: Gemma 3's sandwich); per-head q/k norms
+    # (``qk_norm``) over the q and k elements, from the projections' compute-dtype outputs
+    n_norms = 4 if registry.post_norms(m) else 2
+    qk = hq + hk if m.qk_norm else 0.0
     if kernels == "fused":
         norm = 2 * a
-        per_token = (2 * norm * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+        per_token = (n_norms * norm * hn + norm * qk + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
                      + (3 * a if swiglu else 2 * a) * f + 2 * (3 * a + drop) * hn)
         attn = scores * (2 * a + drop * (2 * a + 1))
-        bwd = (2 * 3 * a * hn + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
+        bwd = (n_norms * 3 * a * hn + 3 * a * qk + (2 * a * (hq + 2 * hk) if rope else 0.0) + 2 * a * hq
                + (5 * a if swiglu else 3 * a) * f + 2 * (2 * a + 1 if dropout else a) * hn
                + scores * (3 * a + drop * (2 * a + 1)))
     else:
@@ -152,13 +169,38 @@ def elementwise_bytes(m: ModelConfig, tokens: float, s: int, tp: int, sp: bool, 
         else:
             norm = 28 + (0 if amp else 4 * a)
         casts = (3 + (2 if swiglu else 1)) * 6 if amp else 0.0
-        per_token = (2 * norm * hn + casts * h + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
-                     + (5 * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
+        # (a MoE block's routed experts may run a family's registered activation: its own count)
+        glu = (registry.mlp_elements(m.mlp) if moe else None) or 5
+        per_token = (n_norms * norm * hn + (28 + 4 * a) * qk + casts * h
+                     + ((40 + 2 * a) * (hq + hk) if rope else 0.0) + 2 * a * hq
+                     + (glu * a if swiglu else 2 * a) * f + 2 * (2 * r + a + drop * (2 * a + 1)) * hn)
         attn = scores * (3 * 2 * a + drop * (2 * a + 1))
         bwd = 2 * (per_token + attn)
     g = 4 if amp else a  # the norm outputs' gradients: fp32 behind autocast's casts
     sums = 3 * g * (2 + (1 if swiglu else 0)) * h + 2 * 3 * r * hn
     return tokens * (per_token + attn), tokens * attn, tokens * sums, tokens * bwd
+
+
+def moe_routing_bytes(m: ModelConfig, tp: int, sp: bool, act: int, rows: float) -> tuple[float, float]:
+    """HBM bytes per token of a MoE block's routing as ``models/moe.py`` runs it (dropless
+    ``LocalDispatcher`` or capacity slots), (forward, backward); ``rows`` routed rows per
+    token (top-k, or every capacity slot's share). Forward: the rows gathered (read and write
+    each, ``gather_rows``), the gates applied to the experts' hidden rows (read, write), and
+    ``scatter_add_rows``: an fp32 zero buffer per token, the rows upcast (a in, 4 out),
+    ``index_add`` (read the row, read and write its token's sum: 12) and the sums cast back
+    (4 in, a out). Backward: the output gradient upcast, ``index_add``'s gradient (an
+    ``index_select``: 4 + 4 a row) and the rows' cast back (4 + a), the gates' gradient
+    (the hidden rows and their gradient read, the scaled gradient written) and the gather's
+    gradient (``_GatherRows``: a zero buffer per token, then ``index_add`` of the rows: read
+    the row, read and write the sum). Rows are h / tp wide (a tp rank routes its expert
+    column's share), the token side as wide as the block's residual (h / tp with sp)."""
+    a = act
+    h = m.dim / tp
+    hn = m.dim / tp if sp else m.dim
+    f = m.expert_dim / tp
+    fwd = rows * ((2 * a + a + 4 + 12) * h + 2 * a * f) + (4 + 4 + a) * hn
+    bwd = rows * ((8 + 4 + a + 3 * a) * h + 4 * a * f) + (a + 4 + a) * hn
+    return fwd, bwd
 
 
 def collective_time(cluster: Cluster, op: str, size_bytes: float, n: int, stride: int,

@@ -21,10 +21,12 @@ from meshfold.planner.kernels import (
     FP8_CAST_BYTES,
     attention_tiles_per_rank,
     elementwise_bytes,
+    fp8_cast_elements,
     gemm_backward_time,
     gemm_time,
     layer_gemms,
     matmul_efficiency,
+    moe_routing_bytes,
 )
 from meshfold.planner.terms import (
     BlockTerms,
@@ -173,6 +175,13 @@ class LayerCosts:
                 shapes = layer_gemms(m, tp, moe)
                 hit = ([gemm_time(d, tokens, n, k, h / tp, act, w.fp8) for n, k in shapes],
                        [gemm_backward_time(d, tokens, n, k, h / tp, act, w.fp8, w.wgrad_fused) for n, k in shapes])
+                if moe and d.grouped_gemm_eff and m.moe_capacity_factor <= 0:
+                    # dropless, the routed experts run as grouped GEMMs (torch._grouped_mm), below
+                    # the dense rate (``Device.grouped_gemm_eff``); the shared experts' share stays dense
+                    slow = 1 + m.moe_topk / (m.moe_topk + m.moe_shared_experts) * (1 / d.grouped_gemm_eff - 1)
+                    mlp = len(shapes) - (3 if m.gated_mlp else 2)
+                    hit = ([t * (slow if i >= mlp else 1.0) for i, t in enumerate(hit[0])],
+                           [tuple(x * (slow if i >= mlp else 1.0) for x in pair) for i, pair in enumerate(hit[1])])
             elif hit is None:  # a calibrated rate: FLOPs over it (the form calibrate solves)
                 one = 2 * (attn_p + ffn_active) / tp * tokens / (peak * eff)
                 hit = ([one], [(one, one)])
@@ -181,14 +190,19 @@ class LayerCosts:
             ekey = ("ew", tp, sp, moe)  # (bytes per token: the count is linear in the tokens)
             per_token = self._model_cache.get(ekey)
             if per_token is None:
-                per_token = self._model_cache[ekey] = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash,
-                                                                        w.dropout, w.kernels, moe)
+                per_token = elementwise_bytes(m, 1, s, tp, sp, act, amp, w.flash, w.dropout, w.kernels, moe)
+                if moe:  # the routing's gathers, casts and index-adds (kernels.moe_routing_bytes)
+                    rf, rb = moe_routing_bytes(m, tp, sp, act, m.moe_topk * routed_fraction(m, s))
+                    per_token = (per_token[0] + rf, per_token[1], per_token[2], per_token[3] + rb)
+                self._model_cache[ekey] = per_token
             ew_all, ew_attn, ew_sums, ew_back = (tokens * x for x in per_token)
-            if w.fp8:  # Float8 casts: each linear's input (amax read, read, 1-byte write) forward,
-                # its output gradient backward, and its weight each micro-batch (both ways)
+            if w.fp8:  # Float8 casts as torchao runs them (kernels.fp8_cast_elements): each
+                # linear's input forward; its output gradient twice and its input again backward;
+                # its weight once each way, every micro-batch
                 cast = FP8_CAST_BYTES[w.kernels]
-                casts8 = cast * tokens * sum(n + k for n, k in layer_gemms(m, tp, moe)) + 2 * cast * (attn_p + ffn_total) / tp
-                ew_all, ew_back = ew_all + casts8, ew_back + 2 * casts8
+                cast_f, cast_b = fp8_cast_elements(layer_gemms(m, tp, moe))
+                weights8 = cast * (attn_p + ffn_total) / tp
+                ew_all, ew_back = ew_all + cast * tokens * cast_f + weights8, ew_back + cast * tokens * cast_b + weights8
             ew_f = ew_all * scale
             fwd_c = sum(gemms) + attn_f
             fwd = fwd_c + ew_f + 2 * tp_ar + cp_fwd + (overhead + tile_t) / 3
@@ -253,8 +267,12 @@ class LayerCosts:
         self._gemm_cache[(tokens, tp, "logits")] = logits
         logits_gemm, logits_back = logits
         ce = c.elementwise_traffic * tokens * V / tp / bw if d.gemm_tile else (act + 8) * tokens * V / tp / hbm
-        out_fwd = logits_gemm + (2 * act + 16) * ce if d.gemm_tile else logits_gemm + ce
-        out_bwd = logits_back + (2 * act + 24) * ce if d.gemm_tile else 2 * out_fwd
+        # (eager: the shifted fp32 copy, forward and backward, subtracts a broadcast per-token
+        # max from the compute-dtype logits: PyTorch runs that on its non-vectorized path)
+        shift = ((act + 4) * (bw / (hbm * d.broadcast_hbm_eff) - 1)
+                 if w.kernels == "eager" and d.broadcast_hbm_eff else 0.0)
+        out_fwd = logits_gemm + (2 * act + 16 + shift) * ce if d.gemm_tile else logits_gemm + ce
+        out_bwd = logits_back + (2 * act + 24 + shift) * ce if d.gemm_tile else 2 * out_fwd
         # Tensor parallel around the layers, in all-reduce equivalents of tp_bytes (an
         # all-gather or reduce-scatter is half of one): the vocabulary-parallel embedding's
         # reduction (sp: reduce-scatter fwd, all-gather bwd); the output layer's input (sp:

@@ -68,7 +68,8 @@ MEGATRON_TABLE2 = [(384, 153), (768, 149), (1536, 141)]
 # As run: GPT-3 shapes (seq 2048, vocab 51200), fp16 with Megatron's fused kernels, dropout,
 # no fused attention, 1F1B, one data-parallel replica; Megatron of 2022: the tp backward
 # overlapped with the GEMMs and the weight gradients accumulated in fp32 by the GEMM
-# (``LinearWithGradAccumulationAndAsyncCommunication``), pipeline sends scattered over tp.
+# (``LinearWithGradAccumulationAndAsyncCommunication``), pipeline sends scattered over tp;
+# both years' jobs: Megatron's fp16 optimizer (``Workload.fp16_optimizer``).
 # The 22B micro-batch of 4 (one per step) is what its Table 4 per-layer time (7.7 ms
 # forward) implies; the others run 1.
 # Held out: no constant of the cost model was fitted to these rows.
@@ -105,13 +106,15 @@ def rows() -> list[Row]:
     for params, a, h, layers, tp, pp, gpus, batch, tflops in MEGATRON_TABLE1:
         out.append(Row(f"{params}B, {gpus} GPUs (Table 1)", MEGATRON, "a100-dgx", gpus, tflops, "TFLOP/s/GPU", 0.15,
                        _gpt(h, a, layers), dict(global_batch=batch, dtype="bf16", flash=False, dropout=True,
-                                                kernels="fused", pp_scatter_gather=True),
+                                                kernels="fused", pp_scatter_gather=True,
+                                                fp16_optimizer=True),
                        Layout(dp_replicate=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=1, recompute="full"),
                        overlap=0.0))
     for gpus, tflops in MEGATRON_TABLE2:
         out.append(Row(f"175B PTD-P, {gpus} GPUs (Table 2)", MEGATRON, "a100-dgx", gpus, tflops, "TFLOP/s/GPU", 0.15,
                        _gpt(12288, 96, 96), dict(global_batch=1536, dtype="bf16", flash=False, dropout=True,
-                                                 kernels="fused", pp_scatter_gather=True),
+                                                 kernels="fused", pp_scatter_gather=True,
+                                                 fp16_optimizer=True),
                        Layout(dp_shard=gpus // 64, zero=1, tp=8, pp=8, micro_batch=1, recompute="full"),
                        overlap=0.0))
     for params, a, h, layers, tp, pp, gpus, batch, mb, full_s, selective_s in KORTHIKANTI_TABLE5:
@@ -120,7 +123,8 @@ def rows() -> list[Row]:
             out.append(Row(f"{size} {recompute}{' + sp' if sp else ''}, {gpus} GPUs (Table 5)", KORTHIKANTI,
                            "a100-dgx", gpus, seconds, "s/step", 0.15, _gpt(h, a, layers),
                            dict(global_batch=batch, dtype="bf16", flash=False, dropout=True, kernels="fused",
-                                tp_overlap=True, wgrad_fused=True, pp_scatter_gather=True),
+                                tp_overlap=True, wgrad_fused=True, pp_scatter_gather=True,
+                                fp16_optimizer=True),
                            Layout(dp_replicate=gpus // (tp * pp), tp=tp, sp=sp, pp=pp, micro_batch=mb,
                                   recompute=recompute), overlap=0.0))
     for name, model, gpus, tps, layout, extra in TORCHTITAN_ROWS:

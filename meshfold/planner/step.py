@@ -10,6 +10,13 @@ from meshfold.planner.terms import LayerTerms
 from meshfold.planner.workload import Layout
 
 
+# Bytes a parameter Megatron's fp16 optimizer step moves (``Workload.fp16_optimizer``), pass by
+# pass as its ``optimizer.py`` runs them over fp32 main gradients: unscale and inf check
+# (read, write: 8), the gradient norm (read: 4) and clipping's scale (8), Adam on the fp32
+# main parameter, gradient and moments (read 16, write 12), the copy of the main parameters
+# into the fp16 model's (4 + 2) and the gradient buffer's zeroing (4)
+MEGATRON_OPTIMIZER_BYTES = 8 + 4 + 8 + 28 + 6 + 4
+
 ENDLESS = 1e30  # ``step_bound``'s compute window: long enough to hide any traffic the model can hide
 
 
@@ -61,7 +68,8 @@ class StepTime:
         # optim/clip.py, Megatron's clip_grad_norm)
         n_shard = L.dp_shard * cp
         shards = n_shard if L.zero >= 1 else 1
-        opt_time = Pmax * ((pb + gb + ob) * 2 + 3 * gb) / shards / self.bw
+        opt_bytes = MEGATRON_OPTIMIZER_BYTES if w.fp16_optimizer else (pb + gb + ob) * 2 + 3 * gb
+        opt_time = Pmax * opt_bytes / shards / self.bw
         opt_time += self.optimizer.step_time(self, L, stage_layers[0])  # (Muon: Newton-Schulz, its exchange)
         # bf16 compute from fp32 weights without FSDP's bf16 gathers (parallel/compute_weights.py):
         # every weight is cast to bf16 once a step (4 + 2 bytes); each micro-batch its bf16

@@ -41,6 +41,10 @@ class Workload:
     # Pipeline sends split over the tp ranks and all-gathered after (Megatron's scatter/gather
     # optimization); False: every tp rank sends the whole activations (meshfold's pp)
     pp_scatter_gather: bool = False
+    # Megatron's fp16 optimizer (``Float16OptimizerWithFloat16Params``): fp32 main gradients
+    # unscaled and checked for infs, Adam on the fp32 main parameters, then copied into the
+    # fp16 model parameters and the gradient buffer zeroed (``step.MEGATRON_OPTIMIZER_BYTES``)
+    fp16_optimizer: bool = False
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
     aligned_groups: bool = True  # grouped-GEMM expert groups padded to 16 bytes (CUDA's kernel; not the CPU's)

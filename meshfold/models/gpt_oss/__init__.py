@@ -20,4 +20,6 @@ from meshfold.models.registry import Family
 
 FAMILY = Family("gpt_oss", sections=(GptOssKeys,), checks=(check_gpt_oss,), presets=PRESETS, hf=ADAPTER,
                 layer_attention=layer_attention,
-                mlps={"clamped_swiglu": "meshfold.models.gpt_oss.activation:clamped_swiglu"})
+                mlps={"clamped_swiglu": "meshfold.models.gpt_oss.activation:clamped_swiglu"},
+                # two clamps, the scale, sigmoid, two products and up + 1: 2+2+2+2+3+2+3 elements
+                mlp_elements={"clamped_swiglu": 16})
