@@ -28,6 +28,7 @@ def cp_cases(cases):
     as one cp group: (max errors of out, dq, dk, dv, d sinks; skipped tiles) on this rank."""
     import torch.distributed as dist
 
+    from meshfold.comm import reset_ledger
     from meshfold.config import Config, ModelConfig, ParallelConfig
     from meshfold.mesh import build_mesh
     from meshfold.models.llama import CoreAttention
@@ -60,15 +61,17 @@ def cp_cases(cases):
         ql, kl, vl = (t.detach()[:, idx].requires_grad_() for t in (q, k, v))
         sl = None if sinks is None else sinks.detach().clone().requires_grad_()
         lpos, ldoc = pos[:, idx].contiguous(), None if docs is None else docs[:, idx].contiguous()
+        sent = reset_ledger()
         out = core(ql, kl, vl, positions=lpos, doc_ids=ldoc, sinks=sl)
         out.backward(dout[:, idx])
+        ring_bytes = sent.total["cp"]
         errors = [float((got.detach() - want[:, idx]).abs().max())
                   for got, want in ((out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))]
         if sl is not None:
             total = sl.grad.clone()
             dist.all_reduce(total)
             errors.append(float((total - sinks.grad).abs().max()))
-        results.append({"errors": errors, "skipped": plan.work.skipped_tiles})
+        results.append({"errors": errors, "skipped": plan.work.skipped_tiles, "bytes": ring_bytes})
     return results
 
 
@@ -89,3 +92,30 @@ def test_windows_sinks_scale_match_one_process(cp):
             assert max(res[i]["errors"]) < ATOL, f"cp={cp} {case} rank {rank}: errors {res[i]['errors']}"
     windowed, plain = cases.index(("ring", True, True, 5, True, None, 0)), len(CASES)
     assert sum(r[windowed]["skipped"] for r in per_rank) > sum(r[plain]["skipped"] for r in per_rank)
+
+
+def test_window_shorter_than_a_chunk_skips_ring_sends():
+    """Balanced ring (member m holds chunks m and 2R-1-m of S/(2R) tokens) with a window of 3
+    keys, shorter than a chunk (S = 32: 8 tokens at cp 2, 4 at cp 4): member m's queries see
+    only members m-1 and m+1 (the end members only one of them), so at cp 4 no block goes
+    to a member at ring distance 2, forward or backward, and each block's gradient goes
+    straight back to its member: members 1 and 2 send 2 blocks forward, 2 backward and 2
+    gradients, members 0 and 3 one each, instead of 3 + 3 + 4 relayed (bytes counted by the
+    ledger, float64). Output and gradients equal one process (1e-12) at cp 2 and cp 4,
+    with and without documents; at cp 2 both neighbours are the one other member: no skip,
+    but the direct gradient return saves the relay's last hop."""
+    cases = [("ring", True, doc, 3, sinks, None, 0) for doc, sinks in ((False, False), (True, True))]
+    cases += [("ring", True, False, 0, False, None, 0)]  # full causal attention: the relayed ring
+    block = 2 * 2 * 8 * 2 * 8 * 8  # [k, v] x b x Hkv x (S/R tokens at cp 4) x d x 8 bytes, cp 4
+    for cp in (2, 4):
+        per_rank = run_on(cp, cp_cases, cases)
+        for i, case in enumerate(cases):
+            for rank, res in enumerate(per_rank):
+                assert max(res[i]["errors"]) < ATOL, f"cp={cp} {case} rank {rank}: errors {res[i]['errors']}"
+        one_block, meta = block * 4 // cp, (cp - 1) * 2 * 2 * (32 // cp) * 8  # (+ the positions/doc ids gather)
+        # direct: a block to each member that needs it, forward and backward, and its gradient
+        # back; the end members (0: chunks 0 and 2R-1; R-1: chunks R-1 and R) need one neighbour
+        want = [3, 3] if cp == 2 else [3, 6, 6, 3]
+        for rank, res in enumerate(per_rank):
+            assert res[2]["bytes"] - meta == (2 * (cp - 1) + cp) * one_block  # relayed: kv fwd + bwd, R gradient hops
+            assert res[0]["bytes"] - meta == res[1]["bytes"] - meta == want[rank] * one_block, (cp, rank, res)

@@ -157,8 +157,10 @@ def test_trains_under_tp_sp_fsdp_and_pp_as_one_process(tmp_path):
         assert_runs_match(ref, run, rtol=1e-9, atol=1e-11)
 
 
-def test_context_parallel_is_refused_in_one_line(tmp_path):
-    cfg = from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 2}))
+def test_context_parallel_hybrid_is_refused_in_one_line(tmp_path):
+    # (ring and Ulysses take chunked layers: tests/test_cp_chunked.py)
+    validate(from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 2})))
+    cfg = from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}))
     with pytest.raises(ConfigError, match="chunks of 6") as err:
         validate(cfg)
     assert "\n" not in str(err.value)

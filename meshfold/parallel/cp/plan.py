@@ -73,9 +73,9 @@ def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParall
     plan = build_plan(cfg, dims)
     cache = _MetaCache(plan)
     for block in model.layers.values():
-        core = block.attention.core  # its sliding window and softmax scale go with the swap
+        core = block.attention.core  # its sliding window, softmax scale and chunk go with the swap
         block.attention.core = ContextParallelAttention(plan, cache, getattr(core, "window", 0),
-                                                        getattr(core, "scale", None))
+                                                        getattr(core, "scale", None), getattr(core, "chunk", 0))
         ATTENTION_ADAPTERS[cfg.model.attention](block.attention, plan)
     return plan
 
