@@ -6,14 +6,15 @@ the sinks) on the same random q/k/v and the cp attention on its slice, and compa
 slice of the output and of dq/dk/dv, and the sinks' gradient summed over the cp ranks
 (what the data-parallel reduction over dp x cp sums in training). Tolerance 1e-12 absolute.
 The ring skips (never computes) the tile pairs wholly outside the window: more skipped
-tiles than without it. (The config check still refuses cp with windowed or sink layers,
-``parallel/config.py``; this is the attention the swap installs once it does not.)
+tiles than without it; with a window shorter than a chunk it skips the sends no member needs
+(ledger bytes), and the gpt-oss shape trains at cp 2 and cp 4 as one process.
 """
 
 import pytest
 import torch
 
-from meshfold.testing import run_on
+from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+from tests.test_gpt_oss import MODEL, _layouts, short_docs
 
 ATOL = 1e-12
 
@@ -24,8 +25,9 @@ def _doc_ids(batch: int, seq: int) -> torch.Tensor:
 
 
 def cp_cases(cases):
-    """Each (cp_mode, balance, documents, window, sinks, scale, cp_ulysses) on the whole world
-    as one cp group: (max errors of out, dq, dk, dv, d sinks; skipped tiles) on this rank."""
+    """Each (cp_mode, balance, documents, window, sinks, scale, cp_ulysses[, chunk]) on the whole
+    world as one cp group: (max errors of out, dq, dk, dv, d sinks; skipped tiles; cp bytes
+    sent) on this rank."""
     import torch.distributed as dist
 
     from meshfold.comm import reset_ledger
@@ -39,13 +41,14 @@ def cp_cases(cases):
     cp = dist.get_world_size()
     b, S, H, Hkv, d = 2, 32, 4, 2, 8
     results = []
-    for mode, balance, doc, window, with_sinks, scale, ulysses in cases:
+    for mode, balance, doc, window, with_sinks, scale, ulysses, *chunk in cases:
+        chunk = chunk[0] if chunk else 0
         cfg = Config(model=ModelConfig(dim=H * d, n_heads=H, n_kv_heads=Hkv, seq_len=S),
                      parallel=ParallelConfig(cp=cp, dp_shard=1, cp_mode=mode, cp_balance=balance,
                                              cp_ulysses=ulysses))
         plan = build_plan(cfg, build_mesh(cfg.parallel))
         plan.tile = 4  # several tiles per rank, so the window leaves whole pairs out
-        core = ContextParallelAttention(plan, _MetaCache(plan), window, scale)
+        core = ContextParallelAttention(plan, _MetaCache(plan), window, scale, chunk)
         gen = torch.Generator().manual_seed(7)
         q = torch.randn(b, S, H, d, generator=gen, dtype=torch.float64, requires_grad=True)
         k = torch.randn(b, S, Hkv, d, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -54,7 +57,8 @@ def cp_cases(cases):
         dout = torch.randn(b, S, H, d, generator=gen, dtype=torch.float64)
         pos = torch.arange(S).expand(b, -1)
         docs = _doc_ids(b, S) if doc else None
-        ref = CoreAttention(dense=True, window=window, scale=scale)(q, k, v, positions=pos, doc_ids=docs, sinks=sinks)
+        ref = CoreAttention(dense=True, window=window, scale=scale, chunk=chunk)(q, k, v, positions=pos, doc_ids=docs,
+                                                                               sinks=sinks)
         ref.backward(dout)
 
         idx = token_indices(S, cp, plan.cp_rank, plan.ulysses, plan.balance)
@@ -119,3 +123,25 @@ def test_window_shorter_than_a_chunk_skips_ring_sends():
         for rank, res in enumerate(per_rank):
             assert res[2]["bytes"] - meta == (2 * (cp - 1) + cp) * one_block  # relayed: kv fwd + bwd, R gradient hops
             assert res[0]["bytes"] - meta == res[1]["bytes"] - meta == want[rank] * one_block, (cp, rank, res)
+
+
+def test_window_shorter_than_a_chunk_trains_as_one_process(tmp_path):
+    """The gpt-oss shape (sinks; windows of 3 keys on alternate layers, full attention on the
+    others) on packed documents of rows of 32: 5 steps' losses, every parameter and gradient
+    equal one process's (float64) under cp 2 ring x FSDP 2 and cp 4 ring, where the window is
+    shorter than a balanced chunk (8 and 4 tokens): the windowed layers' direct ring and the
+    full layers' relayed ring in the same step."""
+    data = short_docs(tmp_path)
+
+    def cfg(name, **parallel):
+        return tiny_config(str(tmp_path / name), model={**MODEL, "alternating_window": 3}, parallel=parallel,
+                           train={"steps": 5}, data=data)
+
+    ref = train_collect(cfg("one"))
+    names = ("cp2ring_fsdp2", "cp4ring")
+    layouts = [cfg(names[0], cp=2, dp_shard=2), cfg(names[1], cp=4, dp_shard=1)]
+    for name, got in zip(names, run_on(4, _layouts, layouts)[0]):
+        try:
+            assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None

@@ -1,0 +1,64 @@
+"""Context parallel with chunked (block-local) attention, Llama 4's ``attention_chunk_size``:
+a query sees the earlier keys of its own chunk of positions (and of its document).
+
+The ring classifies tile pairs by chunk as it does by window: pairs in other chunks are
+skipped, and a member whose queries see none of another member's keys never gets that
+block (``RingLayout.need``). Ulysses runs the whole sequences' chunks as documents. Checked
+in float64 against the one-process S x S reference (1e-12), at cp 2 and cp 4, chunks that
+cut the balanced layout's chunks and chunks made of whole ones, with and without packed
+documents; the ring's bytes (ledger) show the skipped sends; and a tiny Llama 4 trains
+under cp 2 Ulysses x FSDP 2 and cp 4 ring as one process does.
+"""
+
+from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
+from tests.test_cp_windows_sinks import ATOL, cp_cases
+
+# S = 32: balanced chunks of 8 tokens at cp 2, 4 at cp 4; chunk 8 (whole balanced chunks at
+# cp 4: two each), chunk 6 (cutting them), with sinks and a scale once
+CASES = [(mode, balance, doc, 0, sinks, scale, 0, chunk)
+         for mode, balance in (("ring", True), ("ring", False), ("ulysses", True))
+         for doc in (False, True)
+         for chunk, sinks, scale in ((8, False, None), (6, True, 0.3))]
+
+
+def test_chunked_attention_matches_one_process_and_skips_sends():
+    for cp in (2, 4):
+        per_rank = run_on(cp, cp_cases, CASES)
+        for i, case in enumerate(CASES):
+            for rank, res in enumerate(per_rank):
+                assert max(res[i]["errors"]) < ATOL, f"cp={cp} {case} rank {rank}: errors {res[i]['errors']}"
+        if cp == 4:
+            # balanced ring, chunk 8 = two balanced chunks of 4: member m (chunks m, 7-m) sees
+            # only member m ^ 1's keys (chunk pairs {0,1}, {2,3}, ...): one block forward, one
+            # backward, one gradient back (float64 [k, v] x b 2 x Hkv 2 x 8 tokens x d 8 =
+            # 4096 bytes), instead of 3 + 3 + 4 relayed; plus the positions/doc ids gather
+            block, meta = 4096, 3 * 2 * 2 * 8 * 8
+            assert [r[0]["bytes"] - meta for r in per_rank] == [3 * block] * 4
+
+
+MODEL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=320, seq_len=16, norm_eps=1e-5,
+             moe_experts=4, moe_ffn_dim=24, moe_every=2, moe_topk=1, moe_shared_experts=1, moe_router="sigmoid",
+             moe_norm_topk=False, moe_gate_input=True, attention_chunk_size=6, nope_interval=4,
+             attn_temperature_tuning=True, attn_floor_scale=4.0, attn_scale=0.5, l2_qk_norm=True,
+             moe_aux_loss_coef=0.0)
+
+
+def _layouts(cfgs: list[dict]) -> list:
+    return [train_collect(cfg) for cfg in cfgs]
+
+
+def test_llama4_trains_under_cp_as_one_process(tmp_path):
+    """Tiny Llama 4 (three chunked layers of chunk 6 over rows of 16, one NoPE layer), packed
+    documents: 5 steps' losses, every parameter and gradient equal one process's (float64)
+    under cp 2 Ulysses x FSDP 2 and cp 4 ring (the ring at cp 2: the attention test above)."""
+    def cfg(name, **parallel):
+        return tiny_config(str(tmp_path / name), model=MODEL, parallel=parallel, train={"steps": 5})
+
+    ref = train_collect(cfg("one"))
+    names = ("cp2ulysses_fsdp2", "cp4ring")
+    layouts = [cfg(names[0], cp=2, cp_mode="ulysses", dp_shard=2), cfg(names[1], cp=4, dp_shard=1)]
+    for name, got in zip(names, run_on(4, _layouts, layouts)[0]):
+        try:
+            assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
