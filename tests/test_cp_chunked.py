@@ -10,6 +10,10 @@ documents; the ring's bytes (ledger) show the skipped sends; and a tiny Llama 4 
 under cp 2 Ulysses x FSDP 2 and cp 4 ring as one process does.
 """
 
+from meshfold.parallel.cp.batch import default_members
+from meshfold.parallel.cp.groups import ContextParallelPlan
+from meshfold.parallel.cp.ring import RingLayout
+from meshfold.planner.attention.ring import _layer_sends, ring_need
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 from tests.test_cp_windows_sinks import ATOL, cp_cases
 
@@ -62,3 +66,23 @@ def test_llama4_trains_under_cp_as_one_process(tmp_path):
             assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from None
+
+
+def test_planner_reach_equals_the_ring_layouts():
+    """The planner's plain-Python ``ring_need`` (default positions) equals every member's
+    ``RingLayout.need`` for windows and chunks shorter and longer than a balanced chunk, cp 2
+    to 8, balanced and contiguous; and its per-layer sends for member 0 follow from it."""
+    seq = 96
+    for cp in (2, 3, 4, 8):
+        for balance in (True, False):
+            plan = ContextParallelPlan(cp, 1, balance, 0, None, None, None)
+            meta = default_members(plan, 1, seq // cp)
+            tile = max(1, seq // (2 * max(cp, 4)))
+            for window, chunk in ((3, 0), (20, 0), (0, 6), (0, 24), (0, 50)):
+                want = ring_need(seq, cp, 1, balance, window, chunk)
+                for r in range(cp):
+                    got = RingLayout(meta, False, r, tile, window, chunk).need
+                    assert tuple(map(tuple, got)) == want, (cp, balance, window, chunk, r)
+    # balanced cp 4, window 3 < chunk 12: member 0 feeds member 1 only and uses member 1's block
+    assert _layer_sends(seq, 4, 1, True, 3, 0) == (1, 1, 2)
+    assert _layer_sends(seq, 4, 1, True, 0, 0) == (3, 4, 3)  # relayed

@@ -109,8 +109,8 @@ class RingLayout:
         code = torch.where(empty.all(1), _EMPTY, code)
         reach = None
         if (window or chunk) and R > 1:  # which member's queries see which member's keys: [R q, R k]
-            reach = ~_out_of_reach(pmin[:, None, :, :, None], pmax[:, None, :, :, None], pmin[None, :, :, None, :],
-                                   pmax[None, :, :, None, :], window, chunk).all(2).flatten(2).all(-1)
+            reach = _out_of_reach(pmin[:, None, :, :, None], pmax[:, None, :, :, None], pmin[None, :, :, None, :],
+                                  pmax[None, :, :, None, :], window, chunk).all(2).flatten(2).all(-1).logical_not()
             code = torch.cat([code.flatten(), reach.flatten().to(code.dtype)])
         codes = code.tolist()  # [R members][nq][nk] (and the reach): the one host read
         self.need: list[list[bool]] | None = None
