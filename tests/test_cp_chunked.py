@@ -10,12 +10,15 @@ documents; the ring's bytes (ledger) show the skipped sends; and a tiny Llama 4 
 under cp 2 Ulysses x FSDP 2 and cp 4 ring as one process does.
 """
 
+from meshfold.config import from_dict
+from meshfold.dryrun import dry_run_many
 from meshfold.parallel.cp.batch import default_members
 from meshfold.parallel.cp.groups import ContextParallelPlan
 from meshfold.parallel.cp.ring import RingLayout
 from meshfold.planner.attention.ring import _layer_sends, ring_need
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 from tests.test_cp_windows_sinks import ATOL, cp_cases
+from tests.test_gpt_oss import MODEL as GPT_OSS
 
 # S = 32: balanced chunks of 8 tokens at cp 2, 4 at cp 4; chunk 8 (whole balanced chunks at
 # cp 4: two each), chunk 6 (cutting them), with sinks and a scale once
@@ -86,3 +89,28 @@ def test_planner_reach_equals_the_ring_layouts():
     # balanced cp 4, window 3 < chunk 12: member 0 feeds member 1 only and uses member 1's block
     assert _layer_sends(seq, 4, 1, True, 3, 0) == (1, 1, 2)
     assert _layer_sends(seq, 4, 1, True, 0, 0) == (3, 4, 3)  # relayed
+
+
+def test_cuda_dry_run_ring_bytes_skip_and_equal_the_planner(tmp_path):
+    """``meshfold dry-run --device cuda`` (fake CUDA, bf16) of a tiny gpt-oss shape (windows of
+    32 on alternate layers) and a tiny Llama 4 (chunks of 128 on three of four layers) at seq
+    512 with cp 4 ring: no errors, no math attention, no host read in the ring; rank 0's cp
+    bytes and sends equal the planner's, and the gpt-oss run's are full attention's less 4
+    key/value blocks (bf16) and 3 gradient blocks (fp32) per windowed layer (rank 0 feeds
+    and uses member 1's block only). The presets at seq 32,768: docs/context_parallel.md."""
+    gpt_oss = dict(GPT_OSS, dim=64, attn_head_dim=16, seq_len=512, alternating_window=32)
+    llama4 = dict(MODEL, seq_len=512, attention_chunk_size=128)
+    models = {"windows": gpt_oss, "chunks": llama4}
+    cases = [(from_dict(tiny_config(str(tmp_path / name), model=model, parallel={"cp": 4, "dp_shard": 1},
+                                    train={"dtype": "bfloat16", "global_batch": 1, "micro_batch": 1})), 4)
+             for name, model in models.items()]
+    reports = dict(zip(models, dry_run_many(cases, device="cuda")))
+    for name, report in reports.items():
+        gpu, rt, pl = report["gpu"], report["runtime"]["collectives"]["cp"], report["planner"]["collectives"]["cp"]
+        assert gpu["errors"] == [] and "math" not in gpu["attention"], (name, gpu)
+        assert not any("cp/ring.py" in sync["where"] for sync in gpu["host_syncs"]), (name, gpu["host_syncs"])
+        assert rt == pl, (name, rt, pl)
+    kv = 512 // 4 * GPT_OSS["n_kv_heads"] * 2 * 16 * 2  # a member's k and v: tokens x kv heads x (16 + 16) x bf16
+    full_layer, windowed_layer = 6 * kv + 4 * 2 * kv, 2 * kv + 1 * 2 * kv  # kv forward + backward, fp32 gradients
+    gathers = 3 * 2 * 512 // 4 * 8 + 3 * 8  # the positions / doc ids, the balance metric's all-gathers
+    assert reports["windows"]["runtime"]["collectives"]["cp"]["bytes"] == 2 * full_layer + 2 * windowed_layer + gathers
