@@ -5,7 +5,7 @@ with temperature tuning; dense and MoE layers alternating; chunks shorter than t
 bit for bit; chunked attention equals its S x S reference over packed documents and shares one
 plan across layers; it trains under tp 2 + sp x FSDP 2 and pp 2 x tp 2 + sp exactly as in one
 process (float64, packed documents); the presets' parameter counts equal transformers';
-context parallel refuses chunks in one line."""
+context parallel's hybrid mode refuses chunks in one line (ring and Ulysses: tests/test_cp_chunked.py)."""
 
 import dataclasses
 import json

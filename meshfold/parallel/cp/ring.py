@@ -298,7 +298,11 @@ class _RingAttention(torch.autograd.Function):
     Message order (no tags: p2p matches in issue order per peer pair, as on NCCL). Every
     rank issues, towards its next ring neighbour, kv(0), dkv(0), kv(1), dkv(1), ..,
     kv(R-2), dkv(R-2), dkv(R-1) in the backward and kv(0) .. kv(R-2) in the forward, and
-    posts the matching receives from its previous neighbour in the same order."""
+    posts the matching receives from its previous neighbour in the same order. Windowed and
+    chunked layers' direct ring (``RingLayout.need``): at step t the block goes to member
+    r + t and the gradient back to member r - t, only where needed; both sides read the same
+    ``need`` and issue in step order (the block's exchange, then the gradient's), so every
+    peer pair's messages still match in order."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan, payload, scale, sinks, *params):
