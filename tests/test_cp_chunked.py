@@ -15,7 +15,7 @@ from meshfold.dryrun import dry_run_many
 from meshfold.parallel.cp.batch import default_members
 from meshfold.parallel.cp.groups import ContextParallelPlan
 from meshfold.parallel.cp.ring import RingLayout
-from meshfold.planner.attention.ring import _layer_sends, ring_need
+from meshfold.planner.attention.ring import _layer_sends, ring_tiles
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 from tests.test_cp_windows_sinks import ATOL, cp_cases
 from tests.test_gpt_oss import MODEL as GPT_OSS
@@ -36,11 +36,12 @@ def test_chunked_attention_matches_one_process_and_skips_sends():
                 assert max(res[i]["errors"]) < ATOL, f"cp={cp} {case} rank {rank}: errors {res[i]['errors']}"
         if cp == 4:
             # balanced ring, chunk 8 = two balanced chunks of 4: member m (chunks m, 7-m) sees
-            # only member m ^ 1's keys (chunk pairs {0,1}, {2,3}, ...): one block forward, one
-            # backward, one gradient back (float64 [k, v] x b 2 x Hkv 2 x 8 tokens x d 8 =
-            # 4096 bytes), instead of 3 + 3 + 4 relayed; plus the positions/doc ids gather
+            # only member m ^ 1's keys (chunk pairs {0,1}, {2,3}, ...), and of them one chunk
+            # (tile): half a block forward, half backward, half a gradient back (a block: float64
+            # [k, v] x b 2 x Hkv 2 x 8 tokens x d 8 = 4096 bytes), instead of 3 + 3 + 4 relayed;
+            # plus the positions/doc ids gather
             block, meta = 4096, 3 * 2 * 2 * 8 * 8
-            assert [r[0]["bytes"] - meta for r in per_rank] == [3 * block] * 4
+            assert [r[0]["bytes"] - meta for r in per_rank] == [1.5 * block] * 4
 
 
 MODEL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=320, seq_len=16, norm_eps=1e-5,
@@ -72,9 +73,9 @@ def test_llama4_trains_under_cp_as_one_process(tmp_path):
 
 
 def test_planner_reach_equals_the_ring_layouts():
-    """The planner's plain-Python ``ring_need`` (default positions) equals every member's
-    ``RingLayout.need`` for windows and chunks shorter and longer than a balanced chunk, cp 2
-    to 8, balanced and contiguous; and its per-layer sends for member 0 follow from it."""
+    """The planner's plain-Python ``ring_tiles`` (default positions) equals every member's
+    ``RingLayout.need_tiles`` for windows and chunks shorter and longer than a balanced chunk,
+    cp 2 to 8, balanced and contiguous; and its per-layer sends for member 0 follow from it."""
     seq = 96
     for cp in (2, 3, 4, 8):
         for balance in (True, False):
@@ -82,22 +83,24 @@ def test_planner_reach_equals_the_ring_layouts():
             meta = default_members(plan, 1, seq // cp)
             tile = max(1, seq // (2 * max(cp, 4)))
             for window, chunk in ((3, 0), (20, 0), (0, 6), (0, 24), (0, 50)):
-                want = ring_need(seq, cp, 1, balance, window, chunk)
+                want = ring_tiles(seq, cp, 1, balance, window, chunk)
                 for r in range(cp):
-                    got = RingLayout(meta, False, r, tile, window, chunk).need
-                    assert tuple(map(tuple, got)) == want, (cp, balance, window, chunk, r)
-    # balanced cp 4, window 3 < chunk 12: member 0 feeds member 1 only and uses member 1's block
-    assert _layer_sends(seq, 4, 1, True, 3, 0) == (1, 1, 2)
-    assert _layer_sends(seq, 4, 1, True, 0, 0) == (3, 4, 3)  # relayed
+                    got = RingLayout(meta, False, r, tile, window, chunk).need_tiles
+                    assert tuple(tuple(map(tuple, row)) for row in got) == want, (cp, balance, window, chunk, r)
+    # balanced cp 4, window 3 < chunk 12 (= a tile): member 0 feeds member 1 only and uses
+    # member 1's block only, of each one tile of two
+    assert _layer_sends(seq, 4, 1, True, 3, 0) == (0.5, 0.5, 2, 1, 1)
+    assert _layer_sends(seq, 4, 1, True, 0, 0) == (3, 4, 3, 3, 4)  # relayed
 
 
 def test_cuda_dry_run_ring_bytes_skip_and_equal_the_planner(tmp_path):
     """``meshfold dry-run --device cuda`` (fake CUDA, bf16) of a tiny gpt-oss shape (windows of
     32 on alternate layers) and a tiny Llama 4 (chunks of 128 on three of four layers) at seq
     512 with cp 4 ring: no errors, no math attention, no host read in the ring; rank 0's cp
-    bytes and sends equal the planner's, and the gpt-oss run's are full attention's less 4
-    key/value blocks (bf16) and 3 gradient blocks (fp32) per windowed layer (rank 0 feeds
-    and uses member 1's block only). The presets at seq 32,768: docs/context_parallel.md."""
+    bytes and sends equal the planner's, and a windowed layer of the gpt-oss run sends half
+    a key/value block forward, half backward and half an fp32 gradient block (rank 0 feeds
+    and uses one tile of member 1's only) where full attention sends 3 + 3 + 4 blocks. The
+    presets at seq 32,768: docs/context_parallel.md."""
     gpt_oss = dict(GPT_OSS, dim=64, attn_head_dim=16, seq_len=512, alternating_window=32)
     llama4 = dict(MODEL, seq_len=512, attention_chunk_size=128)
     models = {"windows": gpt_oss, "chunks": llama4}
@@ -111,6 +114,8 @@ def test_cuda_dry_run_ring_bytes_skip_and_equal_the_planner(tmp_path):
         assert not any("cp/ring.py" in sync["where"] for sync in gpu["host_syncs"]), (name, gpu["host_syncs"])
         assert rt == pl, (name, rt, pl)
     kv = 512 // 4 * GPT_OSS["n_kv_heads"] * 2 * 16 * 2  # a member's k and v: tokens x kv heads x (16 + 16) x bf16
-    full_layer, windowed_layer = 6 * kv + 4 * 2 * kv, 2 * kv + 1 * 2 * kv  # kv forward + backward, fp32 gradients
+    # relayed: 3 kv forward, 3 backward, 4 fp32 gradients; windowed: half a block (the one tile
+    # of member 1's two that member 0 sees, and the one of its own member 1 sees) each way
+    full_layer, windowed_layer = 6 * kv + 4 * 2 * kv, (2 * kv + 2 * kv) // 2
     gathers = 3 * 2 * 512 // 4 * 8 + 3 * 8  # the positions / doc ids, the balance metric's all-gathers
     assert reports["windows"]["runtime"]["collectives"]["cp"]["bytes"] == 2 * full_layer + 2 * windowed_layer + gathers

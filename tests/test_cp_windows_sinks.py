@@ -101,13 +101,13 @@ def test_windows_sinks_scale_match_one_process(cp):
 def test_window_shorter_than_a_chunk_skips_ring_sends():
     """Balanced ring (member m holds chunks m and 2R-1-m of S/(2R) tokens) with a window of 3
     keys, shorter than a chunk (S = 32: 8 tokens at cp 2, 4 at cp 4): member m's queries see
-    only members m-1 and m+1 (the end members only one of them), so at cp 4 no block goes
-    to a member at ring distance 2, forward or backward, and each block's gradient goes
-    straight back to its member: members 1 and 2 send 2 blocks forward, 2 backward and 2
-    gradients, members 0 and 3 one each, instead of 3 + 3 + 4 relayed (bytes counted by the
-    ledger, float64). Output and gradients equal one process (1e-12) at cp 2 and cp 4,
-    with and without documents; at cp 2 both neighbours are the one other member: no skip,
-    but the direct gradient return saves the relay's last hop."""
+    only members m-1 and m+1 (the end members only one of them), and of each only the tile
+    next to its own chunk: at cp 4 no block goes to a member at ring distance 2, and members
+    1 and 2 send half a block (one of its two tiles) forward, half backward and half a
+    gradient to each neighbour, members 0 and 3 to one: 3 and 1.5 blocks instead of 3 + 3 +
+    4 relayed; at cp 2 a quarter block each way (bytes counted by the ledger, float64).
+    Output and gradients equal one process (1e-12) at cp 2 and cp 4, with and without
+    documents."""
     cases = [("ring", True, doc, 3, sinks, None, 0) for doc, sinks in ((False, False), (True, True))]
     cases += [("ring", True, False, 0, False, None, 0)]  # full causal attention: the relayed ring
     block = 2 * 2 * 8 * 2 * 8 * 8  # [k, v] x b x Hkv x (S/R tokens at cp 4) x d x 8 bytes, cp 4
@@ -117,9 +117,11 @@ def test_window_shorter_than_a_chunk_skips_ring_sends():
             for rank, res in enumerate(per_rank):
                 assert max(res[i]["errors"]) < ATOL, f"cp={cp} {case} rank {rank}: errors {res[i]['errors']}"
         one_block, meta = block * 4 // cp, (cp - 1) * 2 * 2 * (32 // cp) * 8  # (+ the positions/doc ids gather)
-        # direct: a block to each member that needs it, forward and backward, and its gradient
-        # back; the end members (0: chunks 0 and 2R-1; R-1: chunks R-1 and R) need one neighbour
-        want = [3, 3] if cp == 2 else [3, 6, 6, 3]
+        # direct: to each member that needs it, forward and backward, the key tiles it sees, and
+        # their gradient back; the end members (0: chunks 0 and 2R-1; R-1: chunks R-1 and R) need
+        # one neighbour. A member's block is 2 chunks: cp 4, one tile (= chunk) of 2 is seen;
+        # cp 2, one tile of 4 (tiles of 4 tokens, chunks of 8)
+        want = [0.75, 0.75] if cp == 2 else [1.5, 3, 3, 1.5]
         for rank, res in enumerate(per_rank):
             assert res[2]["bytes"] - meta == (2 * (cp - 1) + cp) * one_block  # relayed: kv fwd + bwd, R gradient hops
             assert res[0]["bytes"] - meta == res[1]["bytes"] - meta == want[rank] * one_block, (cp, rank, res)

@@ -150,8 +150,8 @@ class LayerCosts:
             cp_sent += 2 * sends.kv * kv + sends.grad * kv * max(4, act) / act
             cp_sent_rec += sends.kv * kv
             cp_sent_sel += sends.kv * kv
-            cp_calls, cp_calls_rec, cp_calls_sel = (cp_calls + 2 * sends.kv + sends.grad, cp_calls_rec + sends.kv,
-                                                    cp_calls_sel + sends.kv)
+            cp_calls, cp_calls_rec, cp_calls_sel = (cp_calls + 2 * sends.kv_calls + sends.grad_calls,
+                                                    cp_calls_rec + sends.kv_calls, cp_calls_sel + sends.kv_calls)
         if cp > 1:  # what the attention kind's ring keeps in place of the one-process kernel's
             act_kinds = attn_kind.ring_kept(m, act_kinds, act, tokens, u, recompute)
         if cp > 1 and u > 1 and recompute in ("none", "selective"):

@@ -51,6 +51,15 @@ def _out_of_reach(qmin, qmax, kmin, kmax, window: int, chunk: int) -> torch.Tens
     return empty
 
 
+class _Sent(list):
+    """An exchange's works, holding what it sends (picked tiles are made for the send) until
+    they are waited on."""
+
+    def __init__(self, works: list, sends: list):
+        super().__init__(works)
+        self.sends = sends
+
+
 class RingLayout:
     """Which (query tile, key tile) pairs of every ring step need which kernel, decided once
     per forward from every member's (positions, doc ids) and shared by all layers: empty
@@ -108,17 +117,19 @@ class RingLayout:
         code = torch.where(full.all(1), _FULL, code)
         code = torch.where(empty.all(1), _EMPTY, code)
         reach = None
-        if (window or chunk) and R > 1:  # which member's queries see which member's keys: [R q, R k]
+        if (window or chunk) and R > 1:  # which key tiles of which member some query of which member sees
             reach = _out_of_reach(pmin[:, None, :, :, None], pmax[:, None, :, :, None], pmin[None, :, :, None, :],
-                                  pmax[None, :, :, None, :], window, chunk).all(2).flatten(2).all(-1).logical_not()
+                                  pmax[None, :, :, None, :], window, chunk).all(2).all(2).logical_not()  # [Rq, Rk, nk]
             code = torch.cat([code.flatten(), reach.flatten().to(code.dtype)])
         codes = code.tolist()  # [R members][nq][nk] (and the reach): the one host read
         self.need: list[list[bool]] | None = None
+        self.need_tiles: list[list[list[int]]] = []
         if reach is not None:
-            n2 = self.n * self.n
-            flat, codes = codes[R * n2:], [[codes[m * n2 + i * self.n:m * n2 + (i + 1) * self.n]
-                                            for i in range(self.n)] for m in range(R)]
-            self.need = [[bool(x) for x in flat[i * R:(i + 1) * R]] for i in range(R)]
+            n, n2 = self.n, self.n * self.n
+            flat, codes = codes[R * n2:], [[codes[m * n2 + i * n:m * n2 + (i + 1) * n] for i in range(n)]
+                                           for m in range(R)]
+            self.need_tiles = [[[j for j in range(n) if flat[(q * R + k) * n + j]] for k in range(R)] for q in range(R)]
+            self.need = [[bool(tiles) for tiles in row] for row in self.need_tiles]
         # steps[t]: (q tile, k tile, code, first) for key member (r - t) % R; ``first``: the
         # first block for these query rows (its output is copied, not merged).
         self.steps, seen = [], set()
@@ -150,31 +161,75 @@ class RingLayout:
             self.steps.append(tasks)
         self._partial_visible: torch.Tensor | None = None
 
-    def post(self, t: int, own: torch.Tensor, held: torch.Tensor, group) -> tuple[list, torch.Tensor | None]:
+    def post(self, t: int, own: torch.Tensor, held: torch.Tensor, group, dim: int | None) -> tuple[list, tuple]:
         """Post the exchange that brings step t's block (member r - t's): relayed, the block
-        held at step t - 1 goes on to the next member; direct (``need``), this member's own
-        block goes to member r + t if it needs it, and member r - t's comes in if this one
-        needs it. Returns the works and the receive buffer (None: no block this step). Both
-        sides derive the same answer from ``need``, so sends and receives always pair up,
-        in the same order per peer pair."""
+        held at step t - 1 goes on to the next member; direct (``need``), the key tiles of
+        this member's own block that member r + t sees go to it, and those of member r - t's
+        that this one sees come in (``dim``: the payload's token dimension; None: whole
+        blocks). Returns the works and what ``arrived`` takes once they are done. Both sides
+        derive the same answer from ``need_tiles``, so sends and receives always pair up, in
+        the same order per peer pair."""
         R, r = self.R, self.r
         if self.need is None:
             nxt = torch.empty_like(held)
-            return exchange([(held, (r + 1) % R)], [(nxt, (r - 1) % R)], group, "cp"), nxt
+            return exchange([(held, (r + 1) % R)], [(nxt, (r - 1) % R)], group, "cp"), (nxt, None)
         to, frm = (r + t) % R, (r - t) % R
-        nxt = torch.empty_like(own) if self.need[r][frm] else None
-        return exchange([(own, to)] if self.need[to][r] else [], [(nxt, frm)] if nxt is not None else [],
-                        group, "cp"), nxt
+        sends = [(self._pick(own, self.need_tiles[to][r], dim), to)] if self.need[to][r] else []
+        tiles = self.need_tiles[r][frm] if self.need[r][frm] else None
+        nxt = None if tiles is None else own.new_empty(self._part_shape(own, tiles, dim))
+        return _Sent(exchange(sends, [(nxt, frm)] if nxt is not None else [], group, "cp"), sends), (nxt, tiles)
 
-    def post_grad(self, t: int, grad: torch.Tensor | None, like: torch.Tensor, group) -> tuple[list, torch.Tensor | None]:
-        """Direct ring, backward: step t's gradient of member r - t's block goes straight back
-        to it (when this member used it), and the part of this member's own block's gradient
-        computed by member r + t comes in (when that one used it)."""
+    def arrived(self, got: tuple, own: torch.Tensor, dim: int | None) -> torch.Tensor | None:
+        """The step's whole block from what ``post`` received (tiles no query here sees: zeros)."""
+        if got is None:  # (the last step: nothing more comes)
+            return None
+        part, tiles = got
+        if tiles is None or dim is None or len(tiles) == self.n:
+            return part
+        return self.add_part(own.new_zeros(own.shape), part, tiles, dim)
+
+    def post_grad(self, t: int, grad: torch.Tensor | None, like: torch.Tensor, group, dim: int | None) -> tuple:
+        """Direct ring, backward: step t's gradient of member r - t's block (its seen tiles)
+        goes straight back to it, and the part of this member's own block's gradient computed
+        by member r + t comes in (when that one used it)."""
         R, r = self.R, self.r
         to, frm = (r - t) % R, (r + t) % R
-        incoming = torch.empty_like(like) if self.need[frm][r] else None
-        return exchange([(grad, to)] if grad is not None else [], [(incoming, frm)] if incoming is not None else [],
-                        group, "cp"), incoming
+        tiles = self.need_tiles[frm][r] if self.need[frm][r] else None
+        incoming = None if tiles is None else like.new_empty(self._part_shape(like, tiles, dim))
+        sends = [(self._pick(grad, self.need_tiles[r][to], dim), to)] if grad is not None else []
+        return _Sent(exchange(sends, [(incoming, frm)] if incoming is not None else [], group, "cp"), sends), \
+            (incoming, tiles)
+
+    def _runs(self, tiles: list[int]) -> list[tuple[int, int]]:
+        """(first token, tokens) of the contiguous runs of these key tiles."""
+        runs: list[tuple[int, int]] = []
+        for j in tiles:
+            start, length = j * self.tile, self._len(j)
+            if runs and sum(runs[-1]) == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((start, length))
+        return runs
+
+    def _pick(self, x: torch.Tensor, tiles: list[int], dim: int | None) -> torch.Tensor:
+        if dim is None or len(tiles) == self.n:
+            return x
+        return torch.cat([x.narrow(dim, a, n) for a, n in self._runs(tiles)], dim)
+
+    def _part_shape(self, x: torch.Tensor, tiles: list[int], dim: int | None) -> tuple:
+        if dim is None or len(tiles) == self.n:
+            return tuple(x.shape)
+        return tuple(x.shape[:dim]) + (sum(n for _, n in self._runs(tiles)),) + tuple(x.shape[dim + 1:])
+
+    def add_part(self, whole: torch.Tensor, part: torch.Tensor, tiles: list[int] | None, dim: int | None):
+        """``whole`` (a block-sized tensor) plus ``part`` on its tiles, in place."""
+        if tiles is None or dim is None or len(tiles) == self.n:
+            return whole.add_(part)
+        offset = 0
+        for a, n in self._runs(tiles):
+            whole.narrow(dim, a, n).add_(part.narrow(dim, offset, n))
+            offset += n
+        return whole
 
     def _len(self, i: int) -> int:
         return min(self.tile, self.s - i * self.tile)
@@ -241,7 +296,9 @@ class _HeadsPayload:
     (parameters its ``unpack`` uses, whose gradients the ring returns), ``pack(k, v)`` (what
     travels), ``unpack(cur)`` (a step's k, v), and for backward ``open(cur)`` (k, v and a
     gradient accumulator), ``add``, ``close`` (the gradient of what travels) and ``grads``
-    (the gradients of the ring's k and v inputs)."""
+    (the gradients of the ring's k and v inputs); optionally ``token_dim``, the token
+    dimension of what travels and of its gradient, so a direct ring sends only the key tiles
+    seen."""
 
     params: tuple = ()
 
@@ -249,6 +306,7 @@ class _HeadsPayload:
         self.dk, self.dv = k.shape[-1], v.shape[-1]
         self.groups = heads // k.shape[2]
         self.stacked = self.dk == self.dv
+        self.token_dim = 3 if self.stacked else 2  # (of what travels and of its gradient)
 
     def pack(self, k, v):
         if self.stacked:
@@ -310,6 +368,7 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         qt = q.transpose(1, 2)
         own = cur = payload.pack(k, v)  # what travels, in the compute dtype
+        dim = getattr(payload, "token_dim", None)  # (a direct ring sends only the key tiles seen)
         out = None  # [b, heads, s, dv] once v's width is known
         lse = torch.full((b, heads, s), float("-inf"), dtype=acc, device=q.device)
         R = layout.R
@@ -317,10 +376,10 @@ class _RingAttention(torch.autograd.Function):
         for t in range(R):
             works, nxt = [], None
             if t < R - 1:  # the next block travels while this one is computed
-                works, nxt = layout.post(t + 1, own, cur, plan.ring_group)
+                works, nxt = layout.post(t + 1, own, cur, plan.ring_group, dim)
             if cur is None:  # a direct ring's step whose block no query here sees: nothing came
                 wait_all(works)
-                cur = nxt
+                cur = layout.arrived(nxt, own, dim)
                 continue
             kx, vx = payload.unpack(cur)
             if out is None:
@@ -334,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out, lse, qs, o, lse_blk, first)
             wait_all(works)
             if t < R - 1:
-                cur = nxt
+                cur = layout.arrived(nxt, own, dim)
         if sinks is not None:  # lse' = logaddexp(lse, sink), out' = out exp(lse - lse')
             total = torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))
             out = out * torch.exp(lse - total).unsqueeze(-1)
@@ -361,6 +420,7 @@ class _RingAttention(torch.autograd.Function):
         out_k, lse_k = out.transpose(1, 2), _finite(lse)  # the final rows: P = exp(S - lse_final)
         dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
         own = cur = payload.pack(k, v)
+        dim = getattr(payload, "token_dim", None)
         R = layout.R
         nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
         incoming, acc_works, dkv = None, [], None
@@ -371,11 +431,11 @@ class _RingAttention(torch.autograd.Function):
         for t in range(R):
             works, nxt = [], None
             if t < R - 1:
-                works, nxt = layout.post(t + 1, own, cur, plan.ring_group)
+                works, nxt = layout.post(t + 1, own, cur, plan.ring_group, dim)
             if cur is None:  # (direct) no block this step: only the gradients of earlier steps move
-                incoming, acc_works, dkv = _direct_grad_step(layout, plan, t, None, dkv, incoming, acc_works)
+                incoming, acc_works, dkv = _direct_grad_step(layout, plan, t, None, dkv, incoming, acc_works, dim)
                 wait_all(works)
-                cur = nxt
+                cur = layout.arrived(nxt, own, dim)
                 continue
             kx, vx, state = payload.open(cur)
             for i, j, code, _ in layout.steps[t]:
@@ -391,7 +451,7 @@ class _RingAttention(torch.autograd.Function):
                 payload.add(state, ks, dk_t, dv_t)
             grad = payload.close(state, param_grads)  # this step's gradient of what travels
             if layout.need is not None:
-                incoming, acc_works, dkv = _direct_grad_step(layout, plan, t, grad, dkv, incoming, acc_works)
+                incoming, acc_works, dkv = _direct_grad_step(layout, plan, t, grad, dkv, incoming, acc_works, dim)
             elif R > 1:
                 dkv = grad
                 wait_all(acc_works)
@@ -403,11 +463,11 @@ class _RingAttention(torch.autograd.Function):
                 dkv = grad
             wait_all(works)
             if t < R - 1:
-                cur = nxt
+                cur = layout.arrived(nxt, own, dim)
         if layout.need is not None:
             wait_all(acc_works)
-            if incoming is not None:
-                dkv += incoming
+            if incoming is not None and incoming[0] is not None:
+                layout.add_part(dkv, *incoming, dim)
         elif R > 1:
             wait_all(acc_works)
             dkv = incoming
@@ -419,17 +479,17 @@ class _RingAttention(torch.autograd.Function):
         return (dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, dsink, *param_grads)
 
 
-def _direct_grad_step(layout: RingLayout, plan: ContextParallelPlan, t: int, grad, total, incoming, works):
+def _direct_grad_step(layout: RingLayout, plan: ContextParallelPlan, t: int, grad, total, incoming, works, dim):
     """A direct ring's backward step t: ``grad`` (None: no block this step) goes back to its
     member, this member's own part from member r + t comes in; ``total`` sums this member's
     block's gradient (step 0's part first, then each arrival once its exchange is done).
-    Returns (incoming, works, total)."""
+    Returns (incoming: (part, tiles) or None, works, total)."""
     if t == 0:
         return None, [], grad
-    new_works, new_incoming = layout.post_grad(t, grad, total, plan.ring_group)
+    new_works, new_incoming = layout.post_grad(t, grad, total, plan.ring_group, dim)
     wait_all(works)  # the previous step's arrival: added now, one receive buffer in flight at a time
-    if incoming is not None:
-        total += incoming
+    if incoming is not None and incoming[0] is not None:
+        layout.add_part(total, *incoming, dim)
     return new_incoming, new_works, total
 
 
