@@ -123,7 +123,8 @@ class ContextParallelAttention(nn.Module):
                                  "all-to-all")
             use_doc = doc_ids is not None
             return ring_attention(q, k, None, meta, use_doc, plan,
-                                  self.cache.ring_layout(use_doc, self.window, self.chunk), payload=payload, scale=self.scale, sinks=sinks)
+                                  self.cache.ring_layout(use_doc, self.window, self.chunk), payload=payload,
+                                  scale=self.scale, sinks=sinks)
         if u > 1:
             heads, kv = q.shape[2], k.shape[2]
             if heads % u or (kv % u and u % kv):

@@ -1,6 +1,7 @@
-"""What context parallel's ring sends per layer when windowed or chunked layers leave blocks
-unseen (``parallel/cp/ring.py``'s ``RingLayout.need``, recomputed here in plain Python for
-the default positions: the planner needs no torch).
+"""What context parallel's ring sends per layer when windowed or chunked layers leave key
+tiles unseen (``parallel/cp/ring.py``'s ``RingLayout.need_tiles``, recomputed here in plain
+Python for the default positions: the planner needs no torch; tests/test_cp_chunked.py
+checks they agree).
 
 Ring member m holds the positions of its share (contiguous, or the balanced chunks m and
 2R-1-m), cut into tiles of seq / (2 max(cp, 4)) tokens. Member q needs key tile j of member
@@ -8,8 +9,8 @@ k iff some query tile of q and that tile are not out of reach by position: keys 
 future, a window or more behind, or (chunked) in other chunks. Windowed and chunked layers
 then run the direct ring: member 0 (the rank the dry-run records) sends each member the key
 tiles of its block that member sees, forward and backward, and the gradient of the tiles it
-used of each other block back.
-Other layers relay every block around the ring: R - 1 hops each way and R gradient hops."""
+used of each other block back. Other layers relay every block around the ring: R - 1 hops
+each way and R gradient hops."""
 
 from __future__ import annotations
 
