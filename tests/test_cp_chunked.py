@@ -15,7 +15,10 @@ from meshfold.dryrun import dry_run_many
 from meshfold.parallel.cp.batch import default_members
 from meshfold.parallel.cp.groups import ContextParallelPlan
 from meshfold.parallel.cp.ring import RingLayout
-from meshfold.planner.attention.ring import _layer_sends, ring_tiles
+from meshfold.models.presets import preset
+from meshfold.planner.attention.ring import _layer_sends, ring_sends, ring_tiles
+from meshfold.planner.search import structures
+from meshfold.planner.workload import Workload
 from meshfold.testing import assert_runs_match, run_on, tiny_config, train_collect
 from tests.test_cp_windows_sinks import ATOL, cp_cases
 from tests.test_gpt_oss import MODEL as GPT_OSS
@@ -119,3 +122,18 @@ def test_cuda_dry_run_ring_bytes_skip_and_equal_the_planner(tmp_path):
     full_layer, windowed_layer = 6 * kv + 4 * 2 * kv, (2 * kv + 2 * kv) // 2
     gathers = 3 * 2 * 512 // 4 * 8 + 3 * 8  # the positions / doc ids, the balance metric's all-gathers
     assert reports["windows"]["runtime"]["collectives"]["cp"]["bytes"] == 2 * full_layer + 2 * windowed_layer + gathers
+
+
+def test_planner_offers_and_prices_cp_for_windowed_and_chunked_presets():
+    """The search offers cp ring and Ulysses to gpt-oss-120b (windows, sinks) and llama4-scout
+    (chunks) as for any model; their ring at seq 32,768, cp 4 sends member 0's share of the
+    blocks the dry-run measures (docs/context_parallel.md): gpt-oss alternates 0.5 with 3
+    key/value blocks (0.5 with 4 gradients), Scout three chunked layers of 0.5 with one full."""
+    for name in ("gpt-oss-120b", "llama4-scout"):
+        w = Workload(preset(name, seq_len=32768), global_batch=8)
+        modes = {(s[3], s[6]) for s in structures(w, 8)}
+        assert {(4, "ring"), (8, "ulysses")} <= modes, (name, sorted(modes))
+    gpt_oss = ring_sends(preset("gpt-oss-120b"), 32768, 4, 1)
+    assert (gpt_oss.kv, gpt_oss.grad, gpt_oss.kv_calls, gpt_oss.grad_calls) == (1.75, 2.25, 2, 2.5)
+    scout = ring_sends(preset("llama4-scout"), 32768, 4, 1)
+    assert (scout.kv, scout.grad, scout.kv_calls, scout.grad_calls) == (1.125, 1.375, 1.5, 1.75)
