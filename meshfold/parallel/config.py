@@ -108,16 +108,16 @@ def validate(cfg: Config) -> None:
 
 def check_plain_layers(m, cp_mode: str) -> None:
     """Context parallel's ring and Ulysses attention take a layer's sliding window, softmax
-    scale and sinks (``parallel/cp/``: the ring skips tile pairs outside the window; both are
-    tested against one process in tests/test_gpt_oss.py); chunked layers, and any of these
-    under the hybrid mode, are refused, never computed wrongly."""
+    scale, sinks and chunks (``parallel/cp/``: the ring skips tile pairs, and the sends, out
+    of reach; tested against one process in tests/test_gpt_oss.py, tests/test_cp_chunked.py);
+    any of these under the hybrid mode is refused, never computed wrongly."""
     for layer in range(m.n_layers):
         spec = registry.layer_attention(m, layer)
-        special = spec.window or spec.scale or spec.sinks
-        if spec.chunk or (special and cp_mode == "hybrid"):
+        special = spec.window or spec.scale or spec.sinks or spec.chunk
+        if special and cp_mode == "hybrid":
             what = (f"chunks of {spec.chunk}" if spec.chunk else f"a sliding window of {spec.window}" if spec.window
                     else f"softmax scale {spec.scale}" if spec.scale else "attention sinks")
-            fix = "use parallel.cp = 1" if spec.chunk else "use parallel.cp_mode = ring or ulysses, or parallel.cp = 1"
+            fix = "use parallel.cp_mode = ring or ulysses, or parallel.cp = 1"
             raise ConfigError(f"parallel.cp > 1 with parallel.cp_mode = {cp_mode} is not supported with layer "
                               f"{layer}'s attention ({what}); {fix}")
 

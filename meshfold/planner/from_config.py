@@ -25,7 +25,7 @@ def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels,
                     fp8=cfg.train.fp8 != "none", fp8_recipe=cfg.train.fp8, fp8_all_gather=cfg.train.fp8_all_gather,
                     fp8_dispatch=cfg.parallel.ep_fp8_dispatch, optimizer=cfg.train.optimizer,
-                    muon_ns_steps=cfg.train.muon_ns_steps, aligned_groups=on_gpu)
+                    muon_ns_steps=cfg.train.muon_ns_steps, aligned_groups=on_gpu, cp_balance=cfg.parallel.cp_balance)
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:

@@ -7,7 +7,7 @@ What differs between attention kinds comes from ``planner/attention``."""
 from __future__ import annotations
 
 from meshfold.models.counts import attention_share, ffn_params
-from meshfold.planner.attention import attention_terms
+from meshfold.planner.attention import attention_terms, ring_sends
 from meshfold.planner.counts import (
     DTYPE_BYTES,
     attention_params_local,
@@ -142,15 +142,18 @@ class LayerCosts:
             attn_b += ring_b
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
+            # windowed / chunked layers send only the blocks some member sees (planner/attention/ring.py)
+            sends = ring_sends(m, s, cp, u, w.cp_balance)
             # what hides behind the attention blocks slows them (contention, ``overlap_slowdown``)
-            shown = max((R - 1) * hop - attn_f, hop)
-            ring_t = shown + d.overlap_slowdown * max(0.0, (R - 1) * hop - shown)
+            shown = max(sends.steps * hop - attn_f, hop)
+            ring_t = shown + d.overlap_slowdown * max(0.0, sends.steps * hop - shown)
             cp_fwd += ring_t
             cp_sel += ring_t
-            cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
-            cp_sent_rec += (R - 1) * kv
-            cp_sent_sel += (R - 1) * kv
-            cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
+            cp_sent += 2 * sends.kv * kv + sends.grad * kv * max(4, act) / act
+            cp_sent_rec += sends.kv * kv
+            cp_sent_sel += sends.kv * kv
+            cp_calls, cp_calls_rec, cp_calls_sel = (cp_calls + 2 * sends.kv_calls + sends.grad_calls,
+                                                    cp_calls_rec + sends.kv_calls, cp_calls_sel + sends.kv_calls)
         if cp > 1:  # what the attention kind's ring keeps in place of the one-process kernel's
             act_kinds = attn_kind.ring_kept(m, act_kinds, act, tokens, u, recompute)
         if cp > 1 and u > 1 and recompute in ("none", "selective"):

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
-from meshfold.models.counts import plain_layers
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.bounds import EP_CHUNKS
@@ -45,7 +44,6 @@ def structures(w: Workload, world: int, max_tp: int = 0):
     valid for the model (config.validate's rules) and tile ``world`` devices and the batch."""
     m, s, G = w.model, w.s, w.global_batch
     kv = m.kv_heads
-    plain = plain_layers(m)
     for tp in _divisors(world):
         if m.n_heads % tp or (kv % tp and tp % kv) or (max_tp and tp > max_tp):
             continue
@@ -62,8 +60,6 @@ def structures(w: Workload, world: int, max_tp: int = 0):
             if cp > 1 and m.moe_capacity_factor > 0:  # capacity is per whole sequence
                 modes = []
             if cp > 1 and tp > 1 and not attention_terms(m).tp_with_cp:  # (parallel/config.py)
-                modes = []
-            if cp > 1 and not plain:  # sliding windows, own softmax scales (parallel/config.py)
                 modes = []
             if not modes:
                 continue

@@ -48,6 +48,7 @@ class Workload:
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
     aligned_groups: bool = True  # grouped-GEMM expert groups padded to 16 bytes (CUDA's kernel; not the CPU's)
+    cp_balance: bool = True  # parallel.cp_balance: which ring blocks windowed / chunked layers see (attention/ring.py)
 
     @property
     def s(self) -> int:
