@@ -67,6 +67,8 @@ from meshfold.mesh import ParallelDims
 from meshfold.models.moe import MoE, moe_layers
 from meshfold.parallel.dp.fsdp import fsdp_policies
 from meshfold.parallel.ep.dispatch import AllToAllDispatcher, TensorParallelExpertDispatcher, sequence_capacity
+from meshfold.parallel.ep.expert_tp import shard_experts_inside
+from meshfold.parallel.facts.expert_tp import inside
 from meshfold.parallel.facts.sizes import expert_shard_dim
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 from meshfold.parallel.tp.placement import distribute, parallelize_ffn, shard_range
@@ -88,9 +90,14 @@ def replicate_router_and_split_shared(moe: MoE, tp: TensorParallelGroup) -> None
 
 
 def split_experts_over_tp(model: nn.Module, dims: ParallelDims) -> None:
-    """Shard every MoE layer's experts over the tp ranks (DTensor ``Shard(0)`` on the tp mesh)."""
+    """Shard every MoE layer's experts over the tp ranks (DTensor ``Shard(0)`` on the tp mesh),
+    or with expert tp each expert's FFN (``expert_tp.py``; every rank computes all experts)."""
     tp = TensorParallelGroup.from_dims(dims)
     for _, moe in moe_layers(model):
+        if inside(dims.parallel):
+            shard_experts_inside(moe, None, tp)
+            moe.dispatcher = TensorParallelExpertDispatcher(tp, 0, moe.n_experts)
+            continue
         start, stop = shard_range(moe.n_experts, tp.size, tp.rank)
         for name, _ in list(moe.experts.named_parameters(recurse=False)):
             distribute(moe.experts, name, tp, Shard(0))
@@ -183,10 +190,14 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
     mp, offload = fsdp_policies(cfg.train, dims.mesh.device_type)
     kwargs = {"offload_policy": offload} if offload is not None else {}  # train.offload = params
+    split_inside = tp is not None and inside(dims.parallel)
     dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp,
-                                    dims.parallel.ep_overlap_chunks)
+                                    dims.parallel.ep_overlap_chunks, columns=not split_inside)
     for _, moe in layers:
-        shard_experts(moe, ep_mesh, tp)
+        if split_inside:
+            shard_experts_inside(moe, ep_mesh, tp)
+        else:
+            shard_experts(moe, ep_mesh, tp)
         moe.dispatcher = dispatcher
         moe.experts.grad_scale = 1.0 / ep_mesh.size()
         if dims.parallel.zero < 2:
