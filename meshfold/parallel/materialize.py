@@ -78,7 +78,7 @@ def local_box(shape: tuple[int, ...], dt: DTensor,
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
-def _own_strided(dt: DTensor) -> tuple[int | None, int, int]:
+def own_strided(dt: DTensor) -> tuple[int | None, int, int]:
     """(mesh dim, split factor, tensor dim) of a ``_StridedShard`` on a tensor dimension no ``Shard``
     splits (expert tp's w13, ``parallel/ep/expert_tp.py``: a rank's rows are ``sf`` separate
     pieces), else (None, 1). FSDP2's own ``_StridedShard`` sits on a dimension a ``Shard`` also splits."""
@@ -91,11 +91,11 @@ def _own_strided(dt: DTensor) -> tuple[int | None, int, int]:
 
 def local_pieces(shape: tuple[int, ...], dt: DTensor) -> list[tuple[torch.Tensor, tuple, tuple]]:
     """This rank's local tensor as (view, global offset, box size) pieces: one
-    (``local_box``), or, with a strided placement of its own (``_own_strided``), ``sf`` views
+    (``local_box``), or, with a strided placement of its own (``own_strided``), ``sf`` views
     along its dimension d, piece j being this rank's chunk of the j-th of ``sf`` equal parts
     of the global dimension."""
     local = dt.to_local()
-    i, sf, d = _own_strided(dt)
+    i, sf, d = own_strided(dt)
     if i is None:
         return [(local, *local_box(shape, dt))]
     part = list(shape)

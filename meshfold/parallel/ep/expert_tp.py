@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.models.moe import MoE
+from meshfold.parallel.materialize import own_strided
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 
 # the stacked weights [E, out, in] split by columns (out: dim 1) and by rows (in: dim 2)
@@ -59,7 +60,9 @@ def shard_experts_inside(moe: MoE, ep_mesh: DeviceMesh | None, tp: TensorParalle
 
 
 def _strided(t) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(pl, _StridedShard) for pl in t.placements)
+    """A DTensor whose rows on some rank are separate pieces (FSDP2's own ``_StridedShard``,
+    on a dimension a ``Shard`` splits too, is one box: DCP writes it)."""
+    return isinstance(t, DTensor) and own_strided(t)[0] is not None
 
 
 def checkpoint_view(tree):
@@ -70,8 +73,8 @@ def checkpoint_view(tree):
     if isinstance(tree, dict):
         return {k: checkpoint_view(v) for k, v in tree.items()}
     if _strided(tree):
-        return tree.redistribute(tree.device_mesh, [Replicate() if isinstance(pl, _StridedShard) else pl
-                                                    for pl in tree.placements])
+        i = own_strided(tree)[0]
+        return tree.redistribute(tree.device_mesh, [Replicate() if k == i else pl for k, pl in enumerate(tree.placements)])
     return tree
 
 
