@@ -53,3 +53,94 @@ def test_checkpoint_from_expert_tp_resumes_in_one_process(zero, tmp_path):
     assert len(first["losses"]) == 3 and len(got["losses"]) == 2
     got["losses"] = first["losses"] + got["losses"]
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("parallel,model,fix", [
+    ({"tp": 2, "ep": 4, "dp_shard": 4}, {}, "parallel.expert_tp = tp"),  # 4 experts over ep x tp = 8
+    ({"tp": 2, "expert_tp": 4, "dp_shard": 2}, {}, "parallel.expert_tp = 4 must be 1"),
+    ({"tp": 2, "expert_tp": 2, "dp_shard": 2}, {"moe_ffn_dim": 33}, "must divide the experts' width 33"),
+    ({"tp": 2, "expert_tp": 2, "dp_shard": 2}, {"moe_bias": True}, "biased experts"),
+])
+def test_bad_expert_tp_layouts_fail_in_one_line(parallel, model, fix, tmp_path):
+    cfg = from_dict(tiny_config(str(tmp_path), model={**MOE, **model}, parallel=parallel))
+    with pytest.raises(ConfigError, match=fix.replace("(", r"\(").replace(")", r"\)")) as err:
+        validate(cfg, world_size=parallel.get("dp_shard", 1) * parallel.get("tp", 1))
+    assert "\n" not in str(err.value)
+
+
+def _planner_case(experts: int, devices: int, seq: int):
+    from meshfold.config import ModelConfig
+    from meshfold.planner.cluster import load_cluster
+    from meshfold.planner.cost import Workload
+
+    m = ModelConfig(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, seq_len=seq,
+                    moe_experts=experts, moe_topk=2)
+    return Workload(m, 1), load_cluster("h100", devices=devices)
+
+
+def test_search_picks_between_the_two_foldings():
+    # One long sequence a step: the ep ranks fold over cp. With 4 experts on 8 H100s the best
+    # layout is tp 2 x cp 4 with ep 4, which only experts split over tp allow (ep x tp = 8 > 4
+    # whole experts): no expert FSDP peers, all-to-all inside the node. With 16 experts on 16
+    # H100s whole experts over ep 4 x tp 4 win, their experts split the other way priced slower
+    # (every tp rank sends all its tokens' rows, 4 times the all-to-all bytes).
+    import dataclasses
+
+    from meshfold.planner.cost import CostModel
+    from meshfold.planner.search import search
+
+    w, cluster = _planner_case(4, 8, 8192)
+    best = search(w, cluster, top=1).ranked[0].layout
+    assert (best.tp, best.ep, best.expert_tp) == (2, 4, 2), best.short()
+    assert best.ep * best.tp > w.model.moe_experts
+
+    w, cluster = _planner_case(16, 16, 32768)
+    best = search(w, cluster, top=1).ranked[0].layout
+    assert best.tp > 1 and best.expert_tp == 1 and w.model.moe_experts % (best.ep * best.tp) == 0, best.short()
+    cm = CostModel(w, cluster)
+    whole, split = cm.estimate(best), cm.estimate(dataclasses.replace(best, expert_tp=best.tp))
+    assert whole.step_time_s < split.step_time_s
+    assert split.collectives["ep"]["bytes"] > whole.collectives["ep"]["bytes"]
+    assert split.collectives["ep"]["count"] == whole.collectives["ep"]["count"]
+
+
+# Runtime vs planner (meshfold dry-run, bf16, fused attention), as tests/test_dryrun_moe.py's
+# AGREEMENT: model state within 2 %, activations within 10 %, calls per dimension equal, ep and
+# tp bytes equal.
+AGREEMENT = [
+    pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 4, "expert_tp": 2, "zero": 3}, {"moe_experts": 4},
+                 id="ep4xetp2-fsdp4-4experts"),
+    pytest.param(8, {"tp": 2, "sp": True, "dp_shard": 4, "ep": 2, "expert_tp": 2, "zero": 3}, {},
+                 id="ep2xetp2-sp-fsdp4"),
+    pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 2, "expert_tp": 2, "zero": 1}, {}, id="ep2xetp2-dp4-zero1"),
+    pytest.param(4, {"tp": 2, "dp_shard": 2, "expert_tp": 2, "zero": 3}, {}, id="ep1-etp2-fsdp2"),
+]
+
+
+def test_expert_tp_dry_runs_agree_with_planner(tmp_path):
+    from meshfold.dryrun import dry_run_many
+
+    cases = []
+    for p in AGREEMENT:
+        world, parallel, model = p.values
+        cfg = tiny_config(str(tmp_path / p.id), parallel=parallel,
+                          train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16"})
+        cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **MOE, "moe_experts": 8, **model})
+        cases.append((from_dict(cfg), world))
+    bad = []
+    for p, out in zip(AGREEMENT, dry_run_many(cases, cluster="h100")):
+        if isinstance(out, Exception):
+            bad.append(f"{p.id}: {type(out).__name__}: {out}")
+            continue
+        rt, pl = out["runtime"], out["planner"]
+        for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            if pl[field] != pytest.approx(rt[field], rel=0.02):
+                bad.append(f"{p.id} {field}: {rt[field]} vs {pl[field]}")
+        if pl["activation_bytes"] != pytest.approx(rt["activation_bytes"], rel=0.10):
+            bad.append(f"{p.id} activation_bytes: {rt['activation_bytes']} vs {pl['activation_bytes']}")
+        for dim, x in rt["collectives"].items():
+            if pl["collectives"].get(dim, {}).get("count") != x["count"]:
+                bad.append(f"{p.id} {dim} count: {x} vs {pl['collectives'].get(dim)}")
+            elif dim in ("ep", "tp", "dp") and pl["collectives"][dim]["bytes"] != pytest.approx(x["bytes"], rel=1e-6):
+                bad.append(f"{p.id} {dim} bytes: {x['bytes']} vs {pl['collectives'][dim]['bytes']}")
+    assert not bad, "\n".join(bad)

@@ -50,3 +50,15 @@ def check(cfg) -> None:
     if m.moe_bias:
         raise ConfigError("parallel.expert_tp > 1 with biased experts (model.moe_bias) is not supported; "
                           "set parallel.expert_tp = 1")
+
+
+def foldings(m, tp: int, ep: int) -> tuple[int, ...]:
+    """The ``parallel.expert_tp`` values valid for a MoE model ``m`` at (tp, ep), whole
+    experts first (the layout search tries each): whole experts need ep * tp to divide E
+    (tp alone: any E, ``shard_range``), experts split inside need tp to divide their width
+    and no expert biases."""
+    if tp == 1 or not m.moe_experts:
+        return (1,)
+    whole = (1,) if ep == 1 or m.moe_experts % (ep * tp) == 0 else ()
+    split = (tp,) if m.expert_dim % tp == 0 and not m.moe_bias and m.moe_experts % ep == 0 else ()
+    return whole + split
