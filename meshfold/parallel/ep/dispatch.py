@@ -183,7 +183,9 @@ class AllToAllDispatcher(nn.Module):
     its tensor-parallel group: the tokens are replicated over tp, and tp rank r dispatches
     only the assignments to experts of its column (the r-th 1/tp of every ep rank's
     experts), so every assignment is computed once; the partial per-token sums are added
-    over tp (Megatron's f/g pair around the MoE, as for a row-parallel linear).
+    over tp (Megatron's f/g pair around the MoE, as for a row-parallel linear). With
+    ``columns = False`` (expert tp, ``expert_tp.py``) the experts are split inside instead:
+    every tp rank dispatches all assignments, and the same f/g pair adds the partial sums.
 
     Dropless, the per-expert counts are exchanged on the device; the variable all-to-all
     needs its split sizes on the host, read once per forward (both directions in one

@@ -26,8 +26,10 @@ neighbouring dp_shard/cp ranks:
   the (replicated) tokens and the partial outputs are summed over tp; with ep > 1 each ep
   rank's experts are split again over tp (DTensor ``Shard(0)`` on the (ep, tp) mesh) and
   tp rank r dispatches only the assignments of its expert column
-  (``AllToAllDispatcher(tp=...)``). The router weight becomes a replicated tp DTensor and
-  the shared experts are split over tp like a dense feed-forward;
+  (``AllToAllDispatcher(tp=...)``). With ``parallel.expert_tp = tp`` each expert's FFN is
+  split over tp instead (``expert_tp.py``: every tp rank dispatches all assignments, E/ep
+  experts 1/tp wide; ep need only divide E). The router weight becomes a replicated tp
+  DTensor and the shared experts are split over tp like a dense feed-forward;
 * with sequence parallel (``parallel.sp``) each tp rank routes only its 1/tp of the sequence
   (router, top-k, balance statistics); the tokens, their chosen experts and gates are
   all-gathered over tp around the experts and the per-token sums reduce-scattered back
@@ -49,7 +51,8 @@ all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded
 preceded with sp by the same all-reduce over tp (recorded under "tp").
 
 The package: ``dispatch.py`` (the token exchanges and the dispatchers ``MoE.dispatcher``
-takes) and this module (where the experts go, applied from outside the model).
+takes), ``expert_tp.py`` (experts split inside over tp, and their checkpoint view) and this
+module (where the experts go, applied from outside the model).
 """
 
 from __future__ import annotations
