@@ -29,6 +29,18 @@ def test_expert_tp_matches_one_process(parallel, ref, tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
+
+def test_expert_tp_with_fewer_local_experts_than_edp_ranks(tmp_path):
+    # 2 experts at ep 2 over dp_shard 4: one local expert (half wide) for edp = 2 FSDP ranks.
+    # FSDP2 shards another dimension than the one tp splits (w13 on dim, w2 on its rows), never
+    # the strided w13 rows twice (parallel/ep/plan.py ``_expert_placement``).
+    two = {**MOE, "moe_experts": 2}
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=two))
+    got = run_on(8, train_collect, tiny_config(str(tmp_path / "etp"), model=two,
+                                               parallel={"dp_shard": 4, "tp": 2, "ep": 2, "expert_tp": 2}))[0]
+    assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+
+
 CAPACITY = {**MOE, "moe_capacity_factor": 1.0, "moe_shared_experts": 1}
 
 

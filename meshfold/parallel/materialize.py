@@ -79,9 +79,10 @@ def local_box(shape: tuple[int, ...], dt: DTensor,
 
 
 def own_strided(dt: DTensor) -> tuple[int | None, int, int]:
-    """(mesh dim, split factor, tensor dim) of a ``_StridedShard`` on a tensor dimension no ``Shard``
-    splits (expert tp's w13, ``parallel/ep/expert_tp.py``: a rank's rows are ``sf`` separate
-    pieces), else (None, 1). FSDP2's own ``_StridedShard`` sits on a dimension a ``Shard`` also splits."""
+    """(mesh dim, split factor, tensor dim) of a ``_StridedShard`` on a tensor dimension no
+    ``Shard`` splits (expert tp's w13, ``parallel/ep/expert_tp.py``: a rank's rows are ``sf``
+    separate pieces), else (None, 1, 0). FSDP2's own ``_StridedShard`` sits on a dimension a
+    ``Shard`` also splits."""
     plain = {pl.dim for pl in dt.placements if isinstance(pl, Shard) and not isinstance(pl, _StridedShard)}
     for i, pl in enumerate(dt.placements):
         if isinstance(pl, _StridedShard) and pl.dim not in plain:
@@ -100,8 +101,9 @@ def local_pieces(shape: tuple[int, ...], dt: DTensor) -> list[tuple[torch.Tensor
         return [(local, *local_box(shape, dt))]
     part = list(shape)
     part[d] //= sf
-    plain = DTensor.from_local(local, dt.device_mesh, [Shard(d) if k == i else pl for k, pl in enumerate(dt.placements)],
-                               run_check=False, shape=torch.Size(part), stride=torch.empty(part, device="meta").stride())
+    placements = [Shard(d) if k == i else pl for k, pl in enumerate(dt.placements)]
+    plain = DTensor.from_local(local, dt.device_mesh, placements, run_check=False, shape=torch.Size(part),
+                               stride=torch.empty(part, device="meta").stride())
     offset, size = local_box(tuple(part), plain)
     return [(view, tuple(o + j * part[d] if k == d else o for k, o in enumerate(offset)), size)
             for j, view in enumerate(local.chunk(sf, dim=d))]

@@ -317,8 +317,9 @@ class Memory:
         # [E_l, 2 hidden, dim] (models/moe.py), weighted by their sizes; experts split
         # inside (expert tp): hidden / tp of each
         wide, f = 2 if m.gated_mlp else 1, m.expert_dim // L.expert_tp
-        shapes = [((E_l, wide * f, m.dim), wide), ((E_l, m.dim, f), 1)]
-        return sum(n * expert_shard_padding(s, edp) for s, n in shapes) / (wide + 1)
+        split = L.expert_tp > 1  # (FSDP2 never shards the dimension tp splits: parallel/ep/plan.py)
+        shapes = [((E_l, wide * f, m.dim), wide, (1,) if split else ()), ((E_l, m.dim, f), 1, (2,) if split else ())]
+        return sum(n * expert_shard_padding(s, edp, avoid) for s, n, avoid in shapes) / (wide + 1)
 
 
 @lru_cache(maxsize=1024)

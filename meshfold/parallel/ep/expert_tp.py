@@ -74,7 +74,8 @@ def checkpoint_view(tree):
         return {k: checkpoint_view(v) for k, v in tree.items()}
     if _strided(tree):
         i = own_strided(tree)[0]
-        return tree.redistribute(tree.device_mesh, [Replicate() if k == i else pl for k, pl in enumerate(tree.placements)])
+        replicated = [Replicate() if k == i else pl for k, pl in enumerate(tree.placements)]
+        return tree.redistribute(tree.device_mesh, replicated)
     return tree
 
 

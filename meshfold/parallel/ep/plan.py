@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.comm import all_reduce
 from meshfold.mesh import ParallelDims
@@ -158,7 +159,10 @@ def _expert_placement(edp: int):
     dimension of its local piece [E_l, out, in] that ``expert_shard_dim`` picks."""
     def placement(p: nn.Parameter) -> Shard:
         local = p.to_local() if isinstance(p, DTensor) else p
-        return Shard(expert_shard_dim(tuple(local.shape), edp))
+        # (not a dimension expert tp splits: its strided w13 rows would be split twice)
+        split = {pl.dim for pl in p.placements if isinstance(pl, (Shard, _StridedShard)) and pl.dim > 0} \
+            if isinstance(p, DTensor) else ()
+        return Shard(expert_shard_dim(tuple(local.shape), edp, tuple(split)))
 
     return placement
 
