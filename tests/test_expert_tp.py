@@ -23,6 +23,7 @@ def ref(tmp_path_factory):
     pytest.param({"dp_shard": 2, "tp": 2, "ep": 2, "expert_tp": 2, "zero": 1}, id="ep2xetp2-zero1"),
     pytest.param({"dp_replicate": 2, "tp": 2, "expert_tp": 2, "zero": 0}, id="ep1-etp2-ddp"),
     pytest.param({"dp_shard": 2, "tp": 2, "ep": 2, "expert_tp": 2, "ep_overlap_chunks": 2}, id="ep2xetp2-chunks2"),
+    pytest.param({"pp": 2, "tp": 2, "expert_tp": 2, "pp_microbatches": 1, "pp_schedule": "gpipe"}, id="pp2xetp2"),
 ])
 def test_expert_tp_matches_one_process(parallel, ref, tmp_path):
     got = run_on(4, train_collect, tiny_config(str(tmp_path), model=MOE, parallel=parallel))[0]
