@@ -73,6 +73,21 @@ def test_checkpoint_from_expert_tp_resumes_in_one_process(parallel, tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
+def test_checkpoint_of_whole_experts_resumes_with_experts_split_over_tp(tmp_path):
+    # The other way: 3 steps at ep 2 x tp 2 with whole experts, resumed for 2 at ep 2 x etp 2
+    # (FSDP): the w13 read from the whole experts' checkpoint into each rank's two pieces.
+    train = {"min_lr_ratio": 1.0}
+    ref = train_collect(tiny_config(str(tmp_path / "ref"), model=MOE, train=train))
+    run_dir, whole = str(tmp_path / "run"), {"dp_shard": 2, "tp": 2, "ep": 2}
+    first = run_on(4, train_collect, tiny_config(run_dir, model=MOE, parallel=whole,
+                                                 train={**train, "steps": 3, "checkpoint_every": 3}))[0]
+    got = run_on(4, train_collect, tiny_config(run_dir, model=MOE, parallel={**whole, "expert_tp": 2},
+                                               train={**train, "steps": 5}))[0]
+    assert len(first["losses"]) == 3 and len(got["losses"]) == 2
+    got["losses"] = first["losses"] + got["losses"]
+    assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("parallel,model,fix", [
     ({"tp": 2, "ep": 4, "dp_shard": 4}, {}, "parallel.expert_tp = tp"),  # 4 experts over ep x tp = 8
     ({"tp": 2, "expert_tp": 4, "dp_shard": 2}, {}, "parallel.expert_tp = 4 must be 1"),
