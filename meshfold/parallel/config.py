@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError, divisors
 from meshfold.models import registry
-from meshfold.parallel.facts import mtp
+from meshfold.parallel.facts import expert_tp, mtp
 from meshfold.parallel.facts.attention import ATTENTION_LAYOUTS, local_heads, ulysses_degree, ulysses_fits
 from meshfold.schedules import get_schedule
 
@@ -95,11 +95,13 @@ def validate(cfg: Config) -> None:
             f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}; "
             f"ep could be one of {divisors(m.moe_experts)}"
         )
-    if m.moe_experts and p.ep > 1 and p.tp > 1 and m.moe_experts % (p.ep * p.tp):
+    if m.moe_experts and p.ep > 1 and p.tp > 1 and p.expert_tp == 1 and m.moe_experts % (p.ep * p.tp):
         raise ConfigError(
             f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep * parallel.tp = {p.ep * p.tp} "
-            "(each ep rank's experts are split again over tp); change parallel.ep, parallel.tp or model.moe_experts"
+            "(each ep rank's experts are split again over tp); set parallel.expert_tp = tp (each expert split "
+            "over tp) or change parallel.ep, parallel.tp or model.moe_experts"
         )
+    expert_tp.check(cfg)
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
     if p.ep > 1 and p.zero < 2:

@@ -7,6 +7,7 @@ What differs between attention kinds comes from ``planner/attention``."""
 from __future__ import annotations
 
 from meshfold.models.counts import attention_share, ffn_params
+from meshfold.parallel.facts.expert_tp import dispatch_share
 from meshfold.planner.attention import attention_terms, ring_sends
 from meshfold.planner.counts import (
     DTYPE_BYTES,
@@ -45,8 +46,8 @@ class LayerCosts:
     """``CostModel``'s layer terms, cached per (tp, sp, cp, ep, micro-batch, recompute)."""
 
     def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str,
-                    ulysses: int = 0, ep_chunks: int = 1) -> LayerTerms:
-        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses, ep_chunks)
+                    ulysses: int = 0, ep_chunks: int = 1, expert_tp: int = 1) -> LayerTerms:
+        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses, ep_chunks, expert_tp)
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
@@ -78,7 +79,7 @@ class LayerCosts:
         act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks,
-                                                                                         w.aligned_groups)
+                                                                                         w.aligned_groups, expert_tp)
                                                          if moe and recompute != "full" else 0.0)
                      for moe in self.kind_counts}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
@@ -233,10 +234,12 @@ class LayerCosts:
                 # (top-k copies of each, every capacity slot under a capacity; with tp each tp
                 # rank sends only its expert column's 1/tp) forward, and their transposes
                 # backward, over the ep ranks (innermost of dp x cp: stride tp); before them,
-                # dropless, the per-expert row counts (E/tp int64)
-                # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined)
-                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
-                counts = 8 * m.moe_experts / tp * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
+                # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined).
+                # Experts split inside (``expert_tp``): every tp rank sends all its tokens' rows
+                # and counts for all experts (``dispatch_share`` 1)
+                share = dispatch_share(tp, expert_tp)
+                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / share
+                counts = 8 * m.moe_experts / share * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
                 # pipelined in n chunks (parallel/ep/dispatch.py ``overlapped_exchange``): the first
                 # dispatch and the last combine are exposed; the other 2n - 2 chunk exchanges
                 # run while the experts compute, and show only where they outlast it
