@@ -97,3 +97,13 @@ def sp_regathers_skipped(w: Workload, tp: int, sp: bool, layers: dict, tokens: f
                 groups[group] = groups.get(group, False) or converts(w.fp8_recipe, "", int(i), int(o), tp)
         calls += n * sum(groups.values())
     return calls, calls * tokens * w.model.dim * act
+
+
+def sp_inputs_kept(w: Workload, tp: int, sp: bool, moe: bool, tokens: float, act: int) -> float:
+    """Activation bytes one block of kind ``moe`` keeps beyond bf16's under sp: a column group
+    with a converted linear keeps its gathered input (``tokens`` x dim, the compute dtype:
+    torchao's ``matmul_with_hp_or_float8_args`` and ``parallel/fp8/tp.py`` save the
+    high-precision input, cast again to fp8 in backward) where ``_GatheredLinears`` keeps
+    only this rank's 1/tp of it and gathers it again."""
+    groups = sp_regathers_skipped(w, tp, sp, {moe: 1}, tokens, act)[0]
+    return groups * act * tokens * w.model.dim * (1 - 1 / tp)
