@@ -245,7 +245,7 @@ class Traffic:
             ep_bytes = sum(T.kinds[k].ep_sent * n for k, n in stages[0].items())
             # pipelined in n chunks: each chunk's dispatch and combine, both ways; one counts exchange
             n = L.ep_overlap_chunks
-            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0) + (1 if w.fp8_dispatch else 0)  # (fp8: scales)
+            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0) + (n if w.fp8_dispatch else 0)  # (fp8: each chunk's scales)
             calls = fwd_calls + 2 * n + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         for dim, calls, sent in self.optimizer.collectives(self, L, layers0):  # (Muon's exchange)
