@@ -410,6 +410,11 @@ def test_ep_fp8_dispatch_in_chunks(tmp_path):
 
 
 _MOE = {"moe_experts": 4, "moe_topk": 2, "ffn_dim": 128, "moe_ffn_dim": 64}
+# DeepSeek's latent attention with every linear 32-aligned (tp 2 splits them to 16): its
+# down-projections (replicated; under sp on each rank's tokens), up-projections (column) and
+# wo (row) all convert.
+_MLA = {"dim": 64, "ffn_dim": 128, "n_heads": 4, "n_kv_heads": 0, "mla_kv_rank": 32, "mla_q_rank": 32,
+        "mla_rope_dim": 32, "mla_nope_dim": 32, "mla_v_dim": 16}
 
 
 # The dry-run (the real step on fake ranks) and the planner agree exactly on every mesh
@@ -425,8 +430,12 @@ _MOE = {"moe_experts": 4, "moe_topk": 2, "ffn_dim": 128, "moe_ffn_dim": 64}
     (2, {"tp": 2, "dp_shard": 1, "zero": 0}, {"fp8": "rowwise_with_gw_hp"}, {}),
     (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}, {"fp8": "tensorwise"}, {"ffn_dim": 128}),
     (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 3}, {"fp8": "rowwise", "recompute": "full"}, {}),
+    (2, {"tp": 2, "sp": True, "dp_shard": 1, "zero": 0}, {"fp8": "tensorwise"}, _MLA),
+    (2, {"tp": 2, "sp": True, "dp_shard": 1, "zero": 0}, {"fp8": "rowwise"}, {**_MLA, "mla_q_rank": 0}),
+    (2, {"tp": 2, "dp_shard": 1, "zero": 0}, {"fp8": "tensorwise"}, _MLA),
 ], ids=["fsdp2-fp8-gathers", "ep2-fp8-dispatch", "ep2-fp8-dispatch-chunks", "ep2-fp8-dispatch-capacity-chunks",
-        "tp2-gw-hp", "tp2-sp-fsdp2-tensorwise", "tp2-sp-fsdp2-rowwise-full"])
+        "tp2-gw-hp", "tp2-sp-fsdp2-tensorwise", "tp2-sp-fsdp2-rowwise-full", "mla-tp2-sp-tensorwise",
+        "mla-full-q-tp2-sp-rowwise", "mla-tp2-tensorwise"])
 def test_dry_run_agrees_with_planner_under_fp8(tmp_path, world, parallel, train, model):
     from meshfold.dryrun import dry_run
 

@@ -207,7 +207,7 @@ class Traffic:
             # (train.fp8: the fp8 casts' scales, max-reduced over tp where their axis is split)
             # and the sequence-parallel re-gathers its column groups skip (net: more calls, planner/fp8.py)
             tokens = L.micro_batch * (w.s // cp)
-            calls, amax = tp_amax_collectives(w, tp, stages[0], tokens, L.recompute)
+            calls, amax = tp_amax_collectives(w, tp, stages[0], tokens, L.recompute, L.sp)
             skipped, regathered = sp_regathers_skipped(w, tp, L.sp, stages[0], tokens, act)
             add("tp", n_micro * (calls - skipped),
                 n_micro * (RING["all_reduce"](tp) * amax - RING["all_gather"](tp) * regathered))
