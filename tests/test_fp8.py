@@ -500,3 +500,38 @@ def test_planner_prices_the_inputs_fp8_keeps_under_sp(tmp_path):
         assert acts[recipe][1] == pytest.approx(acts[recipe][0], rel=0.10), (recipe, acts)
     (rt, pl), (rt8, pl8) = acts["none"], acts["tensorwise"]
     assert rt8 - rt == pl8 - pl == 2 * 2 * 64 * 64 * 2 // 2, acts
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_latent_attention_under_tensor_parallel_fp8_equals_one_process(tmp_path, recipe):
+    """MLA's linears in fp8 under tensor parallel (``parallel/tp/mla.py`` through ``tp_gemm``:
+    the low-rank q and kv down-projections replicated, on each rank's sequence slice under
+    sp with their weight gradient's scales reduced over tp; the up-projections column-, wo
+    row-parallel): tp 2 and tp 2 + sp against one process of the same recipe, 10 steps, with
+    the dense test's tolerances: losses within 2e-3 relative (measured <= 1.1e-3 tensorwise,
+    3.1e-4 rowwise), parameters within 0.15 relative norm distance (measured <= 0.099)."""
+    def cfg(name, **parallel):
+        c = _cfg(tmp_path / name, recipe)
+        c["model"].update(_MLA)
+        c["parallel"].update(parallel)
+        return c
+
+    one = train_collect(cfg("one"))
+    for name, parallel in (("tp2", {"tp": 2, "dp_shard": 1}), ("tp2sp", {"tp": 2, "sp": True, "dp_shard": 1})):
+        run = run_on(2, train_collect, cfg(name, **parallel))[0]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(one["losses"]), rtol=2e-3, atol=0,
+                                   msg=lambda m, name=name: f"{recipe} {name}: {m}")
+        for param, spread in _spread(one, run).items():
+            assert spread <= 0.15, (recipe, name, param, spread)
+
+
+def test_cuda_dry_run_latent_attention_gemms_under_tp_are_fp8(capsys):
+    """The fake-CUDA step of MLA under tp 2 + sp, tensorwise: every block GEMM float8 and the
+    three bf16 ones the output layer's (main before MLA's linears went through ``tp_gemm``:
+    33 bf16, its 5 linears x 3 GEMMs x 2 layers in bf16)."""
+    argv = ["dry-run", "configs/debug.toml", "--world", "2", "--device", "cuda", "--json", "--set", "train.fp8=tensorwise",
+            "--set", "train.dtype=bfloat16", "--set", "parallel.tp=2", "--set", "parallel.sp=true",
+            "--set", "parallel.dp_shard=1"]
+    assert main(argv + [x for k, v in _MLA.items() for x in ("--set", f"model.{k}={v}")]) == 0
+    g = json.loads(capsys.readouterr().out)["gpu"]
+    assert g["errors"] == [] and g["gemms"] == {"bfloat16": 3, "float8_e4m3fn": 16, "float8_e5m2": 32}, g["gemms"]
