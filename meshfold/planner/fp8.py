@@ -53,15 +53,6 @@ TP_AMAX = {
                            "replicated": ([], [])},
 }
 
-# The tp split of each of an attention kind's linears, in ``attention_terms(m).gemms``'
-# order (parallel/tp/layers.py, mla.py), and the sp column group each is in (None: none:
-# MLA's up-projections read the latent ``tp.enter`` gathered, which no backward re-gathers).
-_ATTENTION_SPLITS = {
-    "gqa": lambda m: [("column", "attention")] * 3 + [("row", None)],
-    "mla": lambda m: ([("replicated", None), ("column", None)] if m.mla_q_rank else [("column", "attention")])
-    + [("replicated", None), ("column", None), ("row", None)],
-}
-
 
 def _tp_linears(m: ModelConfig, moe: bool) -> list[tuple[str, float, float, str | None]]:
     """(split, out, in, sp column group) of the block linears tensor parallel runs through
@@ -69,7 +60,7 @@ def _tp_linears(m: ModelConfig, moe: bool) -> list[tuple[str, float, float, str 
     and o), the dense MLP's (or shared experts') w1, w3 and w2."""
     shapes = block_linears(m, moe)
     attention = len(attention_terms(m).gemms(m, 1))
-    splits = _ATTENTION_SPLITS[m.attention](m) if m.attention in _ATTENTION_SPLITS else [(None, None)] * attention
+    splits = attention_terms(m).tp_splits(m)  # (the kind's tp layer: which linears, how split)
     splits += [("column", "mlp")] * (len(shapes) - attention - 1) + [("row", None)] if len(shapes) > attention else []
     return [(s, o, i, g) for (s, g), (o, i) in zip(splits, shapes) if s is not None]
 
