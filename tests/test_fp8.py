@@ -207,13 +207,15 @@ def test_planner_times_fp8_weight_gathers_at_their_bytes(capsys):
 def _tp_gemms_against_one_process(recipes) -> dict:
     """On each of 2 ranks: a Float8Linear's output and both gradients computed whole (the
     one-process reference), and on this rank's column- and row-parallel pieces through
-    ``tp_gemm``; returns rank 0's largest relative errors (fp32 operands, no autocast)."""
+    ``tp_gemm``, and as a replicated linear on this rank's half of the tokens under sp (MLA's
+    down-projections); returns rank 0's largest relative errors (fp32 operands, no autocast)."""
     import torch.distributed as dist
 
-    from meshfold.parallel.tp.collectives import COLUMN, ROW, TensorParallelGroup, tp_gemm
+    from meshfold.parallel.tp.collectives import COLUMN, REPLICATED, ROW, TensorParallelGroup, tp_gemm
 
     rank = dist.get_rank()
     tp = TensorParallelGroup(None, dist.group.WORLD, 2, rank, False)
+    tp_sp = TensorParallelGroup(None, dist.group.WORLD, 2, rank, True)
     errors = {}
     for recipe in recipes:
         torch.manual_seed(0)
@@ -250,19 +252,38 @@ def _tp_gemms_against_one_process(recipes) -> dict:
             rel = {k: float((a - b).norm() / b.norm()) for k, a, b in
                    (("y", out.detach(), ref_y.detach()), ("dx", dx, ref_dx), ("dw", w.grad, ref_dw))}
             errors[(recipe, split)] = rel
+        # replicated under sp: the tokens split, outliers in rank 1's (rank 0's local amaxes 50x smaller)
+        xr, gr = x.detach().clone(), g.clone()
+        xr[16:] *= 50
+        gr[16:] *= 50
+        xr.requires_grad_()
+        lin[0].weight.grad = None
+        y = lin(xr)
+        y.backward(gr)
+        mine = slice(16 * rank, 16 * rank + 16)
+        xl, w = xr.detach()[mine].clone().requires_grad_(), lin[0].weight.detach().clone().requires_grad_()
+        out = tp_gemm(lin[0], tp_sp, REPLICATED)(xl, w)
+        out.backward(gr[mine])
+        dw = tp.all_reduce_(w.grad.clone())  # this rank's tokens' share, summed over tp (``tp.replicated``)
+        errors[(recipe, REPLICATED)] = {k: float((a - b).norm() / b.norm()) for k, a, b in
+                                        (("y", out.detach(), y.detach()[mine]), ("dx", xl.grad, xr.grad[mine]),
+                                         ("dw", dw, lin[0].weight.grad))}
     return errors
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_tensor_parallel_gemms_equal_the_one_process_gemm(recipe):
-    """Column- and row-parallel fp8 GEMMs (``parallel/fp8/tp.py``) against the same
-    Float8Linear computed whole, 2 gloo ranks, fp32 operands. The fp8 operands are the
+    """Column- and row-parallel fp8 GEMMs (``parallel/fp8/tp.py``), and a replicated one on
+    each rank's tokens under sp, against the same Float8Linear computed whole, 2 gloo ranks,
+    fp32 operands. The fp8 operands are the
     same values cast with the same (tp-reduced) scales, so the pieces match to fp32
     summation order (<= 1e-5). Per-row scaled GEMMs with an fp32 result come out of
     torchao's ``_scaled_mm`` call rounded to bf16: a tp partial sum (row-parallel output,
     column-parallel input gradient) is rounded before the sum, the one-process GEMM after
-    it, so those agree to one bf16 rounding (2^-8; 2.4e-3 measured). With each rank's own
-    local scales instead (outliers sit in rank 0's pieces) tensorwise misses by 1.1e-3; the
+    it, so those agree to one bf16 rounding (2^-8; 2.4e-3 measured; the replicated weight
+    gradient's two partial sums: 2.1e-3). With each rank's own local scales instead
+    (outliers sit in rank 0's pieces) tensorwise misses by 1.1e-3 (replicated, outliers in
+    rank 1's tokens: the output by 3.3e-2, the input gradient by 6.9e-2); the
     rowwise recipes round scales to powers of 2, which move no e4m3 rounding short of
     underflow, so for them the check is the pieces' agreement itself."""
     errors = run_on(2, _tp_gemms_against_one_process, [recipe])[0]
