@@ -11,7 +11,7 @@ Which linears are converted is the runtime's rule (``parallel/fp8/config.convert
 from __future__ import annotations
 
 from meshfold.models.config import ModelConfig
-from meshfold.parallel.fp8.config import converts
+from meshfold.parallel.fp8.config import ALIGN, converts
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.workload import Workload
 
@@ -32,6 +32,14 @@ def fp8_gathered_params(w: Workload, layers: dict) -> float:
         return 0.0
     return sum(n * sum(o * i for o, i in block_linears(w.model, moe) if converts("tensorwise", "", int(i), int(o)))
                for moe, n in layers.items())
+
+
+def expert_group_rows(w: Workload) -> int:
+    """The rows each routed expert's group is padded to (``GroupedExperts.group_rows``): the
+    recipe's alignment where its grouped GEMM runs the experts (``parallel/fp8/experts.py``:
+    both expert widths multiples of it), else 1."""
+    m, align = w.model, ALIGN.get(w.fp8_recipe, 1)
+    return align if w.fp8 and m.moe_experts and m.dim % align == 0 and m.expert_dim % align == 0 else 1
 
 
 def dispatch_row_bytes(w: Workload, act: int, h: float) -> float:

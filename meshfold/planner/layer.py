@@ -34,7 +34,7 @@ from meshfold.planner.terms import (
     LayerTimes,
     LayerTraffic,
 )
-from meshfold.planner.fp8 import dispatch_row_bytes, sp_inputs_kept
+from meshfold.planner.fp8 import dispatch_row_bytes, expert_group_rows, sp_inputs_kept
 from meshfold.planner.traffic import tp_counts
 from meshfold.ring import FACTORS as RING
 
@@ -76,7 +76,8 @@ class LayerCosts:
         act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks,
-                                                                                         w.aligned_groups)
+                                                                                         w.aligned_groups,
+                                                                                         expert_group_rows(w))
                                                          if moe and recompute != "full" else 0.0)
                      for moe in self.kind_counts}
         # (train.fp8 under sp: fp8 column groups keep their gathered input, planner/fp8.py)
