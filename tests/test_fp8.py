@@ -541,25 +541,33 @@ def test_cuda_dry_run_names_float8_on_the_wire(capsys):
     assert {"float8_e4m3fn", "float32", "bfloat16"} <= set(ep), ep
 
 
-def test_planner_prices_the_inputs_fp8_keeps_under_sp(tmp_path):
-    """tp 2 + sp (4 fake ranks, the dry-run's saved-tensor count): a column group with an fp8
+@pytest.mark.parametrize("world, parallel, model, extra", [
+    (4, {"tp": 2, "sp": True, "dp_shard": 2, "zero": 1}, {"ffn_dim": 128}, 2 * 2 * 64 * 64 * 2 // 2),
+    # MLA with a full-rank q: wkv_a reads the block input too, so its local 1/tp stays kept
+    (2, {"tp": 2, "sp": True, "dp_shard": 1, "zero": 0}, "mla-full-q", 2 * (64 * 64 * 2 + 64 * 64 * 2 // 2)),
+], ids=["gqa", "mla-full-q"])
+def test_planner_prices_the_inputs_fp8_keeps_under_sp(tmp_path, world, parallel, model, extra):
+    """tp 2 + sp (fake ranks, the dry-run's saved-tensor count): a column group with an fp8
     linear keeps its gathered input for backward (torchao's matmul and ``parallel/fp8/tp.py``
     save the high-precision input; ``_GatheredLinears`` keeps only the rank's 1/tp and gathers
-    again), so tensorwise holds more activations than bf16: 16,384 bytes here (2 layers x 2
-    column groups x 64 tokens x 64 x 2 bytes / 2). The planner adds exactly that, and stays
-    within the dry-run tests' 10 % of the runtime's count."""
+    again), so tensorwise holds more activations than bf16: 16,384 bytes for GQA (2 layers x
+    2 column groups x 64 tokens x 64 x 2 bytes / 2), 24,576 for MLA with a full-rank q (its q
+    group keeps the whole gathered input beside the local one its kv down-projection keeps
+    anyway). The planner adds exactly that, and stays within the dry-run tests' 10 % of the
+    runtime's count."""
     from meshfold.dryrun import dry_run
 
+    model = {**_MLA, "mla_q_rank": 0} if model == "mla-full-q" else model
     acts = {}
     for recipe in ("none", "tensorwise"):
-        cfg = tiny_config(str(tmp_path / recipe), parallel={"tp": 2, "sp": True, "dp_shard": 2, "zero": 1},
+        cfg = tiny_config(str(tmp_path / recipe), parallel=parallel,
                           train={"steps": 1, "micro_batch": 1, "dtype": "bfloat16", "fp8": recipe})
-        cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, "ffn_dim": 128})
-        out = dry_run(from_dict(cfg), 4, cluster="h100")
+        cfg["model"].update({"dim": 64, "seq_len": 64, "vocab_size": 512, **model})
+        out = dry_run(from_dict(cfg), world, cluster="h100")
         acts[recipe] = (out["runtime"]["activation_bytes"], out["planner"]["activation_bytes"])
         assert acts[recipe][1] == pytest.approx(acts[recipe][0], rel=0.10), (recipe, acts)
     (rt, pl), (rt8, pl8) = acts["none"], acts["tensorwise"]
-    assert rt8 - rt == pl8 - pl == 2 * 2 * 64 * 64 * 2 // 2, acts
+    assert rt8 - rt == pl8 - pl == extra, acts
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

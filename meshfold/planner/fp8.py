@@ -116,6 +116,12 @@ def sp_inputs_kept(w: Workload, tp: int, sp: bool, moe: bool, tokens: float, act
     with a converted linear keeps its gathered input (``tokens`` x dim, the compute dtype:
     torchao's ``matmul_with_hp_or_float8_args`` and ``parallel/fp8/tp.py`` save the
     high-precision input, cast again to fp8 in backward) where ``_GatheredLinears`` keeps
-    only this rank's 1/tp of it and gathers it again."""
-    groups = sp_regathers_skipped(w, tp, sp, {moe: 1}, tokens, act)[0]
-    return groups * act * tokens * w.model.dim * (1 - 1 / tp)
+    only this rank's 1/tp of it and gathers it again. That 1/tp stays kept anyway where a
+    replicated linear reads the same input (MLA's down-projections beside a full-rank q)."""
+    if not (sp and tp > 1 and w.fp8):
+        return 0.0
+    linears = _tp_linears(w.model, moe)
+    converted = {g for s, o, i, g in linears if g is not None and converts(w.fp8_recipe, "", int(i), int(o), tp)}
+    shares_input = any(s == "replicated" for s, *_ in linears)  # (only attention linears are replicated)
+    return sum(act * tokens * w.model.dim * (1 if group == "attention" and shares_input else 1 - 1 / tp)
+               for group in converted)
