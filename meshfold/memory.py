@@ -22,14 +22,21 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _param_keys(p: torch.Tensor) -> set[int]:
+    """The storages of a parameter's local data: a DTensor's local shard; a wrapper subclass
+    (torchao's MXFP8 weight wrapper) also its inner tensors, which the ops it runs save."""
+    t = p.to_local() if hasattr(p, "to_local") else p
+    inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else []
+    return {_storage_key(x) for x in [t, *inner] if isinstance(x, torch.Tensor)}
+
+
 class SavedActivationCounter:
     def __init__(self, model: nn.Module | None = None):
         self.param_storages = set()
         self.fsdp_params = []
         if model is not None:
             # DTensor parameters (FSDP2, tensor parallel): their local shard's storage.
-            self.param_storages = {_storage_key(p.to_local() if hasattr(p, "to_local") else p)
-                                   for p in model.parameters()}
+            self.param_storages = {k for p in model.parameters() for k in _param_keys(p)}
             # FSDP2's gathered (unsharded) parameters, allocated at each all-gather: model
             # state (freed after forward under ZeRO-3, re-gathered for backward), not activations
             self.fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
@@ -58,8 +65,8 @@ class SavedActivationCounter:
 
     def _gathered_storages(self) -> set[int]:
         # (a DTensor parameter's unsharded form is a DTensor: expert or tensor parallel)
-        return {_storage_key(u.to_local() if hasattr(u, "to_local") else u) for fp in self.fsdp_params
-                if (u := getattr(fp, "_unsharded_param", None)) is not None}
+        return {k for fp in self.fsdp_params if (u := getattr(fp, "_unsharded_param", None)) is not None
+                for k in _param_keys(u)}
 
     def _pack(self, t):
         self.add(t)

@@ -265,7 +265,8 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
 
 
 def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int, sp: bool = False,
-                         ep_chunks: int = 1, aligned: bool = True, expert_tp: int = 1) -> float:
+                         ep_chunks: int = 1, aligned: bool = True, group_rows: int = 1,
+                         expert_tp: int = 1) -> float:
     """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
     activations, for one micro-batch of b sequences of s tokens on one rank, as
     ``models/moe.py`` and ``parallel/ep/dispatch.py`` run it under a balanced router: the router's
@@ -297,10 +298,17 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     # up to align - 1 rows more per local expert, with their input and hidden activations,
     # and each row's place in the padded layout (int64). Pipelined in ``ep_chunks`` chunks
     # (``parallel.ep_overlap_chunks``), every chunk's groups are padded. CUDA only
-    # (``aligned``): the CPU kernel takes groups as they are.
-    if not aligned:
+    # (``aligned``): the CPU kernel takes groups as they are. An fp8 recipe's grouped GEMM pads
+    # every group to ``group_rows`` (16, MXFP8 32; planner/fp8.py) on any device, and the
+    # layout's row count to a multiple of it (``_Groups(whole=True)``).
+    if not aligned and group_rows <= 1:
         return router + dispatch
-    align = max(1, 16 // act)
-    local_e, width = (E / ep / (tp if ep == 1 else 1), m.expert_dim) if expert_tp == 1 else (E / ep, m.expert_dim / tp)
-    padding = ep_chunks * (align - 1) * local_e * (h + 4 * width) * act + A * 8
+    align = max(group_rows, max(1, 16 // act) if aligned else 1)
+    E_l, width = (E / ep / (tp if ep == 1 else 1), m.expert_dim) if expert_tp == 1 else (E / ep, m.expert_dim / tp)
+    rows = ep_chunks * (align - 1) * E_l
+    if group_rows > 1:
+        rows = ep_chunks * math.ceil((A / ep_chunks + (align - 1) * E_l) / align) * align - A
+    # (without ep the gates enter the experts too: each padded row's gate and gated product)
+    per_row = h + 4 * width + ((min(m.expert_dim, h) + 1) if ep == 1 else 0)
+    padding = rows * per_row * act + A * 8
     return router + dispatch + padding

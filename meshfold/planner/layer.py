@@ -37,7 +37,7 @@ from meshfold.planner.terms import (
     LayerTimes,
     LayerTraffic,
 )
-from meshfold.planner.fp8 import dispatch_row_bytes
+from meshfold.planner.fp8 import dispatch_row_bytes, expert_group_rows, sp_inputs_kept
 from meshfold.planner.traffic import tp_counts
 from meshfold.ring import FACTORS as RING
 
@@ -79,9 +79,15 @@ class LayerCosts:
         act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks,
-                                                                                         w.aligned_groups, expert_tp)
+                                                                                         w.aligned_groups,
+                                                                                         expert_group_rows(w), expert_tp)
                                                          if moe and recompute != "full" else 0.0)
                      for moe in self.kind_counts}
+        # (train.fp8 under sp: fp8 column groups keep their gathered input, planner/fp8.py)
+        fp8_kept = {moe: sp_inputs_kept(w, tp, sp, moe, tokens, act) for moe in self.kind_counts}
+        act_full += fp8_kept[any_moe]
+        if recompute in ("none", "selective"):
+            act_kinds = {k: x + fp8_kept[k] for k, x in act_kinds.items()}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
         # and backward (2.5x the forward's FLOPs: it recomputes the scores); unfused, the
         # two batched GEMMs per head (QK^T, AV) priced as GEMMs, whose s x s output makes

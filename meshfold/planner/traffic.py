@@ -207,7 +207,7 @@ class Traffic:
             # (train.fp8: the fp8 casts' scales, max-reduced over tp where their axis is split)
             # and the sequence-parallel re-gathers its column groups skip (net: more calls, planner/fp8.py)
             tokens = L.micro_batch * (w.s // cp)
-            calls, amax = tp_amax_collectives(w, tp, stages[0], tokens, L.recompute)
+            calls, amax = tp_amax_collectives(w, tp, stages[0], tokens, L.recompute, L.sp)
             skipped, regathered = sp_regathers_skipped(w, tp, L.sp, stages[0], tokens, act)
             add("tp", n_micro * (calls - skipped),
                 n_micro * (RING["all_reduce"](tp) * amax - RING["all_gather"](tp) * regathered))
@@ -245,7 +245,7 @@ class Traffic:
             ep_bytes = sum(T.kinds[k].ep_sent * n for k, n in stages[0].items())
             # pipelined in n chunks: each chunk's dispatch and combine, both ways; one counts exchange
             n = L.ep_overlap_chunks
-            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0) + (1 if w.fp8_dispatch else 0)  # (fp8: scales)
+            fwd_calls = 2 * n + (1 if w.model.moe_capacity_factor <= 0 else 0) + (n if w.fp8_dispatch else 0)  # (fp8: each chunk's scales)
             calls = fwd_calls + 2 * n + (fwd_calls if L.recompute in ("full", "op") else 0)  # recomputed: the forward's
             add("ep", n_micro * calls * ep_layers, n_micro * ep_bytes)
         for dim, calls, sent in self.optimizer.collectives(self, L, layers0):  # (Muon's exchange)

@@ -96,6 +96,16 @@ class _InFlight:
         self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
         self.work = self.grad = None
 
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        """Start sending ``x`` forward; the buffer it arrives in (``end`` makes it valid)."""
+        out, self.work = _a2a_async(x, self.out_splits, self.in_splits, self.group)
+        return out
+
+    def end(self, out: torch.Tensor) -> torch.Tensor:
+        self.work.wait()
+        self.work = None
+        return out.view_as(out)
+
 
 def _a2a_async(x: torch.Tensor, out_splits, in_splits, group):
     out = x.new_empty((x.shape[0] if out_splits is None else sum(out_splits),) + tuple(x.shape[1:]))
@@ -109,8 +119,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, flight: _InFlight):
         ctx.flight = flight
-        out, flight.work = _a2a_async(x, flight.out_splits, flight.in_splits, flight.group)
-        return out
+        return flight.begin(x)
 
     @staticmethod
     def backward(ctx, _placeholder):
@@ -126,9 +135,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, flight: _InFlight):
         ctx.flight = flight
-        flight.work.wait()
-        flight.work = None
-        return out.view_as(out)
+        return flight.end(out)
 
     @staticmethod
     def backward(ctx, grad):
@@ -137,19 +144,21 @@ class _Finish(torch.autograd.Function):
         return grad, None  # a placeholder: _Start's backward returns the exchanged gradient
 
 
-def overlapped_exchange(sends: list[torch.Tensor], splits: list[tuple | None], compute, group) -> list[torch.Tensor]:
+def overlapped_exchange(sends: list[torch.Tensor], splits: list[tuple | None], compute, group,
+                        dispatch_flight: type = _InFlight) -> list[torch.Tensor]:
     """Chunk i's rows ``sends[i]`` go to their experts (all-to-all with ``splits[i]`` = (out,
     in) sizes, None: equal) and come back through ``compute(i, rows)``, software-pipelined:
     chunk i+1's dispatch is in flight while the experts compute chunk i, and chunk i's
     combine while they compute chunk i+1. Only the first dispatch and the last combine are
     exposed. Every rank issues the same exchanges in the same order (dispatch 0, dispatch 1,
     combine 0, dispatch 2, combine 1, ...); backward issues their reverses in autograd's
-    (deterministic, the same on every rank) order, the last chunk's first."""
+    (deterministic, the same on every rank) order, the last chunk's first.
+    ``dispatch_flight``: how a chunk's rows travel to their experts (an ``_InFlight``)."""
     n = len(sends)
 
     def start(i: int, x: torch.Tensor, back: bool):
         out_splits, in_splits = splits[i] if splits[i] is not None else (None, None)
-        flight = _InFlight(in_splits, out_splits, group) if back else _InFlight(out_splits, in_splits, group)
+        flight = _InFlight(in_splits, out_splits, group) if back else dispatch_flight(out_splits, in_splits, group)
         return _Start.apply(x, flight), flight
 
     going = [start(0, sends[0], False)] + [None] * (n - 1)
@@ -206,6 +215,7 @@ class AllToAllDispatcher(nn.Module):
         # The dispatch's exchange of rows to their experts ``(rows, out_splits, in_splits, group)``
         # (an autograd function; parallel/fp8/dispatch.py puts an fp8 one here); the combine's is AllToAll
         self.send_rows = AllToAll.apply
+        self.dispatch_flight = _InFlight  # the same, chunk by chunk (ep_overlap_chunks > 1)
 
     def forward(self, x, token, expert, weight, experts, n_experts: int, capacity: tuple | None = None):
         P, per_ep = self.ep, n_experts // self.ep
@@ -293,7 +303,7 @@ class AllToAllDispatcher(nn.Module):
                 return run(rows[by_expert], per_expert)[back]
 
             splits = [(recv_splits[c], send_splits[c]) for c in range(n)]
-            return overlapped_exchange(sends, splits, compute, self.group)
+            return overlapped_exchange(sends, splits, compute, self.group, self.dispatch_flight)
 
         order = torch.cat(orders)
         return combine(x, token[order], torch.cat(experts(feed, sends=sends)), weight[order])
@@ -334,7 +344,7 @@ class AllToAllDispatcher(nn.Module):
                 y = run(got, None, fixed_groups(local_e, P * w))
                 return y.view(local_e, P, w, -1).transpose(0, 1).reshape(P * local_e * w, -1)
 
-            return overlapped_exchange(sends, [None] * n, compute, self.group)
+            return overlapped_exchange(sends, [None] * n, compute, self.group, self.dispatch_flight)
 
         y = torch.cat(experts(feed, sends=sends))
         return combine(x, torch.cat([token[:, :, s].reshape(-1) for s in sl]), y,

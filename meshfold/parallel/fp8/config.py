@@ -43,10 +43,9 @@ def validate(cfg: Config) -> None:
     if t.fp8_all_gather and t.fp8 not in ("tensorwise", AUTO):
         raise ConfigError(f"train.fp8_all_gather = true needs train.fp8 = tensorwise (torchao gathers only "
                           f"per-tensor scaled weights in fp8), got train.fp8 = {t.fp8!r}")
-    if p.ep_fp8_dispatch and (t.fp8 == "none" or p.ep == 1 or p.ep_overlap_chunks > 1):
-        raise ConfigError("parallel.ep_fp8_dispatch = true needs train.fp8 (not none), parallel.ep > 1 and "
-                          f"parallel.ep_overlap_chunks = 1 (got {t.fp8!r}, {p.ep}, {p.ep_overlap_chunks}); "
-                          "set parallel.ep_fp8_dispatch = false")
+    if p.ep_fp8_dispatch and (t.fp8 == "none" or p.ep == 1):
+        raise ConfigError("parallel.ep_fp8_dispatch = true needs train.fp8 (not none) and parallel.ep > 1 "
+                          f"(got {t.fp8!r}, {p.ep}); set parallel.ep_fp8_dispatch = false")
     if t.fp8 == "none":
         return
     if p.tp > 1 and t.fp8 == "mxfp8":

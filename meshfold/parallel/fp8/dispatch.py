@@ -11,7 +11,11 @@ moves no rounding: each cast rounds a value to e4m3's 4 significant bits whereve
 puts it, so a row already on that grid comes through every later cast unchanged, and the
 experts compute what they would from the bf16 rows (short of values the casts flush below
 e4m3's normal range). The backward exchange (the rows' gradient) and the combine stay in
-the compute dtype, as DeepEP's fp8 dispatch does."""
+the compute dtype, as DeepEP's fp8 dispatch does.
+
+Pipelined (``parallel.ep_overlap_chunks`` > 1, ``overlapped_exchange``): each chunk's rows go
+the same way, cast with their own per-row scales (``Float8InFlight``): a row's scale depends
+on that row alone, so the chunks carry exactly the values the unchunked dispatch does."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import torch
 from torch import nn
 
 from meshfold.comm import all_to_all_single
-from meshfold.parallel.ep.dispatch import AllToAllDispatcher
+from meshfold.parallel.ep.dispatch import AllToAllDispatcher, _a2a_async, _InFlight
 
 E4M3 = torch.float8_e4m3fn
 
@@ -55,6 +59,23 @@ class Float8Dispatch(torch.autograd.Function):
         return _exchange(grad, in_splits, out_splits, group), None, None, None
 
 
+class Float8InFlight(_InFlight):
+    """One chunk's dispatch in flight in fp8: its e4m3 rows and their scales in two
+    asynchronous all-to-alls (started by ``begin``, the rows multiplied back by ``end`` once
+    both arrived). The gradient goes back in the compute dtype (``_InFlight``'s backward)."""
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        self.pending = [_a2a_async(t, self.out_splits, self.in_splits, self.group) for t in to_float8_rows(x)]
+        return x.new_empty(self.pending[0][0].shape)  # the rows' place in the compute dtype
+
+    def end(self, out: torch.Tensor) -> torch.Tensor:
+        (data, data_work), (inverse, inverse_work) = self.pending
+        self.pending = None
+        data_work.wait()
+        inverse_work.wait()
+        return out.copy_(data.float() * inverse).view_as(out)
+
+
 def apply_fp8_dispatch(model: nn.Module, parallel) -> None:
     """Every expert-parallel dispatcher sends its rows in fp8 (``parallel.ep_fp8_dispatch``)."""
     if not parallel.ep_fp8_dispatch:
@@ -62,3 +83,4 @@ def apply_fp8_dispatch(model: nn.Module, parallel) -> None:
     for module in model.modules():
         if isinstance(module, AllToAllDispatcher):
             module.send_rows = Float8Dispatch.apply
+            module.dispatch_flight = Float8InFlight

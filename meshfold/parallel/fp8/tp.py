@@ -5,8 +5,9 @@ rank casts with the scale one process would use on the whole tensor (torchao's
 ``Float8ColwiseParallel``/``Float8RowwiseParallel`` get the same from DTensor's amax
 all-reduce). Per-tensor scales: one max all-reduce per split operand; per-row scales only
 where the row runs along the split axis (the row-parallel input and weight forward, the
-column-parallel output gradient and weight for the input gradient). Every all-reduce is a
-scalar or one value per row, recorded under ``"tp"``.
+column-parallel output gradient and weight for the input gradient; a replicated linear under
+sp, whose tokens are split: the weight gradient's operands). Every all-reduce is a scalar or
+one value per row, recorded under ``"tp"``.
 
 The GEMM itself is torchao's (``Float8TrainingTensor`` operands, ``torch._scaled_mm``):
 the same casts, in the same order, as ``matmul_with_hp_or_float8_args``; only the scales'
@@ -18,14 +19,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshfold.parallel.tp.collectives import COLUMN, ROW, TP_GEMMS, TensorParallelGroup
+from meshfold.parallel.tp.collectives import COLUMN, REPLICATED, ROW, TP_GEMMS, TensorParallelGroup
 
 # The axis of each 2-D operand split over tp, by the linear's split: ``x`` [tokens, in],
 # ``w_t`` (the weight transposed, as torchao holds it) [in, out], ``grad`` [tokens, out].
 SPLIT_AXES = {
     COLUMN: {"x": None, "w_t": 1, "grad": 1},  # out features split; the input is whole
     ROW: {"x": 1, "w_t": 0, "grad": None},  # in features split; the output a partial sum
+    # (under sp; without sp nothing of a replicated linear is split): the tokens split, the weight whole
+    REPLICATED: {"x": 0, "w_t": None, "grad": 0},
 }
+UNSPLIT = {"x": None, "w_t": None, "grad": None}
 
 
 def _cast(tp: TensorParallelGroup, hp: torch.Tensor, cast, mm_config, role, axiswise: int, split_axis, round_pow2):
@@ -52,11 +56,11 @@ class _TensorParallelFloat8Matmul(torch.autograd.Function):
     """``x @ w_t`` with fp8 operands, forward and both gradients (torchao's casts, tp scales)."""
 
     @staticmethod
-    def forward(ctx, x, w_t, tp, split, mm_config, config):
+    def forward(ctx, x, w_t, tp, axes, mm_config, config):
         from torchao.float8.float8_training_tensor import GemmInputRole
 
         ctx.save_for_backward(x, w_t)
-        ctx.tp, ctx.axes, ctx.mm_config, ctx.config = tp, SPLIT_AXES[split], mm_config, config
+        ctx.tp, ctx.axes, ctx.mm_config, ctx.config = tp, axes, mm_config, config
         c, axes, pow2 = config, ctx.axes, config.round_scales_to_power_of_2
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]: the axes SPLIT_AXES names
         x8 = _cast(tp, x2, c.cast_config_input, mm_config, GemmInputRole.INPUT, -1, axes["x"], pow2)
@@ -84,11 +88,13 @@ class _TensorParallelFloat8Matmul(torch.autograd.Function):
 def float8_tp_gemm(linear: nn.Linear, tp: TensorParallelGroup, split: str):
     """The maker ``tp_gemm`` calls for a Float8Linear: ``gemm(x, w, b)`` on local pieces,
     with the input in the autocast dtype as ``Float8Linear.forward`` has it."""
+    axes = UNSPLIT if split == REPLICATED and not tp.sp else SPLIT_AXES[split]
+
     def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         kind = x.device.type
         if torch.is_autocast_enabled(kind):
             x = x.to(torch.get_autocast_dtype(kind))
-        out = _TensorParallelFloat8Matmul.apply(x, w.t(), tp, split, linear.linear_mm_config, linear.config)
+        out = _TensorParallelFloat8Matmul.apply(x, w.t(), tp, axes, linear.linear_mm_config, linear.config)
         return out if b is None else out + b.to(out.dtype)
 
     return gemm

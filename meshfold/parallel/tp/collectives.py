@@ -245,6 +245,7 @@ class _GatheredLinears(torch.autograd.Function):
 
 
 COLUMN, ROW = "column", "row"  # how a linear is split over tp (its output's or its input's features)
+REPLICATED = "replicated"  # whole on every tp rank, on the rank's tokens (its sequence slice under sp)
 
 # How a linear's GEMM runs on this rank's pieces, by the linear module's type: ``F.linear``
 # unless the package that supplies the type registers a maker ``(linear, tp, split) ->

@@ -4,11 +4,19 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from meshfold.models.deepseek.mla import MLAttention
-from meshfold.parallel.tp.collectives import TensorParallelGroup, column_linears, local, wire_dtype
+from meshfold.parallel.tp.collectives import (
+    COLUMN,
+    REPLICATED,
+    ROW,
+    TensorParallelGroup,
+    column_linears,
+    local,
+    tp_gemm,
+    wire_dtype,
+)
 from meshfold.parallel.tp.placement import distribute, parallelize_norm, swap_class
 
 
@@ -23,7 +31,9 @@ class TensorParallelMLAttention(MLAttention):
     row-parallel. Each rank's latent gradient covers its own heads: the entry's backward
     sums it over tp, so the down-projections see the whole gradient. Under sp their weights
     (and the latent norms') see one sequence slice each and are summed over tp per backward
-    (``replicated``), like the block norms."""
+    (``replicated``), like the block norms. Every linear's GEMM runs through ``tp_gemm``
+    (fp8 ones with tp-wide scales, ``parallel/fp8/tp.py``; the down-projections as
+    ``REPLICATED``: under sp their tokens are split)."""
 
     tp: TensorParallelGroup
 
@@ -31,23 +41,24 @@ class TensorParallelMLAttention(MLAttention):
         tp = self.tp
         latent = []
         if self.wq is None:  # low-rank q: its latent travels with the kv latent
-            latent.append(self.q_a_norm(F.linear(x, tp.replicated(self.wq_a.weight))))
-        c, k_rope = F.linear(x, tp.replicated(self.wkv_a.weight)).split([self.kv_rank, self.rope], -1)
+            latent.append(self.q_a_norm(tp_gemm(self.wq_a, tp, REPLICATED)(x, tp.replicated(self.wq_a.weight))))
+        c, k_rope = tp_gemm(self.wkv_a, tp, REPLICATED)(x, tp.replicated(self.wkv_a.weight)).split(
+            [self.kv_rank, self.rope], -1)
         latent += [self.kv_a_norm(c), k_rope]
         wire = wire_dtype(x)
         if wire is not None:  # the up-projections compute in it anyway: gather the latent in it
             latent = [t.to(wire) for t in latent]
         parts = tp.enter(torch.cat(latent, -1)).split([t.shape[-1] for t in latent], -1)
         if self.wq is None:
-            q = F.linear(parts[0], local(self.wq_b.weight))
+            q = tp_gemm(self.wq_b, tp, COLUMN)(parts[0], local(self.wq_b.weight))
         else:  # a full-rank q projection: a column-parallel linear of the block input
-            (q,) = column_linears(tp, x, [local(self.wq.weight)], [None])
+            (q,) = column_linears(tp, x, [local(self.wq.weight)], [None], [tp_gemm(self.wq, tp, COLUMN)])
         # RoPE on the whole sequence, after the gather (rope covers it)
         out = self.attend(self.rope_query(q, rope), self.rope_latent(*parts[-2:], rope), positions, doc_ids)
-        return tp.leave(F.linear(out.flatten(2), local(self.wo.weight)))
+        return tp.leave(tp_gemm(self.wo, tp, ROW)(out.flatten(2), local(self.wo.weight)))
 
     def up_kv(self, c):  # this rank's rows of wkv_b: its heads
-        return F.linear(c, local(self.wkv_b.weight))
+        return tp_gemm(self.wkv_b, self.tp, COLUMN)(c, local(self.wkv_b.weight))
 
 
 def parallelize_mla(attn: MLAttention, tp: TensorParallelGroup) -> None:

@@ -31,6 +31,12 @@ class AttentionTerms:
         the order the forward runs them."""
         raise NotImplementedError
 
+    def tp_splits(self, m: ModelConfig) -> list[tuple[str | None, str | None]]:
+        """Per linear of ``gemms``, how tensor parallel splits it (``"column"``, ``"row"``,
+        ``"replicated"``; None: not through ``tp_gemm``) and the sp column group sharing its
+        gathered input (None: none), as the kind's tp layer runs it (planner/fp8.py)."""
+        return [(None, None)] * len(self.gemms(m, 1))
+
     def kept_bytes(self, m: ModelConfig, s: int, b: int, tp: int, recompute: str, act: int, amp: bool,
                    split: float, replicated: float) -> tuple[float, float, float]:
         """``counts.layer_activation_bytes``' (split over tp, replicated, whole on every tp

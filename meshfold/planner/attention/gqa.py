@@ -18,6 +18,9 @@ class GroupedQuery(AttentionTerms):
         return (m.n_heads * hd * (h + qkv) / tp + 2 * m.kv_heads * hd * (h + qkv) / kv_tp
                 + m.n_heads * hd * h / tp + (2 * hd if m.qk_norm else 0))
 
+    def tp_splits(self, m: ModelConfig) -> list[tuple[str | None, str | None]]:
+        return [("column", "attention")] * 3 + [("row", None)]  # q, k, v gathered once under sp
+
     def param_sizes(self, m: ModelConfig) -> list[float]:
         h, hd = m.dim, m.head_dim
         return [h * m.n_heads * hd, h * m.kv_heads * hd, h * m.kv_heads * hd, m.n_heads * hd * h]

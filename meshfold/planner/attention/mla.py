@@ -36,6 +36,12 @@ class LatentAttention(AttentionTerms):
         return q + [(m.mla_kv_rank + m.mla_rope_dim, h), (H * (m.mla_nope_dim + m.mla_v_dim) / tp, m.mla_kv_rank),
                     (h, H * m.mla_v_dim / tp)]
 
+    def tp_splits(self, m: ModelConfig) -> list[tuple[str | None, str | None]]:
+        """The down-projections replicated, the up-projections (on the latent ``tp.enter``
+        gathered: no group) column, wo row; a full-rank q a column group of its own."""
+        q = [("replicated", None), ("column", None)] if m.mla_q_rank else [("column", "attention")]
+        return q + [("replicated", None), ("column", None), ("row", None)]
+
     def kept_bytes(self, m, s, b, tp, recompute, act, amp, split, replicated):
         """The latent attention's kept bytes (``mla_kept_bytes``) in place of the q, k,
         v, out (split) and, under amp, the three projections' input copies (replicated)."""
