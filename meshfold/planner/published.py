@@ -43,7 +43,7 @@ def _gpt(h: int, a: int, layers: int) -> ModelConfig:
 # Megatron-LM 2021, Table 1 (weak scaling, Selene: DGX A100 80GB): params B, heads, hidden,
 # layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU. As run: fp16 with Megatron's fused
 # kernels (LayerNorm, bias-GeLU, scale-mask-softmax, bias-dropout-add), no fused attention,
-# dropout, full recompute, 1F1B, micro-batch 1 (not listed in the paper: assumed), and the
+# dropout, full recompute, 1F1B, micro-batch 1 (not in the paper; its scripts ran others: below), and the
 # data-parallel all-reduce after the backward (Megatron's local DDP of 2021 did not overlap it),
 # pipeline sends scattered over tp and gathered after (its scatter/gather optimization, 4.1).
 MEGATRON_TABLE1 = [
@@ -59,8 +59,8 @@ MEGATRON_TABLE1 = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 # Table 1 as the paper's own scripts ran it (NVIDIA/Megatron-LM ``examples/sc21/run_table_1.sh``,
-# commit de7dc40f88, 2021-08-10, "scripts that were used to produce the results"): params ->
-# micro-batch, layers per virtual stage (interleaved schedule; 0: 1F1B) and ``--DDP-impl`` (torch:
+# commit de7dc40f88, 2021-08-10: "some of the scripts that were used to produce the results"):
+# params -> micro-batch, layers per virtual stage (interleaved; 0: 1F1B) and ``--DDP-impl`` (torch:
 # PyTorch's DDP, the all-reduce overlapped with the last micro-batch's backward; local: after it).
 # The bounded rows above assume micro-batch 1, 1F1B and the local DDP everywhere;
 # ``scripted_rows`` prices these (reported, not bounded: docs/planner.md, issue 44 fourth pass).
