@@ -47,6 +47,10 @@ class ParallelConfig:
     # The dispatch all-to-all's rows in fp8 (e4m3, a power-of-2 scale per row sent beside them;
     # needs train.fp8; parallel/fp8/dispatch.py); the combine and the gradients stay in bf16
     ep_fp8_dispatch: bool = False
+    # Expert tensor parallel (Megatron-Core's expert_tensor_parallel_size): 1 = whole experts
+    # split over ep x tp; tp = each expert's FFN split over the tp group, ep over dp x cp only
+    # (parallel/facts/expert_tp.py)
+    expert_tp: int = 1
 
     @property
     def dp(self) -> int:
@@ -76,7 +80,7 @@ CHOICES: dict[str, tuple] = {
 
 def validate(p: ParallelConfig) -> None:
     """``[parallel]`` on its own, before the world size is known: degrees and ZeRO stage."""
-    for key in ("dp_replicate", "tp", "pp", "cp", "ep", "ep_overlap_chunks", "pp_virtual_stages"):
+    for key in ("dp_replicate", "tp", "pp", "cp", "ep", "ep_overlap_chunks", "pp_virtual_stages", "expert_tp"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(p, key)}")
     if p.dp_shard == 0 or p.dp_shard < -1:
@@ -84,6 +88,9 @@ def validate(p: ParallelConfig) -> None:
     if p.ep_overlap_chunks > 1 and p.ep == 1:
         raise ConfigError(f"parallel.ep_overlap_chunks = {p.ep_overlap_chunks} pipelines the expert-parallel "
                           "all-to-all; it needs parallel.ep > 1 (set it to 1 without expert parallel)")
+    if p.expert_tp not in (1, p.tp):
+        raise ConfigError(f"parallel.expert_tp = {p.expert_tp} must be 1 (whole experts over ep x tp) or "
+                          f"parallel.tp = {p.tp} (each expert split over the tp group)")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {p.zero}; choose 0, 1, 2 or 3")
     for schedule in all_schedules():  # each checks its own keys, chosen or not

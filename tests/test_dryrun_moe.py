@@ -116,6 +116,13 @@ AGREEMENT = [
     pytest.param(8, {"dp_shard": 8, "ep": 4, "zero": 3, "ep_overlap_chunks": 3}, {}, id="ep4-overlap3"),
     pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 2, "zero": 3, "ep_overlap_chunks": 2},
                  {"moe_capacity_factor": 1.0}, id="ep2xtp2-capacity-overlap2"),
+    # expert tp (parallel.expert_tp = tp): each expert split over tp, every tp rank dispatching all
+    # its tokens' rows; 4 experts at ep 4 x tp 2 (whole experts could not fold so)
+    pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 4, "expert_tp": 2, "zero": 3}, {"moe_experts": 4},
+                 id="ep4xetp2-fsdp4-4experts"),
+    pytest.param(8, {"tp": 2, "sp": True, "dp_shard": 4, "ep": 2, "expert_tp": 2, "zero": 1}, {},
+                 id="ep2xetp2-sp-dp4-zero1"),
+    pytest.param(4, {"tp": 2, "dp_shard": 2, "expert_tp": 2, "zero": 3}, {}, id="ep1-etp2-fsdp2"),
 ]
 
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshfold.parallel.materialize import local_box
+from meshfold.parallel.materialize import local_box, local_pieces, own_strided
 
 if TYPE_CHECKING:  # annotations only: the optimizer imports this module
     from meshfold.optim.sharded import ShardedAdamW
@@ -45,6 +45,26 @@ def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple, tupl
         out.append(((i0,) + (0,) * (len(shape) - 1), (i1 - i0, *shape[1:]), i0 * inner, i1 * inner))
     if r1:
         out += row(i1, 0, r1)
+    return out
+
+
+def strided_boxes(p: DTensor, a: int, b: int) -> list[tuple[tuple, tuple, int, int]]:
+    """``flat_boxes`` for a DTensor whose local rows are ``sf`` separate pieces of the global
+    tensor along dimension d (expert tp's w13, ``materialize.own_strided``): the local tensor
+    is cut into blocks of one index of each dimension before d and one piece, each contiguous
+    and placed at its piece's global offset, and the blocks' boxes within [a, b) kept."""
+    local = p.to_local()
+    _, sf, d = own_strided(p)
+    offsets = [off for _, off, _ in local_pieces(tuple(p.shape), p)]
+    block = (local.shape[d] // sf,) + tuple(local.shape[d + 1:])
+    n, out = math.prod(block), []
+    for i, outer in enumerate(torch.cartesian_prod(*[torch.arange(x) for x in (*local.shape[:d], sf)]).view(-1, d + 1)
+                              .tolist()):
+        base, j = i * n, outer[-1]
+        lead = tuple(o + x for o, x in zip(offsets[j][:d], outer[:-1]))
+        for off, size, lo, hi in flat_boxes(block, max(a, base) - base, min(b, base + n) - base):
+            out.append((lead + tuple(o + x for o, x in zip(offsets[j][d:], off)), (1,) * d + size,
+                        base + lo - a, base + hi - a))
     return out
 
 
@@ -103,6 +123,9 @@ def sharded_layout(opt: ShardedAdamW, names: dict[int, str]) -> list[Piece]:
     layout = []
     for view, (p, a, b) in zip(opt._views, opt.pieces):
         local, offset, writes = p, (0,) * p.ndim, True
+        if isinstance(p, DTensor) and own_strided(p)[0] is not None:  # (replicated nowhere: every rank writes)
+            layout.append((view, names[id(p)], p.shape, strided_boxes(p, a, b), True))
+            continue
         if isinstance(p, DTensor):
             if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
                 raise ValueError(f"{names[id(p)]} has placements {p.placements}: ZeRO-1 checkpoints take "

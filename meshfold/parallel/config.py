@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError, divisors
 from meshfold.models import registry
-from meshfold.parallel.facts import mtp
+from meshfold.parallel.facts import expert_tp, mtp
 from meshfold.parallel.facts.attention import ATTENTION_LAYOUTS, local_heads, ulysses_degree, ulysses_fits
 from meshfold.schedules import get_schedule
 
@@ -95,11 +95,13 @@ def validate(cfg: Config) -> None:
             f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {p.ep}; "
             f"ep could be one of {divisors(m.moe_experts)}"
         )
-    if m.moe_experts and p.ep > 1 and p.tp > 1 and m.moe_experts % (p.ep * p.tp):
+    if m.moe_experts and p.ep > 1 and p.tp > 1 and p.expert_tp == 1 and m.moe_experts % (p.ep * p.tp):
         raise ConfigError(
             f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep * parallel.tp = {p.ep * p.tp} "
-            "(each ep rank's experts are split again over tp); change parallel.ep, parallel.tp or model.moe_experts"
+            "(each ep rank's experts are split again over tp); set parallel.expert_tp = tp (each expert split "
+            "over tp) or change parallel.ep, parallel.tp or model.moe_experts"
         )
+    expert_tp.check(cfg)
     if p.ep > 1 and not m.moe_experts:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
     if p.ep > 1 and p.zero < 2:
@@ -108,16 +110,16 @@ def validate(cfg: Config) -> None:
 
 def check_plain_layers(m, cp_mode: str) -> None:
     """Context parallel's ring and Ulysses attention take a layer's sliding window, softmax
-    scale and sinks (``parallel/cp/``: the ring skips tile pairs outside the window; both are
-    tested against one process in tests/test_gpt_oss.py); chunked layers, and any of these
-    under the hybrid mode, are refused, never computed wrongly."""
+    scale, sinks and chunks (``parallel/cp/``: the ring skips tile pairs, and the sends, out
+    of reach; tested against one process in tests/test_gpt_oss.py, tests/test_cp_chunked.py);
+    any of these under the hybrid mode is refused, never computed wrongly."""
     for layer in range(m.n_layers):
         spec = registry.layer_attention(m, layer)
-        special = spec.window or spec.scale or spec.sinks
-        if spec.chunk or (special and cp_mode == "hybrid"):
+        special = spec.window or spec.scale or spec.sinks or spec.chunk
+        if special and cp_mode == "hybrid":
             what = (f"chunks of {spec.chunk}" if spec.chunk else f"a sliding window of {spec.window}" if spec.window
                     else f"softmax scale {spec.scale}" if spec.scale else "attention sinks")
-            fix = "use parallel.cp = 1" if spec.chunk else "use parallel.cp_mode = ring or ulysses, or parallel.cp = 1"
+            fix = "use parallel.cp_mode = ring or ulysses, or parallel.cp = 1"
             raise ConfigError(f"parallel.cp > 1 with parallel.cp_mode = {cp_mode} is not supported with layer "
                               f"{layer}'s attention ({what}); {fix}")
 

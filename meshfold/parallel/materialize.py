@@ -78,6 +78,37 @@ def local_box(shape: tuple[int, ...], dt: DTensor,
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
+def own_strided(dt: DTensor) -> tuple[int | None, int, int]:
+    """(mesh dim, split factor, tensor dim) of a ``_StridedShard`` on a tensor dimension no
+    ``Shard`` splits (expert tp's w13, ``parallel/ep/expert_tp.py``: a rank's rows are ``sf``
+    separate pieces), else (None, 1, 0). FSDP2's own ``_StridedShard`` sits on a dimension a
+    ``Shard`` also splits."""
+    plain = {pl.dim for pl in dt.placements if isinstance(pl, Shard) and not isinstance(pl, _StridedShard)}
+    for i, pl in enumerate(dt.placements):
+        if isinstance(pl, _StridedShard) and pl.dim not in plain:
+            return i, pl.split_factor, pl.dim
+    return None, 1, 0
+
+
+def local_pieces(shape: tuple[int, ...], dt: DTensor) -> list[tuple[torch.Tensor, tuple, tuple]]:
+    """This rank's local tensor as (view, global offset, box size) pieces: one
+    (``local_box``), or, with a strided placement of its own (``own_strided``), ``sf`` views
+    along its dimension d, piece j being this rank's chunk of the j-th of ``sf`` equal parts
+    of the global dimension."""
+    local = dt.to_local()
+    i, sf, d = own_strided(dt)
+    if i is None:
+        return [(local, *local_box(shape, dt))]
+    part = list(shape)
+    part[d] //= sf
+    placements = [Shard(d) if k == i else pl for k, pl in enumerate(dt.placements)]
+    plain = DTensor.from_local(local, dt.device_mesh, placements, run_check=False, shape=torch.Size(part),
+                               stride=torch.empty(part, device="meta").stride())
+    offset, size = local_box(tuple(part), plain)
+    return [(view, tuple(o + j * part[d] if k == d else o for k, o in enumerate(offset)), size)
+            for j, view in enumerate(local.chunk(sf, dim=d))]
+
+
 PROGRESS_ABOVE_PARAMS = 1_000_000_000
 
 
@@ -113,16 +144,13 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
     progress = _Progress(model, progress_above)
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
-        if isinstance(p, DTensor):
-            local = p.to_local()
-            offset, size = local_box(shape, p)
+        pieces = local_pieces(shape, p) if isinstance(p, DTensor) else [(p, (0,) * len(shape), shape)]
+        for local, offset, size in pieces:
             if size != tuple(local.shape):
                 raise RuntimeError(f"materialize: {name}: local piece {size} for placements "
                                    f"{p.placements} does not match the shard {tuple(local.shape)}")
-        else:
-            local, offset = p, (0,) * len(shape)
-        # Tiles are generated on the host (one RNG every device agrees on) and copied in.
-        fill_initial_(local, name, shape, offset, cfg, seed)
+            # Tiles are generated on the host (one RNG every device agrees on) and copied in.
+            fill_initial_(local, name, shape, offset, cfg, seed)
         progress.add(p.numel())
     init_buffers(model, cfg)
     return model

@@ -265,7 +265,7 @@ def op_kept_bytes(m: ModelConfig, s: int, b: int, tp: int, sp: bool, act: int, f
 
 
 def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: int, sp: bool = False,
-                         ep_chunks: int = 1, aligned: bool = True) -> float:
+                         ep_chunks: int = 1, aligned: bool = True, expert_tp: int = 1) -> float:
     """What a MoE block keeps for backward beyond ``layer_activation_bytes``'s expert
     activations, for one micro-batch of b sequences of s tokens on one rank, as
     ``models/moe.py`` and ``parallel/ep/dispatch.py`` run it under a balanced router: the router's
@@ -276,9 +276,11 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     dispatcher weights the returned rows by their gates first (``combine``: the product
     keeps the fp32 rows, A x dim more); without ep the gates are folded into the experts
     (the gated A x min(expert_dim, dim) product). With ``sp`` each tp rank routes its 1/tp of
-    the tokens (router state / tp); the experts still see their column of all of them."""
+    the tokens (router state / tp); the experts still see their column of all of them.
+    Experts split inside (``expert_tp``): every tp rank's experts take all T k assignments,
+    each E/ep local expert 1/tp wide (``layer_activation_bytes`` has the hidden units)."""
     T, h, E, k = s * b, m.dim, m.moe_experts, m.moe_topk
-    A = T * k * routed_fraction(m, s) / tp
+    A = T * k * routed_fraction(m, s) / (tp if expert_tp == 1 else 1)
     wide = max(4, act)
     router = T * E * wide + T * k * (8 + wide) + (T * wide if m.moe_norm_topk else 0)
     router /= tp if sp else 1
@@ -299,5 +301,6 @@ def moe_activation_bytes(m: ModelConfig, s: int, b: int, tp: int, ep: int, act: 
     if not aligned:
         return router + dispatch
     align = max(1, 16 // act)
-    padding = ep_chunks * (align - 1) * (E / ep / (tp if ep == 1 else 1)) * (h + 4 * m.expert_dim) * act + A * 8
+    local_e, width = (E / ep / (tp if ep == 1 else 1), m.expert_dim) if expert_tp == 1 else (E / ep, m.expert_dim / tp)
+    padding = ep_chunks * (align - 1) * local_e * (h + 4 * width) * act + A * 8
     return router + dispatch + padding

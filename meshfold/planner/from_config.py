@@ -25,7 +25,7 @@ def workload_from_config(cfg: Config, on_gpu: bool) -> Workload:
     return Workload(cfg.model, cfg.train.global_batch, cfg.model.seq_len, dtype=dtype, flash=on_gpu, kernels=kernels,
                     fp8=cfg.train.fp8 != "none", fp8_recipe=cfg.train.fp8, fp8_all_gather=cfg.train.fp8_all_gather,
                     fp8_dispatch=cfg.parallel.ep_fp8_dispatch, optimizer=cfg.train.optimizer,
-                    muon_ns_steps=cfg.train.muon_ns_steps, aligned_groups=on_gpu)
+                    muon_ns_steps=cfg.train.muon_ns_steps, aligned_groups=on_gpu, cp_balance=cfg.parallel.cp_balance)
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:
@@ -38,7 +38,7 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     return Layout(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, zero=zero, tp=p.tp, sp=p.sp, pp=p.pp,
                   pp_schedule=p.pp_schedule if p.pp > 1 else DEFAULT_SCHEDULE, pp_virtual_stages=p.pp_virtual_stages,
                   cp=p.cp, cp_mode=p.cp_mode, ep=p.ep, ep_overlap_chunks=p.ep_overlap_chunks,
-                  micro_batch=micro, recompute=t.recompute,
+                  expert_tp=p.expert_tp, micro_batch=micro, recompute=t.recompute,
                   cp_ulysses=ulysses_degree(p, cfg.model) if p.cp_mode == "hybrid" and p.cp > 1 else 0,
                   pp_split=tuple(p.pp_split) if p.pp > 1 else (),
                   pp_links=tuple(tuple(x) for x in p.pp_links) if p.pp > 1 else (),

@@ -7,7 +7,8 @@ What differs between attention kinds comes from ``planner/attention``."""
 from __future__ import annotations
 
 from meshfold.models.counts import attention_share, ffn_params
-from meshfold.planner.attention import attention_terms
+from meshfold.parallel.facts.expert_tp import dispatch_share
+from meshfold.planner.attention import attention_terms, ring_sends
 from meshfold.planner.counts import (
     DTYPE_BYTES,
     attention_params_local,
@@ -45,8 +46,8 @@ class LayerCosts:
     """``CostModel``'s layer terms, cached per (tp, sp, cp, ep, micro-batch, recompute)."""
 
     def layer_terms(self, tp: int, sp: bool, cp: int, cp_mode: str, ep: int, b: int, recompute: str,
-                    ulysses: int = 0, ep_chunks: int = 1) -> LayerTerms:
-        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses, ep_chunks)
+                    ulysses: int = 0, ep_chunks: int = 1, expert_tp: int = 1) -> LayerTerms:
+        key = (tp, sp, cp, cp_mode, ep, b, recompute, ulysses, ep_chunks, expert_tp)
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
@@ -78,7 +79,7 @@ class LayerCosts:
         act_full, act_kept = layer_kept("none", any_moe), layer_kept(recompute, any_moe)
         # per layer kind (dense / MoE): a model with leading dense layers has both
         act_kinds = {moe: layer_kept(recompute, moe) + (moe_activation_bytes(m, s_loc, b, tp, ep, act, sp, ep_chunks,
-                                                                                         w.aligned_groups)
+                                                                                         w.aligned_groups, expert_tp)
                                                          if moe and recompute != "full" else 0.0)
                      for moe in self.kind_counts}
         # The attention core: fused (flash) kernels at their measured efficiency, forward
@@ -142,15 +143,18 @@ class LayerCosts:
             attn_b += ring_b
             alpha, beta = self.link(tp * u, R)
             hop = alpha + kv / beta + call
+            # windowed / chunked layers send only the blocks some member sees (planner/attention/ring.py)
+            sends = ring_sends(m, s, cp, u, w.cp_balance)
             # what hides behind the attention blocks slows them (contention, ``overlap_slowdown``)
-            shown = max((R - 1) * hop - attn_f, hop)
-            ring_t = shown + d.overlap_slowdown * max(0.0, (R - 1) * hop - shown)
+            shown = max(sends.steps * hop - attn_f, hop)
+            ring_t = shown + d.overlap_slowdown * max(0.0, sends.steps * hop - shown)
             cp_fwd += ring_t
             cp_sel += ring_t
-            cp_sent += (2 * R - 2) * kv + R * kv * max(4, act) / act
-            cp_sent_rec += (R - 1) * kv
-            cp_sent_sel += (R - 1) * kv
-            cp_calls, cp_calls_rec, cp_calls_sel = cp_calls + 3 * R - 2, cp_calls_rec + R - 1, cp_calls_sel + R - 1
+            cp_sent += 2 * sends.kv * kv + sends.grad * kv * max(4, act) / act
+            cp_sent_rec += sends.kv * kv
+            cp_sent_sel += sends.kv * kv
+            cp_calls, cp_calls_rec, cp_calls_sel = (cp_calls + 2 * sends.kv_calls + sends.grad_calls,
+                                                    cp_calls_rec + sends.kv_calls, cp_calls_sel + sends.kv_calls)
         if cp > 1:  # what the attention kind's ring keeps in place of the one-process kernel's
             act_kinds = attn_kind.ring_kept(m, act_kinds, act, tokens, u, recompute)
         if cp > 1 and u > 1 and recompute in ("none", "selective"):
@@ -230,10 +234,12 @@ class LayerCosts:
                 # (top-k copies of each, every capacity slot under a capacity; with tp each tp
                 # rank sends only its expert column's 1/tp) forward, and their transposes
                 # backward, over the ep ranks (innermost of dp x cp: stride tp); before them,
-                # dropless, the per-expert row counts (E/tp int64)
-                # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined)
-                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / tp
-                counts = 8 * m.moe_experts / tp * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
+                # dropless, the per-expert row counts (E/tp int64; per chunk when pipelined).
+                # Experts split inside (``expert_tp``): every tp rank sends all its tokens' rows
+                # and counts for all experts (``dispatch_share`` 1)
+                share = dispatch_share(tp, expert_tp)
+                routed = act * tokens * m.moe_topk * routed_fraction(m, s) * h / share
+                counts = 8 * m.moe_experts / share * ep_chunks if m.moe_capacity_factor <= 0 else 0.0
                 # pipelined in n chunks (parallel/ep/dispatch.py ``overlapped_exchange``): the first
                 # dispatch and the last combine are exposed; the other 2n - 2 chunk exchanges
                 # run while the experts compute, and show only where they outlast it

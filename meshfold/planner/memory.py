@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from meshfold.parallel.facts.expert_tp import local_experts
 from meshfold.parallel.facts.sizes import CHUNK_ELEMENTS, expert_shard_padding
 from meshfold.planner import mtp
 from meshfold.planner.cluster import GiB
@@ -32,7 +33,7 @@ class Memory:
         v = L.virtual
         n_micro = self.w.global_batch // L.dp // L.micro_batch
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
-                             L.ep_overlap_chunks)
+                             L.ep_overlap_chunks, L.expert_tp)
         stages, last_rank = self.stage_kinds(L)
         _, _, stage_params, stage_layers = self._stage_base(T, stages, last_rank, L.pp)
         return self._memory(L, T, stage_params, stage_layers, last_rank, n_micro, v)[2]
@@ -132,7 +133,7 @@ class Memory:
         beside the ranks it simulates; the search never asks."""
         n_micro = self.w.global_batch // L.dp // L.micro_batch
         T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute, L.cp_ulysses,
-                             L.ep_overlap_chunks)
+                             L.ep_overlap_chunks, L.expert_tp)
         stages, last_rank = self.stage_kinds(L)
         stage_params = self._stage_base(T, stages, last_rank, L.pp)[2]
         _, zero, accumulate, moe_layers = self._top_states(L, T, stage_params, n_micro)
@@ -229,7 +230,7 @@ class Memory:
         # zero stage or how dp splits into shards and replicas
         sched = (L.pp_schedule, L.virtual) if L.pp > 1 else ()
         return (L.tp, L.sp, L.cp, L.cp_mode, L.ep, L.micro_batch, L.recompute, L.cp_ulysses, L.ep_overlap_chunks,
-                L.pp, *sched, tuple(L.pp_split), n_micro)
+                L.pp, *sched, tuple(L.pp_split), n_micro, L.expert_tp)
 
     def activations_if_known(self, L: Layout) -> float | None:
         """``peak_memory``'s activation term for ``L`` if a layout differing only in its zero
@@ -247,11 +248,11 @@ class Memory:
         v = L.virtual
         # model states depend on the parameters (tp, ep), the stages and how they shard, not
         # on the micro-batch, sp or cp's mode: structures differing only there share it
-        key = (L.tp, L.ep, L.pp, L.pp_schedule, v, L.pp_split, L.zero, L.dp_shard, L.cp, L.dp, n_micro > 1)
+        key = (L.tp, L.ep, L.pp, L.pp_schedule, v, L.pp_split, L.zero, L.dp_shard, L.cp, L.dp, n_micro > 1, L.expert_tp)
         hit = self._floor_cache.get(key)
         if hit is None:
             T = self.layer_terms(L.tp, L.sp, L.cp, L.cp_mode, max(1, L.ep), L.micro_batch, L.recompute,
-                                 L.cp_ulysses, L.ep_overlap_chunks)
+                                 L.cp_ulysses, L.ep_overlap_chunks, L.expert_tp)
             stages, last_rank = self.stage_kinds(L)
             states = self._top_states(L, T, self._stage_base(T, stages, last_rank, L.pp)[2], n_micro)[0]
             hit = self._floor_cache[key] = (sum(states.values()) + self.c.device.reserved_gib * GiB, states["grads"])
@@ -309,14 +310,16 @@ class Memory:
         ``parallel/facts/sizes.py: expert_shard_dim`` picks, as the runtime does: 1.0 when
         edp divides E_l, out or in; else dim 0 padded to ceil(E_l / edp) experts per rank."""
         m = self.w.model
-        E_l, edp = m.moe_experts // (L.ep * L.tp), L.dp * L.cp // L.ep
+        E_l, edp = local_experts(m.moe_experts, L.ep, L.tp, L.expert_tp), L.dp * L.cp // L.ep
         if not E_l:
             return 1.0
         # w2 [E_l, dim, hidden] and w1 [E_l, hidden, dim], or with swiglu the fused w13
-        # [E_l, 2 hidden, dim] (models/moe.py), weighted by their sizes
-        wide = 2 if m.gated_mlp else 1
-        shapes = [((E_l, wide * m.expert_dim, m.dim), wide), ((E_l, m.dim, m.expert_dim), 1)]
-        return sum(n * expert_shard_padding(s, edp) for s, n in shapes) / (wide + 1)
+        # [E_l, 2 hidden, dim] (models/moe.py), weighted by their sizes; experts split
+        # inside (expert tp): hidden / tp of each
+        wide, f = 2 if m.gated_mlp else 1, m.expert_dim // L.expert_tp
+        split = L.expert_tp > 1  # (FSDP2 never shards the dimension tp splits: parallel/ep/plan.py)
+        shapes = [((E_l, wide * f, m.dim), wide, (1,) if split else ()), ((E_l, m.dim, f), 1, (2,) if split else ())]
+        return sum(n * expert_shard_padding(s, edp, avoid) for s, n, avoid in shapes) / (wide + 1)
 
 
 @lru_cache(maxsize=1024)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from meshfold.config import Config, TrainConfig
 from meshfold.errors import divisors as _divisors
-from meshfold.models.counts import plain_layers
+from meshfold.parallel.facts.expert_tp import foldings
 from meshfold.planner.attention import attention_terms
 from meshfold.planner.cluster import GiB, Cluster
 from meshfold.planner.bounds import EP_CHUNKS
@@ -45,7 +45,6 @@ def structures(w: Workload, world: int, max_tp: int = 0):
     valid for the model (config.validate's rules) and tile ``world`` devices and the batch."""
     m, s, G = w.model, w.s, w.global_batch
     kv = m.kv_heads
-    plain = plain_layers(m)
     for tp in _divisors(world):
         if m.n_heads % tp or (kv % tp and tp % kv) or (max_tp and tp > max_tp):
             continue
@@ -63,8 +62,6 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 modes = []
             if cp > 1 and tp > 1 and not attention_terms(m).tp_with_cp:  # (parallel/config.py)
                 modes = []
-            if cp > 1 and not plain:  # sliding windows, own softmax scales (parallel/config.py)
-                modes = []
             if not modes:
                 continue
             rest_cp = rest_tp // cp
@@ -81,9 +78,9 @@ def structures(w: Workload, world: int, max_tp: int = 0):
                 sps = [False] + ([True] if tp > 1 and s % tp == 0 else [])
                 for dpr in _divisors(dp):
                     dps = dp // dpr
-                    # (as parallel/config.py validates: with tp, ep x tp divides the experts)
-                    eps_here = [e for e in eps if (dps * cp) % e == 0
-                                and (e == 1 or tp == 1 or m.moe_experts % (e * tp) == 0)]
+                    # (as parallel/config.py validates: with tp, ep x tp divides the experts, or
+                    # each expert is split over tp: parallel.expert_tp, ``foldings``)
+                    eps_here = [e for e in eps if (dps * cp) % e == 0 and foldings(m, tp, e)]
                     for b in _divisors(local):
                         for sp in sps:
                             for mode in modes:
@@ -114,19 +111,22 @@ def variants(w: Workload, st: tuple, gpipe: bool = True):
 
 
 def variant_specs(w: Workload, st: tuple, gpipe: bool = True):
-    """``variants``' (zero, schedule, virtual stages, ep_overlap_chunks), in its order,
-    without the Layouts. With ep > 1 the expert all-to-all whole or pipelined behind the
-    experts in 2 or 4 chunks (``parallel.ep_overlap_chunks``)."""
+    """``variants``' (zero, schedule, virtual stages, ep_overlap_chunks, expert_tp), in its
+    order, without the Layouts. With ep > 1 the expert all-to-all whole or pipelined behind
+    the experts in 2 or 4 chunks (``parallel.ep_overlap_chunks``); with tp > 1 and experts
+    the two foldings that are valid (whole experts over ep x tp, or each split over tp)."""
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     n_micro = w.global_batch // (dpr * dps) // b
     # (ep > 1: zero >= 2 shards the experts with FSDP over edp; zero 0/1 reduce them over edp,
     # ZeRO-1 shards their Adam state there: parallel/ep/plan.py)
     scheds = schedules(w, pp, n_micro, gpipe)
     chunks = EP_CHUNKS if ep > 1 else (1,)
+    folds = foldings(w.model, tp, ep)
     for zero in zero_stages(st):
         for sched, v in scheds:
             for n in chunks:
-                yield zero, sched, v, n
+                for etp in folds:
+                    yield zero, sched, v, n, etp
 
 
 def zero_stages(st: tuple) -> tuple[int, ...]:
@@ -136,10 +136,11 @@ def zero_stages(st: tuple) -> tuple[int, ...]:
     return (1, 2, 3) if dps > 1 else ((0, 1, 2, 3) if cp > 1 else (0,))
 
 
-def _layout(st: tuple, zero: int, sched: str, v: int, chunks: int = 1) -> Layout:
+def _layout(st: tuple, zero: int, sched: str, v: int, chunks: int = 1, expert_tp: int = 1) -> Layout:
     pp, dpr, dps, cp, tp, sp, mode, ep, b = st
     return Layout(dp_replicate=dpr, dp_shard=dps, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
-                  pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b, ep_overlap_chunks=chunks)
+                  pp_virtual_stages=v, cp=cp, cp_mode=mode, ep=ep, micro_batch=b, ep_overlap_chunks=chunks,
+                  expert_tp=expert_tp)
 
 
 def runtime_config(w: Workload, L: Layout):
@@ -247,7 +248,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
         if best and cm.states_floor(_layout(st, 0, DEFAULT_SCHEDULE, 1), zero_stages(st)) > capacity:
             continue  # no zero stage fits its model states: no variant fits
         sched_bound: dict = {}  # this schedule's own bubble: a bound for its variants
-        for j, (zero, sched, v, chunks) in enumerate(specs):
+        for j, (zero, sched, v, chunks, etp) in enumerate(specs):
             if len(best) >= top:
                 vb = sched_bound.get((sched, v))
                 if vb is None:
@@ -255,7 +256,7 @@ def search(w: Workload, cluster: Cluster, top: int = 10, max_tp: int = 0) -> Pla
                                                                bubble(sched, v, pp, n_micro, t_f, t_b), rest)
                 if vb >= -best[0][0]:
                     continue
-            L = _layout(st, zero, sched, v, chunks)
+            L = _layout(st, zero, sched, v, chunks, etp)
             floor, grads = cm.memory_floor(L, with_grads=True) if best else (0.0, 0.0)
             if floor > capacity:
                 continue  # its model states alone do not fit, whatever the recompute

@@ -46,7 +46,7 @@ class StepTime:
             raise ValueError(f"global batch {w.global_batch} does not split into dp={dp} x micro_batch={b}")
         n_micro = w.global_batch // dp // b
         T = self.layer_terms(tp, L.sp, cp, L.cp_mode, max(1, L.ep), b, L.recompute, L.cp_ulysses,
-                             L.ep_overlap_chunks)
+                             L.ep_overlap_chunks, L.expert_tp)
         p2p, stages, last_rank, t_f, t_b, stage_params, stage_layers, makespan, bubble = self._pipeline(
             L, T, n_micro, v, bound)
         Pmax = max(stage_params)

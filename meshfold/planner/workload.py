@@ -48,6 +48,7 @@ class Workload:
     optimizer: str = "adamw"  # train.optimizer (planner/optimizer.py prices each kind)
     muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations per matrix
     aligned_groups: bool = True  # grouped-GEMM expert groups padded to 16 bytes (CUDA's kernel; not the CPU's)
+    cp_balance: bool = True  # parallel.cp_balance: which ring blocks windowed / chunked layers see (attention/ring.py)
 
     @property
     def s(self) -> int:
@@ -71,6 +72,7 @@ class Layout:
     cp_ulysses: int = 0  # hybrid: the Ulysses degree (layout_from_config resolves 0 as the runtime)
     ep: int = 1
     ep_overlap_chunks: int = 1  # ep all-to-all pipelined in this many chunks (``parallel.ep_overlap_chunks``)
+    expert_tp: int = 1  # 1: whole experts over ep x tp; tp: each expert split over tp (``parallel.expert_tp``)
     micro_batch: int = 1  # sequences per micro-batch on one data-parallel rank
     recompute: str = "none"  # none | selective | op | full (parallel/recompute.py)
     pp_split: tuple = ()  # blocks per stage (``parallel.pp_split``); () = balanced by cost, as the runtime
@@ -109,6 +111,7 @@ class Layout:
                               pp_virtual_stages=self.pp_virtual_stages, cp=self.cp, cp_mode=self.cp_mode,
                               cp_ulysses=self.cp_ulysses if self.cp_mode == "hybrid" else 0,
                               ep=self.ep, ep_overlap_chunks=self.ep_overlap_chunks if self.ep > 1 else 1,
+                              expert_tp=self.expert_tp,
                               pp_split=list(self.pp_split), pp_skip=self.pp_skip,
                               pp_reorder=self.pp_reorder, pp_links=[list(x) for x in self.pp_links])
 
@@ -118,6 +121,7 @@ class Layout:
         keys = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp", "pp_schedule", "pp_microbatches",
                 "pp_virtual_stages", "cp", "cp_mode", "ep") + (("pp_split",) if self.pp_split else ())
         keys += ("ep_overlap_chunks",) if self.ep > 1 and self.ep_overlap_chunks > 1 else ()
+        keys += ("expert_tp",) if self.expert_tp > 1 else ()
         return {"parallel": {key: getattr(p, key) for key in keys},
                 "train": {"global_batch": global_batch, "micro_batch": self.micro_batch, "recompute": self.recompute}}
 
@@ -140,6 +144,7 @@ class Layout:
             parts.append(f"cp{self.cp} {self.cp_mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}" + (f"c{self.ep_overlap_chunks}" if self.ep_overlap_chunks > 1 else ""))
+        parts += [f"etp{self.expert_tp}"] if self.expert_tp > 1 else []
         parts += [f"mb{self.micro_batch}", self.recompute]
         return " ".join(parts)
 

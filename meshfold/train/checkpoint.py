@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from meshfold import comm
 from meshfold.optim.state import CheckpointState, CheckpointStateError, ParamNames, state_of
+from meshfold.parallel.ep.expert_tp import checkpoint_view, restore_placements
 from meshfold.optim.zero_state import Chunks
 from meshfold.train.checkpoint_files import (
     CheckpointError,
@@ -254,8 +255,9 @@ class Checkpointer:
 
     def state_dict(self) -> dict[str, Any]:
         sd = {
-            "model": self._model_state(),
-            "optim": self._optim_state(),
+            # (expert tp's strided weights as DCP can write them: parallel/ep/expert_tp.py)
+            "model": checkpoint_view(self._model_state()),
+            "optim": checkpoint_view(self._optim_state()),
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "step": self.progress.step,
@@ -451,11 +453,14 @@ class Checkpointer:
         model = _whole_model(self.parts)
         names = ParamNames(model)
         with _one_line_refusal():  # what this rank reads, in this layout, whatever layout wrote it
-            sd["optim"] = optim.checkpoint_template(names, {k[len("optim."):] for k in meta_keys
-                                                            if k.startswith("optim.")})
+            originals = {"model": self._model_state(),
+                         "optim": optim.checkpoint_template(names, {k[len("optim."):] for k in meta_keys
+                                                                    if k.startswith("optim.")})}
+        sd["optim"] = checkpoint_view(originals["optim"])
         put_back = read_old_names(sd, saved)  # a checkpoint from before a rename
         safe_load(sd, path)
         put_back()
+        sd.update(restore_placements({k: sd[k] for k in originals}, originals))
 
         flags = [{k: g[k] for k in _IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
         with _one_line_refusal():
@@ -485,10 +490,12 @@ class Checkpointer:
         if _any_rank(error is not None):
             raise CheckpointError(f"train.init_from: {error or f'{path} was refused by another rank (see its line)'}")
         self._optim().before_load()
-        sd = {"model": self._model_state()}
+        original = self._model_state()
+        sd = {"model": checkpoint_view(original)}
         put_back = read_old_names(sd, read_dcp_metadata(path).state_dict_metadata)
         safe_load(sd, path)
         put_back()
+        sd["model"] = restore_placements(sd["model"], original)
         set_model_state_dict(_whole_model(self.parts), sd["model"])
         self._optim().after_load()
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshfold.comm import all_gather_into_tensor
-from meshfold.models.attention_ops import document_attention, sdpa, window_attention
+from meshfold.models.attention_ops import chunk_ids, document_attention, sdpa, window_attention
 from meshfold.models.moe_experts import has_values
 from meshfold.parallel.cp.batch import default_members
 from meshfold.parallel.cp.groups import ContextParallelPlan
@@ -48,7 +48,7 @@ class _MetaCache:
             u = plan.ulysses
             # Ring member j holds the tokens of cp ranks j*U .. j*U+U-1 (after the all-to-all).
             members = parts.view(plan.ring, u, 2, *local.shape[1:]).permute(0, 2, 3, 1, 4).flatten(-2)
-            entry = self.entries[key] = [members.contiguous(), {}]  # the ring layouts, by window
+            entry = self.entries[key] = [members.contiguous(), {}]  # the ring layouts, by (window, chunk)
             # An entry lives while both keyed tensors do: ids are reused once a tensor is gone, and
             # the default positions outlive every batch, so the doc ids' death must end it too
             for keyed in (positions, doc_ids):
@@ -57,31 +57,44 @@ class _MetaCache:
         self.current = entry
         return entry[0]
 
-    def ring_layout(self, use_doc: bool, window: int = 0) -> RingLayout:
-        """The micro-batch's ring layout for layers with this sliding ``window`` (0: none)."""
-        layouts = self.current[1]
-        if window not in layouts:
+    def ring_layout(self, use_doc: bool, window: int = 0, chunk: int = 0) -> RingLayout:
+        """The micro-batch's ring layout for layers with this sliding ``window`` and ``chunk``
+        (0: none)."""
+        layouts, key = self.current[1], (window, chunk)
+        if key not in layouts:
             meta = self.current[0]
             if has_values(meta):
-                layouts[window] = RingLayout(meta, use_doc, self.plan.ring_rank, self.plan.tile, window)
+                layouts[key] = RingLayout(meta, use_doc, self.plan.ring_rank, self.plan.tile, window, chunk)
             else:  # a dry-run's fake batch: the default positions, no documents (its host read
                 # would have no values to read), laid out on real tensors
                 with unset_fake_temporarily():
                     meta = default_members(self.plan, *meta.shape[2:])
-                    layouts[window] = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile, window)
-        return layouts[window]
+                    layouts[key] = RingLayout(meta, False, self.plan.ring_rank, self.plan.tile, window, chunk)
+        return layouts[key]
+
+    def chunk_runs(self, use_doc: bool, chunk: int) -> torch.Tensor:
+        """Ulysses' whole sequences under a chunked layer: the runs it attends within (a new
+        run where the document or the chunk changes), one tensor per micro-batch and chunk, so
+        every chunked layer shares its document plan."""
+        layouts, key = self.current[1], ("runs", use_doc, chunk)
+        if key not in layouts:
+            meta = self.current[0]
+            layouts[key] = chunk_ids(meta[0, 1] if use_doc else None, meta[0, 0], chunk)
+        return layouts[key]
 
 
 class ContextParallelAttention(nn.Module):
     """Drop-in for ``CoreAttention`` on a cp rank: [b, s_local, heads, hd] in and out, with the
     layer's sliding ``window`` (0: none) and softmax ``scale`` (None: 1/sqrt(d)) of the core it
-    replaces, and the block's attention sinks when it passes them."""
+    replaces, its ``chunk`` (chunked attention, 0: none), and the block's attention sinks when
+    it passes them."""
 
-    def __init__(self, plan: ContextParallelPlan, cache: _MetaCache, window: int = 0, scale: float | None = None):
+    def __init__(self, plan: ContextParallelPlan, cache: _MetaCache, window: int = 0, scale: float | None = None,
+                 chunk: int = 0):
         super().__init__()
         self.plan = plan
         self.cache = cache
-        self.window, self.scale = window, scale
+        self.window, self.scale, self.chunk = window, scale, chunk
 
     def _arange(self, bsz: int, seq: int, device) -> torch.Tensor:
         """Default positions, one tensor per shape, so the metadata cache keeps hitting."""
@@ -109,8 +122,9 @@ class ContextParallelAttention(nn.Module):
                 raise ValueError("a variant's own payload travels on the ring only; expand it before a Ulysses "
                                  "all-to-all")
             use_doc = doc_ids is not None
-            return ring_attention(q, k, None, meta, use_doc, plan, self.cache.ring_layout(use_doc, self.window),
-                                  payload=payload, scale=self.scale, sinks=sinks)
+            return ring_attention(q, k, None, meta, use_doc, plan,
+                                  self.cache.ring_layout(use_doc, self.window, self.chunk), payload=payload,
+                                  scale=self.scale, sinks=sinks)
         if u > 1:
             heads, kv = q.shape[2], k.shape[2]
             if heads % u or (kv % u and u % kv):
@@ -122,10 +136,13 @@ class ContextParallelAttention(nn.Module):
                 part = sinks.shape[0] // u
                 sinks = sinks[plan.cp_rank % u * part:(plan.cp_rank % u + 1) * part]
         use_doc = doc_ids is not None
-        if u > 1 and plan.ring == 1:  # Ulysses: whole sequences, the ordinary fused attention
+        if u > 1 and plan.ring == 1 and self.chunk:  # Ulysses, chunked: within each (document's) chunk
+            runs = self.cache.chunk_runs(use_doc, self.chunk)
+            out = document_attention(q, k, v, meta[0, 0], runs, key=runs, scale=self.scale, sinks=sinks)
+        elif u > 1 and plan.ring == 1:  # Ulysses: whole sequences, the ordinary fused attention
             out = _whole_sequence_attention(q, k, v, meta, use_doc, self.window, self.scale, sinks)
         else:
-            out = ring_attention(q, k, v, meta, use_doc, plan, self.cache.ring_layout(use_doc, self.window),
+            out = ring_attention(q, k, v, meta, use_doc, plan, self.cache.ring_layout(use_doc, self.window, self.chunk),
                                  scale=self.scale, sinks=sinks)
         if u > 1:
             out = _AllToAll.apply(out, 1, 2, plan.ulysses_group)

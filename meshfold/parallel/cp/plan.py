@@ -29,7 +29,9 @@ packed document (``document_causal_mask`` in models/llama.py, the one-process se
 Attention runs in tiles (the balanced chunk by default); ``RingLayout`` classifies every
 (query tile, key tile) pair once per forward: fully masked pairs are skipped, fully visible
 ones run the fused kernel without a mask, diagonal ones as causal, and only partial ones
-carry a (tile x tile) mask. The kernels are the fused ones that return the log-sum-exp
+carry a (tile x tile) mask. Sliding-window and chunked layers skip pairs out of reach the
+same way, and their ring sends a block only to the members that see some of it
+(``RingLayout.need``: the direct ring). The kernels are the fused ones that return the log-sum-exp
 (``models/attention_ops.py``: flash for CPU, flash / memory-efficient on CUDA).
 
 The package: ``batch.py`` (which tokens a cp rank holds; the batch sharding), ``groups.py``
@@ -73,9 +75,9 @@ def apply_context_parallel(model: nn.Module, cfg: Config, dims) -> ContextParall
     plan = build_plan(cfg, dims)
     cache = _MetaCache(plan)
     for block in model.layers.values():
-        core = block.attention.core  # its sliding window and softmax scale go with the swap
+        core = block.attention.core  # its sliding window, softmax scale and chunk go with the swap
         block.attention.core = ContextParallelAttention(plan, cache, getattr(core, "window", 0),
-                                                        getattr(core, "scale", None))
+                                                        getattr(core, "scale", None), getattr(core, "chunk", 0))
         ATTENTION_ADAPTERS[cfg.model.attention](block.attention, plan)
     return plan
 

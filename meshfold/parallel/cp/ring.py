@@ -17,11 +17,14 @@ from meshfold.parallel.cp.groups import ContextParallelPlan
 _EMPTY, _FULL, _CAUSAL, _PARTIAL = 0, 1, 2, 3
 
 
-def _tile_mask(qpos, qdoc, kpos, kdoc, window: int = 0):
+def _tile_mask(qpos, qdoc, kpos, kdoc, window: int = 0, chunk: int = 0):
     gap = qpos.unsqueeze(-1) - kpos.unsqueeze(-2)
     mask = gap >= 0
     if window:  # a sliding window: the `window` latest keys, the query's own included
         mask &= gap < window
+    if chunk:  # chunked (block-local) attention: keys of the query's own chunk of positions
+        mask &= torch.div(qpos, chunk, rounding_mode="floor").unsqueeze(-1) == \
+            torch.div(kpos, chunk, rounding_mode="floor").unsqueeze(-2)
     if qdoc is not None:
         mask &= qdoc.unsqueeze(-1) == kdoc.unsqueeze(-2)
     return mask
@@ -35,6 +38,28 @@ def _tile_view(x: torch.Tensor, tile: int, fill) -> torch.Tensor:
     return x.unflatten(-1, (-1, tile))
 
 
+def _out_of_reach(qmin, qmax, kmin, kmax, window: int, chunk: int) -> torch.Tensor:
+    """Tile pairs (per-tile position minima and maxima, broadcast) with no key any query
+    could see by position alone: all keys in the future, all ``window`` or more behind, or
+    (chunked) all in other chunks."""
+    empty = qmax < kmin
+    if window:
+        empty |= qmin - kmax >= window
+    if chunk:
+        qcmin, qcmax, kcmin, kcmax = (torch.div(x, chunk, rounding_mode="floor") for x in (qmin, qmax, kmin, kmax))
+        empty |= (qcmax < kcmin) | (kcmax < qcmin)
+    return empty
+
+
+class _Sent(list):
+    """An exchange's works, holding what it sends (picked tiles are made for the send) until
+    they are waited on."""
+
+    def __init__(self, works: list, sends: list):
+        super().__init__(works)
+        self.sends = sends
+
+
 class RingLayout:
     """Which (query tile, key tile) pairs of every ring step need which kernel, decided once
     per forward from every member's (positions, doc ids) and shared by all layers: empty
@@ -43,10 +68,20 @@ class RingLayout:
     (the codes), none per block. ``window`` > 0 (a sliding-window layer's): pairs whose
     every key is ``window`` or more positions behind every query are empty too (skipped,
     never computed), and a pair is fully visible or causal only when all its keys are
-    inside the window."""
+    inside the window; ``chunk`` > 0 (a chunked layer's): likewise for keys outside the
+    query's chunk of positions.
 
-    def __init__(self, meta: torch.Tensor, use_doc: bool, ring_rank: int, tile: int, window: int = 0):
-        self.meta, self.use_doc, self.tile, self.window = meta, use_doc, tile, window
+    Windowed and chunked layers also skip communication: ``need[q][k]`` (the same on every
+    member: it comes from every member's positions alone) says whether member q's queries
+    see any of member k's keys. Then the ring is *direct*: at step t member r sends its own
+    block to member r + t if that one needs it and receives member r - t's block if it needs
+    it, so a block no one needs is never sent (with the load-balanced layout a window shorter
+    than a chunk needs only the two neighbours). Otherwise ``need`` is None and the blocks
+    are relayed to the next neighbour, every step."""
+
+    def __init__(self, meta: torch.Tensor, use_doc: bool, ring_rank: int, tile: int, window: int = 0,
+                 chunk: int = 0):
+        self.meta, self.use_doc, self.tile, self.window, self.chunk = meta, use_doc, tile, window, chunk
         R, _, b, s = meta.shape
         self.R, self.r, self.b, self.s = R, ring_rank, b, s
         self.n = -(-s // tile)
@@ -56,16 +91,20 @@ class RingLayout:
         dmin, dmax = _tile_view(doc, tile, big).amin(-1), _tile_view(doc, tile, -big).amax(-1)
         qmin, qmax = pmin[ring_rank, :, :, None], pmax[ring_rank, :, :, None]  # [b, nq, 1]
         kmin, kmax = pmin[:, :, None, :], pmax[:, :, None, :]  # [R, b, 1, nk]
-        empty = qmax < kmin
+        empty = _out_of_reach(qmin, qmax, kmin, kmax, window, chunk)
         full = qmin >= kmax
         ptiles = _tile_view(pos, tile, -1)  # [R, b, n, tile]
         increasing = (ptiles[..., 1:] > ptiles[..., :-1]).all(-1)  # [R, b, n]
         causal = (ptiles[ring_rank, :, :, None] == ptiles[:, :, None]).all(-1) & increasing[ring_rank, :, :, None]
         if window:
-            empty |= qmin - kmax >= window
             inside = qmax - kmin < window
             full &= inside
             causal &= inside
+        if chunk:
+            lo, hi = torch.minimum(qmin, kmin), torch.maximum(qmax, kmax)
+            one_chunk = torch.div(lo, chunk, rounding_mode="floor") == torch.div(hi, chunk, rounding_mode="floor")
+            full &= one_chunk
+            causal &= one_chunk
         if use_doc:
             qdmin, qdmax = dmin[ring_rank, :, :, None], dmax[ring_rank, :, :, None]
             kdmin, kdmax = dmin[:, :, None, :], dmax[:, :, None, :]
@@ -77,7 +116,20 @@ class RingLayout:
         code = torch.where(causal.all(1), _CAUSAL, code)
         code = torch.where(full.all(1), _FULL, code)
         code = torch.where(empty.all(1), _EMPTY, code)
-        codes = code.tolist()  # [R members][nq][nk]: the one host read
+        reach = None
+        if (window or chunk) and R > 1:  # which key tiles of which member some query of which member sees
+            reach = _out_of_reach(pmin[:, None, :, :, None], pmax[:, None, :, :, None], pmin[None, :, :, None, :],
+                                  pmax[None, :, :, None, :], window, chunk).all(2).all(2).logical_not()  # [Rq, Rk, nk]
+            code = torch.cat([code.flatten(), reach.flatten().to(code.dtype)])
+        codes = code.tolist()  # [R members][nq][nk] (and the reach): the one host read
+        self.need: list[list[bool]] | None = None
+        self.need_tiles: list[list[list[int]]] = []
+        if reach is not None:
+            n, n2 = self.n, self.n * self.n
+            flat, codes = codes[R * n2:], [[codes[m * n2 + i * n:m * n2 + (i + 1) * n] for i in range(n)]
+                                           for m in range(R)]
+            self.need_tiles = [[[j for j in range(n) if flat[(q * R + k) * n + j]] for k in range(R)] for q in range(R)]
+            self.need = [[bool(tiles) for tiles in row] for row in self.need_tiles]
         # steps[t]: (q tile, k tile, code, first) for key member (r - t) % R; ``first``: the
         # first block for these query rows (its output is copied, not merged).
         self.steps, seen = [], set()
@@ -103,8 +155,81 @@ class RingLayout:
                         self.partial.append((t, i, jj))
                     tasks.append((i, jj, c, i not in seen))
                     seen.add(i)
+            if tasks and self.need is not None and not self.need[ring_rank][j]:
+                raise AssertionError(f"ring step {t}: member {ring_rank} computes tiles of member {j}'s block "
+                                     "that its reach says it never receives")
             self.steps.append(tasks)
         self._partial_visible: torch.Tensor | None = None
+
+    def post(self, t: int, own: torch.Tensor, held: torch.Tensor, group, dim: int | None) -> tuple[list, tuple]:
+        """Post the exchange that brings step t's block (member r - t's): relayed, the block
+        held at step t - 1 goes on to the next member; direct (``need``), the key tiles of
+        this member's own block that member r + t sees go to it, and those of member r - t's
+        that this one sees come in (``dim``: the payload's token dimension; None: whole
+        blocks). Returns the works and what ``arrived`` takes once they are done. Both sides
+        derive the same answer from ``need_tiles``, so sends and receives always pair up, in
+        the same order per peer pair."""
+        R, r = self.R, self.r
+        if self.need is None:
+            nxt = torch.empty_like(held)
+            return exchange([(held, (r + 1) % R)], [(nxt, (r - 1) % R)], group, "cp"), (nxt, None)
+        to, frm = (r + t) % R, (r - t) % R
+        sends = [(self._pick(own, self.need_tiles[to][r], dim), to)] if self.need[to][r] else []
+        tiles = self.need_tiles[r][frm] if self.need[r][frm] else None
+        nxt = None if tiles is None else own.new_empty(self._part_shape(own, tiles, dim))
+        return _Sent(exchange(sends, [(nxt, frm)] if nxt is not None else [], group, "cp"), sends), (nxt, tiles)
+
+    def arrived(self, got: tuple, own: torch.Tensor, dim: int | None) -> torch.Tensor | None:
+        """The step's whole block from what ``post`` received (tiles no query here sees: zeros)."""
+        if got is None:  # (the last step: nothing more comes)
+            return None
+        part, tiles = got
+        if tiles is None or dim is None or len(tiles) == self.n:
+            return part
+        return self.add_part(own.new_zeros(own.shape), part, tiles, dim)
+
+    def post_grad(self, t: int, grad: torch.Tensor | None, like: torch.Tensor, group, dim: int | None) -> tuple:
+        """Direct ring, backward: step t's gradient of member r - t's block (its seen tiles)
+        goes straight back to it, and the part of this member's own block's gradient computed
+        by member r + t comes in (when that one used it)."""
+        R, r = self.R, self.r
+        to, frm = (r - t) % R, (r + t) % R
+        tiles = self.need_tiles[frm][r] if self.need[frm][r] else None
+        incoming = None if tiles is None else like.new_empty(self._part_shape(like, tiles, dim))
+        sends = [(self._pick(grad, self.need_tiles[r][to], dim), to)] if grad is not None else []
+        return _Sent(exchange(sends, [(incoming, frm)] if incoming is not None else [], group, "cp"), sends), \
+            (incoming, tiles)
+
+    def _runs(self, tiles: list[int]) -> list[tuple[int, int]]:
+        """(first token, tokens) of the contiguous runs of these key tiles."""
+        runs: list[tuple[int, int]] = []
+        for j in tiles:
+            start, length = j * self.tile, self._len(j)
+            if runs and sum(runs[-1]) == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((start, length))
+        return runs
+
+    def _pick(self, x: torch.Tensor, tiles: list[int], dim: int | None) -> torch.Tensor:
+        if dim is None or len(tiles) == self.n:
+            return x
+        return torch.cat([x.narrow(dim, a, n) for a, n in self._runs(tiles)], dim)
+
+    def _part_shape(self, x: torch.Tensor, tiles: list[int], dim: int | None) -> tuple:
+        if dim is None or len(tiles) == self.n:
+            return tuple(x.shape)
+        return tuple(x.shape[:dim]) + (sum(n for _, n in self._runs(tiles)),) + tuple(x.shape[dim + 1:])
+
+    def add_part(self, whole: torch.Tensor, part: torch.Tensor, tiles: list[int] | None, dim: int | None):
+        """``whole`` (a block-sized tensor) plus ``part`` on its tiles, in place."""
+        if tiles is None or dim is None or len(tiles) == self.n:
+            return whole.add_(part)
+        offset = 0
+        for a, n in self._runs(tiles):
+            whole.narrow(dim, a, n).add_(part.narrow(dim, offset, n))
+            offset += n
+        return whole
 
     def _len(self, i: int) -> int:
         return min(self.tile, self.s - i * self.tile)
@@ -118,7 +243,7 @@ class RingLayout:
         qs, ks = self.rows(i), self.rows(j)
         q, k = self.meta[self.r], self.meta[member]
         m = _tile_mask(q[0][:, qs], q[1][:, qs] if self.use_doc else None,
-                       k[0][:, ks], k[1][:, ks] if self.use_doc else None, self.window)
+                       k[0][:, ks], k[1][:, ks] if self.use_doc else None, self.window, self.chunk)
         return m.unsqueeze(1)
 
     def partial_visible(self) -> torch.Tensor:
@@ -171,7 +296,9 @@ class _HeadsPayload:
     (parameters its ``unpack`` uses, whose gradients the ring returns), ``pack(k, v)`` (what
     travels), ``unpack(cur)`` (a step's k, v), and for backward ``open(cur)`` (k, v and a
     gradient accumulator), ``add``, ``close`` (the gradient of what travels) and ``grads``
-    (the gradients of the ring's k and v inputs)."""
+    (the gradients of the ring's k and v inputs); optionally ``token_dim``, the token
+    dimension of what travels and of its gradient, so a direct ring sends only the key tiles
+    seen."""
 
     params: tuple = ()
 
@@ -179,6 +306,7 @@ class _HeadsPayload:
         self.dk, self.dv = k.shape[-1], v.shape[-1]
         self.groups = heads // k.shape[2]
         self.stacked = self.dk == self.dv
+        self.token_dim = 3 if self.stacked else 2  # (of what travels and of its gradient)
 
     def pack(self, k, v):
         if self.stacked:
@@ -228,24 +356,31 @@ class _RingAttention(torch.autograd.Function):
     Message order (no tags: p2p matches in issue order per peer pair, as on NCCL). Every
     rank issues, towards its next ring neighbour, kv(0), dkv(0), kv(1), dkv(1), ..,
     kv(R-2), dkv(R-2), dkv(R-1) in the backward and kv(0) .. kv(R-2) in the forward, and
-    posts the matching receives from its previous neighbour in the same order."""
+    posts the matching receives from its previous neighbour in the same order. Windowed and
+    chunked layers' direct ring (``RingLayout.need``): at step t the block goes to member
+    r + t and the gradient back to member r - t, only where needed; both sides read the same
+    ``need`` and issue in step order (the block's exchange, then the gradient's), so every
+    peer pair's messages still match in order."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: RingLayout, plan: ContextParallelPlan, payload, scale, sinks, *params):
         b, s, heads, d = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
         qt = q.transpose(1, 2)
-        cur = payload.pack(k, v)  # what travels, in the compute dtype
+        own = cur = payload.pack(k, v)  # what travels, in the compute dtype
+        dim = getattr(payload, "token_dim", None)  # (a direct ring sends only the key tiles seen)
         out = None  # [b, heads, s, dv] once v's width is known
         lse = torch.full((b, heads, s), float("-inf"), dtype=acc, device=q.device)
         R = layout.R
-        nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
         auxes = []  # each block's kernel state (CUDA: philox seed/offset, lse width), for its backward
         for t in range(R):
             works, nxt = [], None
             if t < R - 1:  # the next block travels while this one is computed
-                nxt = torch.empty_like(cur)
-                works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
+                works, nxt = layout.post(t + 1, own, cur, plan.ring_group, dim)
+            if cur is None:  # a direct ring's step whose block no query here sees: nothing came
+                wait_all(works)
+                cur = layout.arrived(nxt, own, dim)
+                continue
             kx, vx = payload.unpack(cur)
             if out is None:
                 out = torch.zeros(b, heads, s, vx.shape[-1], dtype=acc, device=q.device)
@@ -257,8 +392,8 @@ class _RingAttention(torch.autograd.Function):
                 auxes.append(aux)
                 _merge(out, lse, qs, o, lse_blk, first)
             wait_all(works)
-            if nxt is not None:
-                cur = nxt
+            if t < R - 1:
+                cur = layout.arrived(nxt, own, dim)
         if sinks is not None:  # lse' = logaddexp(lse, sink), out' = out exp(lse - lse')
             total = torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))
             out = out * torch.exp(lse - total).unsqueeze(-1)
@@ -284,18 +419,24 @@ class _RingAttention(torch.autograd.Function):
         qt, dout = q.transpose(1, 2), grad_out.to(q.dtype).transpose(1, 2)
         out_k, lse_k = out.transpose(1, 2), _finite(lse)  # the final rows: P = exp(S - lse_final)
         dq = torch.zeros(b, heads, s, d, dtype=acc, device=q.device)
-        cur = payload.pack(k, v)
+        own = cur = payload.pack(k, v)
+        dim = getattr(payload, "token_dim", None)
         R = layout.R
         nxt_peer, prev_peer = (plan.ring_rank + 1) % R, (plan.ring_rank - 1) % R
         incoming, acc_works, dkv = None, [], None
         auxes = iter(ctx.auxes)
-        # The gradient of member j's keys/values travels with them: every rank adds its part
-        # and passes it on; after R hops it is back at j, complete.
+        # Relayed: the gradient of member j's keys/values travels with them: every rank adds
+        # its part and passes it on; after R hops it is back at j, complete. Direct: each
+        # member's part goes straight back to j, which sums them.
         for t in range(R):
             works, nxt = [], None
             if t < R - 1:
-                nxt = torch.empty_like(cur)
-                works = exchange([(cur, nxt_peer)], [(nxt, prev_peer)], plan.ring_group, "cp")
+                works, nxt = layout.post(t + 1, own, cur, plan.ring_group, dim)
+            if cur is None:  # (direct) no block this step: only the gradients of earlier steps move
+                incoming, acc_works, dkv = _direct_grad_step(layout, plan, t, None, dkv, incoming, acc_works, dim)
+                wait_all(works)
+                cur = layout.arrived(nxt, own, dim)
+                continue
             kx, vx, state = payload.open(cur)
             for i, j, code, _ in layout.steps[t]:
                 qs, ks = layout.rows(i), layout.rows(j)
@@ -308,17 +449,26 @@ class _RingAttention(torch.autograd.Function):
                                                       mask=mask, scale=scale)
                 dq[:, :, qs] += dq_t
                 payload.add(state, ks, dk_t, dv_t)
-            dkv = payload.close(state, param_grads)  # this step's gradient of what travels
-            if R > 1:
+            grad = payload.close(state, param_grads)  # this step's gradient of what travels
+            if layout.need is not None:
+                incoming, acc_works, dkv = _direct_grad_step(layout, plan, t, grad, dkv, incoming, acc_works, dim)
+            elif R > 1:
+                dkv = grad
                 wait_all(acc_works)
                 if incoming is not None:
                     dkv += incoming
                 incoming = torch.empty_like(dkv)
                 acc_works = exchange([(dkv, nxt_peer)], [(incoming, prev_peer)], plan.ring_group, "cp")
+            else:
+                dkv = grad
             wait_all(works)
-            if nxt is not None:
-                cur = nxt
-        if R > 1:
+            if t < R - 1:
+                cur = layout.arrived(nxt, own, dim)
+        if layout.need is not None:
+            wait_all(acc_works)
+            if incoming is not None and incoming[0] is not None:
+                layout.add_part(dkv, *incoming, dim)
+        elif R > 1:
             wait_all(acc_works)
             dkv = incoming
         dk, dv = payload.grads(dkv, k, v)
@@ -327,6 +477,20 @@ class _RingAttention(torch.autograd.Function):
             delta = (dout.to(acc) * out_k.to(acc)).sum(-1)
             dsink = -(torch.exp(sinks.to(acc).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
         return (dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, dsink, *param_grads)
+
+
+def _direct_grad_step(layout: RingLayout, plan: ContextParallelPlan, t: int, grad, total, incoming, works, dim):
+    """A direct ring's backward step t: ``grad`` (None: no block this step) goes back to its
+    member, this member's own part from member r + t comes in; ``total`` sums this member's
+    block's gradient (step 0's part first, then each arrival once its exchange is done).
+    Returns (incoming: (part, tiles) or None, works, total)."""
+    if t == 0:
+        return None, [], grad
+    new_works, new_incoming = layout.post_grad(t, grad, total, plan.ring_group, dim)
+    wait_all(works)  # the previous step's arrival: added now, one receive buffer in flight at a time
+    if incoming is not None and incoming[0] is not None:
+        layout.add_part(total, *incoming, dim)
+    return new_incoming, new_works, total
 
 
 def ring_attention(q, k, v, meta: torch.Tensor, use_doc: bool, plan: ContextParallelPlan,

@@ -183,7 +183,9 @@ class AllToAllDispatcher(nn.Module):
     its tensor-parallel group: the tokens are replicated over tp, and tp rank r dispatches
     only the assignments to experts of its column (the r-th 1/tp of every ep rank's
     experts), so every assignment is computed once; the partial per-token sums are added
-    over tp (Megatron's f/g pair around the MoE, as for a row-parallel linear).
+    over tp (Megatron's f/g pair around the MoE, as for a row-parallel linear). With
+    ``columns = False`` (expert tp, ``expert_tp.py``) the experts are split inside instead:
+    every tp rank dispatches all assignments, and the same f/g pair adds the partial sums.
 
     Dropless, the per-expert counts are exchanged on the device; the variable all-to-all
     needs its split sizes on the host, read once per forward (both directions in one
@@ -193,10 +195,13 @@ class AllToAllDispatcher(nn.Module):
     ``moe_pad_expert_input_to_capacity``)."""
 
     def __init__(self, group: dist.ProcessGroup, ep_rank: int, ep: int, tp: TensorParallelGroup | None = None,
-                 chunks: int = 1):
+                 chunks: int = 1, columns: bool = True):
         super().__init__()
         self.group, self.ep_rank, self.ep = group, ep_rank, ep
         self.tp = tp if tp is not None and tp.size > 1 else None
+        # With tp: whole experts in tp columns (``columns``: this rank dispatches its column's
+        # assignments), or each expert split over tp (expert tp, ``ep/expert_tp.py``: all of them)
+        self.cols, self.col = (self.tp.size, self.tp.rank) if self.tp is not None and columns else (1, 0)
         self.chunks = chunks  # parallel.ep_overlap_chunks: > 1 pipelines the exchange (overlapped_exchange)
         # The dispatch's exchange of rows to their experts ``(rows, out_splits, in_splits, group)``
         # (an autograd function; parallel/fp8/dispatch.py puts an fp8 one here); the combine's is AllToAll
@@ -206,14 +211,13 @@ class AllToAllDispatcher(nn.Module):
         P, per_ep = self.ep, n_experts // self.ep
         if self.tp is not None:  # the tokens enter like a column-parallel layer's input (no sp: f; sp: gathered)
             x, token, expert, weight = tokens_in(self.tp, x, token, expert, weight)
-        local_e = per_ep // (self.tp.size if self.tp is not None else 1)
+        local_e = per_ep // self.cols
         if capacity is not None:
             return self._fixed(x, CapacitySlots(token, expert, *capacity, n_experts), weight, experts, local_e)
-        if self.tp is None:
+        if self.cols == 1:
             key = expert
         else:
-            tp = self.tp
-            within = expert % per_ep - tp.rank * local_e  # index among this tp column's experts
+            within = expert % per_ep - self.col * local_e  # index among this tp column's experts
             mine = (within >= 0) & (within < local_e)
             key = torch.where(mine, (expert // per_ep) * local_e + within, P * local_e)  # others sort last
         if min(self.chunks, x.shape[0]) > 1:
@@ -298,7 +302,7 @@ class AllToAllDispatcher(nn.Module):
         """Capacity mode: the slots of this tp column's experts on every ep rank (padded rows,
         zeros where empty) go out and come back in equal-split all-to-alls."""
         P, per = self.ep, slots.per
-        r, t = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
+        r, t = self.col, self.cols
         pick = lambda v: v.view(P, t, -1)[:, r].reshape(-1)  # noqa: E731  ep rank j's column-r experts' slots
         token, rows = slots.rows(x, pick)
         if min(self.chunks, per) > 1:
@@ -341,7 +345,7 @@ class AllToAllDispatcher(nn.Module):
         """A balanced router's rows from this rank to each ep rank's experts of this tp column
         (``balanced_counts`` over all experts, by global expert id; or ``every``'s)."""
         every = every if every is not None else balanced_counts(assignments, n_experts)
-        per_ep, r = n_experts // self.ep, (self.tp.rank if self.tp is not None else 0)
+        per_ep, r = n_experts // self.ep, self.col
         return [every[j * per_ep + r * local_e: j * per_ep + (r + 1) * local_e] for j in range(self.ep)]
 
 

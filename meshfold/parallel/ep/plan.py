@@ -26,8 +26,10 @@ neighbouring dp_shard/cp ranks:
   the (replicated) tokens and the partial outputs are summed over tp; with ep > 1 each ep
   rank's experts are split again over tp (DTensor ``Shard(0)`` on the (ep, tp) mesh) and
   tp rank r dispatches only the assignments of its expert column
-  (``AllToAllDispatcher(tp=...)``). The router weight becomes a replicated tp DTensor and
-  the shared experts are split over tp like a dense feed-forward;
+  (``AllToAllDispatcher(tp=...)``). With ``parallel.expert_tp = tp`` each expert's FFN is
+  split over tp instead (``expert_tp.py``: every tp rank dispatches all assignments, E/ep
+  experts 1/tp wide; ep need only divide E). The router weight becomes a replicated tp
+  DTensor and the shared experts are split over tp like a dense feed-forward;
 * with sequence parallel (``parallel.sp``) each tp rank routes only its 1/tp of the sequence
   (router, top-k, balance statistics); the tokens, their chosen experts and gates are
   all-gathered over tp around the experts and the per-token sums reduce-scattered back
@@ -49,7 +51,8 @@ all-reduce over ``dp_cp`` (E + 2 float64 per MoE layer and micro-batch, recorded
 preceded with sp by the same all-reduce over tp (recorded under "tp").
 
 The package: ``dispatch.py`` (the token exchanges and the dispatchers ``MoE.dispatcher``
-takes) and this module (where the experts go, applied from outside the model).
+takes), ``expert_tp.py`` (experts split inside over tp, and their checkpoint view) and this
+module (where the experts go, applied from outside the model).
 """
 
 from __future__ import annotations
@@ -61,12 +64,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshfold.comm import all_reduce
 from meshfold.mesh import ParallelDims
 from meshfold.models.moe import MoE, moe_layers
 from meshfold.parallel.dp.fsdp import fsdp_policies
 from meshfold.parallel.ep.dispatch import AllToAllDispatcher, TensorParallelExpertDispatcher, sequence_capacity
+from meshfold.parallel.ep.expert_tp import shard_experts_inside
+from meshfold.parallel.facts.expert_tp import inside
 from meshfold.parallel.facts.sizes import expert_shard_dim
 from meshfold.parallel.tp.collectives import TensorParallelGroup
 from meshfold.parallel.tp.placement import distribute, parallelize_ffn, shard_range
@@ -88,9 +94,14 @@ def replicate_router_and_split_shared(moe: MoE, tp: TensorParallelGroup) -> None
 
 
 def split_experts_over_tp(model: nn.Module, dims: ParallelDims) -> None:
-    """Shard every MoE layer's experts over the tp ranks (DTensor ``Shard(0)`` on the tp mesh)."""
+    """Shard every MoE layer's experts over the tp ranks (DTensor ``Shard(0)`` on the tp mesh),
+    or with expert tp each expert's FFN (``expert_tp.py``; every rank computes all experts)."""
     tp = TensorParallelGroup.from_dims(dims)
     for _, moe in moe_layers(model):
+        if inside(dims.parallel):
+            shard_experts_inside(moe, None, tp)
+            moe.dispatcher = TensorParallelExpertDispatcher(tp, 0, moe.n_experts)
+            continue
         start, stop = shard_range(moe.n_experts, tp.size, tp.rank)
         for name, _ in list(moe.experts.named_parameters(recurse=False)):
             distribute(moe.experts, name, tp, Shard(0))
@@ -148,7 +159,10 @@ def _expert_placement(edp: int):
     dimension of its local piece [E_l, out, in] that ``expert_shard_dim`` picks."""
     def placement(p: nn.Parameter) -> Shard:
         local = p.to_local() if isinstance(p, DTensor) else p
-        return Shard(expert_shard_dim(tuple(local.shape), edp))
+        # (not a dimension expert tp splits: its strided w13 rows would be split twice)
+        split = {pl.dim for pl in p.placements if isinstance(pl, (Shard, _StridedShard)) and pl.dim > 0} \
+            if isinstance(p, DTensor) else ()
+        return Shard(expert_shard_dim(tuple(local.shape), edp, tuple(split)))
 
     return placement
 
@@ -183,10 +197,14 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     ep_mesh, edp_mesh = mesh["ep"], mesh["edp"]
     mp, offload = fsdp_policies(cfg.train, dims.mesh.device_type)
     kwargs = {"offload_policy": offload} if offload is not None else {}  # train.offload = params
+    split_inside = tp is not None and inside(dims.parallel)
     dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size(), tp,
-                                    dims.parallel.ep_overlap_chunks)
+                                    dims.parallel.ep_overlap_chunks, columns=not split_inside)
     for _, moe in layers:
-        shard_experts(moe, ep_mesh, tp)
+        if split_inside:
+            shard_experts_inside(moe, ep_mesh, tp)
+        else:
+            shard_experts(moe, ep_mesh, tp)
         moe.dispatcher = dispatcher
         moe.experts.grad_scale = 1.0 / ep_mesh.size()
         if dims.parallel.zero < 2:

@@ -38,21 +38,22 @@ def chunk_elements(device_type: str) -> int:
 # --------------------------------------------------------------------------- stacked expert weights under FSDP2
 
 
-def expert_shard_dim(shape: Sequence[int], edp: int) -> int:
+def expert_shard_dim(shape: Sequence[int], edp: int, avoid: Sequence[int] = ()) -> int:
     """The dimension of a local stacked expert weight ``shape`` = (E_l, out, in) that FSDP2
-    shards over ``edp`` ranks: the one that wastes least (see the module docstring)."""
+    shards over ``edp`` ranks: the one that wastes least (see the module docstring), never one
+    of ``avoid`` (a dimension tensor parallel already splits: expert tp)."""
     if edp <= 1 or shape[0] % edp == 0:
         return 0
     for d in range(1, len(shape)):
-        if shape[d] % edp == 0:
+        if shape[d] % edp == 0 and d not in avoid:
             return d
     return 0
 
 
-def expert_shard_padding(shape: Sequence[int], edp: int) -> float:
+def expert_shard_padding(shape: Sequence[int], edp: int, avoid: Sequence[int] = ()) -> float:
     """Bytes every rank holds (and every collective moves) relative to the even share, for
     the dimension :func:`expert_shard_dim` picks: 1.0 when the sharding is even, else
     edp ceil(E_l / edp) / E_l (dim 0 padded)."""
-    d = expert_shard_dim(shape, edp)
+    d = expert_shard_dim(shape, edp, avoid)
     n = shape[d]
     return edp * -(-n // edp) / n if edp > 1 and n else 1.0

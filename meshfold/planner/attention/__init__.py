@@ -11,6 +11,7 @@ from meshfold.models.config import ModelConfig
 from meshfold.planner.attention.base import AttentionTerms
 from meshfold.planner.attention.gqa import GroupedQuery
 from meshfold.planner.attention.mla import LatentAttention
+from meshfold.planner.attention.ring import RingSends, ring_sends
 
 VARIANTS: dict[str, AttentionTerms] = {
     "gqa": GroupedQuery(),
@@ -23,4 +24,4 @@ def attention_terms(m: ModelConfig) -> AttentionTerms:
     return VARIANTS[m.attention]
 
 
-__all__ = ["AttentionTerms", "VARIANTS", "attention_terms"]
+__all__ = ["AttentionTerms", "RingSends", "VARIANTS", "attention_terms", "ring_sends"]
