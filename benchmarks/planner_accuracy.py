@@ -11,6 +11,10 @@ model, published vs predicted.
 
     .venv/bin/python benchmarks/planner_accuracy.py [--json]
 
+``--sc21``: Megatron 2021's Table 1 as the paper's own scripts ran it (micro-batches 16 to 1,
+the interleaved schedule on four rows, PyTorch's overlapped DDP where pp = 1:
+``published.SC21_TABLE1_SCRIPTS``) beside the bounded rows' micro-batch 1 and 1F1B.
+
 ``--h200``: the step times measured on one H200 for the newer families (gemma-3-1b with and
 without its windows, gpt-oss-20b and llama4-scout cut to a few layers, plain rows;
 ``benchmarks/results/gpu_features_h200_run2.json``, docs/gpu.md) against the planner's.
@@ -152,6 +156,24 @@ def published_main(as_json: bool) -> int:
     return 0
 
 
+def sc21_main() -> int:
+    """Megatron 2021's Table 1: the bounded rows (micro-batch 1, 1F1B, DDP after the backward)
+    and the same rows as ``examples/sc21/run_table_1.sh`` ran them, each against the paper."""
+    from meshfold.planner.published import predict, rows, scripted_rows
+
+    bounded = [predict(r) for r in rows() if "(Table 1)" in r.name and r.source.startswith("Narayanan")]
+    scripted = [predict(r) for r in scripted_rows()]
+    print(f"{'row':30s} {'published':>9s} {'mb 1, 1F1B':>16s} {'as scripted':>16s}  layout as scripted")
+    for b, r in zip(bounded, scripted):
+        print(f"{b['name']:30s} {b['published']:9.1f} {b['predicted']:8.1f} ({100 * b['error']:+5.1f}%) "
+              f"{r['predicted']:8.1f} ({100 * r['error']:+5.1f}%)  {r['layout']}")
+    for label, res in (("mb 1, 1F1B", bounded), ("as scripted", scripted)):
+        errs = [abs(r["error"]) for r in res]
+        print(f"Table 1 {label}: {len(errs)} rows, mean |error| {100 * sum(errs) / len(errs):.1f}%, "
+              f"max {100 * max(errs):.1f}%")
+    return 0
+
+
 # The H200 runs of ``benchmarks/gpu_features.py`` with plain rows (no packed documents: the
 # planner prices attention over whole rows), as each was configured there: preset, layers,
 # model overrides. Seq 8192, global batch 4, micro-batch 1, eager bf16 (docs/gpu.md).
@@ -197,6 +219,7 @@ def h200_main() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--h200", action="store_true", help="the measured H200 family runs against the planner")
+    ap.add_argument("--sc21", action="store_true", help="Megatron 2021's Table 1 as its own scripts ran it")
     ap.add_argument("--measure", action="store_true", help="calibrate this machine and compare measured runs")
     ap.add_argument("--json", action="store_true", help="published rows as JSON")
     ap.add_argument("--out", default="runs/planner_bench")
@@ -209,6 +232,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.h200:
         return h200_main()
+    if args.sc21:
+        return sc21_main()
     if not args.measure:
         return published_main(args.json)
     out = Path(args.out)

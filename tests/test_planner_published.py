@@ -82,3 +82,24 @@ def test_every_gpu_preset_prices_a_step():
         t[name] = est.step_time_s
     assert t["b200-dgx"] < t["h200-dgx"] <= t["h100-dgx"] < t["h100-pcie"]
     assert t["h100-dgx"] < t["a100-dgx"]
+
+
+def test_megatron_table1_as_its_scripts_ran():
+    """Megatron 2021's Table 1 as ``examples/sc21/run_table_1.sh`` ran it (reported beside the
+    bounded rows, issue 44): every run tiles its batch as Megatron asserted (the interleaved
+    schedule needs micro-batches divisible by pp), fits its 80 GB device, and runs the
+    script's micro-batch, chunks and DDP (PyTorch's, overlapped, only where pp = 1)."""
+    from meshfold.planner.published import SC21_TABLE1_SCRIPTS, scripted_rows
+
+    scripted = scripted_rows()
+    assert len(scripted) == len(SC21_TABLE1_SCRIPTS) == 10
+    for row in scripted:
+        L = row.layout
+        n_micro = row.workload["global_batch"] // L.dp // L.micro_batch
+        assert n_micro * L.dp * L.micro_batch == row.workload["global_batch"], row.name
+        if L.pp_schedule == "interleaved":
+            assert n_micro % L.pp == 0 and row.model.n_layers % (L.pp * L.pp_virtual_stages) == 0, row.name
+        assert row.bound is None and (row.overlap == 1.0) == (L.pp == 1), row.name
+        assert predict(row)["fits"], row.name
+    assert [r.layout.micro_batch for r in scripted] == [16, 16, 16, 8, 4, 2, 2, 1, 1, 1]
+    assert [r.layout.pp_virtual_stages for r in scripted] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
