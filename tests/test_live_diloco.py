@@ -3,17 +3,55 @@
 Streaming DiLoCo / DiLoCo workers as failure domains, and tensor parallelism inside a
 replica group."""
 
+import copy
+import json
 import os
+import subprocess
+import sys
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 
+import tomli_w
 import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.testing import free_port, run_on
+from meshfold.config import from_dict
+from meshfold.lowcomm.feature import WorkerSampler
+from meshfold.testing import free_port, run_on, tiny_config
 from meshfold.train.abortable import AbortableGroup, CommAborted
 from meshfold.train.live_watch import destroy
+from meshfold.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int) -> tuple[list[dict], list[dict], float]:
+    """``meshfold train --nproc N`` of ``cfg`` with processes SIGKILLed (``kill``, see
+    train/live_drill.py): the metrics records, their events and the wall time."""
+    (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", str(nproc)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "restart from the last checkpoint" not in proc.stderr + proc.stdout
+    records = [json.loads(x) for x in (Path(cfg["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return records, [e for r in records for e in r.get("events", [])], took
+
+
+def _traces(run_dir: Path, healed: bool = False) -> dict[tuple[int, int], dict[int, dict]]:
+    """(replica, rank) -> step -> what that rank trained and its parameter digest (after the
+    step; ``healed``: also the digest a rejoined rank has right after receiving the state)."""
+    out = {}
+    for path in run_dir.glob("live-trace-r*-rank*.jsonl"):
+        replica, rank = (int(x) for x in path.stem[len("live-trace-r"):].split("-rank"))
+        out[(replica, rank)] = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())
+                                if healed or not r["healed"]}
+    return out
 
 
 def _abort_on_own_timeout(port: int) -> dict:
@@ -58,3 +96,122 @@ def test_abortable_group_aborts_on_its_own_timeout_and_the_process_lives():
     assert "did not complete within its 2 s timeout" in r0["error"], r0
     assert r0["aborted"] and "was aborted" in r0["later"], r0
     assert [g["fresh"] for g in got] == [[3.0, 3.0]] * 2  # the same processes, a new group
+
+
+# ---------------------------------------------------------------- Streaming DiLoCo workers
+
+def _fragment_of(name: str, fragments: int) -> int:
+    """Streaming DiLoCo's split, written out: block l -> l mod P, embeddings -> 0, the rest -> P - 1."""
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) % fragments
+    return 0 if name.startswith(("tok_embeddings", "pos_embeddings")) else fragments - 1
+
+
+def _streaming_reference(cfg: dict, kill_step: int, heal_step: int, stale_rule: bool = True) -> list[float]:
+    """One process, no process group: the two workers' inner steps (two Trainers without
+    [lowcomm], each on its slice of the W x B batch) and Streaming DiLoCo's outer step written
+    out here, with the membership the live run had: worker 1 trains steps before
+    ``kill_step`` only; after ``heal_step`` (the exchange it rejoined at, which it added nothing
+    to) it holds worker 0's whole state (parameters, AdamW, scheduler, sampler) and adds nothing
+    to the first exchange of each fragment not exchanged at ``heal_step``. Returns worker 0's
+    losses (what metrics.jsonl logs)."""
+    lc, t = cfg["lowcomm"], cfg["train"]
+    H, P, tau, alpha = lc["inner_steps"], lc["fragments"], lc["overlap_steps"], lc.get("mixing", 0.5)
+    mu, lr = lc.get("outer_momentum", 0.9), lc.get("outer_lr", 0.7)
+    workers = []
+    for w in range(2):
+        one = copy.deepcopy(cfg)
+        one["lowcomm"] = {}
+        one["train"] = {k: v for k, v in t.items() if not k.startswith("live_")}
+        one["train"]["run_dir"] = t["run_dir"] + f"-ref{w}"
+        one["data"]["prefetch"] = 0
+        tr = Trainer(from_dict(one))
+        tr.sampler = WorkerSampler(len(tr.data.train), t["global_batch"], 2, w, t.get("seed", 0))
+        workers.append(tr)
+
+    def params(tr, p):
+        return [x for n, x in tr.model.named_parameters() if _fragment_of(n, P) == p]
+
+    def read(tr, p):
+        return torch.cat([x.detach().reshape(-1) for x in params(tr, p)]).clone()
+
+    def write(tr, p, flat):
+        with torch.no_grad():
+            for x, chunk in zip(params(tr, p), flat.split([x.numel() for x in params(tr, p)])):
+                x.copy_(chunk.view_as(x))
+
+    phi = [read(workers[0], p) for p in range(P)]
+    momentum = [torch.zeros_like(x) for x in phi]
+    offsets = [(p * H) // P for p in range(P)]
+    alive, stale, pending, losses = {0, 1}, set(), {}, []
+    for step in range(1, t["steps"] + 1):
+        if step == kill_step:
+            alive.discard(1)
+        for w in sorted(alive):
+            loss = workers[w].train_step()
+            if w == 0:
+                losses.append(loss)
+        for p in range(P):
+            if step % H == offsets[p]:
+                adding = [w for w in sorted(alive) if not (w == 1 and p in stale)]
+                pending[p] = (step + tau, sum(phi[p] - read(workers[w], p) for w in adding) / len(adding))
+                stale.discard(p)
+        last = step >= t["steps"]
+        for p in sorted(pending):
+            due, delta = pending[p]
+            if due <= step or last:
+                del pending[p]
+                momentum[p].mul_(mu).add_(delta)
+                phi[p].sub_(delta + mu * momentum[p], alpha=lr)
+                mix = 0.0 if last else alpha
+                for w in alive:
+                    write(workers[w], p, mix * read(workers[w], p) + (1 - mix) * phi[p])
+        if step == heal_step:
+            src, dst = workers
+            with torch.no_grad():
+                for a, b in zip(dst.model.parameters(), src.model.parameters()):
+                    a.copy_(b)
+            dst.optimizer.load_state_dict(copy.deepcopy(src.optimizer.state_dict()))
+            dst.scheduler.load_state_dict(src.scheduler.state_dict())
+            dst.sampler.load_state_dict(src.sampler.state_dict())
+            dst.step = step
+            alive.add(1)
+            stale = {p for p in range(P) if step % H != offsets[p] and stale_rule}
+    return losses
+
+
+def test_streaming_diloco_worker_killed_heals_outer_state_and_losses_match(tmp_path):
+    """2 Streaming DiLoCo workers x 1 process (float64; H = 4, 2 fragments exchanged at steps
+    2, 6, 10 (fragment 1) and 4, 8 (fragment 0), overlap 1 step, full precision), worker 1
+    SIGKILLed in step 3, after fragment 1's exchange of step 2 and before its due step 3. Worker
+    0 trains on alone; at its next exchange (step 4, fragment 0) it waits for the restarted
+    worker (live_rejoin_wait_s), whose group then receives worker 0's parameters, AdamW state,
+    global copy, outer momentum, fragment 0's pending mean and its due step, and the outer step
+    count. Compared: metrics.jsonl's losses (worker 0's) at every step with
+    ``_streaming_reference``, the same membership sequence in one process, within 1e-9
+    (relative); the joiner bitwise equal to worker 0 right after the heal; the outer steps
+    counted on. The reference without the stale rule (the joiner adding fragment 1 at step 6)
+    differs: the rule is what the run did."""
+    steps = 10
+    lowcomm = {"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "overlap_steps": 1,
+               "quant_bits": 32}
+    cfg = tiny_config(str(tmp_path / "run"), lowcomm=lowcomm,
+                      train={"steps": steps, "live_recovery": True, "live_rejoin_wait_s": 300.0})
+    records, events, took = _run_live(tmp_path, cfg, "1:0:3", nproc=2)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r.get("outer_step") for r in records] == [None, None, 1, None, 2, None, 3, None, 4, 5], records
+    # the departure and the rejoin both told at the exchange of step 4 (the quorum's first sight of the loss)
+    assert [(r["step"], e["event"], e["replica"]) for r in records for e in r.get("events", [])] == \
+        [(1, "join", 0), (1, "join", 1), (4, "departure", 1), (4, "rejoin", 1)], events
+    assert [r["replicas"] for r in records] == [2, 2, 2, 1, 2, 1, 2, 2, 2, 2], records  # step 6: fragment 1 stale
+    traces = _traces(tmp_path / "run", healed=True)
+    assert traces[(1, 0)][4]["healed"] and traces[(1, 0)][4]["params"] == traces[(0, 0)][4]["params"]
+    assert 3 not in traces[(1, 0)]
+    ref = _streaming_reference(cfg, kill_step=3, heal_step=4)
+    got = [r["loss"] for r in records]
+    for a, b in zip(got, ref, strict=True):
+        assert abs(a - b) <= 1e-9 * abs(b), (got, ref)
+    cfg["train"]["run_dir"] = str(tmp_path / "other")
+    other = _streaming_reference(cfg, kill_step=3, heal_step=4, stale_rule=False)
+    assert max(abs(a - b) for a, b in zip(got, other)) > 1e-6, (got, other)
+    print(f"live Streaming DiLoCo run: {took:.1f} s")
