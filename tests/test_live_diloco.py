@@ -109,14 +109,15 @@ def _fragment_of(name: str, fragments: int) -> int:
     return 0 if name.startswith(("tok_embeddings", "pos_embeddings")) else fragments - 1
 
 
-def _streaming_reference(cfg: dict, kill_step: int, heal_step: int, stale_rule: bool = True) -> list[float]:
+def _streaming_reference(cfg: dict, outages: list[tuple[int, int]], stale_rule: bool = True) -> list[float]:
     """One process, no process group: the two workers' inner steps (two Trainers without
     [lowcomm], each on its slice of the W x B batch) and Streaming DiLoCo's outer step written
-    out here, with the membership the live run had: worker 1 trains steps before
-    ``kill_step`` only; after ``heal_step`` (the exchange it rejoined at, which it added nothing
-    to) it holds worker 0's whole state (parameters, AdamW, scheduler, sampler) and adds nothing
-    to the first exchange of each fragment not exchanged at ``heal_step``. Returns worker 0's
-    losses (what metrics.jsonl logs)."""
+    out here, with the membership the live run had: for each (kill, heal) of ``outages``,
+    worker 1 does not train steps kill..heal; after step ``heal`` (the exchange it rejoined at,
+    which it added nothing to, or the checkpoint it resumed from) it holds worker 0's whole
+    state (parameters, AdamW, scheduler, sampler) and adds nothing to the first exchange of
+    each fragment not exchanged at ``heal``. Returns worker 0's losses (what metrics.jsonl logs)."""
+    kills, heals = {k for k, _ in outages}, {h for _, h in outages}
     lc, t = cfg["lowcomm"], cfg["train"]
     H, P, tau, alpha = lc["inner_steps"], lc["fragments"], lc["overlap_steps"], lc.get("mixing", 0.5)
     mu, lr = lc.get("outer_momentum", 0.9), lc.get("outer_lr", 0.7)
@@ -147,7 +148,7 @@ def _streaming_reference(cfg: dict, kill_step: int, heal_step: int, stale_rule: 
     offsets = [(p * H) // P for p in range(P)]
     alive, stale, pending, losses = {0, 1}, set(), {}, []
     for step in range(1, t["steps"] + 1):
-        if step == kill_step:
+        if step in kills:
             alive.discard(1)
         for w in sorted(alive):
             loss = workers[w].train_step()
@@ -168,7 +169,7 @@ def _streaming_reference(cfg: dict, kill_step: int, heal_step: int, stale_rule: 
                 mix = 0.0 if last else alpha
                 for w in alive:
                     write(workers[w], p, mix * read(workers[w], p) + (1 - mix) * phi[p])
-        if step == heal_step:
+        if step in heals:
             src, dst = workers
             with torch.no_grad():
                 for a, b in zip(dst.model.parameters(), src.model.parameters()):
@@ -180,43 +181,6 @@ def _streaming_reference(cfg: dict, kill_step: int, heal_step: int, stale_rule: 
             alive.add(1)
             stale = {p for p in range(P) if step % H != offsets[p] and stale_rule}
     return losses
-
-
-def test_streaming_diloco_worker_killed_heals_outer_state_and_losses_match(tmp_path):
-    """2 Streaming DiLoCo workers x 1 process (float64; H = 4, 2 fragments exchanged at steps
-    2, 6, 10 (fragment 1) and 4, 8 (fragment 0), overlap 1 step, full precision), worker 1
-    SIGKILLed in step 3, after fragment 1's exchange of step 2 and before its due step 3. Worker
-    0 trains on alone; at its next exchange (step 4, fragment 0) it waits for the restarted
-    worker (live_rejoin_wait_s), whose group then receives worker 0's parameters, AdamW state,
-    global copy, outer momentum, fragment 0's pending mean and its due step, and the outer step
-    count. Compared: metrics.jsonl's losses (worker 0's) at every step with
-    ``_streaming_reference``, the same membership sequence in one process, within 1e-9
-    (relative); the joiner bitwise equal to worker 0 right after the heal; the outer steps
-    counted on. The reference without the stale rule (the joiner adding fragment 1 at step 6)
-    differs: the rule is what the run did."""
-    steps = 10
-    lowcomm = {"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "overlap_steps": 1,
-               "quant_bits": 32}
-    cfg = tiny_config(str(tmp_path / "run"), lowcomm=lowcomm,
-                      train={"steps": steps, "live_recovery": True, "live_rejoin_wait_s": 300.0})
-    records, events, took = _run_live(tmp_path, cfg, "1:0:3", nproc=2)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    assert [r.get("outer_step") for r in records] == [None, None, 1, None, 2, None, 3, None, 4, 5], records
-    # the departure and the rejoin both told at the exchange of step 4 (the quorum's first sight of the loss)
-    assert [(r["step"], e["event"], e["replica"]) for r in records for e in r.get("events", [])] == \
-        [(1, "join", 0), (1, "join", 1), (4, "departure", 1), (4, "rejoin", 1)], events
-    assert [r["replicas"] for r in records] == [2, 2, 2, 1, 2, 1, 2, 2, 2, 2], records  # step 6: fragment 1 stale
-    traces = _traces(tmp_path / "run", healed=True)
-    assert traces[(1, 0)][4]["healed"] and traces[(1, 0)][4]["params"] == traces[(0, 0)][4]["params"]
-    assert 3 not in traces[(1, 0)]
-    ref = _streaming_reference(cfg, kill_step=3, heal_step=4)
-    got = [r["loss"] for r in records]
-    for a, b in zip(got, ref, strict=True):
-        assert abs(a - b) <= 1e-9 * abs(b), (got, ref)
-    cfg["train"]["run_dir"] = str(tmp_path / "other")
-    other = _streaming_reference(cfg, kill_step=3, heal_step=4, stale_rule=False)
-    assert max(abs(a - b) for a, b in zip(got, other)) > 1e-6, (got, other)
-    print(f"live Streaming DiLoCo run: {took:.1f} s")
 
 
 # ---------------------------------------------------------------- model parallelism inside a replica
@@ -252,3 +216,106 @@ def test_model_parallel_replica_killed_rejoins_and_losses_match(tmp_path, inner)
     for a, b in zip(got, ref, strict=True):
         assert abs(a - b) <= 1e-9 * abs(b), (got, ref)
     print(f"live recovery, {inner} 2 in 2 replicas: {took:.1f} s (replica 1 back at step {back})")
+
+
+def _wait_for_step(run_dir: Path, step: int, procs, bound_s: float = 400.0) -> None:
+    """Until metrics.jsonl holds ``step`` (bounded; fails at once if a process ended first)."""
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        try:
+            if any(json.loads(x).get("step") == step for x in (run_dir / "metrics.jsonl").read_text().splitlines()):
+                return
+        except (OSError, ValueError):
+            pass
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {bound_s} s")
+
+
+def test_streaming_diloco_lighthouse_lost_kill_and_live_heal_losses_match(tmp_path):
+    """2 Streaming DiLoCo workers x 1 process, float64; H = 4, 2 fragments (fragment 1
+    exchanged at steps 2, 6, 10, fragment 0 at 4, 8), overlap 1 step, full precision; the
+    multi-host launch (the Lighthouse and the store served by ``python -m
+    meshfold.train.quorum``, each worker's group started on its own).
+
+    1. Worker 1 killed in step 3, no restart left; worker 0 reaches fragment 0's exchange of
+       step 4 and waits there for it (live_rejoin_wait_s). The Lighthouse is killed: the
+       exchange finishes as a quorum of worker 0 alone, step 4 is logged, and at the next step
+       boundary worker 0 writes its step-4 checkpoint and exits 75 with one line (before this
+       change: exit 1 with a traceback).
+    2. A new Lighthouse and both groups again: both resume from step 4 (worker 1 from worker
+       0's checkpoint). Worker 1 is killed in step 5; its agent restarts it and it rejoins at
+       fragment 1's exchange of step 6, receiving worker 0's parameters, AdamW, scheduler and
+       sampler, the global copy, outer momentum, fragment 1's pending mean and its due step,
+       and the outer step count (broadcasts, no pickle); it is bitwise equal to worker 0 then.
+
+    Compared: steps 1..10 once in metrics.jsonl; each step's count of workers whose phase
+    went into that step's exchange; every loss (worker 0's, as logged) equal within 1e-9
+    (relative) to ``_streaming_reference`` with the same membership: worker 1 lost in steps
+    3-4 and 5-6, given worker 0's state after steps 4 and 6. The reference without the
+    stale-fragment rule differs (> 1e-6): the rule is what the run did."""
+    from meshfold.train.quorum import spawn_lighthouse
+
+    run_dir, steps = tmp_path / "run", 10
+    lowcomm = {"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "overlap_steps": 1,
+               "quant_bits": 32}
+    cfg = tiny_config(str(run_dir), lowcomm=lowcomm, train={"steps": steps, "live_recovery": True,
+                                                            "live_rejoin_wait_s": 600.0})
+    (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
+
+    def group(replica: int, serve: dict, restarts: int, **env):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_REPLICA=str(replica), MESHFOLD_LIVE_REPLICAS="2",
+                   MESHFOLD_LIVE_LIGHTHOUSE=serve["lighthouse"], MESHFOLD_LIVE_STORE=serve["store"],
+                   MESHFOLD_LIVE_TRACE="1", **env)
+        log = (tmp_path / f"r{replica}-{serve['store']}.log").open("w")
+        return subprocess.Popen([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", "1",
+                                 "--max-restarts", str(restarts)], cwd=ROOT, env=env, stdout=log, stderr=log)
+
+    start = time.monotonic()
+    server, serve = spawn_lighthouse("127.0.0.1:0", 5.0, 30.0, store="127.0.0.1:0")
+    first = [group(0, serve, 1), group(1, serve, 0, MESHFOLD_LIVE_KILL="1:0:3")]
+    try:
+        _wait_for_step(run_dir, 3, first[:1])
+        assert first[1].wait(timeout=300) != 0  # killed, no restart left
+        server.kill()
+        assert first[0].wait(timeout=300) == 75
+    finally:
+        for p in first + [server]:
+            p.kill()
+            p.wait()
+    out = (tmp_path / f"r0-{serve['store']}.log").read_text()
+    lost = [x for x in out.splitlines() if "lost lighthouse" in x]
+    assert len(lost) == 1 and "after step 4; checkpoint" in lost[0] and "exit code 75" in lost[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+    server, serve = spawn_lighthouse("127.0.0.1:0", 5.0, 30.0, store="127.0.0.1:0")
+    second = [group(0, serve, 0), group(1, serve, 1, MESHFOLD_LIVE_KILL="1:0:5")]
+    try:
+        codes = [p.wait(timeout=400) for p in second]
+    finally:
+        for p in second + [server]:
+            p.kill()
+            p.wait()
+    logs = [(tmp_path / f"r{r}-{serve['store']}.log").read_text() for r in (0, 1)]
+    assert codes == [0, 0], [x[-2000:] for x in logs]
+    assert all("resumed from" in x for x in logs)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), records
+    # worker 0 alone at 4 (lighthouse lost) and 6 (worker 1 rejoining); at 8 worker 1's fragment 0 is stale
+    assert [r["replicas"] for r in records] == [2, 2, 2, 1, 2, 1, 2, 1, 2, 2], records
+    assert [r.get("outer_step") for r in records] == [None, None, 1, None, 2, None, 3, None, 4, 5], records
+    rejoin = [e for r in records for e in r.get("events", []) if e["event"] == "rejoin"]
+    assert [(e["replica"], e["step"]) for e in rejoin] == [(1, 7)], rejoin
+    healed = [json.loads(x) for x in (run_dir / "live-trace-r1-rank0.jsonl").read_text().splitlines()]
+    healed = [r for r in healed if r["healed"]]
+    survivor = {r["step"]: r for r in map(json.loads, (run_dir / "live-trace-r0-rank0.jsonl").read_text().splitlines())}
+    assert [r["step"] for r in healed] == [6] and healed[0]["params"] == survivor[6]["params"]
+    cfg["train"]["run_dir"] = str(tmp_path / "ref")
+    ref = _streaming_reference(cfg, [(3, 4), (5, 6)])
+    got = [r["loss"] for r in records]
+    for a, b in zip(got, ref, strict=True):
+        assert abs(a - b) <= 1e-9 * abs(b), (got, ref)
+    cfg["train"]["run_dir"] = str(tmp_path / "other")
+    other = _streaming_reference(cfg, [(3, 4), (5, 6)], stale_rule=False)
+    assert max(abs(a - b) for a, b in zip(got, other)) > 1e-6, (got, other)
+    print(f"live Streaming DiLoCo drill: {time.monotonic() - start:.1f} s")
