@@ -55,10 +55,20 @@ class _Pg:
         self.raw, self.group = pg, group
 
     def allreduce(self, tensors, opts):
-        return _Work(self.group.check().allreduce(tensors, opts), self.group, "all_reduce")
+        return self._issue("all_reduce", lambda pg: pg.allreduce(tensors, opts))
 
     def broadcast(self, tensors, opts):
-        return _Work(self.group.check().broadcast(tensors, opts), self.group, "broadcast")
+        return self._issue("broadcast", lambda pg: pg.broadcast(tensors, opts))
+
+    def _issue(self, op: str, call):
+        try:  # a non-blocking NCCL call can fail at once (its communicator's init timed out)
+            work = call(self.group.check())
+        except CommAborted:
+            raise
+        except RuntimeError as err:
+            self.group.abort(f"{op}: {str(err).splitlines()[0][:200]}")
+            raise CommAborted(self.group.error) from err
+        return _Work(work, self.group, op)
 
     def abort(self) -> None:
         self.group.abort("aborted by its owner")
