@@ -25,42 +25,19 @@ from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.testing import free_port, run_on, tiny_config
 from meshfold.train.abortable import AbortableGroup, CommAborted
 from meshfold.train.live_watch import destroy
+from meshfold.train.quorum import spawn_lighthouse
 from meshfold.train.trainer import Trainer
+from tests.test_live import _run_live, _traces, _wait_for_step
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _run_live(tmp_path: Path, cfg: dict, kill: str, nproc: int) -> tuple[list[dict], list[dict], float]:
-    """``meshfold train --nproc N`` of ``cfg`` with processes SIGKILLed (``kill``, see
-    train/live_drill.py): the metrics records, their events and the wall time."""
-    (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_TRACE="1", MESHFOLD_LIVE_KILL=kill)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", str(nproc)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "restart from the last checkpoint" not in proc.stderr + proc.stdout
-    records = [json.loads(x) for x in (Path(cfg["train"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    return records, [e for r in records for e in r.get("events", [])], took
-
-
-def _traces(run_dir: Path, healed: bool = False) -> dict[tuple[int, int], dict[int, dict]]:
-    """(replica, rank) -> step -> what that rank trained and its parameter digest (after the
-    step; ``healed``: also the digest a rejoined rank has right after receiving the state)."""
-    out = {}
-    for path in run_dir.glob("live-trace-r*-rank*.jsonl"):
-        replica, rank = (int(x) for x in path.stem[len("live-trace-r"):].split("-rank"))
-        out[(replica, rank)] = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())
-                                if healed or not r["healed"]}
-    return out
 
 
 def _abort_on_own_timeout(port: int) -> dict:
     """Rank 1 stops answering after one good all-reduce (it waits in the store, its sockets
     open); rank 0's next all-reduce on a group with a 2 s timeout (the backend's own: 62 s)
     raises ``CommAborted`` and the group is aborted, every later call raising at once. Then
-    both ranks build a fresh group and all-reduce again: the process lived on."""
+    both ranks build fresh groups and all-reduce again, 12 times, each aborted and destroyed
+    as a quorum change does: the process lived on and keeps no sockets of old groups."""
     rank = dist.get_rank()
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     group = AbortableGroup(dist.PrefixStore("g1", store), rank, 2, 2.0, "cpu")
@@ -84,10 +61,18 @@ def _abort_on_own_timeout(port: int) -> dict:
     closer = threading.Thread(target=destroy, args=(group,))
     closer.start()
     closer.join(timeout=120)
-    fresh = AbortableGroup(dist.PrefixStore("g2", store), rank, 2, 60.0, "cpu")
-    t = torch.full((2,), float(rank + 1), dtype=torch.float64)
-    comm.group_all_reduce(t, fresh, None)
-    out["fresh"], out["pid"] = t.tolist(), os.getpid()
+    out["fresh"], out["fds"] = [], []
+    for i in range(12):  # quorum changes: each group aborted and destroyed, its sockets closed
+        fresh = AbortableGroup(dist.PrefixStore(f"g2/{i}", store), rank, 2, 60.0, "cpu")
+        t = torch.full((2,), float(rank + 1), dtype=torch.float64)
+        comm.group_all_reduce(t, fresh, None)
+        out["fresh"].append(t.tolist())
+        fresh.abort()
+        closer = threading.Thread(target=destroy, args=(fresh,))
+        closer.start()
+        del fresh
+        closer.join(timeout=120)
+        out["fds"].append(len(os.listdir("/proc/self/fd")))
     return out
 
 
@@ -97,7 +82,8 @@ def test_abortable_group_aborts_on_its_own_timeout_and_the_process_lives():
     r0 = got[0]
     assert "did not complete within its 2 s timeout" in r0["error"], r0
     assert r0["aborted"] and "was aborted" in r0["later"], r0
-    assert [g["fresh"] for g in got] == [[3.0, 3.0]] * 2  # the same processes, a new group
+    for g in got:  # the same processes, new groups; no growth in open file descriptors
+        assert g["fresh"] == [[3.0, 3.0]] * 12 and g["fds"][-1] <= g["fds"][3], g
 
 
 # ---------------------------------------------------------------- Streaming DiLoCo workers
@@ -196,7 +182,7 @@ def test_model_parallel_replica_killed_rejoins_and_losses_match(tmp_path, inner)
     steps = 5
     cfg = tiny_config(str(tmp_path / "run"), parallel={"dp_replicate": 2, inner: 2, "dp_shard": 1},
                       train={"steps": steps, "live_recovery": True, "live_rejoin_wait_s": 300.0})
-    records, events, took = _run_live(tmp_path, cfg, "1:1:3", nproc=4)
+    records, events, took = _run_live(tmp_path, cfg, "1:1:3")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     rejoin = [e for e in events if e["event"] == "rejoin"]
     assert [e["replica"] for e in rejoin] == [1] and "state from replica 0" in rejoin[0]["cause"], events
@@ -216,20 +202,6 @@ def test_model_parallel_replica_killed_rejoins_and_losses_match(tmp_path, inner)
     for a, b in zip(got, ref, strict=True):
         assert abs(a - b) <= 1e-9 * abs(b), (got, ref)
     print(f"live recovery, {inner} 2 in 2 replicas: {took:.1f} s (replica 1 back at step {back})")
-
-
-def _wait_for_step(run_dir: Path, step: int, procs, bound_s: float = 400.0) -> None:
-    """Until metrics.jsonl holds ``step`` (bounded; fails at once if a process ended first)."""
-    end = time.monotonic() + bound_s
-    while time.monotonic() < end:
-        try:
-            if any(json.loads(x).get("step") == step for x in (run_dir / "metrics.jsonl").read_text().splitlines()):
-                return
-        except (OSError, ValueError):
-            pass
-        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {bound_s} s")
 
 
 def test_streaming_diloco_lighthouse_lost_kill_and_live_heal_losses_match(tmp_path):
@@ -254,8 +226,6 @@ def test_streaming_diloco_lighthouse_lost_kill_and_live_heal_losses_match(tmp_pa
     (relative) to ``_streaming_reference`` with the same membership: worker 1 lost in steps
     3-4 and 5-6, given worker 0's state after steps 4 and 6. The reference without the
     stale-fragment rule differs (> 1e-6): the rule is what the run did."""
-    from meshfold.train.quorum import spawn_lighthouse
-
     run_dir, steps = tmp_path / "run", 10
     lowcomm = {"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "overlap_steps": 1,
                "quant_bits": 32}
