@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from meshfold import comm
-from meshfold.config import from_dict
+from meshfold.config import from_dict, validate
+from meshfold.errors import ConfigError
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.testing import free_port, run_on, tiny_config
@@ -290,3 +291,18 @@ def test_streaming_diloco_lighthouse_lost_kill_and_live_heal_losses_match(tmp_pa
     other = _streaming_reference(cfg, [(3, 4), (5, 6)], stale_rule=False)
     assert max(abs(a - b) for a, b in zip(got, other)) > 1e-6, (got, other)
     print(f"live Streaming DiLoCo drill: {time.monotonic() - start:.1f} s")
+
+
+def test_streaming_under_live_recovery_refusals_are_one_line(tmp_path):
+    """What Streaming DiLoCo under live recovery does not do is refused before any process starts."""
+    def cfg(**lowcomm):
+        lc = {"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "quant_bits": 32, **lowcomm}
+        return from_dict(tiny_config(str(tmp_path), lowcomm=lc, train={"live_recovery": True}))
+
+    validate(cfg(), 2)  # the supported form
+    with pytest.raises(ConfigError, match=r"set lowcomm.quant_bits = 32 \(got 4\)"):
+        validate(cfg(quant_bits=4), 2)
+    with pytest.raises(ConfigError, match=r"lowcomm.fragments = 2 <= lowcomm.inner_steps = 1"):
+        validate(cfg(inner_steps=1, overlap_steps=0), 2)
+    with pytest.raises(ConfigError, match=r'built for lowcomm.method = "diloco" or "streaming"'):
+        validate(cfg(method="noloco"), 2)
