@@ -172,10 +172,13 @@ def _streaming_reference(cfg: dict, outages: list[tuple[int, int]], stale_rule: 
 
 # ---------------------------------------------------------------- model parallelism inside a replica
 
-@pytest.mark.parametrize("inner", ["tp", pytest.param("pp", marks=pytest.mark.skipif(
-    os.environ.get("MESHFOLD_LIVE_PP") != "1", reason="the suite's time: MESHFOLD_LIVE_PP=1 runs pp 2 too"))])
+_ALL_INNER = pytest.mark.skipif(os.environ.get("MESHFOLD_LIVE_INNER") != "all",
+                                reason="the suite's time: MESHFOLD_LIVE_INNER=all runs pp 2 and cp 2 too")
+
+
+@pytest.mark.parametrize("inner", ["tp", pytest.param("pp", marks=_ALL_INNER), pytest.param("cp", marks=_ALL_INNER)])
 def test_model_parallel_replica_killed_rejoins_and_losses_match(tmp_path, inner):
-    """2 replica groups x (tp 2 | pp 2) (4 gloo processes, float64): rank 1 of replica 1
+    """2 replica groups x (tp 2 | pp 2 | cp 2) (4 gloo processes, float64): rank 1 of replica 1
     SIGKILLed in step 3 after its backward. Its group restarts and rejoins with replica 0's
     shards or stages (each rank heals from the same rank of the source, on its own standalone group);
     steps 1..5 once each; every rank of the rejoined group bitwise equal to its peer from its
