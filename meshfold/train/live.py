@@ -6,8 +6,8 @@ Each of the ``parallel.dp_replicate`` replica groups is a failure domain and a w
 its own: its processes form their own default process group (its inner layout: dp_shard,
 tp, pp, cp) and are restarted alone by their own elastic agent (``launch.py``). Rank j of
 every replica group holds the same pieces of the model, so the replica dimension is a
-*standalone* group per inner rank (``train/abortable.py``: aborted on its own timeout, never
-by NCCL's watchdog), rebuilt from a shared store whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
+*standalone* group per inner rank (``train/abortable.py``: aborted on its own timeout),
+rebuilt from a shared store whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
 from the job's Lighthouse (``train/quorum.py``), asked by each replica's rank 0 at every
 step boundary; its heartbeat thread beats while the replica makes progress.
 

@@ -18,9 +18,10 @@ broadcast on the quorum's group, no pickle.
 
 Data: **at most once**. A lost worker's inner progress since each fragment's last exchange
 existed only in its memory; its sequences of that span (and while it is out) are lost, every
-other sequence is trained once, none twice (docs/resilience.md: why not exactly once). Lighthouse lost during an exchange: the exchange
-finishes as a quorum of this replica alone (its own outer gradient), so the checkpoint replica 0
-then writes holds a completed outer step; the stop (exit 75) comes at the next step boundary.
+other sequence is trained once, none twice (docs/resilience.md: why not exactly once).
+Lighthouse lost during an exchange: the exchange finishes as a quorum of this replica alone
+(its own outer gradient), so the checkpoint replica 0 then writes holds a completed outer
+step; the stop (exit 75) comes at the next step boundary.
 """
 
 from __future__ import annotations
