@@ -401,10 +401,10 @@ class LiveReplicas:
                     p.grad = torch.zeros_like(p)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        src = q["members"].index(q["source"])
         if self.outer_live is not None:  # what is pending decides which tensors follow
-            self.outer_live.heal_schedule(behind, src)
+            self.outer_live.heal_schedule(behind, q["members"].index(q["source"]))
         _, tensors = self._state_tensors()
+        src = q["members"].index(q["source"])
         sent = 0
         for t in tensors:
             buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
