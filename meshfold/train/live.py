@@ -219,8 +219,8 @@ class LiveReplicas:
         host, port = os.environ[ENV_STORE].rsplit(":", 1)
         self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-        # DiLoCo workers as failure domains: the quorum is formed at the outer exchanges only and
-        # the outer gradient is averaged over the workers that trained the phase (live_outer.py).
+        # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
+        # the outer gradient is averaged over the workers that trained the phase.
         lowcomm = parts.features.named("lowcomm")
         self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
         if self.outer is not None:
