@@ -43,6 +43,9 @@ def validate(cfg: Config) -> None:
     elif lc.method != "none" or lc.compression != "none":
         raise ConfigError('train.live_recovery over parallel.dp_replicate with [lowcomm] is not built: set '
                           'lowcomm.method = "none" and lowcomm.compression = "none"')
+    if t.live_replay_phase and (lc.workers <= 1 or lc.method != "diloco"):  # train/live_outer.py
+        raise ConfigError('train.live_replay_phase replays a DiLoCo worker\'s phase: it needs lowcomm.method = "diloco" '
+                          'with lowcomm.workers >= 2 (or set train.live_replay_phase = false)')
     if cfg.data.balance != "none":
         raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
     if lc.workers <= 1 and t.global_batch % p.dp_replicate:

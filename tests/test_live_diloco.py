@@ -23,7 +23,7 @@ from meshfold.config import from_dict, validate
 from meshfold.errors import ConfigError
 from meshfold.data.dataset import GlobalBatchSampler
 from meshfold.lowcomm.feature import WorkerSampler
-from meshfold.testing import free_port, run_on, tiny_config
+from meshfold.testing import free_port, run_on, tiny_config, train_collect
 from meshfold.train.abortable import AbortableGroup, CommAborted
 from meshfold.train.live_watch import destroy
 from meshfold.train.quorum import spawn_lighthouse
@@ -309,3 +309,32 @@ def test_streaming_under_live_recovery_refusals_are_one_line(tmp_path):
         validate(cfg(inner_steps=1, overlap_steps=0), 2)
     with pytest.raises(ConfigError, match=r'built for lowcomm.method = "diloco" or "streaming"'):
         validate(cfg(method="noloco"), 2)
+
+
+def test_diloco_replayed_phase_is_exactly_once_and_matches_the_fault_free_run(tmp_path):
+    """``train.live_replay_phase``: 2 DiLoCo workers x 1 process, outer step every 2 steps,
+    worker 1 killed in step 3. Its agent restarts it; it loads its own phase start (step 2,
+    written after the outer step) and replays steps 3-4 while worker 0 waits at the exchange of
+    step 4; both then add their outer gradients as if nothing had happened: every sequence
+    trained once, `replicas` 2 at every step, and every loss equal (1e-9, relative) to the
+    fault-free 2-process run's, also after the outer step the replay fed (steps 5, 6)."""
+    lowcomm = {"method": "diloco", "workers": 2, "inner_steps": 2}
+    cfg = tiny_config(str(tmp_path / "run"), lowcomm=lowcomm,
+                      train={"steps": 6, "live_recovery": True, "live_rejoin_wait_s": 300.0,
+                             "live_replay_phase": True})
+    records, events, took = _run_live(tmp_path, cfg, "1:0:3", nproc=2)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r.get("outer_step") for r in records] == [None, 1, None, 2, None, 3]
+    assert [r["replicas"] for r in records] == [2] * 6, records
+    rejoin = [e for e in events if e["event"] == "rejoin"]
+    assert [(e["replica"], e["step"]) for e in rejoin] == [(1, 5)] and "was up to date" in rejoin[0]["cause"], events
+    traces = _traces(tmp_path / "run")
+    survivor, replayed = traces[(0, 0)], traces[(1, 0)]
+    assert [(s, replayed[s]["attempt"]) for s in sorted(replayed)] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 1), (6, 1)]
+    for step in (2, 4, 6):  # theta = phi after every outer step, on both
+        assert replayed[step]["params"] == survivor[step]["params"], step
+    ref = run_on(2, train_collect, tiny_config(str(tmp_path / "ref"), lowcomm=lowcomm, train={"steps": 6}))[0]
+    got = [r["loss"] for r in records]
+    for a, b in zip(got, ref["losses"], strict=True):
+        assert abs(a - b) <= 1e-9 * abs(b), (got, ref["losses"])
+    print(f"live DiLoCo with a replayed phase: {took:.1f} s")

@@ -254,6 +254,8 @@ class LiveReplicas:
         if self.pending_heal is not None:  # DiLoCo: after the outer step, the joiners receive it
             self._heal(self.pending_heal)
             self.pending_heal = None
+        if self.outer_live is not None:
+            self.outer_live.after_step(step)  # train.live_replay_phase: this worker's phase start
         trainers = self.outer_live.trainers if self.outer_live is not None else None
         out = {"replicas": trainers if trainers is not None else len(self.members)}
         if self.outer_live is not None:
@@ -386,21 +388,25 @@ class LiveReplicas:
             out.extend(self.outer.heal_tensors())
         return params, out
 
+    def create_optimizer_state(self) -> None:
+        """The optimizer's state (shapes, keys), when it has none yet, with one zero-gradient
+        step: before a state is copied into it (every value is overwritten)."""
+        params, _ = self._state_tensors()
+        if any(not self.optimizer.state.get(p) for p in params):
+            with torch.enable_grad():
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
     @torch.no_grad()
     def _heal(self, q: dict) -> None:
         """The members behind receive the state of ``q['source']`` (a broadcast on the
         standalone group; members already up to date take part as senders or bystanders)."""
         start = time.perf_counter()
         behind = self.replica in q["heal"]
-        params, _ = self._state_tensors()
-        if behind and any(not self.optimizer.state.get(p) for p in params):
-            # Create the optimizer's state (shapes, keys) with one zero-gradient step; every
-            # value is overwritten below.
-            with torch.enable_grad():
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        if behind:
+            self.create_optimizer_state()
         if self.outer_live is not None:  # what is pending decides which tensors follow
             self.outer_live.heal_schedule(behind, q["members"].index(q["source"]))
         _, tensors = self._state_tensors()

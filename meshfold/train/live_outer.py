@@ -16,7 +16,17 @@ outer state as plain numbers (``OuterOptimizer.schedule``: outer steps, each fra
 due step) then tensors (``heal_tensors``: global copy, outer momentum, pending means), each a
 broadcast on the quorum's group, no pickle.
 
-Data: **at most once**. A lost worker's inner progress since each fragment's last exchange
+``train.live_replay_phase`` (DiLoCo only): after each committed outer step (θ = φ) every
+rank writes its worker's own state (parameters, inner optimizer, φ, outer momentum, outer
+steps, sampler and scheduler position) to ``<run_dir>/live-phase/w<worker>-rank<r>.safetensors``
+(no pickle). A worker restarted by its agent loads it and replays its phase from there, while
+the others wait at the exchange (``train.live_rejoin_wait_s``): it then adds the outer gradient
+it would have added had it never died, so every sequence is trained once and the losses are
+the fault-free run's. If the others went on without it, it is behind at that exchange: it adds
+nothing and is healed as above. Not replayed: a loss in the first phase (no phase start
+written yet) and a restart of the whole job (``attempt`` 0: the checkpoint resume).
+
+Data otherwise: **at most once**. A lost worker's inner progress since each fragment's last exchange
 existed only in its memory; its sequences of that span (and while it is out) are lost, every
 other sequence is trained once, none twice (docs/resilience.md: why not exactly once).
 Lighthouse lost during an exchange: the exchange finishes as a quorum of this replica alone
@@ -26,9 +36,14 @@ step; the stop (exit 75) comes at the next step boundary.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from meshfold import comm
 from meshfold.train.quorum import LighthouseLost
@@ -46,6 +61,8 @@ class OuterLive:
         self.stale: set[int] = set()  # fragments this worker's next exchange adds nothing to
         self.trainers: int | None = None  # workers whose phase went into the last exchange
         self.lost: LighthouseLost | None = None  # the Lighthouse was lost during an exchange: stop at the boundary
+        self.replay = live.cfg.train.live_replay_phase and outer.name == "diloco"
+        self.replaying = False  # restored from this worker's phase start: its next exchange decides
         outer.mean_fn = self.mean
 
     def received_state(self, step: int) -> None:
@@ -58,6 +75,8 @@ class OuterLive:
         note a resume from replica 0's checkpoint), or a restarted worker, which waits for the
         others' next exchange, takes part with nothing to add, then receives the state."""
         live = self.live
+        if self.replaying or self.restore_phase():  # replay this worker's lost phase (module doc)
+            return
         while True:
             q = live._ask()
             live._apply(q)
@@ -77,33 +96,33 @@ class OuterLive:
         """The outer optimizer's ``mean_fn``: ``delta`` becomes the mean of fragment
         ``fragment``'s outer gradient over the quorum's members that trained its phase;
         retried with a new quorum when a member is lost during the exchange."""
-        live, keep = self.live, delta.clone()
+        live = self.live
         self.fragment = fragment
         while True:
             try:
                 q = live._ask()
             except LighthouseLost as err:  # a quorum of this replica alone: its own outer gradient
                 self.lost, self.trainers = err, 1
-                delta.copy_(keep)
                 return
             live._apply(q)
-            ok, error = self.exchange(delta)
+            behind = live.replica in q["heal"]  # a replayed phase the others did not wait for: adds nothing
+            ok, error = self.exchange(None if behind else delta)
             if ok:
+                self.replaying = False
                 self.stale.discard(fragment)
                 live.pending_heal = q if q["heal"] else None
                 return
-            delta.copy_(keep)
             live.beats.abandoned = True
             live.redo_cause = error
 
     def exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:
         """Sum of the contributing members' outer gradients and their count (a joiner, or a
-        fragment of ``stale``, adds zeros), then this worker's vote; ``delta`` becomes the mean."""
+        fragment of ``stale``, adds zeros), then this worker's vote; ``delta`` becomes the mean.
+        The sum is taken in a buffer of its own: a collective abandoned for a lost member may
+        still write into it later (gloo finishes it in the background), never into ``delta``."""
         live = self.live
         adds = delta is not None and self.fragment not in self.stale
-        flat = delta if delta is not None else torch.zeros_like(self.outer.phi[self.fragment])
-        if not adds:
-            flat.zero_()
+        flat = delta.clone() if adds else torch.zeros_like(self.outer.phi[self.fragment])
         count = torch.full((), 1.0 if adds else 0.0, dtype=torch.float64, device=live.device)
         ok = torch.ones((), dtype=torch.int64, device=live.device)
         error = ""
@@ -119,8 +138,7 @@ class OuterLive:
                 live.beats.watching = False
         ok, error = live._vote(ok, error)
         if ok and delta is not None:
-            if float(count) > 0:
-                delta.div_(count.to(delta.dtype))
+            delta.copy_(flat.div_(count.to(flat.dtype)) if float(count) > 0 else flat)
             self.trainers = int(count)
         return ok, error
 
@@ -132,3 +150,49 @@ class OuterLive:
         comm.group_broadcast(buf, src, self.live.group, "live")
         if behind:
             self.outer.load_schedule(buf.tolist())
+
+    # ------------------------------------------------------------------ train.live_replay_phase
+
+    def _phase_path(self) -> Path:
+        live = self.live
+        return Path(live.cfg.train.run_dir) / "live-phase" / f"w{live.replica}-rank{live.rank}.safetensors"
+
+    def after_step(self, step: int) -> None:
+        """After a committed outer step: this worker's phase start, written for a replay."""
+        if not self.replay or not self.outer.exchanged_at(step) or step >= self.live.cfg.train.steps:
+            return
+        live = self.live
+        _, tensors = live._state_tensors()
+        meta = {"step": str(step), "outer_steps": str(self.outer.outer_steps),
+                "sampler": json.dumps(live.sampler.state_dict()),
+                "scheduler": json.dumps(live.scheduler.state_dict(), default=lambda _: None)}
+        path = self._phase_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({str(i): t.detach().to("cpu", copy=True).contiguous() for i, t in enumerate(tensors)}, str(tmp),
+                  metadata=meta)
+        os.replace(tmp, path)  # a worker killed while writing keeps the previous phase start
+
+    @torch.no_grad()
+    def restore_phase(self) -> bool:
+        """A restarted worker (``attempt`` > 0): its own last phase start, when written."""
+        live, path = self.live, self._phase_path()
+        if not self.replay or live.attempt == 0 or not path.exists():
+            return False
+        live.create_optimizer_state()
+        _, tensors = live._state_tensors()
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            for i, t in enumerate(tensors):
+                t.copy_(f.get_tensor(str(i)))
+        live.sampler.load_state_dict(json.loads(meta["sampler"]))
+        live.scheduler.load_state_dict(json.loads(meta["scheduler"]))
+        for group, lr in zip(live.optimizer.param_groups, live.scheduler.get_last_lr()):
+            group["lr"] = lr
+        live.progress.step = int(meta["step"])
+        self.outer.outer_steps = int(meta["outer_steps"])
+        self.replaying = True
+        if live.rank == 0:
+            print(f"meshfold: replica {live.replica}: replaying its phase from step {meta['step']} "
+                  "(train.live_replay_phase)", flush=True)
+        return True
