@@ -111,7 +111,8 @@ class PeerWatch:
                 if key == "-" + self.group_key:
                     raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
                 # a newer group only: a peer still publishing the group before this one merely lags behind
-                if key and not key.startswith("-") and key not in self.seen and _created(key) > _created(self.group_key):
+                newer = _created(key) > _created(self.group_key)
+                if key and not key.startswith("-") and key not in self.seen and newer:
                     raise RuntimeError(f"replica {r} (rank {self.rank}) went on in group {key} without this one")
             if done:
                 work.wait()
