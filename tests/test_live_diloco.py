@@ -297,7 +297,8 @@ def test_streaming_diloco_lighthouse_lost_kill_and_live_heal_losses_match(tmp_pa
 
 
 def test_streaming_under_live_recovery_refusals_are_one_line(tmp_path):
-    """What Streaming DiLoCo under live recovery does not do is refused before any process starts."""
+    """What Streaming DiLoCo under live recovery does not do (the 4-bit exchange, two fragments
+    in one step, a replayed phase) is refused before any process starts."""
     def cfg(**lowcomm):
         lc = {"method": "streaming", "workers": 2, "inner_steps": 4, "fragments": 2, "quant_bits": 32, **lowcomm}
         return from_dict(tiny_config(str(tmp_path), lowcomm=lc, train={"live_recovery": True}))
@@ -309,6 +310,11 @@ def test_streaming_under_live_recovery_refusals_are_one_line(tmp_path):
         validate(cfg(inner_steps=1, overlap_steps=0), 2)
     with pytest.raises(ConfigError, match=r'built for lowcomm.method = "diloco" or "streaming"'):
         validate(cfg(method="noloco"), 2)
+    replay = from_dict(tiny_config(str(tmp_path), lowcomm={"method": "streaming", "workers": 2, "inner_steps": 4,
+                                                           "fragments": 2, "quant_bits": 32},
+                                   train={"live_recovery": True, "live_replay_phase": True}))
+    with pytest.raises(ConfigError, match=r"train.live_replay_phase replays a DiLoCo worker's phase"):
+        validate(replay, 2)
 
 
 def test_diloco_replayed_phase_is_exactly_once_and_matches_the_fault_free_run(tmp_path):
