@@ -105,6 +105,7 @@ class TrainConfig:
     live_rejoin_wait_s: float = 0.0  # at a step boundary, wait this long for a replica being restarted
     live_heartbeat_timeout_s: float = 5.0  # a replica silent this long is dropped (hung, stopped, lost)
     live_join_timeout_s: float = 30.0  # the lighthouse waits this long for heartbeating stragglers
+    live_replay_phase: bool = False  # DiLoCo workers: a restarted worker replays its lost phase (train/live_outer.py)
 
 
 SECTIONS: dict[str, type] = {

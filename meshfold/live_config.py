@@ -27,16 +27,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.live_recovery needs torchft's Lighthouse: pip install -c constraints.txt -e '.[live]' "
                           "(or set train.live_recovery = false)")
     lc = cfg.lowcomm
-    if lc.workers > 1:  # the DiLoCo workers are the failure domains
-        if lc.method != "diloco" or lc.compression != "none" or p.dp_replicate > 1:
-            raise ConfigError('train.live_recovery over lowcomm.workers is built for lowcomm.method = "diloco" '
-                              'with lowcomm.compression = "none" and parallel.dp_replicate = 1')
+    if lc.workers > 1:  # the DiLoCo workers are the failure domains (train/live_outer.py)
+        if lc.method not in ("diloco", "streaming") or lc.compression != "none" or p.dp_replicate > 1:
+            raise ConfigError('train.live_recovery over lowcomm.workers is built for lowcomm.method = "diloco" or '
+                              '"streaming" with lowcomm.compression = "none" and parallel.dp_replicate = 1')
+        if lc.method == "streaming" and lc.quant_bits != 32:  # the quorum's exchange is a plain sum and count
+            raise ConfigError(f"train.live_recovery with Streaming DiLoCo exchanges in full precision: set "
+                              f"lowcomm.quant_bits = 32 (got {lc.quant_bits})")
+        if lc.method == "streaming" and lc.fragments > lc.inner_steps:  # one quorum per exchange, one per step
+            raise ConfigError(f"train.live_recovery with Streaming DiLoCo needs lowcomm.fragments = {lc.fragments} "
+                              f"<= lowcomm.inner_steps = {lc.inner_steps} (one fragment exchanged per step)")
     elif p.dp_replicate < 2:
         raise ConfigError("train.live_recovery needs replica groups that fail independently: set "
                           "parallel.dp_replicate >= 2 (or lowcomm.workers >= 2 with DiLoCo)")
     elif lc.method != "none" or lc.compression != "none":
         raise ConfigError('train.live_recovery over parallel.dp_replicate with [lowcomm] is not built: set '
                           'lowcomm.method = "none" and lowcomm.compression = "none"')
+    if t.live_replay_phase and (lc.workers <= 1 or lc.method != "diloco"):  # train/live_outer.py
+        raise ConfigError('train.live_replay_phase replays a DiLoCo worker\'s phase: it needs lowcomm.method = "diloco" '
+                          'with lowcomm.workers >= 2 (or set train.live_replay_phase = false)')
     if cfg.data.balance != "none":
         raise ConfigError('train.live_recovery with data.balance is not built yet: set data.balance = "none"')
     if lc.workers <= 1 and t.global_batch % p.dp_replicate:

@@ -82,17 +82,18 @@ class OuterOptimizer:
         self.phi = [f.read() for f in self.fragments]
         self.momentum = [torch.zeros_like(x) for x in self.phi]
         self.outer_steps = 0
-        # Injection point: live recovery (train/live.py) averages the outer gradient over the
-        # replica groups of its quorum (in place); None: over ``group``.
+        # Injection point: live recovery (train/live.py) averages the outer gradient of a
+        # fragment over the replica groups of its quorum (in place, ``mean_fn(x, fragment)``,
+        # inline); None: over ``group``.
         self.mean_fn = None
 
     def split(self, names, params) -> list[FlatView]:
         return [FlatView(params)]
 
     # -- collectives over the worker group, recorded in the ledger under "outer"
-    def all_reduce_mean(self, x: torch.Tensor, async_op: bool = False):
+    def all_reduce_mean(self, x: torch.Tensor, async_op: bool = False, fragment: int = 0):
         if self.mean_fn is not None:
-            self.mean_fn(x)
+            self.mean_fn(x, fragment)
             return None
         if self.workers == 1:
             return None
@@ -110,6 +111,24 @@ class OuterOptimizer:
 
     def after_step(self, step: int) -> dict:
         raise NotImplementedError
+
+    def exchanged_at(self, step: int) -> set[int]:
+        """The fragments whose outer gradient is sent at ``step``."""
+        return {0} if step % self.H == 0 else set()
+
+    # -- live recovery's heal (train/live.py): the outer state as plain numbers and tensors,
+    # broadcast from a healthy replica in this order (no pickle). ``schedule`` has a fixed
+    # length, so a joiner can receive it before it knows what is pending.
+    def schedule(self) -> list[int]:
+        """[outer steps taken] (Streaming DiLoCo adds its fragments' due steps)."""
+        return [self.outer_steps]
+
+    def load_schedule(self, values: list[int]) -> None:
+        self.outer_steps = values[0]
+
+    def heal_tensors(self) -> list[torch.Tensor]:
+        """The global copy and the outer momentum (Streaming DiLoCo adds its pending results)."""
+        return self.phi + self.momentum
 
     def finish(self) -> None:
         """Complete any exchange still in flight (end of training, before a checkpoint)."""
@@ -189,7 +208,10 @@ class StreamingDiLoCo(OuterOptimizer):
                 groups[P - 1].append(p)
         return [FlatView(g) for g in groups]
 
-    def exchange(self, delta: torch.Tensor):
+    def exchange(self, delta: torch.Tensor, fragment: int):
+        if self.mean_fn is not None:  # live recovery: over its quorum, inline (the schedule is unchanged)
+            self.mean_fn(delta, fragment)
+            return delta
         n = self.workers
         if n == 1:
             return delta
@@ -212,7 +234,7 @@ class StreamingDiLoCo(OuterOptimizer):
         for p, offset in enumerate(self.offsets):
             if step % self.H == offset and self.fragments[p].numel and p not in self.pending:
                 delta = self.phi[p] - self.fragments[p].read()
-                self.pending[p] = (step + tau, self.exchange(delta))
+                self.pending[p] = (step + tau, self.exchange(delta, p))
         last = step >= self.total_steps
         for p in sorted(self.pending):
             due, result = self.pending[p]
@@ -220,6 +242,23 @@ class StreamingDiLoCo(OuterOptimizer):
                 self.apply(p, result, mix=not last)
                 out["outer_step"] = self.outer_steps
         return out
+
+    def schedule(self) -> list[int]:
+        """[outer steps taken, then each fragment's due step of a pending result (-1: none)]."""
+        return [self.outer_steps] + [int(self.pending[p][0]) if p in self.pending else -1
+                                     for p in range(len(self.phi))]
+
+    def load_schedule(self, values: list[int]) -> None:
+        """A peer's schedule; its pending results get buffers that ``heal_tensors`` then fills."""
+        self.outer_steps = values[0]
+        self.pending = {p: (due, torch.zeros_like(self.phi[p])) for p, due in enumerate(values[1:]) if due >= 0}
+
+    def heal_tensors(self) -> list[torch.Tensor]:
+        self.finish_pending_for_checkpoint()
+        return self.phi + self.momentum + [self.pending[p][1] for p in sorted(self.pending)]
+
+    def exchanged_at(self, step: int) -> set[int]:
+        return {p for p, offset in enumerate(self.offsets) if step % self.H == offset and self.fragments[p].numel}
 
     def apply(self, p: int, result, mix: bool = True) -> None:
         delta = _mean_of(result.result() if isinstance(result, Future) else result)

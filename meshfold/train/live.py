@@ -6,8 +6,8 @@ Each of the ``parallel.dp_replicate`` replica groups is a failure domain and a w
 its own: its processes form their own default process group (its inner layout: dp_shard,
 tp, pp, cp) and are restarted alone by their own elastic agent (``launch.py``). Rank j of
 every replica group holds the same pieces of the model, so the replica dimension is a
-*standalone* group per inner rank (``comm.StandaloneGroup``), rebuilt from a shared store
-whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
+*standalone* group per inner rank (``train/abortable.py``: aborted on its own timeout),
+rebuilt from a shared store whenever the quorum changes. The quorum (which replicas train a step, who heals whom) comes
 from the job's Lighthouse (``train/quorum.py``), asked by each replica's rank 0 at every
 step boundary; its heartbeat thread beats while the replica makes progress.
 
@@ -31,12 +31,10 @@ One step (``LiveReplicas.step``):
 Data guarantee: **exactly once** per step. Every optimizer step trains the whole global
 batch of that step; a failure only changes who trains which slice.
 
-DiLoCo workers (``lowcomm.workers``, ``method = "diloco"``) as failure domains: nothing
-crosses the workers between outer steps, so the quorum is asked at the outer steps only,
-from DiLoCo's outer all-reduce (``OuterOptimizer.mean_fn``): the outer gradient is averaged
-over the workers that trained the phase; a restarted worker waits for the next outer step,
-adds nothing to it, then receives the new state (parameters, inner Adam, phi, outer
-momentum). Data there: **at most once** (the phase a lost worker was in is lost with it).
+DiLoCo and Streaming DiLoCo workers (``lowcomm.workers``) as failure domains: the quorum is
+asked at the outer exchanges only (``train/live_outer.py``); a restarted worker receives the
+outer state too. Data there: **at most once** (a lost worker's progress since its last
+exchange is lost with it).
 """
 
 from __future__ import annotations
@@ -59,8 +57,10 @@ from meshfold import comm
 from meshfold.data.dataset import make_sampler
 from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
+from meshfold.train.abortable import AbortableGroup
 from meshfold.train.fault import set_restart_note
 from meshfold.train.live_drill import Faults
+from meshfold.train.live_outer import OuterLive
 from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy
 from meshfold.train.quorum import LighthouseLost, Membership
 from meshfold.train.stop import StopAtBoundary
@@ -202,7 +202,7 @@ class LiveReplicas:
         self.faults = Faults(replica, self.rank, self.attempt, cfg.train.run_dir)  # drills (live_drill.py)
         self.healed_bytes = 0
         self.outer = None
-        self.trainers: int | None = None  # DiLoCo: workers whose phase went into the last outer step
+        self.outer_live: OuterLive | None = None  # DiLoCo workers: the outer exchange over the quorum
         self.pending_heal: dict | None = None
 
     def attach(self, parts) -> None:
@@ -224,7 +224,7 @@ class LiveReplicas:
         lowcomm = parts.features.named("lowcomm")
         self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
         if self.outer is not None:
-            self.outer.mean_fn = self._outer_mean
+            self.outer_live = OuterLive(self, self.outer)
 
     def _alive(self) -> bool:
         """The heartbeat's condition: the training loop came back to this replica's code
@@ -254,8 +254,12 @@ class LiveReplicas:
         if self.pending_heal is not None:  # DiLoCo: after the outer step, the joiners receive it
             self._heal(self.pending_heal)
             self.pending_heal = None
-        out = {"replicas": self.trainers if self.trainers is not None else len(self.members)}
-        self.trainers = None
+        if self.outer_live is not None:
+            self.outer_live.after_step(step)  # train.live_replay_phase: this worker's phase start
+        trainers = self.outer_live.trainers if self.outer_live is not None else None
+        out = {"replicas": trainers if trainers is not None else len(self.members)}
+        if self.outer_live is not None:
+            self.outer_live.trainers = None
         if self.events and self.writes_metrics:
             out["events"] = self.events
         self.events = []
@@ -271,10 +275,12 @@ class LiveReplicas:
     def step(self, train_step):
         """Run ``train_step`` (the trainer's step, which calls ``reduce``) until a quorum
         commits it."""
-        if self.outer is not None:
-            if not self.members:  # the start, or a restarted worker: join at the next outer step
+        if self.outer_live is not None:
+            if self.outer_live.lost is not None:  # lost during the last exchange, which finished alone
+                self._lighthouse_lost(self.outer_live.lost)
+            if not self.members:  # the start, or a restarted worker: join at the next outer exchange
                 try:
-                    self._outer_join()
+                    self.outer_live.join()
                 except LighthouseLost as err:
                     self._lighthouse_lost(err)
             return train_step()
@@ -311,6 +317,7 @@ class LiveReplicas:
             position = getattr(self.sampler, "boundary_state", self.sampler.state_dict)()
             meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
                     "outer_steps": self.outer.outer_steps if self.outer is not None else 0,
+                    "fragment": self.outer_live.fragment if self.outer_live is not None else 0,
                     "group": self.quorum.get("quorum_id")}  # kept only if every member holds it (quorum.group_key)
             try:
                 reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
@@ -347,70 +354,13 @@ class LiveReplicas:
             self.group = None
             if len(q["members"]) > 1:
                 key = f"live/q{q['quorum_id']}/s{self.rank}"
-                self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
-                                                  len(q["members"]), self.timeout_s, self.device.type)
+                self.group = AbortableGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
+                                            len(q["members"]), self.timeout_s, self.device.type)
                 self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
         self.beats.enter(q["quorum_id"], q["members"])
         self.quorum, self.members = q, q["members"]
         self.events.extend(q.get("events", []))
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
-
-    # ------------------------------------------------------------------ DiLoCo workers
-
-    def _outer_join(self) -> None:
-        """Before a worker's first step: the start (everyone at step 0: nothing to do), or a
-        restarted worker, which waits for the others' next outer step, takes part in its
-        exchange with nothing to add, then receives the new state."""
-        while True:
-            q = self._ask()
-            self._apply(q)
-            if self.replica not in q["heal"]:
-                return
-            ok, error = self._outer_exchange(None)
-            if ok:
-                self._heal(q)
-                return
-            self.beats.abandoned = True
-            self.redo_cause = error
-
-    def _outer_mean(self, delta: torch.Tensor) -> None:
-        """``DiLoCo``'s outer all-reduce (its ``mean_fn``): the mean of the outer gradient over
-        the workers of this outer step's quorum that trained the phase; retried with a new
-        quorum when one is lost during the exchange."""
-        keep = delta.clone()
-        while True:
-            q = self._ask()
-            self._apply(q)
-            ok, error = self._outer_exchange(delta)
-            if ok:
-                self.pending_heal = q if q["heal"] else None
-                return
-            delta.copy_(keep)
-            self.beats.abandoned = True
-            self.redo_cause = error
-
-    def _outer_exchange(self, delta: torch.Tensor | None) -> tuple[bool, str]:
-        """Sum of the trainers' outer gradients and their count (a joiner adds zeros), then
-        this worker's vote; ``delta`` becomes the mean."""
-        flat = delta if delta is not None else torch.zeros_like(self.outer.phi[0])
-        count = torch.full((), 1.0 if delta is not None else 0.0, dtype=torch.float64, device=self.device)
-        ok = torch.ones((), dtype=torch.int64, device=self.device)
-        error = ""
-        if self.group is not None:
-            try:
-                self.beats.watching = True  # a peer lost here only costs a redo: judge it by its heartbeat
-                comm.group_all_reduce(flat, self.group, "outer")
-                comm.group_all_reduce(count, self.group, None)
-            except RuntimeError as err:
-                ok.zero_()
-                error = str(err).splitlines()[0][:200]
-            finally:
-                self.beats.watching = False
-        ok, error = self._vote(ok, error)
-        if ok and delta is not None:
-            delta.div_(count.to(delta.dtype))
-            self.trainers = int(count)
-        return ok, error
 
     def _vote(self, ok: torch.Tensor, error: str) -> tuple[bool, str]:
         """Every rank of this replica group agrees whether its exchange succeeded (one
@@ -434,9 +384,20 @@ class LiveReplicas:
         for p in params:
             st = self.optimizer.state.get(p, {})
             out.extend(local_tensor(st[k]) for k in sorted(st) if torch.is_tensor(st[k]))
-        if self.outer is not None:  # DiLoCo's global copy and outer momentum
-            out.extend(self.outer.phi + self.outer.momentum)
+        if self.outer is not None:  # DiLoCo's global copy, outer momentum, pending results
+            out.extend(self.outer.heal_tensors())
         return params, out
+
+    def create_optimizer_state(self) -> None:
+        """The optimizer's state (shapes, keys), when it has none yet, with one zero-gradient
+        step: before a state is copied into it (every value is overwritten)."""
+        params, _ = self._state_tensors()
+        if any(not self.optimizer.state.get(p) for p in params):
+            with torch.enable_grad():
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def _heal(self, q: dict) -> None:
@@ -444,15 +405,10 @@ class LiveReplicas:
         standalone group; members already up to date take part as senders or bystanders)."""
         start = time.perf_counter()
         behind = self.replica in q["heal"]
-        params, _ = self._state_tensors()
-        if behind and any(not self.optimizer.state.get(p) for p in params):
-            # Create the optimizer's state (shapes, keys) with one zero-gradient step; every
-            # value is overwritten below.
-            with torch.enable_grad():
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        if behind:
+            self.create_optimizer_state()
+        if self.outer_live is not None:  # what is pending decides which tensors follow
+            self.outer_live.heal_schedule(behind, q["members"].index(q["source"]))
         _, tensors = self._state_tensors()
         src = q["members"].index(q["source"])
         sent = 0
@@ -469,8 +425,8 @@ class LiveReplicas:
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
             self.progress.step = q["step"]
-            if self.outer is not None:  # healed after the outer step the meta was taken before
-                self.outer.outer_steps = meta["outer_steps"] + 1
+            if self.outer_live is not None:
+                self.outer_live.received_state(q["step"])
             if self.trace:
                 self._trace(q["step"], healed=True)
             self.events.append({"event": "healed", "replica": self.replica, "step": q["step"] + 1,

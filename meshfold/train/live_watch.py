@@ -110,12 +110,20 @@ class PeerWatch:
                                        f"{now - since:.1f} s ago (hung, stopped or unreachable)")
                 if key == "-" + self.group_key:
                     raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
-                if key and not key.startswith("-") and key not in self.seen:
+                # a newer group only: a peer still publishing the group before this one merely lags behind
+                newer = _created(key) > _created(self.group_key)
+                if key and not key.startswith("-") and key not in self.seen and newer:
                     raise RuntimeError(f"replica {r} (rank {self.rank}) went on in group {key} without this one")
             if done:
                 work.wait()
                 return
             time.sleep(0.002)
+
+
+def _created(key: str) -> int:
+    """When the Lighthouse created a group key's quorum (``quorum.group_key``: ``id.created_ns.members``)."""
+    parts = key.split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 
 class WatchedGroup:
