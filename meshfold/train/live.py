@@ -211,20 +211,25 @@ class LiveReplicas:
         t = self.cfg.train
         self.progress_mark = time.monotonic()
         self.beats = PeerWatch(os.environ[ENV_STORE], self.replica, self.replicas, self.rank, self.attempt,
-                               t.live_heartbeat_timeout_s, self._alive)
-        if self.rank == 0:
+                               t.live_heartbeat_timeout_s, self._alive, self.world)
+        if self.rank == 0:  # one hung rank of the group stops its Lighthouse heartbeat (live_watch.replica_alive)
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
-                                     t.live_rejoin_wait_s, alive=self._alive)
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+                                     t.live_rejoin_wait_s, alive=lambda: self._alive() and self.beats.replica_alive())
+        self.store = self._connect()
         # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
         # the outer gradient is averaged over the workers that trained the phase.
         lowcomm = parts.features.named("lowcomm")
         self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
         if self.outer is not None:
             self.outer.mean_fn = self._outer_mean
+
+    def _connect(self) -> dist.TCPStore:
+        """A client of the store the standalone groups meet through: one per group, since a
+        rendezvous abandoned for a lost member keeps its connection blocked until its timeout."""
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def _alive(self) -> bool:
         """The heartbeat's condition: the training loop came back to this replica's code
@@ -283,6 +288,10 @@ class LiveReplicas:
                 self._begin()
             except LighthouseLost as err:
                 self._lighthouse_lost(err)
+            except LiveStepFailed as err:  # a member lost while the quorum's group formed or in the heal:
+                self.beats.abandoned = True  # ask again (nothing of this step was drawn or applied yet)
+                self.redo_cause = str(err)
+                continue
             try:
                 return train_step()
             except LiveStepFailed as err:
@@ -319,13 +328,25 @@ class LiveReplicas:
         if self.world > 1:
             reply = comm.broadcast_object(reply, 0)
         self.progress_mark = time.monotonic()
+        self.faults.at(self.progress.step + 1, "quorum")
         if "lost" in reply:
             raise LighthouseLost(reply["lost"])
         return reply
 
     def _begin(self) -> None:
         q = self._ask()
-        self._apply(q)
+        if q.get("done") or q["quorum_id"] == self.quorum.get("quorum_id"):
+            self._apply(q)
+        else:  # a new group: every rank of this replica agrees it formed (a member may have died since the quorum)
+            ok, error = torch.ones((), dtype=torch.int64, device=self.device), ""
+            try:
+                self._apply(q)
+            except RuntimeError as err:
+                ok.zero_()
+                error = str(err).splitlines()[0][:200]
+            good, error = self._vote(ok, error)
+            if not good:
+                raise LiveStepFailed(error)
         if q["heal"]:
             self._heal(q)
         me = self.members.index(self.replica)
@@ -340,19 +361,22 @@ class LiveReplicas:
                       "was restarting; nothing left to train", flush=True)
             raise SystemExit(0)
         self.redo_cause = None
+        self.events.extend(q.get("events", []))
         if q["quorum_id"] != self.quorum.get("quorum_id"):
             if self.group is not None:
                 self.group.abort()
                 threading.Thread(target=destroy, args=(self.group,), daemon=True, name="meshfold-group-close").start()
             self.group = None
+            self.quorum, self.members = q, q["members"]
+            self.beats.enter(q["quorum_id"], q["members"])
             if len(q["members"]) > 1:
                 key = f"live/q{q['quorum_id']}/s{self.rank}"
-                self.group = comm.StandaloneGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
-                                                  len(q["members"]), self.timeout_s, self.device.type)
+                self.group = self.beats.build(lambda: comm.StandaloneGroup(  # watched: a member may be gone
+                    dist.PrefixStore(key, self._connect()), q["members"].index(self.replica), len(q["members"]),
+                    self.timeout_s, self.device.type))
                 self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
         self.beats.enter(q["quorum_id"], q["members"])
         self.quorum, self.members = q, q["members"]
-        self.events.extend(q.get("events", []))
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
 
     # ------------------------------------------------------------------ DiLoCo workers
@@ -456,12 +480,27 @@ class LiveReplicas:
         _, tensors = self._state_tensors()
         src = q["members"].index(q["source"])
         sent = 0
-        for t in tensors:
-            buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
-            comm.group_broadcast(buf, src, self.group, "live")
-            if behind:
-                t.copy_(buf)
-            sent += buf.numel() * buf.element_size()
+        ok, error = torch.ones((), dtype=torch.int64, device=self.device), ""
+        try:
+            self.beats.watching = True  # a member lost mid-heal: every member asks again (the vote below)
+            for t in tensors:
+                buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
+                comm.group_broadcast(buf, src, self.group, "live")
+                if behind:
+                    t.copy_(buf)
+                sent += buf.numel() * buf.element_size()
+                self.faults.at(self.progress.step + 1, "heal")
+        except RuntimeError as err:
+            ok.zero_()
+            error = str(err).splitlines()[0][:200]
+        finally:
+            self.beats.watching = False
+        good, error = self._vote(ok, error)
+        if not good and behind:  # its state is part old, part received: only a restart makes it whole again
+            raise RuntimeError(f"meshfold: replica {self.replica}: the heal from replica {q['source']} failed midway "
+                               f"({error}); its state is partial, so its group restarts and rejoins")
+        if not good:
+            raise LiveStepFailed(error)
         if behind:
             meta = q["meta"]
             self.sampler.load_state_dict(meta["sampler"])

@@ -107,8 +107,9 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
     events, before = [], (last or {}).get("attempts", {})
     for r in members:
         attempt = data[r].get("attempt", 0)
-        if not before:
-            events.append({"event": "join", "replica": r, "step": top + 1, "cause": "at the start"})
+        if not before and (top == 0 or r not in heal):  # a restarted writer knows no history: only its heals
+            if top == 0:
+                events.append({"event": "join", "replica": r, "step": top + 1, "cause": "at the start"})
         elif before.get(r) != attempt:
             if r in before:  # restarted between two quorums it was in (a fast restart; DiLoCo's outer steps)
                 events.append(_departure(r, top, failed))
@@ -243,7 +244,8 @@ class Membership:
             if self.last is None and short and d["heal"] == [] and time.monotonic() - start < self.start_timeout_s:
                 time.sleep(0.05)  # the start gate: the first quorum holds every replica group
                 continue
-            if short and self.last is not None and not d["failed"] and self.rejoin_wait_s > 0:
+            # every member decides alike (a restarted joiner too: it must not build a group the others skip)
+            if short and (self.last is not None or d["heal"]) and not d["failed"] and self.rejoin_wait_s > 0:
                 since = d["short_since"] if d["short_since"] is not None else created
                 self.short_since = since
                 if created - since < self.rejoin_wait_s:
