@@ -42,7 +42,6 @@ momentum). Data there: **at most once** (the phase a lost worker was in is lost 
 from __future__ import annotations
 
 import copy
-import datetime
 import hashlib
 import json
 import os
@@ -61,7 +60,7 @@ from meshfold.lowcomm.feature import WorkerSampler
 from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.fault import set_restart_note
 from meshfold.train.live_drill import Faults
-from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy
+from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy, store_client
 from meshfold.train.quorum import LighthouseLost, Membership
 from meshfold.train.stop import StopAtBoundary
 
@@ -188,7 +187,6 @@ class LiveReplicas:
             dist.get_world_size() if dist.is_initialized() else 1)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.client = None
-        self.store = None
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
         self.group: comm.StandaloneGroup | None = None
@@ -206,7 +204,7 @@ class LiveReplicas:
         self.pending_heal: dict | None = None
 
     def attach(self, parts) -> None:
-        """Once the model exists: this rank's model parts, the Lighthouse and the store."""
+        """Once the model exists: this rank's model parts, the Lighthouse and the beats."""
         self.parts = parts.model_parts
         t = self.cfg.train
         self.progress_mark = time.monotonic()
@@ -216,20 +214,12 @@ class LiveReplicas:
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
                                      t.live_rejoin_wait_s, alive=lambda: self._alive() and self.beats.replica_alive())
-        self.store = self._connect()
         # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
         # the outer gradient is averaged over the workers that trained the phase.
         lowcomm = parts.features.named("lowcomm")
         self.outer = lowcomm.outer if lowcomm is not None and lowcomm.outer is not None else None
         if self.outer is not None:
             self.outer.mean_fn = self._outer_mean
-
-    def _connect(self) -> dist.TCPStore:
-        """A client of the store the standalone groups meet through: one per group, since a
-        rendezvous abandoned for a lost member keeps its connection blocked until its timeout."""
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def _alive(self) -> bool:
         """The heartbeat's condition: the training loop came back to this replica's code
@@ -338,13 +328,7 @@ class LiveReplicas:
         if q.get("done") or q["quorum_id"] == self.quorum.get("quorum_id"):
             self._apply(q)
         else:  # a new group: every rank of this replica agrees it formed (a member may have died since the quorum)
-            ok, error = torch.ones((), dtype=torch.int64, device=self.device), ""
-            try:
-                self._apply(q)
-            except RuntimeError as err:
-                ok.zero_()
-                error = str(err).splitlines()[0][:200]
-            good, error = self._vote(ok, error)
+            good, error = self._agreed(lambda: self._apply(q))
             if not good:
                 raise LiveStepFailed(error)
         if q["heal"]:
@@ -370,10 +354,12 @@ class LiveReplicas:
             self.quorum, self.members = q, q["members"]
             self.beats.enter(q["quorum_id"], q["members"])
             if len(q["members"]) > 1:
-                key = f"live/q{q['quorum_id']}/s{self.rank}"
-                self.group = self.beats.build(lambda: comm.StandaloneGroup(  # watched: a member may be gone
-                    dist.PrefixStore(key, self._connect()), q["members"].index(self.replica), len(q["members"]),
-                    self.timeout_s, self.device.type))
+                # Watched (a member may be gone); one store client per group: a rendezvous abandoned
+                # for a lost member keeps its own connection blocked until its timeout.
+                store = dist.PrefixStore(f"live/q{q['quorum_id']}/s{self.rank}",
+                                         store_client(os.environ[ENV_STORE], self.timeout_s))
+                self.group = self.beats.build(lambda: comm.StandaloneGroup(
+                    store, q["members"].index(self.replica), len(q["members"]), self.timeout_s, self.device.type))
                 self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
         self.beats.enter(q["quorum_id"], q["members"])
         self.quorum, self.members = q, q["members"]
@@ -436,6 +422,16 @@ class LiveReplicas:
             self.trainers = int(count)
         return ok, error
 
+    def _agreed(self, fn) -> tuple[bool, str]:
+        """``fn()`` (a new group's rendezvous, a heal's transfer), then this replica's vote on it."""
+        ok, error = torch.ones((), dtype=torch.int64, device=self.device), ""
+        try:
+            fn()
+        except RuntimeError as err:  # a member lost: the watch, gloo's closed connection, NCCL's abort
+            ok.zero_()
+            error = str(err).splitlines()[0][:200]
+        return self._vote(ok, error)
+
     def _vote(self, ok: torch.Tensor, error: str) -> tuple[bool, str]:
         """Every rank of this replica group agrees whether its exchange succeeded (one
         all-reduce over its own, healthy, world); on failure, what the ranks that saw it saw."""
@@ -480,22 +476,21 @@ class LiveReplicas:
         _, tensors = self._state_tensors()
         src = q["members"].index(q["source"])
         sent = 0
-        ok, error = torch.ones((), dtype=torch.int64, device=self.device), ""
-        try:
-            self.beats.watching = True  # a member lost mid-heal: every member asks again (the vote below)
-            for t in tensors:
-                buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
-                comm.group_broadcast(buf, src, self.group, "live")
-                if behind:
-                    t.copy_(buf)
-                sent += buf.numel() * buf.element_size()
-                self.faults.at(self.progress.step + 1, "heal")
-        except RuntimeError as err:
-            ok.zero_()
-            error = str(err).splitlines()[0][:200]
-        finally:
-            self.beats.watching = False
-        good, error = self._vote(ok, error)
+
+        def transfer():
+            nonlocal sent
+            self.beats.watching = True  # a member lost mid-heal: every member asks again (the vote)
+            try:
+                for t in tensors:
+                    buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
+                    comm.group_broadcast(buf, src, self.group, "live")
+                    if behind:
+                        t.copy_(buf)
+                    sent += buf.numel() * buf.element_size()
+                    self.faults.at(self.progress.step + 1, "heal")
+            finally:
+                self.beats.watching = False
+        good, error = self._agreed(transfer)
         if not good and behind:  # its state is part old, part received: only a restart makes it whole again
             raise RuntimeError(f"meshfold: replica {self.replica}: the heal from replica {q['source']} failed midway "
                                f"({error}); its state is partial, so its group restarts and rejoins")

@@ -25,7 +25,7 @@ import time
 import torch.distributed as dist
 
 
-def _client(address: str, timeout_s: float) -> dist.TCPStore:
+def store_client(address: str, timeout_s: float) -> dist.TCPStore:
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
@@ -48,9 +48,9 @@ class PeerWatch:
         # rank 0: the other ranks of this replica group -> (their last beat, when it changed)
         self.own = {k: ("", self.polled) for k in range(1, world)} if rank == 0 else {}
         timeout_s = max(5.0, heartbeat_s)
-        self.store = _client(store_address, timeout_s)  # the reads of the waiting (main) thread
+        self.store = store_client(store_address, timeout_s)  # the reads of the waiting (main) thread
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, args=(_client(store_address, timeout_s),), daemon=True,
+        self._thread = threading.Thread(target=self._beat, args=(store_client(store_address, timeout_s),), daemon=True,
                                         name="meshfold-peer-heartbeat")
         self._thread.start()
         atexit.register(self.close)  # joined before the interpreter finalizes (see quorum.Membership)
@@ -132,7 +132,8 @@ class PeerWatch:
                                    f"{now - since:.1f} s ago (hung, stopped or unreachable)")
             if key == "-" + self.group_key:
                 raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
-            if key and not key.startswith("-") and key not in self.seen:
+            # a newer group only: a peer still publishing the group before this one merely lags behind
+            if key and not key.startswith("-") and key not in self.seen and _created(key) > _created(self.group_key):
                 raise RuntimeError(f"replica {r} (rank {self.rank}) went on in group {key} without this one")
 
     def build(self, make):
@@ -155,6 +156,12 @@ class PeerWatch:
         if "error" in box:
             raise RuntimeError(f"the group of replicas {self.members} did not form: {box['error']}")
         return box["group"]
+
+
+def _created(key: str) -> int:
+    """When the Lighthouse created a group key's quorum (``quorum.group_key``: ``id.created_ns.members``)."""
+    parts = key.split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else 0
 
 
 class WatchedGroup:

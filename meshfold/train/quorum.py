@@ -236,6 +236,9 @@ class Membership:
                 raise LighthouseLost(f"the lost lighthouse ({self.address} unreachable for {self.lost_after_s:.0f} s: "
                                      f"{str(err).splitlines()[0][:120]})") from err
             unreachable_since = None
+            done = self.finished()  # the others finished while this one waited (e.g. it was cut off): a quorum
+            if done is not None:  # formed once they stopped heartbeating must not train their last steps again
+                return {"done": True, "step": done}
             d = decide(q.participants, self.replicas, self.last)
             if self.replica not in d["members"]:
                 continue
