@@ -352,7 +352,7 @@ class LiveReplicas:
                 threading.Thread(target=destroy, args=(self.group,), daemon=True, name="meshfold-group-close").start()
             self.group = None
             self.quorum, self.members = q, q["members"]
-            self.beats.enter(q["quorum_id"], q["members"])
+            self.beats.enter(q["quorum_id"], q["members"], q.get("attempts"))
             if len(q["members"]) > 1:
                 # Watched (a member may be gone); one store client per group: a rendezvous abandoned
                 # for a lost member keeps its own connection blocked until its timeout.
@@ -361,7 +361,7 @@ class LiveReplicas:
                 self.group = self.beats.build(lambda: comm.StandaloneGroup(
                     store, q["members"].index(self.replica), len(q["members"]), self.timeout_s, self.device.type))
                 self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
-        self.beats.enter(q["quorum_id"], q["members"])
+        self.beats.enter(q["quorum_id"], q["members"], q.get("attempts"))
         self.quorum, self.members = q, q["members"]
         self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
 

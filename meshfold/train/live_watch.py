@@ -40,6 +40,7 @@ class PeerWatch:
         self.heartbeat_s, self.alive = heartbeat_s, alive
         self.group_key = ""  # the group this replica is in
         self.members: list[int] = []
+        self.attempts: dict = {}
         self.seen: set[str] = set()
         self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
         self.watching = False  # inside a step's exchange (the heal is not watched: no redo covers it)
@@ -60,9 +61,11 @@ class PeerWatch:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(10.0, 2 * self.heartbeat_s))
 
-    def enter(self, key: str, members: list[int]) -> None:
-        """This replica takes part in group ``key`` of ``members``: each member's beat is judged from now."""
+    def enter(self, key: str, members: list[int], attempts: dict | None = None) -> None:
+        """This replica takes part in group ``key`` of ``members`` (at ``attempts``, their restart
+        counts in the quorum): each member's beat is judged from now."""
         self.group_key, self.members, self.abandoned = key, members, False
+        self.attempts = attempts or {}
         self.seen.add(key)
         now = time.monotonic()
         for r in members:
@@ -130,6 +133,9 @@ class PeerWatch:
             if self.polled - since > self.heartbeat_s:
                 raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
                                    f"{now - since:.1f} s ago (hung, stopped or unreachable)")
+            # restarted since the quorum (faster than its beat could lapse); an older attempt is a stale read
+            if value and r in self.attempts and int(value.split(" ", 1)[0]) > self.attempts[r]:
+                raise RuntimeError(f"replica {r} (rank {self.rank}) restarted since the quorum")
             if key == "-" + self.group_key:
                 raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
             # a newer group only: a peer still publishing the group before this one merely lags behind
