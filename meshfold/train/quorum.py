@@ -107,8 +107,8 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
     events, before = [], (last or {}).get("attempts", {})
     for r in members:
         attempt = data[r].get("attempt", 0)
-        if not before and (top == 0 or r not in heal):  # a restarted writer knows no history: only its heals
-            if top == 0:
+        if not before and (not heal or r not in heal):  # no history (a restarted writer): only its heals are news
+            if not heal:  # the start, or every group resumed from a checkpoint
                 events.append({"event": "join", "replica": r, "step": top + 1, "cause": "at the start"})
         elif before.get(r) != attempt:
             if r in before:  # restarted between two quorums it was in (a fast restart; DiLoCo's outer steps)
