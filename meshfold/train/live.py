@@ -152,7 +152,7 @@ class LiveSampler:
 
 
 class _Writer:
-    """metrics.jsonl is written by the rank 0 of the lowest replica in each step's quorum."""
+    """metrics.jsonl is written by the rank 0 of each step quorum's source (its lowest replica at the newest step)."""
 
     def __init__(self, logger, live: "LiveReplicas"):
         self.logger, self.live = logger, live
@@ -335,7 +335,7 @@ class LiveReplicas:
             self._heal(q)
         me = self.members.index(self.replica)
         self.sampler.slices = [i for i in range(self.replicas) if i % len(self.members) == me]
-        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+        self.writes_metrics = self.rank == 0 and self.replica == self.quorum["source"]  # up to date: it knows the events
 
     def _apply(self, q: dict) -> None:
         """Take a quorum's answer: the standalone group of its members, the events."""
@@ -363,7 +363,7 @@ class LiveReplicas:
                 self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
         self.beats.enter(q["quorum_id"], q["members"], q.get("attempts"))
         self.quorum, self.members = q, q["members"]
-        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+        self.writes_metrics = self.rank == 0 and self.replica == self.quorum["source"]  # up to date: it knows the events
 
     # ------------------------------------------------------------------ DiLoCo workers
 
