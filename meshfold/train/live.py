@@ -40,7 +40,6 @@ exchange is lost with it).
 from __future__ import annotations
 
 import copy
-import datetime
 import hashlib
 import json
 import os
@@ -61,7 +60,7 @@ from meshfold.train.abortable import AbortableGroup
 from meshfold.train.fault import set_restart_note
 from meshfold.train.live_drill import Faults
 from meshfold.train.live_outer import OuterLive
-from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy
+from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy, store_client
 from meshfold.train.quorum import LighthouseLost, Membership
 from meshfold.train.stop import StopAtBoundary
 
@@ -153,7 +152,7 @@ class LiveSampler:
 
 
 class _Writer:
-    """metrics.jsonl is written by the rank 0 of the lowest replica in each step's quorum."""
+    """metrics.jsonl is written by the rank 0 of each step quorum's source (its lowest replica at the newest step)."""
 
     def __init__(self, logger, live: "LiveReplicas"):
         self.logger, self.live = logger, live
@@ -188,7 +187,6 @@ class LiveReplicas:
             dist.get_world_size() if dist.is_initialized() else 1)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.client = None
-        self.store = None
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
         self.group: comm.StandaloneGroup | None = None
@@ -206,19 +204,16 @@ class LiveReplicas:
         self.pending_heal: dict | None = None
 
     def attach(self, parts) -> None:
-        """Once the model exists: this rank's model parts, the Lighthouse and the store."""
+        """Once the model exists: this rank's model parts, the Lighthouse and the beats."""
         self.parts = parts.model_parts
         t = self.cfg.train
         self.progress_mark = time.monotonic()
         self.beats = PeerWatch(os.environ[ENV_STORE], self.replica, self.replicas, self.rank, self.attempt,
-                               t.live_heartbeat_timeout_s, self._alive)
-        if self.rank == 0:
+                               t.live_heartbeat_timeout_s, self._alive, self.world)
+        if self.rank == 0:  # one hung rank of the group stops its Lighthouse heartbeat (live_watch.replica_alive)
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
-                                     t.live_rejoin_wait_s, alive=self._alive)
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+                                     t.live_rejoin_wait_s, alive=lambda: self._alive() and self.beats.replica_alive())
         # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
         # the outer gradient is averaged over the workers that trained the phase.
         lowcomm = parts.features.named("lowcomm")
@@ -289,6 +284,10 @@ class LiveReplicas:
                 self._begin()
             except LighthouseLost as err:
                 self._lighthouse_lost(err)
+            except LiveStepFailed as err:  # a member lost while the quorum's group formed or in the heal:
+                self.beats.abandoned = True  # ask again (nothing of this step was drawn or applied yet)
+                self.redo_cause = str(err)
+                continue
             try:
                 return train_step()
             except LiveStepFailed as err:
@@ -326,18 +325,29 @@ class LiveReplicas:
         if self.world > 1:
             reply = comm.broadcast_object(reply, 0)
         self.progress_mark = time.monotonic()
+        self.faults.at(self.progress.step + 1, "quorum")
         if "lost" in reply:
             raise LighthouseLost(reply["lost"])
         return reply
 
     def _begin(self) -> None:
         q = self._ask()
-        self._apply(q)
+        good, error = self._take(q)
+        if not good:
+            raise LiveStepFailed(error)
         if q["heal"]:
             self._heal(q)
         me = self.members.index(self.replica)
         self.sampler.slices = [i for i in range(self.replicas) if i % len(self.members) == me]
-        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+        self.writes_metrics = self.rank == 0 and self.replica == self.quorum["source"]  # up to date: it knows the events
+
+    def _take(self, q: dict) -> tuple[bool, str]:
+        """``_apply(q)``; a new group is voted on: every rank of this replica agrees it formed
+        (a member may have died since the quorum)."""
+        if q.get("done") or q["quorum_id"] == self.quorum.get("quorum_id"):
+            self._apply(q)
+            return True, ""
+        return self._agreed(lambda: self._apply(q))
 
     def _apply(self, q: dict) -> None:
         """Take a quorum's answer: the standalone group of its members, the events."""
@@ -347,20 +357,35 @@ class LiveReplicas:
                       "was restarting; nothing left to train", flush=True)
             raise SystemExit(0)
         self.redo_cause = None
+        self.events.extend(q.get("events", []))
         if q["quorum_id"] != self.quorum.get("quorum_id"):
             if self.group is not None:
                 self.group.abort()
                 threading.Thread(target=destroy, args=(self.group,), daemon=True, name="meshfold-group-close").start()
             self.group = None
+            self.quorum, self.members = q, q["members"]
+            self.beats.enter(q["quorum_id"], q["members"], q.get("attempts"))
             if len(q["members"]) > 1:
-                key = f"live/q{q['quorum_id']}/s{self.rank}"
-                self.group = AbortableGroup(dist.PrefixStore(key, self.store), q["members"].index(self.replica),
-                                            len(q["members"]), self.timeout_s, self.device.type)
+                # Watched (a member may be gone); one store client per group: a rendezvous abandoned
+                # for a lost member keeps its own connection blocked until its timeout.
+                store = dist.PrefixStore(f"live/q{q['quorum_id']}/s{self.rank}",
+                                         store_client(os.environ[ENV_STORE], self.timeout_s))
+                self.group = self.beats.build(lambda: AbortableGroup(
+                    store, q["members"].index(self.replica), len(q["members"]), self.timeout_s, self.device.type))
                 self.group.pg = WatchedGroup(self.group.pg, self.beats.wait)
-        self.beats.enter(q["quorum_id"], q["members"])
+        self.beats.enter(q["quorum_id"], q["members"], q.get("attempts"))
         self.quorum, self.members = q, q["members"]
-        self.events.extend(q.get("events", []))
-        self.writes_metrics = self.rank == 0 and self.replica == self.members[0]
+        self.writes_metrics = self.rank == 0 and self.replica == self.quorum["source"]  # up to date: it knows the events
+
+    def _agreed(self, fn) -> tuple[bool, str]:
+        """``fn()`` (a new group's rendezvous, a heal's transfer), then this replica's vote on it."""
+        ok, error = torch.ones((), dtype=torch.int64, device=self.device), ""
+        try:
+            fn()
+        except RuntimeError as err:  # a member lost: the watch, gloo's closed connection, NCCL's abort
+            ok.zero_()
+            error = str(err).splitlines()[0][:200]
+        return self._vote(ok, error)
 
     def _vote(self, ok: torch.Tensor, error: str) -> tuple[bool, str]:
         """Every rank of this replica group agrees whether its exchange succeeded (one
@@ -407,17 +432,31 @@ class LiveReplicas:
         behind = self.replica in q["heal"]
         if behind:
             self.create_optimizer_state()
-        if self.outer_live is not None:  # what is pending decides which tensors follow
-            self.outer_live.heal_schedule(behind, q["members"].index(q["source"]))
-        _, tensors = self._state_tensors()
         src = q["members"].index(q["source"])
         sent = 0
-        for t in tensors:
-            buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
-            comm.group_broadcast(buf, src, self.group, "live")
-            if behind:
-                t.copy_(buf)
-            sent += buf.numel() * buf.element_size()
+
+        def transfer():
+            nonlocal sent
+            self.beats.watching = True  # a member lost mid-heal: every member asks again (the vote)
+            try:
+                if self.outer_live is not None:  # what is pending decides which tensors follow
+                    self.outer_live.heal_schedule(behind, src)
+                _, tensors = self._state_tensors()
+                for t in tensors:
+                    buf = t.to(self.device, copy=True)  # e.g. Adam's step counter lives on the host
+                    comm.group_broadcast(buf, src, self.group, "live")
+                    if behind:
+                        t.copy_(buf)
+                    sent += buf.numel() * buf.element_size()
+                    self.faults.at(self.progress.step + 1, "heal")
+            finally:
+                self.beats.watching = False
+        good, error = self._agreed(transfer)
+        if not good and behind:  # its state is part old, part received: only a restart makes it whole again
+            raise RuntimeError(f"meshfold: replica {self.replica}: the heal from replica {q['source']} failed midway "
+                               f"({error}); its state is partial, so its group restarts and rejoins")
+        if not good:
+            raise LiveStepFailed(error)
         if behind:
             meta = q["meta"]
             self.sampler.load_state_dict(meta["sampler"])

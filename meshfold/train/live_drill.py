@@ -1,9 +1,11 @@
-"""Fault injection for live recovery's drills (tests/test_live.py, docs/resilience.md): a
-replica group's worker kills or stops itself in the middle of a step, after its backward and
-before the cross-replica exchange, on its group's first attempt only (a restarted group
-trains on). Set in the environment of ``meshfold train --nproc N``:
+"""Fault injection for live recovery's drills (tests/test_live.py, tests/test_live_faults.py,
+benchmarks/live_faults.py, docs/resilience.md): a replica group's worker kills or stops itself
+at a named point of a step, on one attempt of its group (by default the first: a restarted
+group trains on). Set in the environment of ``meshfold train --nproc N``:
 
-- ``MESHFOLD_LIVE_KILL=REPLICA:RANK:STEP[,...]``: SIGKILL (a hard crash);
+- ``MESHFOLD_LIVE_KILL=REPLICA:RANK:STEP[:POINT[:ATTEMPT]][,...]``: SIGKILL (a hard crash) in
+  step STEP (``*``: the first time the point is reached) at POINT (``POINTS``, default
+  ``exchange``) on the group's attempt ATTEMPT (its restart count, default 0);
 - ``MESHFOLD_LIVE_STOP=REPLICA:RANK:STEP:SECONDS[:UNTIL]``: SIGSTOP (a hung replica: its
   connections stay open, it answers nothing), SIGCONT after SECONDS, or as soon as the run's
   ``metrics.jsonl`` holds step UNTIL (the others trained on without it), whichever is first:
@@ -20,6 +22,12 @@ from pathlib import Path
 
 ENV_KILL = "MESHFOLD_LIVE_KILL"
 ENV_STOP = "MESHFOLD_LIVE_STOP"
+# The named points where live.py calls ``Faults.at``.
+POINTS = {
+    "exchange": "after the step's backward, before the cross-replica exchange",
+    "quorum": "right after the Lighthouse's answer named this replica, before the quorum's group is built",
+    "heal": "in the middle of a heal (source, joiner or bystander), after its first tensor",
+}
 
 # The resumer: a process of its own (the stopped one can do nothing), stdlib only.
 _RESUME = """
@@ -42,28 +50,40 @@ def _mine(spec: str, replica: int, rank: int) -> bool:
     return (r, k) == (replica, rank)
 
 
+def _kill_spec(spec: str) -> tuple[str, str, int]:
+    """(step or ``*``, point, attempt) of one ``MESHFOLD_LIVE_KILL`` entry."""
+    parts = spec.split(":")
+    point = parts[3] if len(parts) > 3 else "exchange"
+    if len(parts) < 3 or len(parts) > 5 or point not in POINTS:
+        raise ValueError(f"{ENV_KILL}={spec!r}: expected REPLICA:RANK:STEP[:POINT[:ATTEMPT]], POINT one of "
+                         f"{sorted(POINTS)}")
+    return parts[2], point, int(parts[4]) if len(parts) > 4 else 0
+
+
 class Faults:
-    """The faults this process injects (none on a restarted group's attempt)."""
+    """The faults this process injects on this attempt of its group."""
 
     def __init__(self, replica: int, rank: int, attempt: int, run_dir: str):
-        self.kill_at = self.stop_at = None
+        self.kill_at: dict[str, str] = {}  # point -> step (a number, or "*": the first time)
+        self.stop_at = None
         self.stop_s, self.until, self.metrics = 0.0, 0, str(Path(run_dir) / "metrics.jsonl")
+        for spec in filter(None, os.environ.get(ENV_KILL, "").split(",")):
+            step, point, on_attempt = _kill_spec(spec)
+            if _mine(spec, replica, rank) and on_attempt == attempt:
+                self.kill_at[point] = step
         if attempt > 0:
             return
-        for spec in filter(None, os.environ.get(ENV_KILL, "").split(",")):
-            if _mine(spec, replica, rank):
-                self.kill_at = int(spec.split(":")[2])
         stop = os.environ.get(ENV_STOP, "")
         if stop and _mine(stop, replica, rank):
             parts = stop.split(":")
             self.stop_at, self.stop_s = int(parts[2]), float(parts[3])
             self.until = int(parts[4]) if len(parts) > 4 else 0
 
-    def at(self, step: int) -> None:
-        """In step ``step``, between the backward and the exchange."""
-        if step == self.kill_at:
+    def at(self, step: int, point: str = "exchange") -> None:
+        """At ``point`` (``POINTS``) of step ``step``."""
+        if self.kill_at.get(point) in (str(step), "*"):
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.stop_at:
+        if step == self.stop_at and point == "exchange":
             self.stop_at = None
             subprocess.Popen([sys.executable, "-c", _RESUME, str(os.getpid()), str(self.stop_s), self.metrics,
                               str(self.until)])

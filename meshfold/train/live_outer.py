@@ -79,7 +79,10 @@ class OuterLive:
             return
         while True:
             q = live._ask()
-            live._apply(q)
+            good, error = live._take(q)
+            if not good:  # a member lost since the quorum: ask again
+                live.beats.abandoned, live.redo_cause = True, error
+                continue
             if live.replica not in q["heal"]:
                 if live.progress.step > 0 and live.replica != 0:  # resumed from replica 0's checkpoint
                     self.received_state(live.progress.step)
@@ -104,7 +107,10 @@ class OuterLive:
             except LighthouseLost as err:  # a quorum of this replica alone: its own outer gradient
                 self.lost, self.trainers = err, 1
                 return
-            live._apply(q)
+            good, error = live._take(q)
+            if not good:
+                live.beats.abandoned, live.redo_cause = True, error
+                continue
             behind = live.replica in q["heal"]  # a replayed phase the others did not wait for: adds nothing
             ok, error = self.exchange(None if behind else delta)
             if ok:

@@ -9,7 +9,10 @@ collective of a step's exchange is abandoned (``RuntimeError``, so the step is r
 new quorum) when a peer's beat did not change for the heartbeat timeout since this replica
 entered the group (judged at this rank's own last read: a reader starved of CPU sees no false
 silence), when the peer dropped this exchange, or when it went on in a group this replica
-never entered (how a replica resumed after a stop learns it was dropped).
+never entered (how a replica resumed after a stop learns it was dropped). The same watch
+guards a new group's rendezvous (``build``: a member that died after the quorum named it never
+arrives) and rank 0's Lighthouse heartbeat (``replica_alive``: one hung rank of the replica
+group stops it, so the Lighthouse drops the group within its heartbeat timeout).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import torch.distributed as dist
 
 
-def _client(address: str, timeout_s: float) -> dist.TCPStore:
+def store_client(address: str, timeout_s: float) -> dist.TCPStore:
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
@@ -32,20 +35,23 @@ class PeerWatch:
     """One rank's beats and its watch (``wait``, the standalone group's ``watch``)."""
 
     def __init__(self, store_address: str, replica: int, replicas: int, rank: int, attempt: int,
-                 heartbeat_s: float, alive):
+                 heartbeat_s: float, alive, world: int = 1):
         self.replica, self.replicas, self.rank, self.attempt = replica, replicas, rank, attempt
         self.heartbeat_s, self.alive = heartbeat_s, alive
         self.group_key = ""  # the group this replica is in
         self.members: list[int] = []
+        self.attempts: dict = {}
         self.seen: set[str] = set()
         self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
         self.watching = False  # inside a step's exchange (the heal is not watched: no redo covers it)
         self.abandoned = False  # this replica dropped the current group's exchange (its peers must too)
         self.polled = time.monotonic()  # when this rank last read its peers' beats
+        # rank 0: the other ranks of this replica group -> (their last beat, when it changed)
+        self.own = {k: ("", self.polled) for k in range(1, world)} if rank == 0 else {}
         timeout_s = max(5.0, heartbeat_s)
-        self.store = _client(store_address, timeout_s)  # the reads of the waiting (main) thread
+        self.store = store_client(store_address, timeout_s)  # the reads of the waiting (main) thread
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, args=(_client(store_address, timeout_s),), daemon=True,
+        self._thread = threading.Thread(target=self._beat, args=(store_client(store_address, timeout_s),), daemon=True,
                                         name="meshfold-peer-heartbeat")
         self._thread.start()
         atexit.register(self.close)  # joined before the interpreter finalizes (see quorum.Membership)
@@ -55,16 +61,22 @@ class PeerWatch:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(10.0, 2 * self.heartbeat_s))
 
-    def enter(self, key: str, members: list[int]) -> None:
-        """This replica takes part in group ``key`` of ``members``: each member's beat is judged from now."""
+    def enter(self, key: str, members: list[int], attempts: dict | None = None) -> None:
+        """This replica takes part in group ``key`` of ``members`` (at ``attempts``, their restart
+        counts in the quorum): each member's beat is judged from now."""
         self.group_key, self.members, self.abandoned = key, members, False
+        self.attempts = attempts or {}
         self.seen.add(key)
         now = time.monotonic()
         for r in members:
             self.peers[r] = (self.peers.get(r, ("",))[0], now)
 
-    def _key(self, replica: int) -> str:
-        return f"live/hb/{replica}/{self.rank}"
+    def _key(self, replica: int, rank: int | None = None) -> str:
+        return f"live/hb/{replica}/{self.rank if rank is None else rank}"
+
+    def replica_alive(self) -> bool:
+        """Every other rank of this replica group beat within the heartbeat timeout (rank 0)."""
+        return all(self.polled - since <= self.heartbeat_s for _, since in self.own.values())
 
     def _beat(self, store) -> None:
         beat, pause = 0, self.heartbeat_s / 5
@@ -89,6 +101,10 @@ class PeerWatch:
                 value = store.get(key).decode()
                 if self.peers.get(r, ("",))[0] != value:
                     self.peers[r] = (value, time.monotonic())
+        for k, (last, _) in list(self.own.items()):
+            key = self._key(self.replica, k)
+            if store.check([key]) and (value := store.get(key).decode()) != last:
+                self.own[k] = (value, time.monotonic())
         self.polled = time.monotonic()
 
     def wait(self, work) -> None:
@@ -96,28 +112,56 @@ class PeerWatch:
         if not self.watching:
             work.wait()
             return
-        peers = [r for r in self.members if r != self.replica]
         while True:
             done = work.is_completed()
             if done:  # judged once more on the beats as they are now: a replica resumed after a stop
                 self._read(self.store)  # must not keep a result its peers abandoned
-            now = time.monotonic()
-            for r in peers:
-                value, since = self.peers.get(r, ("", now))
-                key = value.split(" ", 2)[2] if value.count(" ") >= 2 else ""
-                if self.polled - since > self.heartbeat_s:
-                    raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
-                                       f"{now - since:.1f} s ago (hung, stopped or unreachable)")
-                if key == "-" + self.group_key:
-                    raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
-                # a newer group only: a peer still publishing the group before this one merely lags behind
-                newer = _created(key) > _created(self.group_key)
-                if key and not key.startswith("-") and key not in self.seen and newer:
-                    raise RuntimeError(f"replica {r} (rank {self.rank}) went on in group {key} without this one")
+            self._judge()
             if done:
                 work.wait()
                 return
             time.sleep(0.002)
+
+    def _judge(self) -> None:
+        """Raise ``RuntimeError`` when a member of the current group is gone (see the module)."""
+        now = time.monotonic()
+        for r in self.members:
+            if r == self.replica:
+                continue
+            value, since = self.peers.get(r, ("", now))
+            key = value.split(" ", 2)[2] if value.count(" ") >= 2 else ""
+            if self.polled - since > self.heartbeat_s:
+                raise RuntimeError(f"replica {r} (rank {self.rank}) stopped heartbeating "
+                                   f"{now - since:.1f} s ago (hung, stopped or unreachable)")
+            # restarted since the quorum (faster than its beat could lapse); an older attempt is a stale read
+            if value and r in self.attempts and int(value.split(" ", 1)[0]) > self.attempts[r]:
+                raise RuntimeError(f"replica {r} (rank {self.rank}) restarted since the quorum")
+            if key == "-" + self.group_key:
+                raise RuntimeError(f"replica {r} (rank {self.rank}) dropped this step's exchange")
+            # a newer group only: a peer still publishing the group before this one merely lags behind
+            if key and not key.startswith("-") and key not in self.seen and _created(key) > _created(self.group_key):
+                raise RuntimeError(f"replica {r} (rank {self.rank}) went on in group {key} without this one")
+
+    def build(self, make):
+        """``make()`` (a new group's rendezvous) in a thread, abandoned with ``RuntimeError`` when
+        a member is gone: one that died after the quorum named it never arrives, and the
+        rendezvous would wait the whole collective timeout (the abandoned thread ends there)."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["group"] = make()
+            except Exception as err:  # noqa: BLE001 - re-raised on the waiting thread
+                box["error"] = err
+
+        thread = threading.Thread(target=run, daemon=True, name="meshfold-group-build")
+        thread.start()
+        while thread.is_alive():
+            self._judge()
+            thread.join(0.01)
+        if "error" in box:
+            raise RuntimeError(f"the group of replicas {self.members} did not form: {box['error']}")
+        return box["group"]
 
 
 def _created(key: str) -> int:

@@ -107,8 +107,9 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
     events, before = [], (last or {}).get("attempts", {})
     for r in members:
         attempt = data[r].get("attempt", 0)
-        if not before:
-            events.append({"event": "join", "replica": r, "step": top + 1, "cause": "at the start"})
+        if not before and (not heal or r not in heal):  # no history (a restarted writer): only its heals are news
+            if not heal:  # the start, or every group resumed from a checkpoint
+                events.append({"event": "join", "replica": r, "step": top + 1, "cause": "at the start"})
         elif before.get(r) != attempt:
             if r in before:  # restarted between two quorums it was in (a fast restart; DiLoCo's outer steps)
                 events.append(_departure(r, top, failed))
@@ -235,6 +236,9 @@ class Membership:
                 raise LighthouseLost(f"the lost lighthouse ({self.address} unreachable for {self.lost_after_s:.0f} s: "
                                      f"{str(err).splitlines()[0][:120]})") from err
             unreachable_since = None
+            done = self.finished()  # the others finished while this one waited (e.g. it was cut off): a quorum
+            if done is not None:  # formed once they stopped heartbeating must not train their last steps again
+                return {"done": True, "step": done}
             d = decide(q.participants, self.replicas, self.last)
             if self.replica not in d["members"]:
                 continue
@@ -243,7 +247,8 @@ class Membership:
             if self.last is None and short and d["heal"] == [] and time.monotonic() - start < self.start_timeout_s:
                 time.sleep(0.05)  # the start gate: the first quorum holds every replica group
                 continue
-            if short and self.last is not None and not d["failed"] and self.rejoin_wait_s > 0:
+            # every member decides alike (a restarted joiner too: it must not build a group the others skip)
+            if short and (self.last is not None or d["heal"]) and not d["failed"] and self.rejoin_wait_s > 0:
                 since = d["short_since"] if d["short_since"] is not None else created
                 self.short_since = since
                 if created - since < self.rejoin_wait_s:
