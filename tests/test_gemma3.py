@@ -151,7 +151,9 @@ def test_window_attention_equals_the_dense_reference_and_shares_its_mask():
     assert len(attention_ops._WINDOW_MASKS) == 1  # packed documents: one mask for the micro-batch's layers
 
 
-def test_planner_prices_the_band_and_never_proposes_context_parallel():
+def test_planner_prices_the_band_and_offers_context_parallel():
+    """The band's FLOPs priced; cp offered to the windowed model as to its full twin (the ring
+    and Ulysses take windows and scales: tests/test_cp_windows_sinks.py)."""
     from meshfold.planner.cluster import load_cluster
     from meshfold.planner.cost import CostModel, Workload
     from meshfold.planner.search import structures
@@ -163,6 +165,6 @@ def test_planner_prices_the_band_and_never_proposes_context_parallel():
     # 29 of 34 layers score 1,024 of 8,192 keys (causal: the band's area w - w^2/2s per query)
     assert attention_share(m, 8192, True) == pytest.approx((5 * 4096 + 29 * (1024 - 1024 ** 2 / 16384)) / (34 * 4096))
     assert windowed.kinds[False].compute_fwd < 0.8 * full.kinds[False].compute_fwd
-    assert all(st[3] == 1 for st in structures(Workload(m, 64), cluster.world_size))
+    assert any(st[3] > 1 for st in structures(Workload(m, 64), cluster.world_size))
     assert any(st[3] > 1 for st in structures(Workload(dataclasses.replace(m, sliding_window=0, query_pre_attn_scalar=0.0),
                                                         64), cluster.world_size))
