@@ -174,14 +174,14 @@ def _previous_experts_forward(self, x, counts, groups=None, gates=None):
     return y if gates is None else y * gates[:, None]
 
 
-def _padded_groups(self, x, w1, w2, counts, groups, gates):
+def _padded_groups(self, x, w1, w2, counts, groups, gates, biases=None):
     """``GroupedExperts._grouped`` with CUDA's 16-byte group padding, as the CPU ran it before
     issue 47 (the padded layout's copies in and out of the grouped GEMM)."""
     align = max(1, moe_experts.GROUP_ALIGN_BYTES // x.element_size())
     groups = moe_experts._Groups(counts, x.shape[0], "grouped_mm", align=align)
     x = moe_experts._ScatterRows.apply(x, groups.dest, groups.padded_rows)
     gates = moe_experts._ScatterRows.apply(gates, groups.dest, groups.padded_rows)
-    return self._run(x, w1, w2, groups, gates).index_select(0, groups.dest)
+    return self._run(x, w1, w2, groups, gates, biases).index_select(0, groups.dest)
 
 
 def bench_moe(steps: int) -> dict:
