@@ -31,6 +31,25 @@ CASES = [(mode, balance, doc, 0, sinks, scale, 0, chunk)
          for chunk, sinks, scale in ((8, False, None), (6, True, 0.3))]
 
 
+# hybrid (Ulysses 2 x ring 2 at cp 4): windows shorter and longer than a balanced chunk,
+# chunks, sinks, with and without documents, and the plain layout
+HYBRID = [("hybrid", True, doc, window, sinks, None, 2, chunk) for doc in (False, True)
+          for window, sinks, chunk in ((3, True, 0), (5, True, 0), (0, False, 8), (0, True, 6), (0, False, 0))]
+
+
+def test_hybrid_takes_windows_sinks_and_chunks_as_one_process():
+    """Hybrid cp 4 (Ulysses 2 inside, the ring over 2 groups) equals the one-process S x S
+    reference (1e-12) with windows, sinks and chunks; the ring part skips what no member sees:
+    fewer bytes than the plain layout's."""
+    per_rank = run_on(4, cp_cases, HYBRID)
+    for i, case in enumerate(HYBRID):
+        for rank, res in enumerate(per_rank):
+            assert max(res[i]["errors"]) < ATOL, f"{case} rank {rank}: errors {res[i]['errors']}"
+    plain = [r[HYBRID.index(("hybrid", True, True, 0, False, None, 2, 0))]["bytes"] for r in per_rank]
+    for case in [c for c in HYBRID if c[3] or c[7]]:
+        assert all(r[HYBRID.index(case)]["bytes"] < p for r, p in zip(per_rank, plain)), case
+
+
 def test_chunked_attention_matches_one_process_and_skips_sends():
     for cp in (2, 4):
         per_rank = run_on(cp, cp_cases, CASES)
@@ -61,13 +80,15 @@ def _layouts(cfgs: list[dict]) -> list:
 def test_llama4_trains_under_cp_as_one_process(tmp_path):
     """Tiny Llama 4 (three chunked layers of chunk 6 over rows of 16, one NoPE layer), packed
     documents: 5 steps' losses, every parameter and gradient equal one process's (float64)
-    under cp 2 Ulysses x FSDP 2 and cp 4 ring (the ring at cp 2: the attention test above)."""
+    under cp 2 Ulysses x FSDP 2, cp 4 ring and cp 4 hybrid (Ulysses 2 x ring 2; the ring at
+    cp 2: the attention test above)."""
     def cfg(name, **parallel):
         return tiny_config(str(tmp_path / name), model=MODEL, parallel=parallel, train={"steps": 5})
 
     ref = train_collect(cfg("one"))
-    names = ("cp2ulysses_fsdp2", "cp4ring")
-    layouts = [cfg(names[0], cp=2, cp_mode="ulysses", dp_shard=2), cfg(names[1], cp=4, dp_shard=1)]
+    names = ("cp2ulysses_fsdp2", "cp4ring", "cp4hybrid")
+    layouts = [cfg(names[0], cp=2, cp_mode="ulysses", dp_shard=2), cfg(names[1], cp=4, dp_shard=1),
+               cfg(names[2], cp=4, cp_mode="hybrid", cp_ulysses=2, dp_shard=1)]
     for name, got in zip(names, run_on(4, _layouts, layouts)[0]):
         try:
             assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)

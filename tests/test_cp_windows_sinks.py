@@ -130,9 +130,9 @@ def test_window_shorter_than_a_chunk_skips_ring_sends():
 def test_window_shorter_than_a_chunk_trains_as_one_process(tmp_path):
     """The gpt-oss shape (sinks; windows of 3 keys on alternate layers, full attention on the
     others) on packed documents of rows of 32: 5 steps' losses, every parameter and gradient
-    equal one process's (float64) under cp 4 ring, where the window is shorter than a
-    balanced chunk (4 tokens): the windowed layers' direct ring and the full layers' relayed
-    ring in the same step. (cp 2, window 5 shorter than its chunks of 8: tests/test_gpt_oss.py's
+    equal one process's (float64) under cp 4 ring and cp 4 hybrid (Ulysses 2 x ring 2), where
+    the window is shorter than a balanced chunk (4 tokens): the windowed layers' direct ring and
+    the full layers' relayed ring in the same step. (cp 2, window 5 shorter than its chunks of 8: tests/test_gpt_oss.py's
     cp 2 ring x FSDP 2 run.)"""
     data = short_docs(tmp_path)
 
@@ -141,8 +141,8 @@ def test_window_shorter_than_a_chunk_trains_as_one_process(tmp_path):
                            train={"steps": 5}, data=data)
 
     ref = train_collect(cfg("one"))
-    names = ("cp4ring",)
-    layouts = [cfg(names[0], cp=4, dp_shard=1)]
+    names = ("cp4ring", "cp4hybrid")
+    layouts = [cfg(names[0], cp=4, dp_shard=1), cfg(names[1], cp=4, cp_mode="hybrid", cp_ulysses=2, dp_shard=1)]
     for name, got in zip(names, run_on(4, _layouts, layouts)[0]):
         try:
             assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)

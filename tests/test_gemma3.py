@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshfold.cli import main
-from meshfold.config import ConfigError, from_dict, validate
+from meshfold.config import from_dict, validate
 from meshfold.convert import load_model, read_checkpoint_model
 from meshfold.models import attention_ops
 from meshfold.models.config import ModelConfig
@@ -98,13 +98,12 @@ def test_trains_under_tp2_fsdp2_as_one_process(tmp_path):
     assert_runs_match(ref, got, rtol=1e-9, atol=1e-11)
 
 
-def test_context_parallel_takes_windows_in_ring_and_ulysses_and_refuses_hybrid_in_one_line(tmp_path):
-    for mode in ("ring", "ulysses"):  # (their equality with one process: tests/test_gpt_oss.py)
+def test_context_parallel_takes_windows_in_every_mode(tmp_path):
+    # (their equality with one process: tests/test_gpt_oss.py, tests/test_cp_windows_sinks.py, tests/test_cp_chunked.py)
+    for mode in ("ring", "ulysses"):
         validate(from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 2, "cp_mode": mode})))
-    cfg = from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}))
-    with pytest.raises(ConfigError, match="sliding window of 5") as err:
-        validate(cfg, 4)
-    assert "\n" not in str(err.value)
+    validate(from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2})),
+             4)
 
 
 @pytest.mark.parametrize("preset", ["gemma-3-1b", "gemma-3-4b"])

@@ -217,14 +217,6 @@ def test_context_parallel_runtime_trains_windows_and_sinks_as_one_process(tmp_pa
             raise AssertionError(f"{name}: {err}") from None
 
 
-def test_context_parallel_hybrid_is_refused_in_one_line(tmp_path):
-    cfg = from_dict(tiny_config(str(tmp_path), model={**MODEL, "alternating_window": 0},
-                                parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}))
-    with pytest.raises(ConfigError, match="attention sinks") as err:
-        validate(cfg, 4)
-    assert "\n" not in str(err.value)
-
-
 def test_clamped_experts_only_in_moe_layers(tmp_path):
     cfg = from_dict(tiny_config(str(tmp_path), model={**MODEL, "moe_first_dense": 1}))
     with pytest.raises(ConfigError, match="routed experts only"):

@@ -5,7 +5,7 @@ with temperature tuning; dense and MoE layers alternating; chunks shorter than t
 bit for bit; chunked attention equals its S x S reference over packed documents and shares one
 plan across layers; it trains under tp 2 + sp x FSDP 2 and pp 2 x tp 2 + sp exactly as in one
 process (float64, packed documents); the presets' parameter counts equal transformers';
-context parallel's hybrid mode refuses chunks in one line (ring and Ulysses: tests/test_cp_chunked.py)."""
+context parallel with chunks (ring, Ulysses, hybrid): tests/test_cp_chunked.py."""
 
 import dataclasses
 import json
@@ -155,15 +155,6 @@ def test_trains_under_tp_sp_fsdp_and_pp_as_one_process(tmp_path):
     assert len(ref["losses"]) == 5 and "layers.1.feed_forward.shared_experts.w1.weight" in ref["params"]
     for run in got:
         assert_runs_match(ref, run, rtol=1e-9, atol=1e-11)
-
-
-def test_context_parallel_hybrid_is_refused_in_one_line(tmp_path):
-    # (ring and Ulysses take chunked layers: tests/test_cp_chunked.py)
-    validate(from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 2})))
-    cfg = from_dict(tiny_config(str(tmp_path), model=MODEL, parallel={"cp": 4, "cp_mode": "hybrid", "cp_ulysses": 2}))
-    with pytest.raises(ConfigError, match="chunks of 6") as err:
-        validate(cfg)
-    assert "\n" not in str(err.value)
 
 
 def test_gate_input_needs_top1(tmp_path):

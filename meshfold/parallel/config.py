@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshfold.errors import ConfigError, divisors
-from meshfold.models import registry
 from meshfold.parallel.facts import expert_tp, mtp
 from meshfold.parallel.facts.attention import ATTENTION_LAYOUTS, local_heads, ulysses_degree, ulysses_fits
 from meshfold.schedules import get_schedule
@@ -31,8 +30,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.moe_seq_aux_loss_coef > 0 (sequence-wise balance loss) needs whole sequences on a "
                           "rank; use parallel.cp = 1 or moe_seq_aux_loss_coef = 0")
     ATTENTION_LAYOUTS[m.attention].check(cfg)  # the attention variant's own rules (facts/attention.py)
-    if p.cp > 1:
-        check_plain_layers(m, p.cp_mode)
     # Tensor parallel: heads split across tp ranks.
     if p.tp > 1:
         if p.tp > m.n_heads:
@@ -106,22 +103,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.ep > 1 needs an MoE model; set model.moe_experts or parallel.ep = 1")
     if p.ep > 1 and p.zero < 2:
         check_expert_data_parallel(cfg)
-
-
-def check_plain_layers(m, cp_mode: str) -> None:
-    """Context parallel's ring and Ulysses attention take a layer's sliding window, softmax
-    scale, sinks and chunks (``parallel/cp/``: the ring skips tile pairs, and the sends, out
-    of reach; tested against one process in tests/test_gpt_oss.py, tests/test_cp_chunked.py);
-    any of these under the hybrid mode is refused, never computed wrongly."""
-    for layer in range(m.n_layers):
-        spec = registry.layer_attention(m, layer)
-        special = spec.window or spec.scale or spec.sinks or spec.chunk
-        if special and cp_mode == "hybrid":
-            what = (f"chunks of {spec.chunk}" if spec.chunk else f"a sliding window of {spec.window}" if spec.window
-                    else f"softmax scale {spec.scale}" if spec.scale else "attention sinks")
-            fix = "use parallel.cp_mode = ring or ulysses, or parallel.cp = 1"
-            raise ConfigError(f"parallel.cp > 1 with parallel.cp_mode = {cp_mode} is not supported with layer "
-                              f"{layer}'s attention ({what}); {fix}")
 
 
 def check_expert_data_parallel(cfg: Config) -> None:
