@@ -123,6 +123,8 @@ AGREEMENT = [
     pytest.param(8, {"tp": 2, "sp": True, "dp_shard": 4, "ep": 2, "expert_tp": 2, "zero": 1}, {},
                  id="ep2xetp2-sp-dp4-zero1"),
     pytest.param(4, {"tp": 2, "dp_shard": 2, "expert_tp": 2, "zero": 3}, {}, id="ep1-etp2-fsdp2"),
+    pytest.param(8, {"tp": 2, "dp_shard": 4, "ep": 2, "expert_tp": 2, "zero": 3}, {"moe_experts": 2},
+                 id="ep2xetp2-edp2-1expert"),  # FSDP2 on the dims tp leaves whole; the router's 2 rows padded to 4
 ]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshfold.parallel.facts.expert_tp import local_experts
-from meshfold.parallel.facts.sizes import CHUNK_ELEMENTS, expert_shard_padding
+from meshfold.parallel.facts.sizes import CHUNK_ELEMENTS, expert_shard_padding, router_padding
 from meshfold.planner import mtp
 from meshfold.planner.cluster import GiB
 from meshfold.planner.counts import (
@@ -291,6 +291,13 @@ class Memory:
             # sharded as under ZeRO-3 (the whole compute-dtype copy the paper's stage 2 keeps is
             # the ``gathered_params`` term)
             states["params"] /= max(1, n_shard)
+        if zero >= 2 and moe_layers:  # each router's E rows padded to a multiple of the ranks: the
+            # fullest rank holds ceil(E / n) rows of it, its gradient (once reduce-scattered) and states
+            pad = moe_layers * router_padding(self.w.model, n_shard)
+            padded = model_state_bytes(pad, zero, n_shard, self.w.dtype, accumulate)
+            states["params"] += model_state_bytes(pad, 3, n_shard, self.w.dtype)["params"]
+            states["grads"] += padded["grads"] if not accumulate else 0.0
+            states["optimizer"] += padded["optimizer"]
         if experts:
             edp = L.dp * L.cp // L.ep
             # (zero 0/1: ShardedAdamW's element segments over edp, no padding; zero 0: replicated)

@@ -5,6 +5,7 @@ bytes per micro-batch (``tp_counts``, part of the layer terms)."""
 from __future__ import annotations
 
 from meshfold.models.config import ModelConfig
+from meshfold.parallel.facts.sizes import router_padding
 from meshfold.planner import mtp
 from meshfold.planner.fp8 import fp8_gathered_params, sp_regathers_skipped, tp_amax_collectives
 from meshfold.planner.attention import attention_terms
@@ -136,7 +137,9 @@ class Traffic:
             E0, edp = moe0 * T.params.expert_p, n_all // max(1, L.ep)
             # (train.fp8_all_gather: the blocks' converted linears cross in fp8, 1 byte an element)
             fp8 = fp8_gathered_params(w, stages[0])
-            groups = [(modules, n_shard, P0 - E0, (P0 - E0) * wg - fp8 * (wg - 1))]
+            # (each MoE layer's router padded to a multiple of n_shard rows: parallel/facts/sizes.py)
+            dense = P0 - E0 + moe0 * router_padding(w.model, n_shard)
+            groups = [(modules, n_shard, dense, dense * wg - fp8 * (wg - 1))]
             groups += [(moe0, edp, E0 * self._expert_padding(L), E0 * self._expert_padding(L) * wg)] if E0 and edp > 1 else []
             for mods, n, P, gathered in groups:
                 ag = RING["all_gather"](n)

@@ -35,6 +35,22 @@ def chunk_elements(device_type: str) -> int:
     return HOST_CHUNK_ELEMENTS if device_type == "cpu" else CHUNK_ELEMENTS
 
 
+# --------------------------------------------------------------------------- FSDP2's dim-0 padding
+
+
+def fsdp_row_padding(rows: int, n: int) -> int:
+    """Rows FSDP2 adds to a parameter's dim 0 of ``rows`` to shard it over ``n`` ranks: it
+    pads dim 0 to a multiple of n, each rank holding ceil(rows / n) (a MoE router's E rows over
+    more ranks than experts: Mixtral's 8 rows over 32 ranks, one each)."""
+    return -(-rows // n) * n - rows if n > 1 else 0
+
+
+def router_padding(m, n: int) -> int:
+    """Elements FSDP2's dim-0 padding adds to one MoE layer's router (weight [E, dim], the bias
+    [E] with ``moe_bias``) sharded over ``n`` ranks (``models/moe.py``)."""
+    return fsdp_row_padding(m.moe_experts, n) * (m.dim + (1 if m.moe_bias else 0)) if m.moe_experts else 0
+
+
 # --------------------------------------------------------------------------- stacked expert weights under FSDP2
 
 
