@@ -342,6 +342,39 @@ def _wait_for_step(run_dir: Path, step: int, procs, bound_s: float = 400.0) -> N
     raise AssertionError(f"step {step} not reached in {bound_s} s")
 
 
+def spawn_group(tmp_path: Path, replica: int, serve: dict, restarts: int, **env) -> subprocess.Popen:
+    """Replica group ``replica`` of 2 as its own ``meshfold train --nproc 1`` (its own elastic
+    agent, as on a host of its own) on ``tmp_path/live.toml``, with the Lighthouse and store of
+    ``serve``; its output in ``r<replica>-<store>.log``."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_REPLICA=str(replica), MESHFOLD_LIVE_REPLICAS="2",
+               MESHFOLD_LIVE_LIGHTHOUSE=serve["lighthouse"], MESHFOLD_LIVE_STORE=serve["store"], **env)
+    log = (tmp_path / f"r{replica}-{serve['store']}.log").open("w")
+    return subprocess.Popen([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", "1",
+                             "--max-restarts", str(restarts)], cwd=ROOT, env=env, stdout=log, stderr=log)
+
+
+def lose_the_lighthouse(run_dir: Path, first: list, server, log: Path, step: int, saved: int) -> tuple[float, float]:
+    """Replica 0 of ``first`` reaches ``step`` while replica 1 dies for good; the Lighthouse
+    ``server`` is killed: replica 0 must checkpoint (``after step <saved>``) and exit 75 with one
+    line and no traceback. Returns when the step was reached and when replica 0 stopped."""
+    try:
+        _wait_for_step(run_dir, step, first[:1])
+        assert first[1].wait(timeout=300) != 0  # killed, no restart left
+        reached = time.monotonic()
+        server.kill()
+        assert first[0].wait(timeout=300) == 75
+        stopped = time.monotonic()
+    finally:
+        for p in first + [server]:
+            p.kill()
+            p.wait()
+    out = log.read_text()
+    lost = [x for x in out.splitlines() if "lost lighthouse" in x]
+    assert len(lost) == 1 and f"after step {saved}; checkpoint" in lost[0] and "exit code 75" in lost[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    return reached, stopped
+
+
 def test_two_hosts_lighthouse_lost_stops_with_75_and_a_restart_resumes(tmp_path):
     """The multi-host launch on one machine: the Lighthouse and the cross-replica store served
     by ``python -m meshfold.train.quorum`` on an address of their own (127.0.0.2), each replica
@@ -357,31 +390,14 @@ def test_two_hosts_lighthouse_lost_stops_with_75_and_a_restart_resumes(tmp_path)
     (tmp_path / "live.toml").write_text(tomli_w.dumps(cfg))
 
     def group(replica: int, serve: dict, restarts: int, **env):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), MESHFOLD_LIVE_REPLICA=str(replica), MESHFOLD_LIVE_REPLICAS="2",
-                   MESHFOLD_LIVE_LIGHTHOUSE=serve["lighthouse"], MESHFOLD_LIVE_STORE=serve["store"], **env)
-        log = (tmp_path / f"r{replica}-{serve['store']}.log").open("w")
-        return subprocess.Popen([sys.executable, "-m", "meshfold", "train", str(tmp_path / "live.toml"), "--nproc", "1",
-                                 "--max-restarts", str(restarts)], cwd=ROOT, env=env, stdout=log, stderr=log)
+        return spawn_group(tmp_path, replica, serve, restarts, **env)
 
     server, serve = spawn_lighthouse("127.0.0.2:0", 5.0, 30.0, store="127.0.0.2:0")
     assert serve["lighthouse"].startswith("127.0.0.2:") and serve["store"].startswith("127.0.0.2:"), serve
     first = [group(0, serve, 1), group(1, serve, 0, MESHFOLD_LIVE_KILL="1:0:3")]
     start = time.monotonic()
-    try:
-        _wait_for_step(run_dir, 3, first[:1])  # replica 0 trained step 3 alone; it waits for replica 1
-        assert first[1].wait(timeout=300) != 0  # killed, no restart left
-        at_3 = time.monotonic()
-        server.kill()
-        assert first[0].wait(timeout=300) == 75
-        stopped = time.monotonic()
-    finally:
-        for p in first + [server]:
-            p.kill()
-            p.wait()
-    out = (tmp_path / f"r0-{serve['store']}.log").read_text()
-    lost = [x for x in out.splitlines() if "lost lighthouse" in x]
-    assert len(lost) == 1 and "after step 3; checkpoint" in lost[0] and "exit code 75" in lost[0], out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
+    # replica 0 trains step 3 alone (it waits for replica 1), then checkpoints and exits 75
+    at_3, stopped = lose_the_lighthouse(run_dir, first, server, tmp_path / f"r0-{serve['store']}.log", 3, 3)
 
     server, serve = spawn_lighthouse("127.0.0.3:0", 5.0, 30.0, store="127.0.0.3:0")
     second = [group(0, serve, 0), group(1, serve, 0)]
