@@ -353,6 +353,20 @@ def spawn_group(tmp_path: Path, replica: int, serve: dict, restarts: int, **env)
                              "--max-restarts", str(restarts)], cwd=ROOT, env=env, stdout=log, stderr=log)
 
 
+def _stop(procs: list) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def exit_codes(groups: list, server) -> list[int]:
+    """Each replica group's exit code once it finishes (400 s at most), then every process stopped."""
+    try:
+        return [p.wait(timeout=400) for p in groups]
+    finally:
+        _stop(groups + [server])
+
+
 def lose_the_lighthouse(run_dir: Path, first: list, server, log: Path, step: int, saved: int) -> tuple[float, float]:
     """Replica 0 of ``first`` reaches ``step`` while replica 1 dies for good; the Lighthouse
     ``server`` is killed: replica 0 must checkpoint (``after step <saved>``) and exit 75 with one
@@ -365,9 +379,7 @@ def lose_the_lighthouse(run_dir: Path, first: list, server, log: Path, step: int
         assert first[0].wait(timeout=300) == 75
         stopped = time.monotonic()
     finally:
-        for p in first + [server]:
-            p.kill()
-            p.wait()
+        _stop(first + [server])
     out = log.read_text()
     lost = [x for x in out.splitlines() if "lost lighthouse" in x]
     assert len(lost) == 1 and f"after step {saved}; checkpoint" in lost[0] and "exit code 75" in lost[0], out[-3000:]
@@ -400,13 +412,7 @@ def test_two_hosts_lighthouse_lost_stops_with_75_and_a_restart_resumes(tmp_path)
     at_3, stopped = lose_the_lighthouse(run_dir, first, server, tmp_path / f"r0-{serve['store']}.log", 3, 3)
 
     server, serve = spawn_lighthouse("127.0.0.3:0", 5.0, 30.0, store="127.0.0.3:0")
-    second = [group(0, serve, 0), group(1, serve, 0)]
-    try:
-        codes = [p.wait(timeout=400) for p in second]
-    finally:
-        for p in second + [server]:
-            p.kill()
-            p.wait()
+    codes = exit_codes([group(0, serve, 0), group(1, serve, 0)], server)
     print(f"two-host drill: step 3 after {at_3 - start:.1f} s, exit 75 {stopped - at_3:.1f} s after the lighthouse's "
           f"loss, the restart took {time.monotonic() - stopped:.1f} s")
     assert codes == [0, 0], [(tmp_path / f"r{r}-{serve['store']}.log").read_text()[-2000:] for r in (0, 1)]

@@ -25,7 +25,7 @@ from meshfold.train.abortable import AbortableGroup, CommAborted
 from meshfold.train.live_watch import destroy
 from meshfold.train.quorum import spawn_lighthouse
 from meshfold.train.trainer import Trainer
-from tests.test_live import _run_live, _traces, lose_the_lighthouse, spawn_group
+from tests.test_live import _run_live, _traces, exit_codes, lose_the_lighthouse, spawn_group
 
 
 def _abort_on_own_timeout(port: int) -> dict:
@@ -168,7 +168,8 @@ def _streaming_reference(cfg: dict, outages: list[tuple[int, int]], stale_rule: 
 # ---------------------------------------------------------------- model parallelism inside a replica
 
 _ALL_INNER = pytest.mark.skipif(os.environ.get("MESHFOLD_LIVE_INNER") != "all",
-                                reason="the suite's time: MESHFOLD_LIVE_INNER=all runs pp 2 and cp 2 too")
+                                reason="about a minute each: the suite runs tp 2 (the same heal, per rank); "
+                                       "MESHFOLD_LIVE_INNER=all runs pp 2 and cp 2 too")
 
 
 @pytest.mark.parametrize("inner", ["tp", pytest.param("pp", marks=_ALL_INNER), pytest.param("cp", marks=_ALL_INNER)])
@@ -243,13 +244,7 @@ def test_streaming_diloco_lighthouse_lost_kill_and_live_heal_losses_match(tmp_pa
     lose_the_lighthouse(run_dir, first, server, tmp_path / f"r0-{serve['store']}.log", 3, 4)
 
     server, serve = spawn_lighthouse("127.0.0.1:0", 5.0, 30.0, store="127.0.0.1:0")
-    second = [group(0, serve, 0), group(1, serve, 1, MESHFOLD_LIVE_KILL="1:0:5")]
-    try:
-        codes = [p.wait(timeout=400) for p in second]
-    finally:
-        for p in second + [server]:
-            p.kill()
-            p.wait()
+    codes = exit_codes([group(0, serve, 0), group(1, serve, 1, MESHFOLD_LIVE_KILL="1:0:5")], server)
     logs = [(tmp_path / f"r{r}-{serve['store']}.log").read_text() for r in (0, 1)]
     assert codes == [0, 0], [x[-2000:] for x in logs]
     assert all("resumed from" in x for x in logs)
