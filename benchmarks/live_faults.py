@@ -86,6 +86,13 @@ DRILLS = {d.name: d for d in [
           "replica 0 goes on alone, both rejoin", 3, 2,
           env={"MESHFOLD_LIVE_KILL": "1:0:3,2:1:3"}, train={"live_rejoin_wait_s": 300.0},
           departed=(1, 2), rejoined=(1, 2)),
+    Drill("stale_quorum_2x1", "2 x 1: replica 0 stopped in step 2 until replica 1 logged step 3 alone; "
+          "then replica 1 stopped in step 4 for 8 s: replica 0, back, must not take the Lighthouse's "
+          "quorum of itself to train steps 2-3 again (the commit fence); it waits and is healed", 2, steps=6,
+          env={"MESHFOLD_LIVE_STOP": "0:0:2:120:3,1:0:4:8"},
+          train={"live_heartbeat_timeout_s": 2.0, "live_join_timeout_s": 1.0, "live_rejoin_wait_s": 0.0,
+                 "collective_timeout_s": 60.0},
+          departed=(0,), rejoined=(0,)),
 ]}
 
 

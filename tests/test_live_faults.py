@@ -34,6 +34,20 @@ def test_kill_after_the_quorum_and_of_the_joiner_mid_heal(tmp_path):
     print(f"quorum + joiner mid-heal drill: {res}")
 
 
+def test_a_stale_replica_never_trains_a_committed_step_again(tmp_path):
+    """2 replica groups x 1 process (the commit fence, train/live_fence.py). Replica 0 is
+    stopped in step 2 until replica 1 has logged step 3 alone; replica 1 is then stopped in
+    step 4 for 8 s. Replica 0, back and alone with the Lighthouse (replica 1 is silent), gets a
+    quorum of itself at step 1: before the fence it trained steps 2 and 3 again (metrics.jsonl
+    read 1, 2, 3, 2, 3, 4, 5, 6, 4); now it waits while replica 1 may be alive and is healed
+    from it. Every step once, every batch once, losses equal the one-process run. Whether
+    the two stops overlap depends on the machine's speed; the invariants hold either way."""
+    from benchmarks.live_faults import DRILLS
+
+    res = run_drill(DRILLS["stale_quorum_2x1"], tmp_path)
+    print(f"stale quorum drill: {res}")
+
+
 def test_drill_points_are_named(monkeypatch, tmp_path):
     """A kill spec names a point of live_drill.POINTS and an attempt; anything else is one line."""
     monkeypatch.setenv("MESHFOLD_LIVE_KILL", "1:0:*:heal:1,1:0:3")

@@ -59,6 +59,7 @@ from meshfold.lowcomm.outer import local_tensor
 from meshfold.train.abortable import AbortableGroup
 from meshfold.train.fault import set_restart_note
 from meshfold.train.live_drill import Faults
+from meshfold.train.live_fence import CommitFence
 from meshfold.train.live_outer import OuterLive
 from meshfold.train.live_watch import PeerWatch, WatchedGroup, destroy, store_client
 from meshfold.train.quorum import LighthouseLost, Membership
@@ -189,6 +190,8 @@ class LiveReplicas:
         self.client = None
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
+        self.epoch = -1  # the lineage of this replica's state (live_fence.py): -1 from a checkpoint
+        self.fence: CommitFence | None = None
         self.group: comm.StandaloneGroup | None = None
         self.members: list[int] = []
         self.writes_metrics = False
@@ -211,9 +214,13 @@ class LiveReplicas:
         self.beats = PeerWatch(os.environ[ENV_STORE], self.replica, self.replicas, self.rank, self.attempt,
                                t.live_heartbeat_timeout_s, self._alive, self.world)
         if self.rank == 0:  # one hung rank of the group stops its Lighthouse heartbeat (live_watch.replica_alive)
+            # a replica silent for the collective timeout is taken for gone by the commit fence
+            self.fence = CommitFence(store_client(os.environ[ENV_STORE], self.timeout_s), self.replica,
+                                     self.replicas, self.attempt, self.beats.beat, self.timeout_s)
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
-                                     t.live_rejoin_wait_s, alive=lambda: self._alive() and self.beats.replica_alive())
+                                     t.live_rejoin_wait_s, alive=lambda: self._alive() and self.beats.replica_alive(),
+                                     settle=self.fence.settle)
         # DiLoCo workers as failure domains: the quorum is formed at the outer steps only and
         # the outer gradient is averaged over the workers that trained the phase.
         lowcomm = parts.features.named("lowcomm")
@@ -317,7 +324,8 @@ class LiveReplicas:
             meta = {"sampler": position, "scheduler": _plain(self.scheduler.state_dict()),
                     "outer_steps": self.outer.outer_steps if self.outer is not None else 0,
                     "fragment": self.outer_live.fragment if self.outer_live is not None else 0,
-                    "group": self.quorum.get("quorum_id")}  # kept only if every member holds it (quorum.group_key)
+                    "group": self.quorum.get("quorum_id"),  # kept only if every member holds it (quorum.group_key)
+                    "epoch": self.epoch}
             try:
                 reply = self.client.quorum(self.progress.step, meta, self.redo_cause)
             except LighthouseLost as err:
@@ -346,8 +354,12 @@ class LiveReplicas:
         (a member may have died since the quorum)."""
         if q.get("done") or q["quorum_id"] == self.quorum.get("quorum_id"):
             self._apply(q)
-            return True, ""
-        return self._agreed(lambda: self._apply(q))
+            good, error = True, ""
+        else:
+            good, error = self._agreed(lambda: self._apply(q))
+        if good and self.replica not in q["heal"]:  # up to date: its state is the quorum's lineage now
+            self.epoch = q["epoch"]
+        return good, error
 
     def _apply(self, q: dict) -> None:
         """Take a quorum's answer: the standalone group of its members, the events."""
@@ -463,7 +475,7 @@ class LiveReplicas:
             self.scheduler.load_state_dict(meta["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
-            self.progress.step = q["step"]
+            self.progress.step, self.epoch = q["step"], q["epoch"]
             if self.outer_live is not None:
                 self.outer_live.received_state(q["step"])
             if self.trace:
@@ -510,7 +522,19 @@ class LiveReplicas:
         good, error = self._vote(ok, error)
         if not good:
             raise LiveStepFailed(error)
+        self._commit()
         return loss_sum, tokens
+
+    def _commit(self) -> None:
+        """The commit fence's claim on this step (rank 0, live_fence.py), agreed by every rank of
+        the replica: a quorum that lost the claim applies nothing and asks again."""
+        step = self.progress.step + 1
+        claimed = self.rank != 0 or self.fence.claim(self.epoch, step, self.quorum["quorum_id"])
+        ok = torch.full((), int(claimed), dtype=torch.int64, device=self.device)
+        good, error = self._vote(ok, "" if claimed else
+                                 f"step {step} was committed by another quorum meanwhile (the commit fence)")
+        if not good:
+            raise LiveStepFailed(error)
 
     # ------------------------------------------------------------------ inspection
 

@@ -6,7 +6,7 @@ group trains on). Set in the environment of ``meshfold train --nproc N``:
 - ``MESHFOLD_LIVE_KILL=REPLICA:RANK:STEP[:POINT[:ATTEMPT]][,...]``: SIGKILL (a hard crash) in
   step STEP (``*``: the first time the point is reached) at POINT (``POINTS``, default
   ``exchange``) on the group's attempt ATTEMPT (its restart count, default 0);
-- ``MESHFOLD_LIVE_STOP=REPLICA:RANK:STEP:SECONDS[:UNTIL]``: SIGSTOP (a hung replica: its
+- ``MESHFOLD_LIVE_STOP=REPLICA:RANK:STEP:SECONDS[:UNTIL][,...]``: SIGSTOP (a hung replica: its
   connections stay open, it answers nothing), SIGCONT after SECONDS, or as soon as the run's
   ``metrics.jsonl`` holds step UNTIL (the others trained on without it), whichever is first:
   a drill whose order of events does not depend on how fast the machine is.
@@ -73,11 +73,11 @@ class Faults:
                 self.kill_at[point] = step
         if attempt > 0:
             return
-        stop = os.environ.get(ENV_STOP, "")
-        if stop and _mine(stop, replica, rank):
-            parts = stop.split(":")
-            self.stop_at, self.stop_s = int(parts[2]), float(parts[3])
-            self.until = int(parts[4]) if len(parts) > 4 else 0
+        for stop in filter(None, os.environ.get(ENV_STOP, "").split(",")):
+            if _mine(stop, replica, rank):
+                parts = stop.split(":")
+                self.stop_at, self.stop_s = int(parts[2]), float(parts[3])
+                self.until = int(parts[4]) if len(parts) > 4 else 0
 
     def at(self, step: int, point: str = "exchange") -> None:
         """At ``point`` (``POINTS``) of step ``step``."""

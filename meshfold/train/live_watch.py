@@ -45,7 +45,7 @@ class PeerWatch:
         self.peers: dict[int, tuple[str, float]] = {}  # replica -> (its last beat, when this rank saw it change)
         self.watching = False  # inside a step's exchange (the heal is not watched: no redo covers it)
         self.abandoned = False  # this replica dropped the current group's exchange (its peers must too)
-        self.polled = time.monotonic()  # when this rank last read its peers' beats
+        self.polled = self.started = time.monotonic()  # when this rank last read its peers' beats
         # rank 0: the other ranks of this replica group -> (their last beat, when it changed)
         self.own = {k: ("", self.polled) for k in range(1, world)} if rank == 0 else {}
         timeout_s = max(5.0, heartbeat_s)
@@ -73,6 +73,12 @@ class PeerWatch:
 
     def _key(self, replica: int, rank: int | None = None) -> str:
         return f"live/hb/{replica}/{self.rank if rank is None else rank}"
+
+    def beat(self, replica: int) -> tuple[int | None, float]:
+        """(restart count in ``replica``'s newest beat, or None before any; seconds since its beat
+        last changed as this rank saw it) — the commit fence's view of a replica (live_fence.py)."""
+        value, since = self.peers.get(replica, ("", self.started))
+        return (int(value.split(" ", 1)[0]) if value else None), time.monotonic() - since
 
     def replica_alive(self) -> bool:
         """Every other rank of this replica group beat within the heartbeat timeout (rank 0)."""

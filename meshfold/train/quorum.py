@@ -9,9 +9,10 @@ unreachable replica), ask for a quorum at every step boundary, and are answered 
 heartbeating replica asked, or the last quorum's members all asked (fast path), or
 ``join_timeout_ms`` passed; at least half of the heartbeating replicas must ask (no split
 brain). meshfold decides the rest, from the quorum alone, so every member computes the same
-(``decide``): ``members`` (sorted replica ids, ids outside the job refused), ``step`` (the
-largest step among them), ``source`` (the lowest member at that step: it sends the state),
-``heal`` (members behind), ``meta`` (the source's plain values: sampler position,
+(``decide``): ``members`` (sorted replica ids, ids outside the job refused), ``step`` and
+``epoch`` (the newest state among them: the newest lineage, then the largest step; the
+lineages are ``live_fence.py``'s), ``source`` (the lowest member holding it: it sends the
+state), ``heal`` (members behind), ``meta`` (the source's plain values: sampler position,
 scheduler), ``events`` (departures, rejoins, with their cause). Only torchft's Lighthouse is
 used: not its Manager, checkpoint transports or sampler (docs/resilience.md says why).
 
@@ -100,9 +101,12 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
         else:
             refused.append(p.replica_id)
     members = sorted(data)
-    top = max(data[r]["step"] for r in members) if members else 0
-    source = min(r for r in members if data[r]["step"] == top) if members else -1
-    heal = [r for r in members if data[r]["step"] < top]
+    state = {r: (int(data[r].get("epoch", -1)), data[r]["step"]) for r in members}  # a newer lineage is ahead
+    epoch, top = max(state.values()) if members else (-1, 0)
+    source = min(r for r in members if state[r] == (epoch, top)) if members else -1
+    # up to date: at the newest state, or restarted from a checkpoint (no lineage yet) at its step
+    # (a DiLoCo worker that replayed its phase: its own state, not to be overwritten)
+    heal = [r for r in members if state[r][1] != top or state[r][0] not in (epoch, -1)]
     failed = next((data[r]["failed"] for r in members if data[r].get("failed")), None)
     events, before = [], (last or {}).get("attempts", {})
     for r in members:
@@ -121,9 +125,9 @@ def decide(participants, replicas: int, last: dict | None) -> dict:
     now = round(time.time(), 3)
     for ev in events:
         ev["time"] = now
-    return {"members": members, "step": top, "source": source, "heal": heal, "refused": refused,
+    return {"members": members, "step": top, "epoch": epoch, "source": source, "heal": heal, "refused": refused,
             "groups": {r: data[r].get("group") for r in members},
-            "meta": {k: v for k, v in data[source].items() if k not in ("step", "failed")} if members else {},
+            "meta": {k: v for k, v in data[source].items() if k not in ("step", "epoch", "failed")} if members else {},
             "failed": failed, "attempts": {r: data[r].get("attempt", 0) for r in members},
             "short_since": min((data[r]["short_since"] for r in members if data[r].get("short_since") is not None),
                                default=None), "events": events}
@@ -161,15 +165,18 @@ class Membership:
     ``done_mark``: the file a run finished at ``final_step`` leaves (a replica restarted after it has nothing
     to train); ``rejoin_wait_s``: how long the members of a short quorum wait for the
     missing replicas at a step boundary (never while redoing an interrupted step);
-    ``start_timeout_s``: how long the first quorum waits for all the configured replicas."""
+    ``start_timeout_s``: how long the first quorum waits for all the configured replicas;
+    ``settle(d)``: the lineage quorum ``d`` trains in, or None to ask again
+    (``live_fence.CommitFence.settle``; by default every quorum trains in its own)."""
 
     def __init__(self, address: str, replica: int, replicas: int, attempt: int, heartbeat_timeout_s: float,
-                 done_mark: Path, final_step: int, rejoin_wait_s: float = 0.0, start_timeout_s: float = 600.0, alive=lambda: True):
+                 done_mark: Path, final_step: int, rejoin_wait_s: float = 0.0, start_timeout_s: float = 600.0,
+                 alive=lambda: True, settle=lambda d: d["epoch"]):
         self.replica, self.replicas, self.attempt = replica, replicas, attempt
         self.id, self.address = str(replica), address
         self.rejoin_wait_s, self.start_timeout_s, self.done_mark = rejoin_wait_s, start_timeout_s, done_mark
         self.final_step = final_step
-        self.heartbeat_s, self.alive = heartbeat_timeout_s, alive
+        self.heartbeat_s, self.alive, self.settle = heartbeat_timeout_s, alive, settle
         self.lost_after_s = max(5.0, 2 * heartbeat_timeout_s)  # unreachable this long: lost (not a blip)
         self.lost: str | None = None  # why the last heartbeat failed
         try:
@@ -254,9 +261,13 @@ class Membership:
                 if created - since < self.rejoin_wait_s:
                     time.sleep(0.1)  # a replica may be restarting: wait for it at this boundary
                     continue
+            created_ns = q.created.seconds * 10**9 + q.created.nanos
+            d["created_ns"], d["lighthouse_quorum"] = created_ns, f"{q.quorum_id}.{created_ns}"
+            if self.settle(d) is None:  # the commit fence: others may hold newer steps of this lineage
+                continue
             if not short:
                 self.short_since = None
-            d["quorum_id"] = group_key(d, q.quorum_id, q.created.seconds * 10**9 + q.created.nanos)
+            d["quorum_id"] = group_key(d, q.quorum_id, created_ns)
             self.last = d
             return d
 
