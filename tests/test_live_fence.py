@@ -1,7 +1,8 @@
 """Live recovery's commit fence (train/live_fence.py) on a real TCPStore, and the lineage order
 of ``quorum.decide``: no step applied by two quorums, a stale quorum waits while a replica that
-committed newer steps may be alive, a new lineage once they are all gone (restarted or silent
-for the collective timeout), and every member of a quorum reads the same verdict. The
+committed newer steps beats (alive, or restarted and about to ask with its checkpoint), a new
+lineage once they are silent for the collective timeout or in the quorum and behind, and every
+member of a quorum reads the same verdict. The
 end-to-end drill (two replicas, each stopped in turn) is in tests/test_live_faults.py."""
 
 from types import SimpleNamespace
@@ -46,12 +47,13 @@ def test_a_stale_quorum_waits_while_the_holder_beats_then_a_new_lineage(store, c
     stale = fence(store, 0, beats)
     assert stale.settle(quorum([0], 1, 5, 900)) is None  # replica 1 holds steps 2-3 and beats: wait
     assert "steps 2-3 were committed by replica(s) [1]" in capsys.readouterr().out
-    beats[1] = (0, 61.0)  # silent for longer than the collective timeout: gone
+    beats[1] = (0, 61.0)  # silent for longer than the collective timeout: gone, a new lineage
     d = quorum([0], 1, 5, 950)
     assert stale.settle(d) == 950 == d["epoch"]  # a new lineage from replica 0's state at step 1
     assert stale.claim(950, 2, "h")  # its step 2 is its own
-    beats[1] = (1, 0.1)  # restarted (its state beyond its checkpoint is lost): gone too
-    assert stale.settle(quorum([0], 1, 5, 990)) == 990
+    beats[1] = (1, 0.1)  # restarted: it beats again and will ask with its checkpoint, wait for it
+    assert stale.settle(quorum([0], 1, 5, 990)) is None
+    assert stale.settle(quorum([0, 1], 1, 5, 991)) == 991  # it came back behind: the steps beyond are lost
     assert stale.settle(quorum([0], 3, 5, 995)) == 5  # nothing committed beyond step 3: the same lineage
     assert stale.settle(quorum([0, 1], 0, -1, 999)) == 999  # every member from a checkpoint: a new lineage
 

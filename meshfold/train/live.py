@@ -171,7 +171,7 @@ class LiveReplicas:
     (to reach the optimizer and scheduler it heals), ``wrap_logger``, ``after_step``
     (``replicas``, ``events``), and the step protocol (``step``, ``reduce``)."""
 
-    name = None
+    name = "live"  # checkpoint key: the lineage of the saved state (``state_dict``; live_fence.py)
     # The run directory: replica groups share it; the launcher holds its lock
     # (live_launch.py) and a restarted replica heals from a peer, not from disk.
     holds_run_lock = False
@@ -243,6 +243,14 @@ class LiveReplicas:
         self.sampler = LiveSampler(make_sampler(self.train_data, t.global_batch * self.replicas, t.seed),
                                    self.replicas)
         return self.sampler
+
+    def state_dict(self) -> dict:
+        """What a checkpoint records of live recovery: its state's lineage (a replica restarted
+        from it is weighed by its step within that lineage: ``quorum.decide``)."""
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch = int(sd["epoch"])
 
     def wrap_optimizer(self, optimizer, scheduler):
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -522,19 +530,20 @@ class LiveReplicas:
         good, error = self._vote(ok, error)
         if not good:
             raise LiveStepFailed(error)
-        self._commit()
+        good, error = self.claim()
+        if not good:
+            raise LiveStepFailed(error)
         return loss_sum, tokens
 
-    def _commit(self) -> None:
-        """The commit fence's claim on this step (rank 0, live_fence.py), agreed by every rank of
-        the replica: a quorum that lost the claim applies nothing and asks again."""
+    def claim(self) -> tuple[bool, str]:
+        """The commit fence's claim on the step being trained (rank 0, live_fence.py), agreed
+        by every rank of the replica: a quorum that lost the claim applies nothing and asks
+        again. (DiLoCo's outer exchanges claim nothing: docs/resilience.md.)"""
         step = self.progress.step + 1
         claimed = self.rank != 0 or self.fence.claim(self.epoch, step, self.quorum["quorum_id"])
         ok = torch.full((), int(claimed), dtype=torch.int64, device=self.device)
-        good, error = self._vote(ok, "" if claimed else
-                                 f"step {step} was committed by another quorum meanwhile (the commit fence)")
-        if not good:
-            raise LiveStepFailed(error)
+        return self._vote(ok, "" if claimed else
+                          f"step {step} was committed by another quorum meanwhile (the commit fence)")
 
     # ------------------------------------------------------------------ inspection
 

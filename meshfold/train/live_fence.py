@@ -13,15 +13,17 @@ step committed (``live/head/<epoch>``: "step group") and who committed it
   under this quorum's group (a co-member was first). A head at this step or beyond under
   another group: the step is not applied, and redone with a new quorum.
 - ``settle`` (rank 0 of every member, on every quorum): a quorum whose lineage's head is
-  beyond its step waits (asks again) while a replica that committed those steps may be
-  alive: its beat, at the restart count it committed them with, changed within
-  ``void_after_s``. Once every such replica is gone (restarted: its state beyond the
-  checkpoint is lost with it; or silent that long) the quorum starts a new lineage from its
-  own state, as does a quorum whose members all started from a checkpoint (the job's start,
-  every group restarted). A lineage is named by the Lighthouse's creation time of the
-  quorum that started it; a newer lineage is ahead of an older one whatever their steps
-  (``quorum.decide``), so a replica of an abandoned lineage that comes back is healed from
-  the newer one. Each quorum's verdict is stored once (compare-and-set) and read by every
+  beyond its step waits (asks again) while a replica that committed those steps beats
+  (its beat changed within ``void_after_s``): alive, it will ask and heal the quorum;
+  restarted, it joins with its checkpoint, which the quorum then weighs (``quorum.decide``).
+  Once every such replica is silent that long, or the quorum holds them all and its newest
+  state is still behind the head (the steps beyond died with a replica's memory), the
+  quorum starts a new lineage from its own state, as does a quorum whose members all
+  started from no lineage (the job's start). A lineage is named by the Lighthouse's creation
+  time of the quorum that started it; a newer lineage is ahead of an older one whatever their
+  steps (``quorum.decide``), so a replica of an abandoned lineage that comes back is healed
+  from the newer one; a checkpoint records its lineage (``extra.live``), so a replica
+  restarted from it is weighed by its step within that lineage. Each quorum's verdict is stored once (compare-and-set) and read by every
   member, so the members never disagree on waiting.
 """
 
@@ -57,15 +59,15 @@ class CommitFence:
 
     def holders(self, epoch: int, step: int, members: list[int]) -> list[int]:
         """The replicas outside ``members`` that committed a step after ``step`` of the lineage
-        and may still hold that state (module docstring)."""
+        and still beat (module docstring): alive or restarted, they will ask."""
         out = []
         for r in range(self.replicas):
             held = self._get(f"live/held/{epoch}/{r}") if r not in members else ""
             if not held:
                 continue
-            attempt, last = (int(x) for x in held.split())
+            last = int(held.split()[1])
             beat_attempt, silent_s = self.beats(r)
-            if last > step and beat_attempt == attempt and silent_s < self.void_after_s:
+            if last > step and beat_attempt is not None and silent_s < self.void_after_s:
                 out.append(r)
         return out
 
@@ -80,8 +82,8 @@ class CommitFence:
             ahead = self.holders(epoch, step, d["members"]) if head is not None and head[0] > step else []
             if ahead:
                 opinion = WAIT
-                why = (f"steps {step + 1}-{head[0]} were committed by replica(s) {ahead}, which may still be "
-                       f"alive: waiting for them instead of training those steps again (the commit fence)")
+                why = (f"steps {step + 1}-{head[0]} were committed by replica(s) {ahead}, which still beat: "
+                       f"waiting for them instead of training those steps again (the commit fence)")
                 if why != self.waiting:
                     print(f"meshfold: replica {self.replica}: {why}", flush=True)
                 self.waiting = why
