@@ -172,6 +172,9 @@ def test_every_group_lost_resumes_from_the_newest_checkpoint(tmp_path):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), records
     assert [r["replicas"] for r in records] == [2] * STEPS, records
     _assert_losses(records, Trainer(from_dict(tiny_config(str(tmp_path / "ref")))))
+    # each checkpoint records the lineage of its state (live_fence.py): the restart is weighed in it
+    manifests = [json.loads(m.read_text()) for m in (tmp_path / "run").rglob("meshfold.json")]
+    assert manifests and all("live" in m["extras"] for m in manifests), manifests
     print(f"every-group-lost run: {took:.1f} s")
 
 
