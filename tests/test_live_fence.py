@@ -46,7 +46,7 @@ def test_a_stale_quorum_waits_while_the_holder_beats_then_a_new_lineage(store, c
     assert ahead.claim(5, 1, "g") and ahead.claim(5, 2, "g") and ahead.claim(5, 3, "g")
     stale = fence(store, 0, beats)
     assert stale.settle(quorum([0], 1, 5, 900)) is None  # replica 1 holds steps 2-3 and beats: wait
-    assert "steps 2-3 were committed by replica(s) [1]" in capsys.readouterr().out
+    assert "step 2 through step 3 were committed by replica(s) [1]" in capsys.readouterr().out
     beats[1] = (0, 61.0)  # silent for longer than the collective timeout: gone, a new lineage
     d = quorum([0], 1, 5, 950)
     assert stale.settle(d) == 950 == d["epoch"]  # a new lineage from replica 0's state at step 1
@@ -86,3 +86,19 @@ def test_decide_puts_a_newer_lineage_ahead_whatever_its_step():
     assert (d["epoch"], d["source"], d["heal"]) == (5, 1, [])
     d = decide([_participant(0, 3, epoch=4), _participant(1, 3, epoch=5)], 2, None)  # an older lineage
     assert (d["source"], d["heal"]) == (1, [0])
+
+
+def test_diloco_exchanges_are_fenced_by_their_ordinal(store):
+    """DiLoCo workers claim outer exchanges: ordinal step x fragments + fragment (live.py's
+    ``next_commit``). A quorum about to make an exchange the head already holds waits."""
+    beats = {0: (0, 0.1), 1: (0, 0.1)}
+
+    def ordinal(d):
+        return d["step"] * 2 + d["meta"]["fragment"]
+
+    ahead = CommitFence(store, 1, 2, 0, lambda r: beats[r], 60.0, ordinal, lambda o: f"exchange {o}")
+    assert ahead.claim(3, 4 * 2 + 1, "g")  # fragment 1's exchange at step 4
+    stale = CommitFence(store, 0, 2, 0, lambda r: beats[r], 60.0, ordinal, lambda o: f"exchange {o}")
+    assert stale.settle(quorum([0], 4, 3, 10) | {"meta": {"fragment": 1}}) is None  # made already: wait
+    assert stale.settle(quorum([0], 5, 3, 11) | {"meta": {"fragment": 0}}) == 3  # the next one is free
+    assert stale.claim(3, 5 * 2 + 0, "h") and not stale.claim(3, 4 * 2 + 1, "h")

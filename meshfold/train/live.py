@@ -216,7 +216,9 @@ class LiveReplicas:
         if self.rank == 0:  # one hung rank of the group stops its Lighthouse heartbeat (live_watch.replica_alive)
             # a replica silent for the collective timeout is taken for gone by the commit fence
             self.fence = CommitFence(store_client(os.environ[ENV_STORE], self.timeout_s), self.replica,
-                                     self.replicas, self.attempt, self.beats.beat, self.timeout_s)
+                                     self.replicas, self.attempt, self.beats.beat, self.timeout_s,
+                                     lambda d: self.next_commit(d["step"], int(d["meta"].get("fragment", 0))),
+                                     self.commit_label)
             self.client = Membership(os.environ[ENV_LIGHTHOUSE], self.replica, self.replicas, self.attempt,
                                      t.live_heartbeat_timeout_s, Path(t.run_dir) / "live-done.json", t.steps,
                                      t.live_rejoin_wait_s, alive=lambda: self._alive() and self.beats.replica_alive(),
@@ -536,14 +538,25 @@ class LiveReplicas:
         return loss_sum, tokens
 
     def claim(self) -> tuple[bool, str]:
-        """The commit fence's claim on the step being trained (rank 0, live_fence.py), agreed
-        by every rank of the replica: a quorum that lost the claim applies nothing and asks
-        again. (DiLoCo's outer exchanges claim nothing: docs/resilience.md.)"""
-        step = self.progress.step + 1
-        claimed = self.rank != 0 or self.fence.claim(self.epoch, step, self.quorum["quorum_id"])
+        """The commit fence's claim on what the current quorum commits (rank 0, live_fence.py):
+        the step being trained, or DiLoCo's outer exchange; agreed by every rank of the replica.
+        A quorum that lost the claim applies nothing and asks again."""
+        ordinal = self.next_commit(self.quorum["step"], self.outer_live.fragment if self.outer_live else 0)
+        claimed = self.rank != 0 or self.fence.claim(self.epoch, ordinal, self.quorum["quorum_id"])
         ok = torch.full((), int(claimed), dtype=torch.int64, device=self.device)
-        return self._vote(ok, "" if claimed else
-                          f"step {step} was committed by another quorum meanwhile (the commit fence)")
+        return self._vote(ok, "" if claimed else f"{self.commit_label(ordinal)} was committed by another "
+                                                 "quorum meanwhile (the commit fence)")
+
+    def next_commit(self, step: int, fragment: int) -> int:
+        """The commit fence's ordinal of what a quorum at ``step`` commits: the next step, or
+        (DiLoCo workers) the outer exchange of ``fragment`` at that step."""
+        return step + 1 if self.outer_live is None else step * len(self.outer.phi) + fragment
+
+    def commit_label(self, ordinal: int) -> str:
+        if self.outer_live is None:
+            return f"step {ordinal}"
+        step, fragment = divmod(ordinal, len(self.outer.phi))
+        return f"the outer exchange of fragment {fragment} at step {step}"
 
     # ------------------------------------------------------------------ inspection
 

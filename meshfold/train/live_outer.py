@@ -143,6 +143,8 @@ class OuterLive:
             finally:
                 live.beats.watching = False
         ok, error = live._vote(ok, error)
+        if ok:  # the commit fence (live_fence.py): an exchange another quorum made is not applied twice
+            ok, error = live.claim()
         if ok and delta is not None:
             delta.copy_(flat.div_(count.to(flat.dtype)) if float(count) > 0 else flat)
             self.trainers = int(count)
