@@ -26,7 +26,9 @@ One step (``LiveReplicas.step``):
    of the replica votes (one all-reduce over its own world) whether its exchange
    succeeded. A member lost in the middle of the step makes the vote fail: the survivors
    drop the step's gradients, ask for a new quorum and train the same global batch again
-   among themselves (nothing was applied: no step is counted twice, no sequence lost).
+   among themselves (nothing was applied: no step is counted twice, no sequence lost);
+5. ``claim``: the commit fence (``train/live_fence.py``) lets only one quorum apply each
+   step, whatever quorums the Lighthouse forms (a stale replica answered alone waits).
 
 Data guarantee: **exactly once** per step. Every optimizer step trains the whole global
 batch of that step; a failure only changes who trains which slice.
@@ -190,7 +192,7 @@ class LiveReplicas:
         self.client = None
         self.timeout_s = cfg.train.collective_timeout_s
         self.quorum: dict = {}
-        self.epoch = -1  # the lineage of this replica's state (live_fence.py): -1 from a checkpoint
+        self.epoch = -1  # the lineage of this replica's state (live_fence.py; in checkpoints): -1 none yet
         self.fence: CommitFence | None = None
         self.group: comm.StandaloneGroup | None = None
         self.members: list[int] = []

@@ -7,8 +7,9 @@ by ``serve_lighthouse``, here or on a host of its own) decides *who*: replicas h
 (dropped after ``heartbeat_timeout_ms`` of silence: a killed, SIGSTOPped, hung or
 unreachable replica), ask for a quorum at every step boundary, and are answered when every
 heartbeating replica asked, or the last quorum's members all asked (fast path), or
-``join_timeout_ms`` passed; at least half of the heartbeating replicas must ask (no split
-brain). meshfold decides the rest, from the quorum alone, so every member computes the same
+``join_timeout_ms`` passed; more than half of the heartbeating replicas must ask (which
+does not stop a stale replica answered alone while the others are silent: the commit fence,
+``live_fence.py``, does). meshfold decides the rest, from the quorum alone, so every member computes the same
 (``decide``): ``members`` (sorted replica ids, ids outside the job refused), ``step`` and
 ``epoch`` (the newest state among them: the newest lineage, then the largest step; the
 lineages are ``live_fence.py``'s), ``source`` (the lowest member holding it: it sends the
@@ -167,7 +168,7 @@ class Membership:
     missing replicas at a step boundary (never while redoing an interrupted step);
     ``start_timeout_s``: how long the first quorum waits for all the configured replicas;
     ``settle(d)``: the lineage quorum ``d`` trains in, or None to ask again
-    (``live_fence.CommitFence.settle``; by default every quorum trains in its own)."""
+    (``live_fence.CommitFence.settle``; by default no fence: the decision's own)."""
 
     def __init__(self, address: str, replica: int, replicas: int, attempt: int, heartbeat_timeout_s: float,
                  done_mark: Path, final_step: int, rejoin_wait_s: float = 0.0, start_timeout_s: float = 600.0,
