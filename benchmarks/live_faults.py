@@ -90,7 +90,7 @@ DRILLS = {d.name: d for d in [
           "then replica 1 stopped in step 4 for 8 s: replica 0, back, must not take the Lighthouse's "
           "quorum of itself to train steps 2-3 again (the commit fence); it waits and is healed", 2, steps=6,
           env={"MESHFOLD_LIVE_STOP": "0:0:2:120:3,1:0:4:8"},
-          train={"live_heartbeat_timeout_s": 2.0, "live_join_timeout_s": 1.0, "live_rejoin_wait_s": 0.0,
+          train={"live_heartbeat_timeout_s": 3.0, "live_join_timeout_s": 1.0, "live_rejoin_wait_s": 0.0,
                  "collective_timeout_s": 60.0},
           departed=(0,), rejoined=(0,)),
 ]}
