@@ -40,6 +40,26 @@ def test_peer_lost_line_is_complete_and_says_what_happens(monkeypatch, live):
         assert "the launcher restarts all workers from the last checkpoint (restart 1 of 3)" in text
 
 
+def test_a_peer_lost_at_the_step_boundary_is_named(monkeypatch):
+    """A peer killed while the others are in a boundary collective (the stop agreement,
+    evaluation, a checkpoint) is named like one lost in the step: gloo's "Connection reset by
+    peer" became PeerLostError there too (it once surfaced raw from the stop agreement)."""
+    _restarts(monkeypatch, 0, 1)
+    monkeypatch.setattr(fault, "_restart_note", job_restart_note)
+    monitor = FaultMonitor(TrainConfig(), rank=0, world=1, progress=Progress())
+    reset = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:26315: "
+             "Connection reset by peer. This is typically caused by a remote worker hanging")
+    with pytest.raises(PeerLostError, match=r"lost the connection to a peer .*\(restart 1 of 1\)"):
+        with monitor.boundary():
+            raise RuntimeError(reset)
+    with pytest.raises(ValueError):  # anything else passes through unchanged
+        with monitor.boundary():
+            raise ValueError("not a peer")
+    with pytest.raises(RuntimeError, match="^disk full$"):
+        with monitor.boundary():
+            raise RuntimeError("disk full")
+
+
 def test_after_worker_loss_without_restarts_left(monkeypatch):
     _restarts(monkeypatch, 1, 1)
     assert after_worker_loss() == ("no restart left (--max-restarts 1); run the same command again to "

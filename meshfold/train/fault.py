@@ -41,6 +41,7 @@ Collective timeout
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -211,6 +212,17 @@ class FaultMonitor:
 
     def step(self):
         return _StepScope(self)
+
+    @contextlib.contextmanager
+    def boundary(self):
+        """The step boundary's collectives (the stop agreement, evaluation, checkpoints): a peer
+        lost there is named as in the step (``PeerLostError``), not left as gloo's raw line."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if _is_peer_lost(exc) and not isinstance(exc, PeerLostError):
+                raise self.peer_lost(exc) from exc
+            raise
 
     def _begin(self) -> None:
         if self.tracker is not None:

@@ -449,17 +449,18 @@ class Trainer:
                 self.losses.append(loss)
                 if not math.isfinite(loss) and self.rank == 0:
                     print(f"meshfold: warning: non-finite loss at step {self.step}", flush=True)
-                record = self.step_record(loss, elapsed, tokens_per_step)
-                if t.eval_every and self.step % t.eval_every == 0:
-                    record["val_loss"] = self.evaluate()
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    logger.log(record)
-                self.fault.after_step()  # NaN-guard rollback
-                check_verified()  # a shard a background verification found corrupt stops the run
-                healthy = self.fault.healthy and math.isfinite(loss)
-                if self.stop is not None and self.stop.agreed(self.device):
-                    self.stop_now(healthy)
-                self.checkpointer.maybe_save(healthy)
+                with self.fault.boundary():  # a peer lost in these collectives is named too
+                    record = self.step_record(loss, elapsed, tokens_per_step)
+                    if t.eval_every and self.step % t.eval_every == 0:
+                        record["val_loss"] = self.evaluate()
+                    if self.step % t.log_every == 0 or self.step == t.steps:
+                        logger.log(record)
+                    self.fault.after_step()  # NaN-guard rollback
+                    check_verified()  # a shard a background verification found corrupt stops the run
+                    healthy = self.fault.healthy and math.isfinite(loss)
+                    if self.stop is not None and self.stop.agreed(self.device):
+                        self.stop_now(healthy)
+                    self.checkpointer.maybe_save(healthy)
             self.checkpointer.wait()
             if self.checkpointer.save_failure is not None:  # the run's last save: never exit 0 without it
                 raise RunDirError(self.checkpointer.save_failure)
