@@ -32,7 +32,6 @@ exchanges of one step go in fragment order):
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 WAIT = "wait"
@@ -101,7 +100,6 @@ class CommitFence:
         while len(self.verdicts) > 16:  # every member read it long ago
             self.store.delete_key(self.verdicts.popleft())
         if verdict == WAIT:
-            time.sleep(0.2)
             return None
         self.waiting = None
         d["epoch"] = int(verdict)

@@ -265,6 +265,7 @@ class Membership:
             created_ns = q.created.seconds * 10**9 + q.created.nanos
             d["created_ns"], d["lighthouse_quorum"] = created_ns, f"{q.quorum_id}.{created_ns}"
             if self.settle(d) is None:  # the commit fence: others may hold newer steps of this lineage
+                time.sleep(0.2)
                 continue
             if not short:
                 self.short_since = None
